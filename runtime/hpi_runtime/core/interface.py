@@ -1,0 +1,86 @@
+"""The contract between the scheduler (engine core) and the model executor.
+
+Data flows one way: the scheduler emits a frozen `SchedulerOutput` each step; the executor runs the model
+and answers with a frozen `ModelRunnerOutput`; the scheduler's `update_from_output` consumes it. The
+executor keeps its own per-request state (token ids, block table, sampling state) keyed by request id,
+so a step sends only what changed, as in vLLM v1:
+
+- `new_requests`: requests the executor has not seen, or is seeing again after a preemption (their state
+  was dropped): full token ids (prompt + output so far), the full block table, num_computed_tokens.
+- `cached_requests`: requests the executor already holds: blocks appended since last step and the
+  num_computed_tokens at the start of this step.
+- `num_scheduled_tokens`: request id -> how many tokens to compute this step, in batch order. The tokens
+  are token_ids[num_computed_tokens : num_computed_tokens + n] of the executor's copy.
+- A request is sampled when its scheduled chunk reaches the end of its known tokens; the executor appends
+  the sampled token to its own copy of the token ids (the scheduler appends it to the Request too).
+- `finished_request_ids` / `preempted_request_ids`: drop the state of these before running this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hpi_runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: Mapping[str, int]  # batch order = iteration order
+    total_num_scheduled_tokens: int
+    finished_request_ids: frozenset[str] = frozenset()
+    preempted_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token plus the top-n alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    # request id -> sampled token ids this step (one per sampled request; empty for partial prefill chunks)
+    sampled_token_ids: Mapping[str, tuple[int, ...]]
+    logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+
+
+class ModelExecutor(Protocol):
+    """What the engine needs from whatever runs the model (one process now, TP workers later)."""
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...

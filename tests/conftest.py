@@ -1,0 +1,56 @@
+"""Suite-wide pytest setup: hardware/cluster markers skip themselves; Triton runs interpreted on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from urllib.parse import urlparse
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+HAS_CUDA = _cuda_available()
+if not HAS_CUDA:
+    # Must be set before any @triton.jit function is defined: CI has no GPU, so kernel tests run in
+    # Triton's interpreter on CPU tensors.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _cluster_reachable() -> bool:
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not kubeconfig or not os.path.isfile(kubeconfig.split(os.pathsep)[0]):
+        return False
+    try:
+        import yaml
+
+        with open(kubeconfig.split(os.pathsep)[0]) as f:
+            config = yaml.safe_load(f) or {}
+        contexts = {c["name"]: c["context"] for c in config.get("contexts", [])}
+        context = contexts.get(config.get("current-context", ""), {})
+        clusters = {c["name"]: c["cluster"] for c in config.get("clusters", [])}
+        server = urlparse(clusters[context["cluster"]]["server"])
+        with socket.create_connection((server.hostname, server.port or 443), timeout=2):
+            return True
+    except Exception:  # any unreadable or unreachable kubeconfig means "no cluster"
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cluster = None
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "cluster" in item.keywords:
+            if cluster is None:
+                cluster = _cluster_reachable()
+            if not cluster:
+                item.add_marker(pytest.mark.skip(reason="needs KUBECONFIG pointing at a reachable cluster"))

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite (on sys.path through pytest.ini's `pythonpath = tests`)."""
