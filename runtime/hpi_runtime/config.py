@@ -1,0 +1,22 @@
+"""Engine configuration: the knobs of scheduling and KV-cache sizing, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most (the chunked-prefill budget)
+    max_model_len: int = 2048  # prompt + output tokens per request at most
+    enable_prefix_caching: bool = True
+    max_num_waiting: int = 1024  # queue limit: more waiting requests than this are refused (HTTP 429)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
