@@ -24,3 +24,5 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the matched stop string or stop token id, if any
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingParams.logprobs set
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0  # time.monotonic() when the engine received the request
+    first_scheduled_time: float | None = None  # time.monotonic() when it was first scheduled (queue time)
