@@ -1,0 +1,349 @@
+"""Pure builders of the child objects: one Deployment per pool, one Service, one PodDisruptionBudget.
+
+The runtime container's command line is the contract with `hpi serve` (runtime/hpi_runtime/cli.py): every
+flag below is one it accepts (a test parses the rendered args with the runtime's own parser when available).
+Children carry no owner references here; `plan.py` adopts them (kopf.adopt).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .names import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_COMPONENT,
+    LABEL_DEPLOYMENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_POOL,
+    OPERATOR_NAME,
+    RUNTIME_NAME,
+    RUNTIME_PORT,
+    RUNTIME_PORT_NAME,
+)
+from .nodes import GPU_RESOURCE, Pool
+from .profiles import Profile
+from .quantities import bytes_to_quantity
+from .sizing import EMBEDDED_MODEL_NAME, GIB
+from .spec import InferenceSpec
+
+MODEL_MOUNT = "/models"
+CACHE_MOUNT = "/cache"
+PRESTOP_SLEEP_S = 5  # lets endpoints controllers drop the pod before the runtime stops accepting work
+API_KEY_ENV = "HPI_API_KEY"
+GPU_HOST_MEMORY_BYTES = 8 * GIB  # host RAM for a GPU replica: tokenizer, loader staging, HTTP server
+DEFAULT_CPU_REQUEST = {"cuda": "2", "cpu": "4"}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceDeployment the children belong to."""
+
+    name: str
+    namespace: str
+
+
+def short_name(text: str, limit: int = 63) -> str:
+    """`text` cut to `limit` characters, with a hash suffix when cut, so distinct inputs stay distinct."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{text[: limit - 9].rstrip('-.')}-{digest}"
+
+
+def selector_labels(owner_name: str) -> dict[str, str]:
+    """The labels that select every runtime pod of one InferenceDeployment (Service, PDB, scale selector)."""
+    return {LABEL_DEPLOYMENT: short_name(owner_name)}
+
+
+def common_labels(owner_name: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: RUNTIME_NAME,
+        LABEL_INSTANCE: short_name(owner_name),
+        LABEL_COMPONENT: "inference",
+        LABEL_MANAGED_BY: OPERATOR_NAME,
+        **selector_labels(owner_name),
+    }
+
+
+def deployment_name(owner_name: str, pool_name: str) -> str:
+    return short_name(f"{owner_name}-{pool_name}")
+
+
+def served_model_name(owner_name: str, spec: InferenceSpec) -> str:
+    if spec.model.served_name:
+        return spec.model.served_name
+    if spec.model.source == "embedded":
+        return EMBEDDED_MODEL_NAME
+    if spec.model.source == "huggingface" and spec.model.hf_id:
+        return spec.model.hf_id
+    return owner_name
+
+
+def spec_hash(manifest: Mapping[str, Any]) -> str:
+    """A stable hash of a manifest, ignoring the hash annotation itself."""
+    body = copy.deepcopy(dict(manifest))
+    body.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_SPEC_HASH, None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stamp_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    manifest.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(manifest)
+    return manifest
+
+
+RUNTIME_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # `hpi serve --dtype` spellings
+
+
+def model_dir(spec: InferenceSpec) -> str | None:
+    """Where the runtime finds the model directory; None for the embedded model (the runtime's default)."""
+    if spec.model.source == "pvc":
+        return "/".join(p for p in (MODEL_MOUNT, spec.model.pvc_path) if p)
+    if spec.model.source == "huggingface" and spec.model.hf_id:
+        return f"{CACHE_MOUNT}/models/{spec.model.hf_id}"
+    return None
+
+
+def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile) -> list[str]:
+    """Arguments of `hpi serve` (runtime/hpi_runtime/cli.py) for one profile."""
+    engine = spec.engine
+    args = ["serve", "--host", "0.0.0.0", "--port", str(RUNTIME_PORT)]
+    directory = model_dir(spec)
+    if directory:
+        args += ["--model", directory]
+    args += [
+        "--served-model-name", served_model_name(owner_name, spec),
+        "--device", profile.device,
+        "--dtype", RUNTIME_DTYPES[profile.dtype],
+        "--max-model-len", str(engine.max_model_len),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--block-size", str(engine.block_size),
+        "--kv-cache-memory", str(profile.kv_cache_bytes),
+        "--drain-timeout", str(spec.runtime.drain_timeout_s),
+    ]  # fmt: skip
+    if profile.quantization != "none":  # weight-only int8/int4, applied by the runtime at load time
+        args += ["--quantization", profile.quantization]
+    if engine.max_num_batched_tokens:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if profile.num_gpus > 1:
+        args += ["--tensor-parallel-size", str(profile.num_gpus)]
+    return args + list(spec.runtime.extra_args)
+
+
+FETCH_SCRIPT = (
+    "import os, sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(sys.argv[1], local_dir=sys.argv[2], token=os.environ.get('HF_TOKEN'),\n"
+    "                  allow_patterns=['*.json', '*.safetensors', 'tokenizer*', '*.txt', '*.model'])\n"
+)
+
+
+def _fetch_container(spec: InferenceSpec, container: dict[str, Any]) -> dict[str, Any]:
+    """An init container (same image) that downloads a Hugging Face model into the cache volume."""
+    return {
+        "name": "fetch-model",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["python", "-c", FETCH_SCRIPT, spec.model.hf_id or "", model_dir(spec) or ""],
+        "env": container["env"],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "volumeMounts": container["volumeMounts"],
+        "securityContext": container["securityContext"],
+    }
+
+
+def _resources(spec: InferenceSpec, profile: Profile) -> dict[str, Any]:
+    user = copy.deepcopy(dict(spec.resources))
+    requests: dict[str, Any] = dict(user.get("requests") or {})
+    limits: dict[str, Any] = dict(user.get("limits") or {})
+    requests.setdefault("cpu", DEFAULT_CPU_REQUEST[profile.device])
+    if profile.device == "cpu":
+        # The weights, KV cache and overhead the profile was sized for are the pod's memory.
+        memory = bytes_to_quantity(profile.needed_bytes)
+    else:
+        memory = bytes_to_quantity(GPU_HOST_MEMORY_BYTES)
+    requests.setdefault("memory", limits.get("memory", memory))
+    limits.setdefault("memory", requests["memory"])
+    if profile.num_gpus:
+        requests[GPU_RESOURCE] = str(profile.num_gpus)
+        limits[GPU_RESOURCE] = str(profile.num_gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
+    if spec.api_key_secret:
+        ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    token = spec.model.hf_token_secret
+    if spec.model.source == "huggingface" and token:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    return env + [dict(e) for e in spec.runtime.env]
+
+
+def _volumes(spec: InferenceSpec, profile: Profile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+    ]
+    if profile.device == "cuda":
+        # The default 64 MiB /dev/shm is too small for torch's CUDA IPC and pinned staging buffers.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.model.source == "pvc":
+        claim = {"claimName": spec.model.pvc_claim_name, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": RUNTIME_PORT_NAME},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _affinity(pool: Pool) -> dict[str, Any] | None:
+    if not pool.match_expressions:
+        return None
+    terms = [{"matchExpressions": [dict(e) for e in pool.match_expressions]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
+def build_deployment(
+    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int
+) -> dict[str, Any]:
+    """The Deployment that runs `replicas` runtime pods with `profile` on `pool`."""
+    labels = {**common_labels(owner.name), LABEL_POOL: short_name(pool.name)}
+    pod_selector = {**selector_labels(owner.name), LABEL_POOL: short_name(pool.name)}
+    volumes, mounts = _volumes(spec, profile)
+    container = {
+        "name": "runtime",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["hpi"],
+        "args": runtime_args(owner.name, spec, profile),
+        "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec, profile),
+        # Loading a large model takes minutes: the startup probe holds liveness off until /health answers.
+        "startupProbe": _probe("/health", 10, 90),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": dict(pool.node_selector),
+        "tolerations": [dict(t) for t in pool.tolerations],
+        # SIGTERM makes the runtime drain: readiness false, finish in-flight work, exit 0.
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.runtime.drain_timeout_s + 10,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": dict(pod_selector)},
+            }
+        ],
+    }
+    if spec.model.source == "huggingface":
+        pod_spec["initContainers"] = [_fetch_container(spec, container)]
+    affinity = _affinity(pool)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if spec.runtime.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.runtime.image_pull_secrets]
+    # GPU pools rarely have a spare GPU for a surge pod: replace one pod at a time instead.
+    rolling = {"maxSurge": 0, "maxUnavailable": 1} if profile.device == "cuda" else {"maxSurge": 1, "maxUnavailable": 0}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(owner.name, pool.name),
+            "namespace": owner.namespace,
+            "labels": labels,
+            "annotations": {},
+        },
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": pod_selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(RUNTIME_PORT),
+                        "prometheus.io/path": "/metrics",
+                        "kubectl.kubernetes.io/default-container": "runtime",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(owner: Owner) -> dict[str, Any]:
+    """One ClusterIP Service over the runtime pods of every pool."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": short_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "annotations": {},
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {"name": RUNTIME_PORT_NAME, "port": RUNTIME_PORT, "targetPort": RUNTIME_PORT_NAME, "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_pdb(owner: Owner) -> dict[str, Any]:
+    """At most one runtime pod of this InferenceDeployment evicted at a time (node drains, upgrades)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": short_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "annotations": {},
+        },
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name)}},
+    }

@@ -1,0 +1,29 @@
+"""Names the operator shares with the cluster: the CRD's coordinates, label and annotation keys."""
+
+from __future__ import annotations
+
+GROUP = "serving.hpi.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferencedeployments"
+KIND = "InferenceDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+OPERATOR_NAME = "hpi-operator"
+RUNTIME_NAME = "hpi-runtime"
+RUNTIME_PORT = 8000
+RUNTIME_PORT_NAME = "http"
+
+# Recommended labels (https://kubernetes.io/docs/concepts/overview/working-with-objects/common-labels/).
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# The operator's own labels: which InferenceDeployment and which node pool a child serves.
+LABEL_DEPLOYMENT = f"{GROUP}/inference-deployment"
+LABEL_POOL = f"{GROUP}/pool"
+
+# Set on every child: the hash of the desired manifest, so an unchanged child is never written again.
+ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
+
+# A node label that names its pool explicitly, overriding the grouping by accelerator/CPU features.
+NODE_POOL_LABEL = f"{GROUP}/pool"

@@ -1,0 +1,51 @@
+"""The RBAC the operator needs: exactly the API calls it makes (its own and kopf's), nothing more.
+
+The Helm chart's ClusterRole must equal `cluster_role_rules()` (the chart's tests compare them), and the
+operator tests check that every request the running operator sends is covered by these rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .names import GROUP, PLURAL
+
+
+@dataclass(frozen=True)
+class Rule:
+    api_group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+    only_when: str = ""  # a condition under which alone the rule is used; empty: always
+
+    def allows(self, api_group: str, resource: str, verb: str) -> bool:
+        return (self.api_group, self.resource) == (api_group, resource) and verb in self.verbs
+
+
+RULES: tuple[Rule, ...] = (
+    # kopf: watch InferenceDeployments, keep its annotations and finalizer on them, write status.
+    Rule(GROUP, PLURAL, ("list", "watch", "patch"), "watch the resource; kopf annotations and finalizer"),
+    Rule(GROUP, f"{PLURAL}/status", ("patch",), "conditions, replicas, pools"),
+    # The node inventory (a kopf index fed by a watch).
+    Rule("", "nodes", ("list", "watch"), "node pools from GFD/NFD labels"),
+    # Children (kube.py): read, create, patch when the spec-hash differs, prune dropped pools.
+    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"), "one per node pool"),
+    Rule("", "services", ("get", "create", "patch"), "one per InferenceDeployment"),
+    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch"), "one per InferenceDeployment"),
+    # Events: ours (kopf.event) and kopf's own.
+    Rule("", "events", ("create",), "Events on InferenceDeployments"),
+    # kopf resolves its resources at start-up and watches for new ones; namespaces only for glob patterns.
+    Rule("", "namespaces", ("list", "watch"), "kopf's namespace observer", only_when="run --namespace with globs"),
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf's resource observer"),
+)
+
+
+def allowed(api_group: str, resource: str, verb: str) -> bool:
+    return any(rule.allows(api_group, resource, verb) for rule in RULES)
+
+
+def cluster_role_rules() -> list[dict[str, Any]]:
+    """RULES as `rules:` of a rbac.authorization.k8s.io/v1 ClusterRole."""
+    return [{"apiGroups": [r.api_group], "resources": [r.resource], "verbs": list(r.verbs)} for r in RULES]

@@ -1,0 +1,302 @@
+"""The InferenceDeployment spec as frozen dataclasses: parsed once, defaults applied, checked beyond the schema.
+
+The CRD's openAPIV3Schema catches types, enums and bounds on a real API server; `hpi-operator render`
+reads YAML that no server has defaulted, so the defaults live here too (a test keeps both in step).
+Rules the schema cannot express raise `SpecError`, which the reconciler turns into a Degraded condition.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_RUNTIME_IMAGE = "ghcr.io/hetero-paged-infer/runtime:0.1.0"
+MODEL_SOURCES = ("embedded", "pvc", "huggingface")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+AUTOSCALING_MODES = ("builtin", "hpa", "keda")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+_PARAM_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+class SpecError(ValueError):
+    """The spec is well-typed but cannot be served as written; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Size hints for the memory arithmetic when the operator cannot read the model's config.json."""
+
+    num_parameters: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str = "embedded"
+    served_name: str | None = None
+    pvc_claim_name: str | None = None
+    pvc_path: str = ""
+    hf_id: str | None = None
+    hf_token_secret: SecretKeyRef | None = None
+    size: ModelSize = field(default_factory=ModelSize)
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    image: str = DEFAULT_RUNTIME_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    drain_timeout_s: int = 30
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class ProfilePins:
+    device: str = "auto"
+    dtype: str = "auto"
+    quantization: str = "auto"
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    allowed_pools: tuple[str, ...] = ()  # empty: every pool is allowed
+    preferred_pools: tuple[str, ...] = ()  # filled first, in this order
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    max_gpus_per_replica: int = 1
+    pins: ProfilePins = field(default_factory=ProfilePins)
+    forbidden_quantizations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """Read by the autoscaler (builtin timer, or rendered HPA/KEDA objects); the reconciler only validates it."""
+
+    enabled: bool = False
+    mode: str = "builtin"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_utilization: float = 0.7
+    target_waiting_requests: int | None = None
+    scale_up_stabilization_s: int = 0
+    scale_down_stabilization_s: int = 300
+    max_scale_step: int = 2
+    poll_interval_s: int = 15
+    scale_to_zero: bool = False
+    scale_to_zero_idle_s: int = 600
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    replicas: int = 1
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    placement: PlacementSpec = field(default_factory=PlacementSpec)
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    api_key_secret: SecretKeyRef | None = None
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+
+def parse_parameter_count(value: int | str | None) -> int | None:
+    """`8030261248`, `"8B"`, `"1.7B"`, `"135M"` -> a parameter count."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMBT]?)\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise SpecError(f"spec.model.size.parameters: {value!r} is not a count like 8030261248, '8B' or '135M'")
+    number, suffix = match.groups()
+    return round(float(number) * _PARAM_SUFFIXES.get(suffix.upper(), 1))
+
+
+def _get(mapping: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
+    value = (mapping or {}).get(key)
+    return default if value is None else value
+
+
+def _secret_ref(raw: Mapping[str, Any] | None, default_key: str, where: str) -> SecretKeyRef | None:
+    if not raw:
+        return None
+    if not raw.get("name"):
+        raise SpecError(f"{where}.name is required")
+    return SecretKeyRef(name=raw["name"], key=_get(raw, "key", default_key))
+
+
+def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
+    source = _get(raw, "source", "embedded")
+    if source not in MODEL_SOURCES:
+        raise SpecError(f"spec.model.source must be one of {', '.join(MODEL_SOURCES)}; got {source!r}")
+    size_raw = _get(raw, "size", {})
+    size = ModelSize(
+        num_parameters=parse_parameter_count(size_raw.get("parameters")),
+        num_layers=size_raw.get("numLayers"),
+        num_kv_heads=size_raw.get("numKVHeads"),
+        head_dim=size_raw.get("headDim"),
+        hidden_size=size_raw.get("hiddenSize"),
+        vocab_size=size_raw.get("vocabSize"),
+    )
+    pvc = _get(raw, "pvc", {})
+    hf = _get(raw, "huggingface", {})
+    if source == "pvc" and not pvc.get("claimName"):
+        raise SpecError("spec.model.source is pvc but spec.model.pvc.claimName is missing")
+    if source == "huggingface" and not hf.get("id"):
+        raise SpecError("spec.model.source is huggingface but spec.model.huggingface.id is missing")
+    pvc_path = str(_get(pvc, "path", "")).strip("/")
+    if ".." in pvc_path.split("/"):
+        raise SpecError(f"spec.model.pvc.path must stay inside the volume; got {pvc_path!r}")
+    return ModelSpec(
+        source=source,
+        served_name=raw.get("servedName"),
+        pvc_claim_name=pvc.get("claimName"),
+        pvc_path=pvc_path,
+        hf_id=hf.get("id"),
+        hf_token_secret=_secret_ref(hf.get("tokenSecretRef"), "HF_TOKEN", "spec.model.huggingface.tokenSecretRef"),
+        size=size,
+    )
+
+
+def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
+    engine = EngineSpec(
+        max_model_len=int(_get(raw, "maxModelLen", EngineSpec.max_model_len)),
+        max_num_seqs=int(_get(raw, "maxNumSeqs", EngineSpec.max_num_seqs)),
+        max_num_batched_tokens=raw.get("maxNumBatchedTokens"),
+        kv_cache_memory_fraction=float(_get(raw, "kvCacheMemoryFraction", EngineSpec.kv_cache_memory_fraction)),
+        block_size=int(_get(raw, "blockSize", EngineSpec.block_size)),
+    )
+    if engine.block_size not in BLOCK_SIZES:
+        raise SpecError(f"spec.engine.blockSize must be one of {BLOCK_SIZES}; got {engine.block_size}")
+    if not 0.0 < engine.kv_cache_memory_fraction < 1.0:
+        raise SpecError("spec.engine.kvCacheMemoryFraction must lie strictly between 0 and 1")
+    if engine.max_model_len < 1 or engine.max_num_seqs < 1:
+        raise SpecError("spec.engine.maxModelLen and spec.engine.maxNumSeqs must be at least 1")
+    return engine
+
+
+def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
+    pins_raw = _get(raw, "profile", {})
+    pins = ProfilePins(
+        device=_get(pins_raw, "device", "auto"),
+        dtype=_get(pins_raw, "dtype", "auto"),
+        quantization=_get(pins_raw, "quantization", "auto"),
+    )
+    for name, value, allowed in (
+        ("device", pins.device, DEVICES),
+        ("dtype", pins.dtype, DTYPES),
+        ("quantization", pins.quantization, QUANTIZATIONS),
+    ):
+        if value not in allowed:
+            raise SpecError(f"spec.placement.profile.{name} must be one of {', '.join(allowed)}; got {value!r}")
+    forbidden = tuple(_get(raw, "forbiddenQuantizations", ()))
+    for quantization in forbidden:
+        if quantization not in QUANTIZATIONS[1:]:
+            raise SpecError(f"spec.placement.forbiddenQuantizations: unknown quantization {quantization!r}")
+    if pins.quantization in forbidden:
+        raise SpecError(
+            f"spec.placement.profile.quantization pins {pins.quantization!r}, "
+            "which spec.placement.forbiddenQuantizations forbids"
+        )
+    if set(forbidden) >= {"none", "int8", "int4"}:
+        raise SpecError("spec.placement.forbiddenQuantizations forbids every quantization")
+    if pins.device == "cpu" and pins.dtype == "fp16":
+        raise SpecError("spec.placement.profile: fp16 is not offered on CPU; use bf16 or fp32")
+    allowed = tuple(_get(raw, "allowedPools", ()))
+    preferred = tuple(_get(raw, "preferredPools", ()))
+    if allowed and not set(preferred) <= set(allowed):
+        outside = sorted(set(preferred) - set(allowed))
+        raise SpecError(f"spec.placement.preferredPools names pools outside allowedPools: {', '.join(outside)}")
+    max_gpus = int(_get(raw, "maxGpusPerReplica", 1))
+    if max_gpus not in (1, 2, 4, 8):
+        raise SpecError(f"spec.placement.maxGpusPerReplica must be 1, 2, 4 or 8; got {max_gpus}")
+    return PlacementSpec(
+        allowed_pools=allowed,
+        preferred_pools=preferred,
+        node_selector=dict(_get(raw, "nodeSelector", {})),
+        tolerations=tuple(_get(raw, "tolerations", ())),
+        max_gpus_per_replica=max_gpus,
+        pins=pins,
+        forbidden_quantizations=forbidden,
+    )
+
+
+def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
+    defaults = AutoscalingSpec()
+    scale_to_zero = _get(raw, "scaleToZero", {})
+    spec = AutoscalingSpec(
+        enabled=bool(_get(raw, "enabled", defaults.enabled)),
+        mode=_get(raw, "mode", defaults.mode),
+        min_replicas=int(_get(raw, "minReplicas", defaults.min_replicas)),
+        max_replicas=int(_get(raw, "maxReplicas", defaults.max_replicas)),
+        target_kv_utilization=float(_get(raw, "targetKVUtilization", defaults.target_kv_utilization)),
+        target_waiting_requests=raw.get("targetWaitingRequests"),
+        scale_up_stabilization_s=int(_get(raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_s)),
+        scale_down_stabilization_s=int(
+            _get(raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_s)
+        ),
+        max_scale_step=int(_get(raw, "maxScaleStep", defaults.max_scale_step)),
+        poll_interval_s=int(_get(raw, "pollIntervalSeconds", defaults.poll_interval_s)),
+        scale_to_zero=bool(_get(scale_to_zero, "enabled", defaults.scale_to_zero)),
+        scale_to_zero_idle_s=int(_get(scale_to_zero, "idleSeconds", defaults.scale_to_zero_idle_s)),
+    )
+    if spec.mode not in AUTOSCALING_MODES:
+        raise SpecError(f"spec.autoscaling.mode must be one of {', '.join(AUTOSCALING_MODES)}; got {spec.mode!r}")
+    if spec.min_replicas > spec.max_replicas:
+        raise SpecError(
+            f"spec.autoscaling.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})"
+        )
+    if spec.min_replicas == 0 and not spec.scale_to_zero:
+        raise SpecError("spec.autoscaling.minReplicas is 0 but spec.autoscaling.scaleToZero.enabled is false")
+    if not 0.0 < spec.target_kv_utilization <= 1.0:
+        raise SpecError("spec.autoscaling.targetKVUtilization must lie in (0, 1]")
+    return spec
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
+    """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not)."""
+    raw = raw or {}
+    runtime_raw = _get(raw, "runtime", {})
+    replicas = int(_get(raw, "replicas", 1))
+    if replicas < 0:
+        raise SpecError(f"spec.replicas must not be negative; got {replicas}")
+    spec = InferenceSpec(
+        model=_parse_model(_get(raw, "model", {})),
+        replicas=replicas,
+        runtime=RuntimeSpec(
+            image=_get(runtime_raw, "image", DEFAULT_RUNTIME_IMAGE),
+            image_pull_policy=_get(runtime_raw, "imagePullPolicy", "IfNotPresent"),
+            image_pull_secrets=tuple(s["name"] for s in _get(runtime_raw, "imagePullSecrets", ())),
+            extra_args=tuple(str(a) for a in _get(runtime_raw, "extraArgs", ())),
+            env=tuple(_get(runtime_raw, "env", ())),
+            drain_timeout_s=int(_get(runtime_raw, "drainTimeoutSeconds", 30)),
+        ),
+        engine=_parse_engine(_get(raw, "engine", {})),
+        placement=_parse_placement(_get(raw, "placement", {})),
+        resources=dict(_get(raw, "resources", {})),
+        api_key_secret=_secret_ref(raw.get("apiKeySecretRef"), "api-key", "spec.apiKeySecretRef"),
+        autoscaling=_parse_autoscaling(_get(raw, "autoscaling", {})),
+    )
+    return spec

@@ -1,0 +1,178 @@
+"""The InferenceDeployment's status, computed purely from a Plan and the observed children.
+
+Conditions follow the Kubernetes API conventions (type/status/reason/message/lastTransitionTime, and
+lastTransitionTime only moves when status flips): Ready, Progressing, Degraded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .manifests import served_model_name
+from .plan import Plan
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+
+@dataclass(frozen=True)
+class ChildState:
+    """What the operator needs from one Deployment it owns."""
+
+    name: str
+    desired_replicas: int
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    rolled_out: bool  # the Deployment controller has seen the latest template
+
+    @classmethod
+    def from_deployment(cls, obj: Mapping[str, Any]) -> ChildState:
+        status = obj.get("status") or {}
+        generation = (obj.get("metadata") or {}).get("generation", 0)
+        return cls(
+            name=obj["metadata"]["name"],
+            desired_replicas=int((obj.get("spec") or {}).get("replicas", 1)),
+            replicas=int(status.get("replicas", 0)),
+            ready_replicas=int(status.get("readyReplicas", 0)),
+            updated_replicas=int(status.get("updatedReplicas", 0)),
+            rolled_out=int(status.get("observedGeneration", 0)) >= int(generation),
+        )
+
+
+def condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, str]], now: str
+) -> list[dict[str, str]]:
+    """New conditions with lastTransitionTime carried over where the status did not change."""
+    previous = {c.get("type"): c for c in old or ()}
+    merged = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        unchanged = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime", now) if unchanged and before else now
+        merged.append({**cond, "lastTransitionTime": stamp})
+    return merged
+
+
+def conditions_equal(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
+    def strip(conds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in conds or ()]
+
+    return strip(a) == strip(b)
+
+
+def pool_statuses(plan: Plan, states: Mapping[str, ChildState]) -> list[dict[str, Any]]:
+    """One entry per usable pool: its profile (or why none) and its replicas."""
+    entries = []
+    for choice in plan.choices:
+        pool, profile = choice.pool, choice.profile
+        entry: dict[str, Any] = {
+            "name": pool.name,
+            "device": pool.device,
+            "nodes": pool.num_nodes,
+            "reason": choice.reason,
+        }
+        if pool.gpu_product:
+            entry.update(accelerator=pool.gpu_product, gpuMemoryMiB=pool.gpu_memory_mib)
+        if profile is not None:
+            entry.update(
+                profile=profile.label(),
+                dtype=profile.dtype,
+                quantization=profile.quantization,
+                gpusPerReplica=profile.num_gpus,
+                kvCacheBytes=profile.kv_cache_bytes,
+                capacity=choice.capacity,
+            )
+        if pool.name in plan.replicas_by_pool:
+            deployment = plan.deployments[list(plan.replicas_by_pool).index(pool.name)]["metadata"]["name"]
+            state = states.get(deployment)
+            entry.update(
+                deployment=deployment,
+                replicas=plan.replicas_by_pool[pool.name],
+                readyReplicas=state.ready_replicas if state else 0,
+            )
+        elif profile is not None:
+            entry["reason"] = f"not allowed by spec.placement.allowedPools; {choice.reason}"
+        entries.append(entry)
+    return entries
+
+
+def profile_summary(plan: Plan) -> str:
+    """Short text for `kubectl get infdep`: replicas x profile per serving pool."""
+    parts = []
+    for pool_name, replicas in plan.replicas_by_pool.items():
+        profile = plan.choice(pool_name).profile
+        if replicas and profile is not None:
+            parts.append(f"{replicas}x{profile.label()}")
+    return " ".join(parts) or "-"
+
+
+def build_status(
+    plan: Plan,
+    states: Mapping[str, ChildState],
+    generation: int,
+    old_status: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """Status after a successful apply (or a resync) of `plan`."""
+    desired = plan.spec.replicas
+    wanted = [d["metadata"]["name"] for d in plan.deployments]
+    present = [states[name] for name in wanted if name in states]
+    ready = sum(s.ready_replicas for s in present)
+    current = sum(s.replicas for s in present)
+    rolling = len(present) < len(wanted) or any(
+        not s.rolled_out or s.updated_replicas < s.desired_replicas or s.ready_replicas < s.desired_replicas
+        for s in present
+    )
+    if desired == 0:
+        ready_cond = condition(READY, True, "ScaledToZero", "spec.replicas is 0")
+    elif ready >= desired:
+        ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    else:
+        ready_cond = condition(READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+    if rolling:
+        progressing = condition(PROGRESSING, True, "RollingOut", f"{len(present)}/{len(wanted)} Deployments "
+                                f"present, {ready}/{desired} replicas ready")
+    else:
+        progressing = condition(PROGRESSING, False, "RolloutComplete", "every Deployment is rolled out")
+    unused = [c.pool.name for c in plan.choices if c.profile is None]
+    if plan.num_unplaced:
+        degraded = condition(
+            DEGRADED, True, "InsufficientCapacity",
+            f"{plan.num_unplaced} replica(s) exceed the capacity of the serving pools and wait Pending",
+        )  # fmt: skip
+    else:
+        note = f"; pools without a fitting profile: {', '.join(unused)}" if unused else ""
+        degraded = condition(DEGRADED, False, "AsExpected", f"placed on {len(wanted)} pool(s){note}")
+    return {
+        "observedGeneration": generation,
+        "replicas": current,
+        "readyReplicas": ready,
+        "selector": plan.selector,
+        "model": served_model_name(plan.owner.name, plan.spec),
+        "profile": profile_summary(plan),
+        "pools": pool_statuses(plan, states),
+        "appliedHash": plan.fingerprint,
+        "conditions": merge_conditions(old_status.get("conditions") or [], [ready_cond, progressing, degraded], now),
+    }
+
+
+def failed_status(
+    generation: int, old_status: Mapping[str, Any], now: str, reason: str, message: str
+) -> dict[str, Any]:
+    """Status when the spec cannot be served: Degraded with the reason; Ready and replicas untouched."""
+    old_conditions = old_status.get("conditions") or []
+    kept = [c for c in old_conditions if c.get("type") in (READY,)]
+    if not kept:
+        kept = [condition(READY, False, reason, message)]
+    new = [
+        *({k: v for k, v in c.items() if k != "lastTransitionTime"} for c in kept),
+        condition(PROGRESSING, False, reason, message),
+        condition(DEGRADED, True, reason, message),
+    ]
+    return {"observedGeneration": generation, "conditions": merge_conditions(old_conditions, new, now)}

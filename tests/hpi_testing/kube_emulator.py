@@ -1,0 +1,515 @@
+"""A Kubernetes API emulator over HTTP for operator tests: kmock's emulator with the server-side behaviour
+kopf and the kubernetes client rely on, plus helpers to run a real kopf operator against it.
+
+What stock kmock lacks, and this subclass adds:
+- uid, resourceVersion (one global counter), creationTimestamp and generation stamped on every write;
+  generation bumps only when something outside metadata/status changes;
+- lists carry a resourceVersion; watches honour `?resourceVersion=` and never replay already-seen events;
+- PATCH as the API server does it: JSON patch (RFC 6902, a failed `test` is 422), merge patch (RFC 7386,
+  also used for strategic merge patches: list merge keys are not emulated), resourceVersion preconditions
+  (409), the `status` subresource isolated from the main endpoint where declared; PUT replaces;
+- label selectors (equality and existence) on lists and watches;
+- DELETE honours finalizers, and a simple foreground-less garbage collector deletes owned objects.
+Not emulated: field selectors, server-side apply, admission, defaulting, schema validation, the scale
+subresource's Scale objects, and controllers (Deployments never create pods: tests patch their status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+import yaml
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class PatchError(Exception):
+    """A JSON patch that cannot apply: the API server answers 422."""
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise PatchError(f"bad JSON pointer {path!r}")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _walk(doc: Any, parts: list[str]) -> Any:
+    for part in parts:
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+def json_patch(doc: Any, operations: list[Mapping[str, Any]]) -> Any:
+    """RFC 6902 on a copy of `doc`."""
+    doc = copy.deepcopy(doc)
+    for op in operations:
+        parts = _pointer(op["path"])
+        try:
+            parent = _walk(doc, parts[:-1]) if parts else None
+            key = parts[-1] if parts else None
+            if op["op"] == "test":
+                if _walk(doc, parts) != op.get("value"):
+                    raise PatchError(f"test failed at {op['path']}")
+            elif op["op"] in ("add", "replace"):
+                if not parts:
+                    doc = copy.deepcopy(op["value"])
+                elif isinstance(parent, list):
+                    index = len(parent) if key == "-" else int(key)
+                    if op["op"] == "add":
+                        parent.insert(index, copy.deepcopy(op["value"]))
+                    else:
+                        parent[index] = copy.deepcopy(op["value"])
+                else:
+                    if op["op"] == "replace" and key not in parent:
+                        raise PatchError(f"nothing to replace at {op['path']}")
+                    parent[key] = copy.deepcopy(op["value"])
+            elif op["op"] == "remove":
+                if isinstance(parent, list):
+                    del parent[int(key)]
+                else:
+                    del parent[key]
+            else:
+                raise PatchError(f"unsupported op {op['op']!r}")
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise PatchError(f"{op['op']} {op['path']}: {e!r}") from e
+    return doc
+
+
+def merge_patch(doc: Any, patch: Any) -> Any:
+    """RFC 7386: maps merge recursively, null deletes, everything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(doc) if isinstance(doc, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def selector_matches(selector: str | None, labels: Mapping[str, str]) -> bool:
+    """Equality (k=v, k==v, k!=v) and existence (k, !k) label selectors."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _essence(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+
+# (resource, namespaced, kind, subresources): everything the operator or kopf touches, incl. v1/namespaces
+# (kopf waits for it forever otherwise).
+RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
+    ("v1/namespaces", False, "Namespace", ("status",)),
+    ("v1/nodes", False, "Node", ("status",)),
+    ("v1/events", True, "Event", ()),
+    ("events.k8s.io/v1/events", True, "Event", ()),
+    ("v1/services", True, "Service", ("status",)),
+    ("v1/pods", True, "Pod", ("status",)),
+    ("v1/secrets", True, "Secret", ()),
+    ("apps/v1/deployments", True, "Deployment", ("status", "scale")),
+    ("policy/v1/poddisruptionbudgets", True, "PodDisruptionBudget", ("status",)),
+    ("autoscaling/v2/horizontalpodautoscalers", True, "HorizontalPodAutoscaler", ("status",)),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", False, "CustomResourceDefinition", ("status",)),
+    ("serving.hpi.dev/v1alpha1/inferencedeployments", True, "InferenceDeployment", ("status", "scale")),
+)
+VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
+
+
+@attrs.define(kw_only=True)
+class KubeEmulator(kmock.KubernetesEmulator):
+    """kmock's KubernetesEmulator with the API server semantics listed in the module docstring."""
+
+    _revisions: Iterator[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_revision: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for name, namespaced, kind, subresources in RESOURCES:
+            self.resources[name] = kmock.ResourceInfo(
+                kind=kind, namespaced=namespaced, verbs=VERBS, subresources=set(subresources)
+            )
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+
+    def _next_revision(self) -> str:
+        self._last_revision = next(self._revisions)
+        return str(self._last_revision)
+
+    def _subresources(self, resource: Any) -> set[str]:
+        for known in self.resources:
+            if known == resource:
+                return set(self.resources[known].subresources)
+        return set()
+
+    def _kind(self, resource: Any) -> str | None:
+        for known in self.resources:
+            if known == resource:
+                return self.resources[known].kind
+        return None
+
+    async def _publish(self, resource: Any, type_: str, obj: Mapping[str, Any]) -> None:
+        await self._buses[resource].put({"type": type_, "object": copy.deepcopy(dict(obj))})
+
+    def _live(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    @staticmethod
+    def _error(status: int, reason: str, message: str) -> aiohttp.web.StreamResponse:
+        body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "code": status, "reason": reason, "message": message}  # fmt: skip
+        return aiohttp.web.json_response(body, status=status)
+
+    # -- writes -----------------------------------------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
+        if request.resource is not None:
+            if request.action == kmock.action.CREATE:
+                return await self._create(request)
+            if request.name is not None and method == "PATCH":
+                return await self._patch(request)
+            if request.name is not None and method == "PUT":
+                return await self._replace(request)
+            if request.name is not None and method == "DELETE":
+                return await self._delete(request)
+        return await super()._handle(request)
+
+    async def _create(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        obj = copy.deepcopy(request.data or {})
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespace = request.namespace or meta.get("namespace")
+        if namespace:
+            meta["namespace"] = namespace
+        key = (request.resource, namespace, meta.get("name"))
+        async with self._lock:
+            if self._live(key) is not None:
+                return self._error(409, "AlreadyExists", f"{meta.get('name')} already exists")
+            kind = self._kind(request.resource)
+            if kind and "kind" not in obj:
+                obj["kind"] = kind
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
+                        resourceVersion=self._next_revision())  # fmt: skip
+            if key in self.objects:
+                self.objects[key].create(obj)
+            else:
+                self.objects[key] = obj
+            await self._publish(request.resource, "ADDED", obj)
+        return aiohttp.web.json_response(obj, status=201)
+
+    async def _store(self, request: kmock.Request, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        """Write `new` over `old` as the API server would (caller holds the lock)."""
+        subresource = request.subresource
+        if subresource == "status":
+            new = {**old, "status": new.get("status")}
+        elif subresource == "scale":
+            replicas = (new.get("spec") or {}).get("replicas", (old.get("spec") or {}).get("replicas"))
+            new = merge_patch(old, {"spec": {"replicas": replicas}})
+        elif "status" in self._subresources(request.resource):
+            new = {**new, "status": old.get("status")}
+        if new.get("status") is None:
+            new.pop("status", None)
+        meta = new.setdefault("metadata", {})
+        for immutable in ("uid", "creationTimestamp", "name", "namespace", "generation", "deletionTimestamp"):
+            if immutable in old["metadata"]:
+                meta[immutable] = old["metadata"][immutable]
+        if _essence(new) != _essence(old):
+            meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        meta["resourceVersion"] = self._next_revision()
+        key = (request.resource, request.namespace, request.name)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self.objects[key].create(new)
+            self.objects[key].delete()
+            await self._publish(request.resource, "DELETED", new)
+            await self._collect_garbage(meta["uid"])
+        else:
+            self.objects[key].create(new)
+            await self._publish(request.resource, "MODIFIED", new)
+        return new
+
+    async def _patch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        content_type = request.headers.get("Content-Type", "application/merge-patch+json")
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            old = self._live(key)
+            if old is None:
+                return self._error(404, "NotFound", f"{request.name} not found")
+            if "apply-patch" in content_type:
+                return self._error(415, "UnsupportedMediaType", "server-side apply is not emulated")
+            try:
+                if "json-patch" in content_type:
+                    new = json_patch(old, request.data or [])
+                else:
+                    wanted_rv = ((request.data or {}).get("metadata") or {}).get("resourceVersion")
+                    if wanted_rv and wanted_rv != old["metadata"]["resourceVersion"]:
+                        return self._error(409, "Conflict", "the object has been modified")
+                    new = merge_patch(old, request.data or {})
+            except PatchError as e:
+                return self._error(422, "Invalid", str(e))
+            stored = await self._store(request, old, new)
+        return aiohttp.web.json_response(stored)
+
+    async def _replace(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            old = self._live(key)
+            if old is None:
+                return self._error(404, "NotFound", f"{request.name} not found")
+            new = copy.deepcopy(request.data or {})
+            wanted_rv = (new.get("metadata") or {}).get("resourceVersion")
+            if wanted_rv and wanted_rv != old["metadata"]["resourceVersion"]:
+                return self._error(409, "Conflict", "the object has been modified")
+            stored = await self._store(request, old, new)
+        return aiohttp.web.json_response(stored)
+
+    async def _delete(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            old = self._live(key)
+            if old is None:
+                return self._error(404, "NotFound", f"{request.name} not found")
+            if old["metadata"].get("finalizers"):
+                if not old["metadata"].get("deletionTimestamp"):
+                    old["metadata"]["deletionTimestamp"] = _now()
+                    old["metadata"]["resourceVersion"] = self._next_revision()
+                    self.objects[key].create(old)
+                    await self._publish(request.resource, "MODIFIED", old)
+                return aiohttp.web.json_response(old, status=202)
+            old["metadata"]["resourceVersion"] = self._next_revision()
+            self.objects[key].delete()
+            await self._publish(request.resource, "DELETED", old)
+            await self._collect_garbage(old["metadata"]["uid"])
+        return aiohttp.web.json_response(old)
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        """Delete (in background fashion) every object owned by `owner_uid`; caller holds the lock."""
+        for (resource, namespace, name), obj in list(self.objects.items()):
+            if obj.deleted:
+                continue
+            refs = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
+            if any(ref.get("uid") == owner_uid for ref in refs):
+                child = copy.deepcopy(obj.raw)
+                child["metadata"]["resourceVersion"] = self._next_revision()
+                self.objects[resource, namespace, name].delete()
+                await self._publish(resource, "DELETED", child)
+                await self._collect_garbage(child["metadata"]["uid"])
+
+    # -- reads ------------------------------------------------------------------------------------------------
+
+    def _matching(self, request: kmock.Request) -> list[dict[str, Any]]:
+        selector = request.params.get("labelSelector")
+        found = []
+        for (resource, namespace, name), obj in self.objects.items():
+            if resource != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            if request.name is not None and name != request.name:
+                continue
+            raw = obj.raw
+            if selector_matches(selector, (raw.get("metadata") or {}).get("labels") or {}):
+                found.append(copy.deepcopy(raw))
+        return found
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        if not self._kind(request.resource):
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._matching(request)
+            revision = str(self._last_revision)
+        kind = self._kind(request.resource)
+        return {"apiVersion": "v1", "kind": f"{kind}List", "metadata": {"resourceVersion": revision}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""  # send the headers now: the stream is open even if nothing happens
+        since = int(request.params.get("resourceVersion") or 0)
+        selector = request.params.get("labelSelector")
+        async with self._lock:  # the snapshot and the bus mark are taken atomically: no gap, no overlap
+            mark = await self._buses[request.resource].mark()
+            snapshot = self._matching(request)
+        for obj in snapshot:
+            if int(obj["metadata"]["resourceVersion"]) > since:
+                yield {"type": "ADDED", "object": obj}
+        async for event in mark:
+            obj = event["object"]
+            meta = obj.get("metadata") or {}
+            if int(meta.get("resourceVersion", 0)) <= since:
+                continue
+            if request.namespace is not None and meta.get("namespace") != request.namespace:
+                continue
+            if request.name is not None and meta.get("name") != request.name:
+                continue
+            if selector_matches(selector, meta.get("labels") or {}):
+                yield event
+
+
+# -- running things against it -------------------------------------------------------------------------------
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+        "current-context": "kmock",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def operator_thread(registry: Any, memo: Any = None, timeout_s: float = 20.0) -> Iterator[None]:
+    """Run a real kopf operator in its own thread and event loop (stopping kopf cancels its loop's tasks)."""
+    import kopf
+
+    stop_flag, ready_flag = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(
+                kopf.operator(
+                    registry=registry,
+                    standalone=True,
+                    clusterwide=True,
+                    stop_flag=stop_flag,
+                    ready_flag=ready_flag,
+                    memo=memo if memo is not None else kopf.Memo(),
+                )
+            )
+        except BaseException as e:  # surfaced to the test below
+            errors.append(e)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=main, name="kopf-operator", daemon=True)
+    thread.start()
+    if not ready_flag.wait(timeout_s):
+        stop_flag.set()
+        raise RuntimeError(f"the operator did not get ready: {errors!r}")
+    try:
+        yield
+    finally:
+        stop_flag.set()
+        thread.join(timeout_s)
+        if errors:
+            raise RuntimeError("the operator failed") from errors[0]
+
+
+async def eventually(check: Any, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
+    """Await `check()` (sync, run in a thread so the emulator's loop keeps serving) until it returns truthy
+    without an AssertionError; returns its value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            value = await asyncio.to_thread(check)
+            if value:
+                return value
+            failure: BaseException | None = AssertionError(f"{check!r} stayed falsy ({value!r})")
+        except AssertionError as e:
+            failure = e
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {failure}") from failure
+        await asyncio.sleep(interval_s)
+
+
+# -- objects for tests ---------------------------------------------------------------------------------------
+
+
+def make_node(
+    name: str,
+    *,
+    gpu: tuple[str, int, int] | None = None,  # (product, memory MiB, count)
+    bf16: bool = False,
+    memory: str = "64Gi",
+    cpu: str = "16",
+    ready: bool = True,
+    unschedulable: bool = False,
+    taints: list[dict[str, str]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A v1 Node as GPU Feature Discovery and Node Feature Discovery would label it."""
+    node_labels = {"kubernetes.io/hostname": name, "kubernetes.io/arch": "amd64", "kubernetes.io/os": "linux"}
+    allocatable = {"cpu": cpu, "memory": memory, "pods": "110"}
+    if gpu:
+        product, memory_mib, count = gpu
+        node_labels.update({
+            "nvidia.com/gpu.product": product,
+            "nvidia.com/gpu.memory": str(memory_mib),
+            "nvidia.com/gpu.count": str(count),
+            "nvidia.com/gpu.present": "true",
+        })  # fmt: skip
+        allocatable["nvidia.com/gpu"] = str(count)
+    if bf16:
+        node_labels["feature.node.kubernetes.io/cpu-cpuid.AVX512BF16"] = "true"
+        node_labels["feature.node.kubernetes.io/cpu-cpuid.AMXBF16"] = "true"
+    node_labels.update(labels or {})
+    spec: dict[str, Any] = {}
+    if unschedulable:
+        spec["unschedulable"] = True
+    if taints:
+        spec["taints"] = taints
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": node_labels},
+        "spec": spec,
+        "status": {
+            "allocatable": allocatable,
+            "capacity": dict(allocatable),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady"}],
+        },
+    }
+
+
+H100 = ("NVIDIA-H100-80GB-HBM3", 81559, 8)
+H200 = ("NVIDIA-H200", 143771, 8)
+A100_40 = ("NVIDIA-A100-SXM4-40GB", 40960, 8)
+A100_80 = ("NVIDIA-A100-SXM4-80GB", 81920, 8)
+A10 = ("NVIDIA-A10", 23028, 1)
+L4 = ("NVIDIA-L4", 23034, 1)
+T4 = ("Tesla-T4", 15360, 1)
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)

@@ -1,0 +1,330 @@
+"""The real kopf operator against the kmock-based API emulator over HTTP.
+
+Every assertion goes through the Kubernetes API (the kubernetes client's transport), as it would against a
+real cluster. The emulator runs no controllers: tests play the Deployment controller by patching
+/status, and create Node objects as GFD/NFD would label them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from hpi_operator.kube import KubeClient, KubeError
+from hpi_testing.kube_emulator import H100, L4, eventually, make_node
+
+pytestmark = pytest.mark.slow
+
+NS = "default"
+CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
+DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+MERGE = "application/merge-patch+json"
+
+
+class Api:
+    """Async wrappers: the sync client must not block the loop that serves the emulator."""
+
+    def __init__(self, kube: KubeClient) -> None:
+        self.kube = kube
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        return await asyncio.to_thread(self.kube.request, method, path, body, content_type)
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self.kube.get, path)
+
+    async def patch(self, path: str, body: Any) -> Any:
+        return await self.call("PATCH", path, body, MERGE)
+
+
+def cr(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return cond
+    return {}
+
+
+def deployments_of(kube: KubeClient, name: str) -> dict[str, dict[str, Any]]:
+    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment={name}")
+    return {d["metadata"]["name"]: d for d in listing["items"]}
+
+
+async def mark_ready(api: Api, deployment: dict[str, Any]) -> None:
+    """Play the Deployment controller: every replica of the latest template is up and ready."""
+    replicas = deployment["spec"]["replicas"]
+    status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": replicas,
+              "readyReplicas": replicas, "updatedReplicas": replicas, "availableReplicas": replicas}  # fmt: skip
+    await api.patch(f"{DEPLOYMENTS}/{deployment['metadata']['name']}/status", {"status": status})
+
+
+async def test_create_builds_children_per_pool_and_reports_status(kube: KubeClient, operator: Any) -> None:
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True, memory="32Gi"))
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-down", ready=False))
+    created = await api.call("POST", CRS, cr("llama", {
+        "replicas": 3,
+        "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}},
+    }))  # fmt: skip
+
+    found = await eventually(lambda: len(deployments_of(kube, "llama")) == 2 and deployments_of(kube, "llama"))
+    gpu, cpu = found["llama-gpu-l4"], found["llama-cpu-amd64-bf16"]
+    args = gpu["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--device") + 1] == "cuda"
+    assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert cpu["spec"]["template"]["spec"]["containers"][0]["args"][-1] != "cuda"
+    assert gpu["spec"]["replicas"] + cpu["spec"]["replicas"] == 3
+    service = await api.get(f"/api/v1/namespaces/{NS}/services/llama")
+    pdb = await api.get(f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/llama")
+    assert service and pdb
+    for child in (gpu, cpu, service, pdb):
+        [ref] = child["metadata"]["ownerReferences"]
+        assert ref["uid"] == created["metadata"]["uid"] and ref["controller"] is True
+
+    body = await eventually(lambda: condition(kube.get(f"{CRS}/llama"), "Progressing") and kube.get(f"{CRS}/llama"))
+    status = body["status"]
+    assert status["observedGeneration"] == body["metadata"]["generation"]
+    assert status["selector"] == "serving.hpi.dev/inference-deployment=llama"
+    assert condition(body, "Ready")["status"] == "False"
+    assert condition(body, "Progressing")["reason"] == "RollingOut"
+    assert {p["name"]: p["profile"] for p in status["pools"]} == {"gpu-l4": "cuda:bf16", "cpu-amd64-bf16": "cpu:bf16"}
+
+    # The Deployment controller's part: pods become ready; the operator's resync picks it up.
+    for deployment in found.values():
+        await mark_ready(api, deployment)
+    body = await eventually(lambda: condition(kube.get(f"{CRS}/llama"), "Ready").get("status") == "True"
+                            and kube.get(f"{CRS}/llama"))  # fmt: skip
+    assert body["status"]["readyReplicas"] == 3
+    assert condition(body, "Progressing")["status"] == "False"
+    # Capacity: one L4 GPU and one CPU node hold 2 of the 3 replicas; the third waits Pending.
+    assert condition(body, "Degraded")["reason"] == "InsufficientCapacity"
+
+    events = await api.call("GET", f"/api/v1/namespaces/{NS}/events")
+    reasons = {e["reason"] for e in events["items"] if e["involvedObject"]["name"] == "llama"}
+    assert {"Applied", "InsufficientCapacity"} <= reasons
+
+
+async def test_update_replicas_patches_only_what_changed(kube: KubeClient, operator: Any) -> None:
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-h100-0", gpu=H100))
+    await api.call("POST", CRS, cr("demo", {"replicas": 1}))
+    first = await eventually(lambda: deployments_of(kube, "demo").get("demo-gpu-h100-80gb-hbm3"))
+    assert first["spec"]["replicas"] == 1
+    await eventually(lambda: (kube.get(f"{CRS}/demo").get("status") or {}).get("observedGeneration") == 1)
+    service_rv = (await api.get(f"/api/v1/namespaces/{NS}/services/demo"))["metadata"]["resourceVersion"]
+
+    await api.patch(f"{CRS}/demo", {"spec": {"replicas": 4}})
+    updated = await eventually(lambda: (d := deployments_of(kube, "demo")["demo-gpu-h100-80gb-hbm3"])
+                               ["spec"]["replicas"] == 4 and d)  # fmt: skip
+    assert updated["metadata"]["generation"] == first["metadata"]["generation"] + 1
+    body = await eventually(lambda: (b := kube.get(f"{CRS}/demo"))["status"].get("observedGeneration") == 2 and b)
+    assert body["metadata"]["generation"] == 2
+    service = await api.get(f"/api/v1/namespaces/{NS}/services/demo")
+    assert service["metadata"]["resourceVersion"] == service_rv  # unchanged children are never written
+
+    # A placement change (pin int8) rolls the template: new args, same Deployment.
+    await api.patch(f"{CRS}/demo", {"spec": {"placement": {"profile": {"quantization": "int8"}}}})
+    rolled = await eventually(lambda: "int8" in deployments_of(kube, "demo")["demo-gpu-h100-80gb-hbm3"]
+                              ["spec"]["template"]["spec"]["containers"][0]["args"]
+                              and deployments_of(kube, "demo")["demo-gpu-h100-80gb-hbm3"])  # fmt: skip
+    assert rolled["spec"]["replicas"] == 4
+
+
+async def test_node_pool_appearing_and_vanishing(kube: KubeClient, operator: Any) -> None:
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
+    await api.call("POST", CRS, cr("grow", {"replicas": 2}))
+    await eventually(lambda: set(deployments_of(kube, "grow")) == {"grow-cpu-amd64-bf16"})
+
+    # A GPU pool joins: the resync notices the inventory changed the plan, and adds a Deployment.
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
+    both = await eventually(lambda: len(d := deployments_of(kube, "grow")) == 2 and d)
+    assert both["grow-gpu-l4"]["spec"]["replicas"] >= 1  # GPU pools rank first
+    body = await eventually(lambda: len((b := kube.get(f"{CRS}/grow"))["status"].get("pools", [])) == 2 and b)
+    assert {p["name"] for p in body["status"]["pools"]} == {"gpu-l4", "cpu-amd64-bf16"}
+
+    # The GPU node goes NotReady: its pool leaves the inventory and its Deployment is pruned.
+    await api.patch("/api/v1/nodes/gpu-l4-0/status", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    await eventually(lambda: set(deployments_of(kube, "grow")) == {"grow-cpu-amd64-bf16"})
+    remaining = await asyncio.to_thread(deployments_of, kube, "grow")
+    assert remaining["grow-cpu-amd64-bf16"]["spec"]["replicas"] == 2
+
+    # A node deleted outright (scale-in of a node group) counts the same.
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-h100-0", gpu=H100))
+    await eventually(lambda: "grow-gpu-h100-80gb-hbm3" in deployments_of(kube, "grow"))
+    await api.call("DELETE", "/api/v1/nodes/gpu-h100-0")
+    await eventually(lambda: "grow-gpu-h100-80gb-hbm3" not in deployments_of(kube, "grow"))
+
+
+async def test_bad_specs_degrade_with_an_event_and_recover(kube: KubeClient, operator: Any) -> None:
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
+    # 70B unquantized cannot fit a 24 GB L4: no pool can serve it.
+    await api.call("POST", CRS, cr("huge", {
+        "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-70B-Instruct"}},
+        "placement": {"profile": {"quantization": "none"}},
+    }))  # fmt: skip
+    body = await eventually(lambda: condition(b := kube.get(f"{CRS}/huge"), "Degraded").get("status") == "True" and b)
+    degraded = condition(body, "Degraded")
+    assert degraded["reason"] == "NoFittingPool" and "gpu-l4" in degraded["message"]
+    assert await asyncio.to_thread(deployments_of, kube, "huge") == {}
+
+    def warning_events() -> list[dict[str, Any]]:
+        items = kube.request("GET", f"/api/v1/namespaces/{NS}/events")["items"]
+        return [e for e in items if e["involvedObject"]["name"] == "huge" and e["type"] == "Warning"]
+
+    await eventually(lambda: any(e["reason"] == "NoFittingPool" for e in warning_events()))
+
+    # A spec the schema cannot catch: source pvc without the claim.
+    await api.patch(f"{CRS}/huge", {"spec": {"model": {"source": "pvc"}}})
+    body = await eventually(lambda: condition(b := kube.get(f"{CRS}/huge"), "Degraded").get("reason") == "InvalidSpec"
+                            and b)  # fmt: skip
+    assert "claimName" in condition(body, "Degraded")["message"]
+    await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in warning_events()))
+    await asyncio.sleep(1.5)  # several resync periods: no retry storm, no duplicate events
+    assert sum(e["reason"] == "InvalidSpec" for e in await asyncio.to_thread(warning_events)) == 1
+
+    # Fixing the spec recovers.
+    await api.patch(f"{CRS}/huge", {"spec": {"model": {"source": "embedded", "huggingface": None},
+                                             "placement": None}})  # fmt: skip
+    body = await eventually(lambda: condition(b := kube.get(f"{CRS}/huge"), "Degraded").get("status") == "False"
+                            and b)  # fmt: skip
+    assert set(await asyncio.to_thread(deployments_of, kube, "huge")) == {"huge-gpu-l4"}
+    assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+
+
+async def test_deleting_the_resource_releases_its_children(kube: KubeClient, operator: Any) -> None:
+    """Owner references do the cleanup (the emulator collects garbage as the API server's GC would)."""
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-0"))
+    await api.call("POST", CRS, cr("gone", {}))
+    await eventually(lambda: deployments_of(kube, "gone"))
+    await api.call("DELETE", f"{CRS}/gone")
+    await eventually(lambda: kube.get(f"{CRS}/gone") is None)  # the operator released its finalizer
+    await eventually(lambda: deployments_of(kube, "gone") == {})
+    assert await api.get(f"/api/v1/namespaces/{NS}/services/gone") is None
+
+
+async def test_emulator_answers_like_an_api_server(kube: KubeClient, emulator: Any) -> None:
+    """The emulator behaviours the operator relies on (so a kmock upgrade cannot silently change them)."""
+    api = Api(kube)
+    node = await api.call("POST", "/api/v1/nodes", make_node("n"))
+    assert node["metadata"]["uid"] and int(node["metadata"]["resourceVersion"]) > 0
+    with pytest.raises(KubeError) as conflict:
+        await api.call("POST", "/api/v1/nodes", make_node("n"))
+    assert conflict.value.status == 409
+    with pytest.raises(KubeError) as failed_test:
+        await api.call("PATCH", "/api/v1/nodes/n", [{"op": "test", "path": "/metadata/name", "value": "x"}],
+                       "application/json-patch+json")  # fmt: skip
+    assert failed_test.value.status == 422
+    listing = await api.call("GET", "/api/v1/nodes?labelSelector=kubernetes.io/hostname=n")
+    assert int(listing["metadata"]["resourceVersion"]) >= int(node["metadata"]["resourceVersion"])
+    assert [n["metadata"]["name"] for n in listing["items"]] == ["n"]
+    assert (await api.call("GET", "/api/v1/nodes?labelSelector=kubernetes.io/hostname=other"))["items"] == []
+
+
+def rbac_requests(emulator: Any) -> list[tuple[str, str, str, str]]:
+    """(user agent, apiGroup, resource[/subresource], verb) of every request the emulator served."""
+    calls = []
+    for request in list(emulator):
+        if request.resource is None or request.resource.plural is None:
+            continue  # discovery (/api, /apis/...) is allowed to every authenticated user
+        method = str(getattr(request.method, "value", request.method)).upper()
+        if method == "GET":
+            verb = "watch" if request.params.get("watch") == "true" else ("get" if request.name else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
+        calls.append((agent, request.resource.group, resource, verb))
+    return calls
+
+
+async def test_rbac_rules_cover_every_call_the_operator_makes(
+    emulator: Any, kube: KubeClient, operator: Any
+) -> None:
+    from hpi_operator import rbac
+
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-0", gpu=L4))
+    await api.call("POST", CRS, cr("audit", {"replicas": 2, "apiKeySecretRef": {"name": "k"}}))
+    found = await eventually(lambda: len(d := deployments_of(kube, "audit")) == 2 and d)
+    for deployment in found.values():
+        await mark_ready(api, deployment)
+    await eventually(lambda: condition(kube.get(f"{CRS}/audit"), "Ready").get("status") == "True")
+    await api.patch(f"{CRS}/audit", {"spec": {"replicas": 3, "model": {"servedName": "renamed"}}})
+    await api.patch(f"{CRS}/audit", {"metadata": {"labels": {"team": "search"}}})  # children inherit labels
+    await eventually(lambda: (kube.get(f"/api/v1/namespaces/{NS}/services/audit")["metadata"]["labels"]
+                              .get("team") == "search"))  # fmt: skip
+    await eventually(lambda: sum(d["spec"]["replicas"] for d in deployments_of(kube, "audit").values()) == 3)
+    await api.call("DELETE", "/api/v1/nodes/gpu-0")
+    await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
+    await api.patch(f"{CRS}/audit", {"spec": {"model": {"source": "pvc"}}})  # an Event for the bad spec
+    await eventually(lambda: condition(kube.get(f"{CRS}/audit"), "Degraded").get("reason") == "InvalidSpec")
+    await api.call("DELETE", f"{CRS}/audit")
+    await eventually(lambda: kube.get(f"{CRS}/audit") is None)
+
+    calls = rbac_requests(emulator)
+    operator_calls = {c[1:] for c in calls if c[0].startswith(("hpi-operator/", "kopf/"))}
+    uncovered = sorted(c for c in operator_calls if not rbac.allowed(*c))
+    assert not uncovered, f"API calls outside rbac.RULES: {uncovered}"
+    granted = {(r.api_group, r.resource, verb) for r in rbac.RULES if not r.only_when for verb in r.verbs}
+    assert not granted - operator_calls, f"rules granting calls the operator never made: {granted - operator_calls}"
+    assert {c[0].split("/")[0] for c in calls} >= {"hpi-operator", "kopf"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, str]:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status, response.read().decode()
+    except OSError:
+        return 0, ""
+
+
+async def test_cli_run_serves_liveness_and_metrics_and_reconciles(kube: KubeClient, tmp_path: Any) -> None:
+    """`hpi-operator run` as a process, as the chart's Deployment runs it (KUBECONFIG instead of in-cluster)."""
+    import os
+    import signal
+    import sys
+
+    liveness, metrics = free_port(), free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hpi_operator.cli", "run", "--liveness", f"http://127.0.0.1:{liveness}/healthz",
+        "--metrics-port", str(metrics), "--resync-interval", "1",
+        env={**os.environ}, stdout=asyncio.subprocess.DEVNULL, stderr=open(tmp_path / "operator.log", "wb"),
+    )  # fmt: skip
+    try:
+        await eventually(lambda: http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout_s=30)
+        api = Api(kube)
+        await api.call("POST", "/api/v1/nodes", make_node("cpu-0"))
+        await api.call("POST", CRS, cr("cli", {}))
+        await eventually(lambda: deployments_of(kube, "cli"))
+        applied = 'hpi_operator_reconciles_total{result="applied"}'
+        text = await eventually(lambda: applied in (t := http_get(f"http://127.0.0.1:{metrics}/metrics")[1]) and t)
+        assert 'hpi_operator_nodes{kind="cpu"} 1.0' in text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(process.wait(), 20)
+        except TimeoutError:
+            process.kill()
+            raise
+    assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
