@@ -1,0 +1,86 @@
+"""KV-cache write: scatter this step's new key/value rows into their paged-cache slots."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hpi_kernels._validate import check_device, check_dim, check_dtype, check_kv_cache, check_rank
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [T, Hkv, D]
+    value_ptr,  # [T, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping_ptr,  # [T] int64, -1 = skip
+    stride_key_t, stride_key_h, stride_key_d,
+    stride_value_t, stride_value_h, stride_value_d,
+    stride_cache_block, stride_cache_tok, stride_cache_h, stride_cache_d,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+        key = tl.load(
+            key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :] * stride_key_d,
+            mask=mask,
+        )
+        value = tl.load(
+            value_ptr + token * stride_value_t + heads[:, None] * stride_value_h
+            + dims[None, :] * stride_value_d,
+            mask=mask,
+        )
+        # int64 throughout: block_id * stride_cache_block overflows int32 for large caches.
+        cache_offsets = (
+            (slot // BLOCK_SIZE) * stride_cache_block
+            + (slot % BLOCK_SIZE) * stride_cache_tok
+            + heads[:, None].to(tl.int64) * stride_cache_h
+            + dims[None, :] * stride_cache_d
+        )
+        tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [T] int64; slot = block_id * block_size + offset, -1 = skip
+) -> None:
+    """Scatters key/value rows into k_cache/v_cache at slot_mapping; padded tokens use slot -1."""
+    check_kv_cache(k_cache, v_cache)
+    check_rank("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    check_rank("value", value, 3, "[num_tokens, num_kv_heads, head_dim]")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    check_dim("key", key, 1, k_cache.shape[2], "the cache's num_kv_heads")
+    check_dim("key", key, 2, k_cache.shape[3], "the cache's head_dim")
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache's {k_cache.dtype}")
+    check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    check_dim("slot_mapping", slot_mapping, 0, key.shape[0], "key.shape[0]")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same strides")
+    check_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),  # 1-D index tensors: read with stride 1
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,106 @@
+"""Plain-PyTorch references for every kernel: slow, obvious, fp32 math; the tests' ground truth."""
+
+from __future__ import annotations
+
+import torch
+
+from hpi_kernels.quant import dequantize_int4, dequantize_int8
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks]
+    context_len: int,
+) -> torch.Tensor:  # [context_len, Hkv, D]
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:context_len]
+
+
+def _attend(
+    query: torch.Tensor,  # [Q, Hq, D]
+    key: torch.Tensor,  # [S, Hkv, D]
+    value: torch.Tensor,  # [S, Hkv, D]
+    query_positions: torch.Tensor,  # [Q] position of each query token among the S keys
+    scale: float,
+) -> torch.Tensor:  # [Q, Hq, D] fp32
+    group_size = query.shape[1] // key.shape[1]
+    key = key.float().repeat_interleave(group_size, dim=1)
+    value = value.float().repeat_interleave(group_size, dim=1)
+    scores = torch.einsum("qhd,shd->hqs", query.float(), key) * scale
+    causal = torch.arange(key.shape[0], device=key.device)[None, :] > query_positions[:, None]
+    scores = scores.masked_fill(causal[None], float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), value)
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    out = torch.empty_like(query)
+    for b, context_len in enumerate(context_lens.tolist()):
+        key = gather_kv(k_cache, block_tables[b], context_len)
+        value = gather_kv(v_cache, block_tables[b], context_len)
+        positions = torch.tensor([context_len - 1], device=query.device)
+        out[b] = _attend(query[b : b + 1], key, value, positions, scale)[0].to(query.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32, total tokens per request including this step's
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for b, context_len in enumerate(context_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end == q_start:
+            continue
+        key = gather_kv(k_cache, block_tables[b], context_len)
+        value = gather_kv(v_cache, block_tables[b], context_len)
+        positions = torch.arange(context_len - (q_end - q_start), context_len, device=query.device)
+        out[q_start:q_end] = _attend(query[q_start:q_end], key, value, positions, scale).to(query.dtype)
+    return out
+
+
+def int8_weight_only_matmul_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] int8
+    scales: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [M, N]
+    return (x.float() @ dequantize_int8(weight, scales).T).to(x.dtype)
+
+
+def int4_weight_only_matmul_ref(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # [N, K // 2] uint8
+    scales: torch.Tensor,  # [N, K // group_size]
+    zeros: torch.Tensor,  # [N, K // group_size]
+    group_size: int,
+) -> torch.Tensor:  # [M, N]
+    return (x.float() @ dequantize_int4(packed, scales, zeros, group_size).T).to(x.dtype)

@@ -1,0 +1,78 @@
+"""Fixtures for kernel tests: paged K/V caches with scattered block tables, built on CPU for the interpreter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# Kernel tests run on the GPU where there is one, else in Triton's interpreter on CPU (see tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32
+
+
+def make_paged_cache(
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    non_contiguous: bool = False,
+    seed: int = 0,
+    device: torch.device = DEVICE,
+) -> PagedCache:
+    """Random K/V in a cache with spare blocks; each request's blocks are scattered, in shuffled order."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.Generator(device=device).manual_seed(seed)  # K/V drawn where they live: GPU caches are big
+    blocks_per_req = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    max_blocks = max(blocks_per_req) + 1  # a padded column the kernels must never read
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if non_contiguous:
+        # One [num_blocks, 2, H, block_size, D] allocation viewed as K and V: every stride differs from
+        # the contiguous layout's.
+        kv = torch.randn(num_blocks, 2, num_kv_heads, block_size, head_dim, generator=values, device=device)
+        kv = kv.to(dtype)
+        k_cache, v_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    else:
+        k_cache = torch.randn(shape, generator=values, device=device).to(dtype)
+        v_cache = torch.randn(shape, generator=values, device=device).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    for b, n in enumerate(blocks_per_req):
+        block_tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    context_lens_t = torch.tensor(context_lens, dtype=torch.int32)
+    return PagedCache(k_cache, v_cache, block_tables.to(device), context_lens_t.to(device))
+
+
+@pytest.fixture
+def paged_cache():
+    return make_paged_cache
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """Attention outputs (magnitude ~1) against the fp32 reference rounded to dtype."""
+    return {
+        torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+        torch.float16: {"atol": 3e-3, "rtol": 1e-2},
+        torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+    }[dtype]
+
+
+@pytest.fixture
+def tol():
+    return tolerance

@@ -1,0 +1,71 @@
+"""KV-cache write (scatter into slots) against the PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpi_kernels import write_kv_cache
+from hpi_kernels.reference import write_kv_cache_ref
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size,dtype,non_contiguous",
+    [
+        pytest.param(3, 64, 16, torch.float32, False, id="h3-d64-bs16-fp32"),
+        pytest.param(1, 128, 32, torch.float16, True, id="h1-d128-bs32-fp16-noncontig"),
+        pytest.param(2, 64, 32, torch.bfloat16, True, id="h2-d64-bs32-bf16-noncontig"),  # copies only: bf16 ok
+    ],
+)
+def test_write_matches_reference(
+    paged_cache, device, num_kv_heads, head_dim, block_size, dtype, non_contiguous
+) -> None:
+    cache = paged_cache([3 * block_size], num_kv_heads, head_dim, block_size, dtype, non_contiguous)
+    num_blocks = cache.k_cache.shape[0]
+    # First and last slot of a block, the cache's very last slot, and padding (-1) in between.
+    slots = [0, block_size - 1, block_size, -1, 2 * block_size + 3, num_blocks * block_size - 1, -1]
+    num_tokens = len(slots)
+    if non_contiguous:  # K and V as slices of a fused QKV projection
+        qkv = torch.randn(num_tokens, 3, num_kv_heads, head_dim).to(device, dtype)
+        key, value = qkv[:, 1], qkv[:, 2]
+    else:
+        key = torch.randn(num_tokens, num_kv_heads, head_dim).to(device, dtype)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim).to(device, dtype)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    k_expected, v_expected = cache.k_cache.clone(), cache.v_cache.clone()
+    write_kv_cache_ref(key, value, k_expected, v_expected, slot_mapping)
+    write_kv_cache(key, value, cache.k_cache, cache.v_cache, slot_mapping)
+    assert torch.equal(cache.k_cache, k_expected)
+    assert torch.equal(cache.v_cache, v_expected)
+
+
+def test_write_of_no_tokens_is_a_no_op(paged_cache, device) -> None:
+    cache = paged_cache([4], 2, 64, 16)
+    before = cache.k_cache.clone()
+    empty = torch.empty(0, 2, 64, device=device)
+    write_kv_cache(empty, empty, cache.k_cache, cache.v_cache, torch.empty(0, dtype=torch.int64, device=device))
+    assert torch.equal(cache.k_cache, before)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"slot_mapping": torch.zeros(4, dtype=torch.int32)}, "slot_mapping must have dtype"),
+        ({"slot_mapping": torch.zeros(3, dtype=torch.int64)}, "slot_mapping.shape"),
+        ({"key": torch.randn(4, 3, 64), "value": torch.randn(4, 3, 64)}, "key.shape\\[1\\]"),
+        ({"key": torch.randn(4, 2, 64).half()}, "dtypes"),
+        ({"value": torch.randn(4, 2, 32)}, "shapes differ"),
+    ],
+)
+def test_write_validation(paged_cache, overrides, message) -> None:
+    cache = paged_cache([4], 2, 64, 16, device=torch.device("cpu"))
+    args = {
+        "key": torch.randn(4, 2, 64),
+        "value": torch.randn(4, 2, 64),
+        "k_cache": cache.k_cache,
+        "v_cache": cache.v_cache,
+        "slot_mapping": torch.zeros(4, dtype=torch.int64),
+    }
+    args.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        write_kv_cache(**args)
