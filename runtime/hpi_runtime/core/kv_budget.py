@@ -1,0 +1,30 @@
+"""How many KV blocks a memory budget buys, with a clear error when one full-length request cannot fit."""
+
+from __future__ import annotations
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of one token across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def num_blocks_for_budget(kv_cache_memory_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int) -> int:
+    for name, value in (
+        ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+        ("bytes_per_token", bytes_per_token),
+        ("block_size", block_size),
+        ("max_model_len", max_model_len),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    bytes_per_block = bytes_per_token * block_size
+    num_blocks = int(kv_cache_memory_bytes // bytes_per_block)
+    num_blocks_needed = -(-max_model_len // block_size)
+    if num_blocks < num_blocks_needed:
+        raise ValueError(
+            f"KV cache budget of {kv_cache_memory_bytes} bytes holds {num_blocks} blocks of {block_size} tokens "
+            f"({bytes_per_block} bytes each, {num_blocks * block_size} tokens), but one request of "
+            f"max_model_len={max_model_len} needs {num_blocks_needed} blocks "
+            f"({num_blocks_needed * bytes_per_block} bytes); raise the KV memory budget or lower max_model_len"
+        )
+    return num_blocks

@@ -1,0 +1,158 @@
+"""A request's progress: its tokens, how many have KV computed, its status and its stop conditions.
+
+The request is the one owner of this state; the scheduler moves it between queues and the KV cache
+manager holds its blocks. Full-block hashes are computed once per block as tokens arrive.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from hpi_runtime.core.block_pool import BlockHash, HashFn, hash_block_tokens
+from hpi_runtime.core.detokenizer import IncrementalDetokenizer
+from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from hpi_runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(str, enum.Enum):  # str first: C-level hashing, these are checked per token
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = FINISH_STOP
+    FINISHED_LENGTH = FINISH_LENGTH
+    FINISHED_ABORTED = FINISH_ABORT
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+
+@dataclass(frozen=True)
+class BlockHasher:
+    """How full blocks are named in the prefix cache; `root_hash` seeds the chain (injectable for tests)."""
+
+    block_size: int
+    hash_fn: HashFn
+    root_hash: BlockHash = b""
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "token_ids",
+        "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
+        "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
+        "_hasher", "_detokenizer", "_num_sent_tokens", "_new_logprobs",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_time: float,
+        hasher: BlockHasher | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # already capped by max_model_len
+        self.arrival_time = arrival_time
+        self.token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.first_scheduled_time: float | None = None
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else eos_token_ids
+        )
+        self.block_hashes: list[BlockHash] = []
+        self._hasher = hasher
+        self._detokenizer = detokenizer
+        self._num_sent_tokens = 0
+        self._new_logprobs: list[TokenLogprobs] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
+        """Add one sampled token and apply the stop conditions; True when the request is now finished."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self._new_logprobs.append(logprobs)
+        if self._hasher is not None and len(self.token_ids) % self._hasher.block_size == 0:
+            self._update_block_hashes()
+        checks_stops = len(self.output_token_ids) >= self.sampling_params.min_tokens
+        if checks_stops and token_id in self.stop_token_ids:
+            return self._finish(RequestStatus.FINISHED_STOPPED, token_id)
+        stop_string = self._detokenizer.append(token_id, checks_stops) if self._detokenizer is not None else None
+        if stop_string is not None:
+            return self._finish(RequestStatus.FINISHED_STOPPED, stop_string)
+        if len(self.output_token_ids) >= self.max_tokens:
+            return self._finish(RequestStatus.FINISHED_LENGTH, None)
+        return False
+
+    def _finish(self, status: RequestStatus, stop_reason: str | int | None) -> bool:
+        self.status, self.stop_reason = status, stop_reason
+        return True
+
+    def _update_block_hashes(self) -> None:
+        hasher = self._hasher
+        if hasher is None:
+            return
+        size = hasher.block_size
+        while (len(self.block_hashes) + 1) * size <= len(self.token_ids):
+            start = len(self.block_hashes) * size
+            parent = self.block_hashes[-1] if self.block_hashes else hasher.root_hash
+            self.block_hashes.append(hash_block_tokens(hasher.hash_fn, parent, self.token_ids[start : start + size]))
+
+    def make_output(self) -> RequestOutput:
+        """The cumulative state plus what changed since the previous output of this request."""
+        finished = self.status in _FINISHED
+        detokenizer = self._detokenizer
+        text_delta = text = ""
+        if detokenizer is not None:
+            text_delta = detokenizer.emit(finished)
+            text = detokenizer.emitted_text
+        new_token_ids = tuple(self.output_token_ids[self._num_sent_tokens :])
+        self._num_sent_tokens = len(self.output_token_ids)
+        new_logprobs = ()
+        if self._new_logprobs:
+            new_logprobs, self._new_logprobs = tuple(self._new_logprobs), []
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=tuple(self.output_token_ids),
+            new_token_ids=new_token_ids,
+            text=text,
+            text_delta=text_delta,
+            finished=finished,
+            finish_reason=self.status.value if finished else None,
+            stop_reason=self.stop_reason,
+            new_logprobs=new_logprobs,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+        )

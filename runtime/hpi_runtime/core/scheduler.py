@@ -1,0 +1,206 @@
+"""Continuous batching with one rule: each step, every request's computed tokens catch up to its tokens.
+
+Running requests go first, in admission order, then waiting ones (FCFS), under the per-step token budget
+(`max_num_batched_tokens`) and `max_num_seqs`. That single rule covers chunked prefill (a prompt longer than
+the budget catches up over several steps), decode (one token behind) and prefix-cache hits (admitted with
+some tokens already computed). When the pool runs out of blocks the newest running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.block_pool import KVBlock
+from hpi_runtime.core.interface import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from hpi_runtime.core.kv_cache_manager import KVCacheManager
+from hpi_runtime.core.request import Request, RequestStatus
+from hpi_runtime.outputs import RequestOutput
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, kv_cache_manager: KVCacheManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # unfinished ones
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._in_executor: set[str] = set()  # requests whose state the executor holds
+        self._finished_ids: set[str] = set()  # executor must drop these (sent with the next batch)
+        self._preempted_ids: set[str] = set()
+        self._scheduled: dict[str, Request] = {}  # the batch in flight, until update_from_output
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int, list[KVBlock]]] = []  # batch order
+        running, kv = self.running, self.kv
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = running.pop()  # the newest; never one already scheduled (those are before i)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            scheduled.append((request, num_new, new_blocks))
+            budget -= num_new
+            i += 1
+        # After a preemption the pool is known to be short; admitting now would just thrash.
+        while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks = kv.get_computed_blocks(request)
+            num_hit_tokens = len(hit_blocks) * kv.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            scheduled.append((request, num_new, []))
+            budget -= num_new
+        return self._make_output(scheduled)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+            request.num_cached_prompt_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _make_output(self, scheduled: list[tuple[Request, int, list[KVBlock]]]) -> SchedulerOutput:
+        new_requests, cached_requests, num_scheduled = [], [], {}
+        for request, num_new, new_blocks in scheduled:
+            request_id = request.request_id
+            if request_id in self._in_executor:
+                block_ids = tuple([block.block_id for block in new_blocks]) if new_blocks else ()
+                cached_requests.append(CachedRequestData(request_id, block_ids, request.num_computed_tokens))
+            else:
+                self._in_executor.add(request_id)
+                new_requests.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        token_ids=tuple(request.token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv.block_ids(request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            num_scheduled[request_id] = num_new
+            request.num_computed_tokens += num_new
+        total = sum(num_scheduled.values())
+        output = SchedulerOutput(
+            new_requests=tuple(new_requests),
+            cached_requests=tuple(cached_requests),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_request_ids=frozenset(self._finished_ids),
+            preempted_request_ids=frozenset(self._preempted_ids),
+        )
+        if total:  # an empty batch is not sent to the executor, so these wait for the next one
+            self._finished_ids.clear()
+            self._preempted_ids.clear()
+        self._scheduled = {request.request_id: request for request, _, _ in scheduled}
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self._in_executor:
+            self._in_executor.discard(request.request_id)
+            self._preempted_ids.add(request.request_id)
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests; one output per change."""
+        outputs = []
+        scheduled, self._scheduled = self._scheduled, {}
+        sampled, all_logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
+        any_finished = False
+        for request_id, request in scheduled.items():
+            token_ids = sampled.get(request_id)
+            # Skip partial prefill chunks (nothing sampled) and requests aborted while the step ran.
+            if not token_ids or request.is_finished or request.num_computed_tokens < len(request.token_ids):
+                continue
+            if not request.output_token_ids:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            logprobs = all_logprobs.get(request_id, ()) if request.sampling_params.logprobs is not None else ()
+            for j, token_id in enumerate(token_ids):
+                self.num_generation_tokens += 1
+                if request.append_token(token_id, logprobs[j] if j < len(logprobs) else None):
+                    self._release(request)
+                    any_finished = True
+                    break
+            outputs.append(request.make_output())
+        if any_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return outputs
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[RequestOutput]:
+        """Finish unfinished requests from outside (abort, failure): free their blocks now."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            outputs.append(request.make_output())
+        return outputs
+
+    def fail_scheduled(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The step in flight failed: finish its requests, forgetting cache entries they may not have written.
+
+        The executor may not have applied the batch's drop lists either, so they are sent again.
+        """
+        self._finished_ids |= scheduler_output.finished_request_ids
+        self._preempted_ids |= scheduler_output.preempted_request_ids
+        scheduled, self._scheduled = self._scheduled, {}
+        self.running = [request for request in self.running if not request.is_finished]
+        unfinished_ids = [rid for rid, request in scheduled.items() if self.requests.get(rid) is request]
+        self.kv.uncache_step()
+        self.finish_requests(unfinished_ids, RequestStatus.FINISHED_ABORTED)
+        # All of them: one may have finished before the failure without its output being delivered.
+        return list(scheduled)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._in_executor:
+            self._in_executor.discard(request.request_id)
+            self._finished_ids.add(request.request_id)

@@ -1,0 +1,142 @@
+"""AsyncLLM: streaming from the background step thread, cancellation that frees blocks at once, a failing
+step that fails only its requests, synchronous input errors, and a dead loop that is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError, EngineError
+from hpi_runtime.core.engine import LLMEngine, QueueFullError
+from hpi_runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture
+async def make_llm(fake_executor_cls, tokenizer):
+    started = []
+
+    async def build(**config) -> AsyncLLM:
+        cfg = EngineConfig(**{"block_size": 8, "max_model_len": 256, **config})
+        executor = fake_executor_cls(64, 8, vocab_size=300)
+        llm = AsyncLLM(LLMEngine(cfg, executor, tokenizer, frozenset({tokenizer.eos_token_id})))
+        await llm.start()
+        started.append(llm)
+        return llm
+
+    yield build
+    for llm in started:
+        await llm.shutdown()
+
+
+async def test_streams_every_token_and_ends_with_finished(make_llm, expected_token):
+    llm = await make_llm()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def collect(rid: str):
+        return [output async for output in llm.generate(rid, list(range(20)), params)]
+
+    results = await asyncio.gather(*(collect(f"r{i}") for i in range(5)))
+    for i, outputs in enumerate(results):
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        tokens = [t for o in outputs for t in o.new_token_ids]
+        assert tokens == [expected_token(f"r{i}", 20 + j, 300) for j in range(12)]
+        assert "".join(o.text_delta for o in outputs) == outputs[-1].text
+    stats = llm.get_stats()
+    assert stats.num_generation_tokens == 60 and stats.kv_cache_usage == 0.0
+
+
+async def test_consumer_break_and_task_cancel_abort_and_free_blocks(make_llm, expected_token):
+    llm = await make_llm()
+    pool = llm.engine.kv_cache_manager.pool
+    # A slow fake model, so the consumer is cancelled while it waits for the next token.
+    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    async for output in llm.generate("brk", list(range(30)), params):
+        if len(output.output_token_ids) >= 3:
+            break  # the abandoned generator is closed by asyncio's async-generator finalizer
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert "brk" not in llm.engine.scheduler.requests and pool.num_free == 64
+
+    got_one = asyncio.Event()
+
+    async def consume():
+        async for _ in llm.generate("cxl", list(range(30)), params):
+            got_one.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_one.wait(), 5)
+    assert pool.num_free < 64
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "cxl" not in llm.engine.scheduler.requests and pool.num_free == 64  # freed synchronously
+    assert llm.get_stats().num_running == 0
+
+
+async def test_input_errors_surface_before_any_output(make_llm, expected_token):
+    llm = await make_llm(max_num_waiting=1, max_model_len=32, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        await anext(llm.generate("long", list(range(40)), SamplingParams()))
+    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    hog = llm.generate("hog", [1], SamplingParams(max_tokens=30, ignore_eos=True))
+    await anext(hog)  # running, and the only seat: the next request has to wait
+    waiter = llm.generate("waiter", [2], SamplingParams(max_tokens=2))
+    first_wait = asyncio.create_task(anext(waiter))
+    while llm.get_stats().num_waiting == 0:
+        await asyncio.sleep(0.001)
+    with pytest.raises(QueueFullError, match="max_num_waiting=1"):
+        await anext(llm.generate("refused", [1, 2], SamplingParams()))
+    with pytest.raises(ValueError, match="already in use"):
+        await anext(llm.generate("hog", [1, 2], SamplingParams()))
+    await hog.aclose()
+    assert (await first_wait).request_id == "waiter"
+    await waiter.aclose()
+
+
+async def test_failing_step_fails_only_its_requests(make_llm):
+    llm = await make_llm(max_num_seqs=1)
+    llm.engine.executor.fail_on = {"bad"}
+    good = [o async for o in llm.generate("good", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True))]
+    with pytest.raises(EngineError) as info:
+        async for _ in llm.generate("bad", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True)):
+            pass
+    assert info.value.request_ids == {"bad"}
+    after = [o async for o in llm.generate("after", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True))]
+    assert good[-1].finished and after[-1].finished and not llm.errored
+    assert llm.engine.kv_cache_manager.pool.num_free == 64
+
+
+async def test_dead_loop_fails_everyone_and_is_reported(make_llm):
+    llm = await make_llm()
+
+    def broken_step():
+        raise KeyError("scheduler bug")
+
+    llm.engine.step = broken_step
+    with pytest.raises(EngineDeadError):
+        async for _ in llm.generate("x", [1, 2, 3], SamplingParams()):
+            pass
+    assert llm.errored
+    with pytest.raises(EngineDeadError):
+        await anext(llm.generate("y", [1, 2, 3], SamplingParams()))
+
+
+async def test_idle_loop_sleeps_instead_of_spinning(make_llm):
+    llm = await make_llm()
+    calls = 0
+    step = llm.engine.step
+
+    def counting_step():
+        nonlocal calls
+        calls += 1
+        return step()
+
+    llm.engine.step = counting_step
+    await asyncio.sleep(0.2)
+    assert calls == 0
+    assert [o async for o in llm.generate("a", [1], SamplingParams(max_tokens=2, ignore_eos=True))][-1].finished
+    assert calls >= 2

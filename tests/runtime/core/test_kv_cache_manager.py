@@ -1,0 +1,110 @@
+"""KVCacheManager: prefix-cache hits share identical blocks, allocation math, tail-first freeing, stats."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpi_runtime.core.block_pool import sha256_hash
+from hpi_runtime.core.kv_cache_manager import KVCacheManager
+from hpi_runtime.core.request import BlockHasher, Request
+from hpi_runtime.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make_request(request_id: str, token_ids: list[int], hasher=BlockHasher(BLOCK, sha256_hash)) -> Request:
+    return Request(
+        request_id,
+        token_ids,
+        SamplingParams(),
+        max_tokens=16,
+        eos_token_ids=frozenset(),
+        arrival_time=0.0,
+        hasher=hasher,
+    )
+
+
+def admit(kv: KVCacheManager, request: Request) -> list[int]:
+    hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - len(hit) * BLOCK, hit) is not None
+    request.num_computed_tokens = request.num_tokens
+    return [block.block_id for block in hit]
+
+
+def test_identical_prefix_gets_identical_blocks_and_hit_is_capped_below_the_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    first = make_request("a", list(range(12)))
+    assert admit(kv, first) == []
+    same = make_request("b", list(range(12)))  # 3 full blocks, but the last token must be computed
+    assert admit(kv, same) == list(kv.block_ids("a")[:2])
+    longer = make_request("c", list(range(12)) + [99, 98])
+    assert admit(kv, longer) == list(kv.block_ids("a"))
+    other = make_request("d", [7] + list(range(1, 12)))
+    assert admit(kv, other) == []  # chained hashes: a different first block changes every later hash
+    assert kv.prefix_cache_queries == 12 + 12 + 14 + 12 and kv.prefix_cache_hits == 8 + 12
+    assert kv.pool.blocks[kv.block_ids("a")[0]].ref_cnt == 3
+
+
+def test_root_hash_separates_caches():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    admit(kv, make_request("a", list(range(9))))
+    salted = make_request("b", list(range(9)), BlockHasher(BLOCK, sha256_hash, root_hash=b"tenant-2"))
+    assert admit(kv, salted) == []
+
+
+def test_allocation_counts_blocks_and_refuses_when_short():
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK)
+    request = make_request("a", list(range(5)))
+    assert len(kv.allocate_slots(request, 5)) == 2
+    request.num_computed_tokens = 5
+    assert kv.allocate_slots(request, 3) == []  # fits in the second block's free slots
+    request.num_computed_tokens = 8
+    assert kv.allocate_slots(request, 5) is None  # needs 2 more, 1 free: nothing changes
+    assert len(kv.block_ids("a")) == 2 and kv.pool.num_free == 1
+    assert abs(kv.usage - 2 / 3) < 1e-9
+
+
+def test_free_is_tail_first_so_tail_blocks_are_evicted_first():
+    kv = KVCacheManager(num_blocks=7, block_size=BLOCK)
+    request = make_request("a", list(range(12)))
+    admit(kv, request)
+    ids = kv.block_ids("a")
+    kv.free(request)
+    assert kv.pool.free_queue.block_ids()[-3:] == list(reversed(ids))
+    # 5 blocks: the 4 never-used ones go first, then a's tail block; its prefix stays cached.
+    other = make_request("z", [50] * 20)
+    assert len(kv.allocate_slots(other, 20)) == 5
+    assert kv.block_ids("z")[-1] == ids[2] and kv.pool.get_cached_block(request.block_hashes[2]) is None
+    kv.free(other)
+    assert admit(kv, make_request("b", list(range(12)))) == list(ids[:2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=8))
+def test_equal_prefixes_always_map_to_equal_blocks(prompts):
+    """With room for everything, two live requests share exactly the blocks of their common full-block
+    prefix (capped below each one's last token), and no other block."""
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK)
+    requests = [make_request(str(i), prompt) for i, prompt in enumerate(prompts)]
+    for request in requests:
+        admit(kv, request)
+    for a in requests:
+        for b in requests:
+            common = 0
+            while common < min(a.num_tokens, b.num_tokens) and a.token_ids[common] == b.token_ids[common]:
+                common += 1
+            shared = set(kv.block_ids(a.request_id)) & set(kv.block_ids(b.request_id))
+            if a is b:
+                continue
+            # Blocks are shared only along the common full-block prefix, and in the same positions.
+            for i, (x, y) in enumerate(zip(kv.block_ids(a.request_id), kv.block_ids(b.request_id), strict=False)):
+                if x == y:
+                    assert (i + 1) * BLOCK <= common
+            assert len(shared) <= common // BLOCK
+            later = b if int(b.request_id) > int(a.request_id) else a
+            expected = min(common // BLOCK, (later.num_tokens - 1) // BLOCK)
+            assert kv.block_ids(a.request_id)[:expected] == kv.block_ids(b.request_id)[:expected]
+    for request in requests:
+        kv.free(request)
+    assert kv.pool.num_free == 64
