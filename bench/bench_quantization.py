@@ -1,0 +1,138 @@
+"""Quantization benchmark: weight memory, tokens/s and perplexity of none / int8 / int4 on the embedded model.
+
+For each method (and dtype) the embedded SmolLM2-135M-Instruct is loaded through `LLM(quantization=...)`;
+weight bytes are what the engine reports (`hpi:model_weight_bytes`); tokens/s is generated tokens over
+wall time for N concurrent short prompts (~6 tokens) decoding `--max-tokens` greedy tokens each (EOS
+ignored), all variants loaded at once and timed in alternation (median of `--rounds`); perplexity is over
+the fixed text the tests ship (tests/runtime/quant/data/ppl_text.txt), one prefill. Ratios are against
+`none` at the same dtype, same machine, same run. Prints a Markdown table.
+
+    .venv/bin/python bench/bench_quantization.py                           # fp32, N = 1 and 32
+    .venv/bin/python bench/bench_quantization.py --dtypes float32 bfloat16 --group-sizes 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hpi_runtime.llm import LLM
+from hpi_runtime.model.perplexity import perplexity
+from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE
+from hpi_runtime.sampling_params import SamplingParams
+
+TEXT_PATH = Path(__file__).resolve().parent.parent / "tests/runtime/quant/data/ppl_text.txt"
+PROMPTS = ["The capital of France is", "Once upon a time, there", "The best way to learn is", "Rivers flow"]
+
+
+@dataclass(frozen=True)
+class Result:
+    dtype: str
+    method: str
+    group_size: int | None
+    weight_bytes: int
+    load_s: float
+    tokens_per_s: dict[int, float]  # concurrency -> generated tokens/s (median over rounds)
+    perplexity: float
+    answer: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    dtype: str
+    method: str
+    group_size: int
+
+
+def _load(variant: Variant) -> tuple[LLM, float]:
+    start = time.perf_counter()
+    llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
+              kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    return llm, time.perf_counter() - start
+
+
+def _tokens_per_s(llm: LLM, concurrency: int, max_tokens: int) -> float:
+    # Short plain prompts (~6 tokens): at 32 requests the step time is decode, not prefill.
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return sum(len(o.output_token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int, rounds: int) -> list[Result]:
+    """Load every variant, then time them in alternation, round after round: load from other processes on
+    the machine drifts, and alternating spreads that drift over all variants instead of biasing one."""
+    loaded = [_load(v) for v in variants]
+    for llm, _ in loaded:
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    samples: dict[tuple[int, int], list[float]] = {}
+    for _ in range(rounds):
+        for n in concurrency:
+            for i, (llm, _) in enumerate(loaded):
+                samples.setdefault((i, n), []).append(_tokens_per_s(llm, n, max_tokens))
+    results = []
+    ids = loaded[0][0].tokenizer.encode(TEXT_PATH.read_text())
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for i, (variant, (llm, load_s)) in enumerate(zip(variants, loaded, strict=True)):
+        answer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].text
+        # Last: perplexity() gives the model a private KV cache, so the engine must be done with it.
+        executor = llm.engine.executor
+        ppl = perplexity(executor.model, executor.runner.backend, ids)
+        tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
+        results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
+                              llm.bundle.weight_bytes, load_s, tokens_per_s, ppl, answer))
+        print(json.dumps(asdict(results[-1])), flush=True)
+    return results
+
+
+def table(results: list[Result], concurrency: list[int]) -> str:
+    head = ["dtype", "quantization", "weights (MiB)", "x none"]
+    for n in concurrency:
+        head += [f"tok/s @{n}", "x none"]
+    head += ["perplexity", "x none", "answer to 'capital of France?'"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = {r.dtype: r for r in results if r.method == "none"}
+    for r in results:
+        b = base.get(r.dtype, r)
+        name = r.method + (f" (g{r.group_size})" if r.group_size else "")
+        row = [r.dtype, name, f"{r.weight_bytes / 2**20:.1f}", f"{r.weight_bytes / b.weight_bytes:.2f}"]
+        for n in concurrency:
+            row += [f"{r.tokens_per_s[n]:.1f}", f"{r.tokens_per_s[n] / b.tokens_per_s[n]:.2f}"]
+        row += [f"{r.perplexity:.2f}", f"{r.perplexity / b.perplexity:.3f}", r.answer.replace("|", "/")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--group-sizes", nargs="+", type=int, default=[DEFAULT_INT4_GROUP_SIZE],
+                        help="int4 group sizes to try")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating timing rounds; the median is kept")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    variants = [
+        Variant(dtype, method, group_size)
+        for dtype in args.dtypes
+        for method in args.methods
+        for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
+    ]
+    results = measure_all(variants, args.concurrency, args.max_tokens, args.rounds)
+    print(table(results, args.concurrency))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

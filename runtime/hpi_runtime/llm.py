@@ -1,0 +1,316 @@
+"""The offline API (`LLM.generate` / `LLM.chat`, like vLLM's) and `create_engine`, which the server uses too.
+
+`model=None` means the embedded SmolLM2-135M-Instruct (converted once into the cache directory); any
+local Hugging Face directory works, and a Hub id when the network allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.engine import LLMEngine, QueueFullError
+from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.model.config import ModelConfig, load_model_config
+from hpi_runtime.model.loader import checkpoint_num_params
+from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
+from hpi_runtime.outputs import RequestOutput
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+CUDA_KV_CACHE_FRACTION = 0.85  # of the memory free after loading the weights
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class EngineBundle:
+    """An engine with everything the serving edge needs to know about what it runs."""
+
+    engine: LLMEngine
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    model_name: str
+    model_dir: Path
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    dtype: str
+    device: str
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    quantization: str = "none"
+
+
+def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
+    """(local directory, served model name) for `model`: None -> embedded, a directory, or a Hub id."""
+    if model is None:
+        from hpi_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+        return ensure_embedded_model(), EMBEDDED_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path, path.name
+    if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+            return Path(snapshot_download(model, allow_patterns=patterns)), model
+        except Exception as exc:  # offline, unknown id, gated: all mean "cannot get it"
+            raise FileNotFoundError(f"{model!r} is not a local directory and could not be downloaded: {exc}") from exc
+    raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """dtype "auto": bf16 on CPUs with native bf16 (AVX512-BF16/AMX) else fp32; on CUDA the checkpoint's 16-bit
+    dtype, else bf16 (fp16 on GPUs without bf16)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    if checkpoint_dtype in ("bfloat16", "float16"):
+        return DTYPES[checkpoint_dtype]
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def default_kv_cache_bytes(model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """1 GiB on CPU; on CUDA a fixed share of the memory the weights will leave free."""
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    weight_bytes = checkpoint_num_params(model_config) * torch.empty(0, dtype=dtype).element_size()
+    return max(int((free_bytes - weight_bytes) * CUDA_KV_CACHE_FRACTION), 0)
+
+
+def _check_engine_config(engine_config: EngineConfig, model_config: ModelConfig) -> None:
+    limit = model_config.max_position_embeddings
+    if engine_config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {engine_config.max_model_len} exceeds the model's max_position_embeddings {limit}"
+        )
+    window = model_config.sliding_window
+    if window is not None and engine_config.max_model_len > window:
+        raise ValueError(
+            f"max_model_len {engine_config.max_model_len} exceeds the model's sliding window {window}; "
+            f"sliding-window attention is not implemented, so set max_model_len <= {window}"
+        )
+
+
+def default_max_model_len(model_config: ModelConfig) -> int:
+    return min(
+        model_config.max_position_embeddings,
+        model_config.sliding_window or DEFAULT_MAX_MODEL_LEN,
+        DEFAULT_MAX_MODEL_LEN,
+    )
+
+
+def create_engine(
+    model: str | Path | None = None,
+    *,
+    engine_config: EngineConfig | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    kv_cache_memory_bytes: int | None = None,
+    seed: int = 0,
+    attention_backend: str = "torch",
+    quantization: str = "none",
+    quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+) -> EngineBundle:
+    """Load `model` and build an `LLMEngine` over a `LocalExecutor`.
+
+    `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`.
+    `kv_cache_memory_bytes=None`: see `default_kv_cache_bytes`.
+    `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization).
+    """
+    from transformers import AutoTokenizer
+
+    model_dir, model_name = resolve_model_dir(model)
+    model_config = load_model_config(model_dir)
+    quantization_config = QuantizationConfig(quantization, quantization_group_size)
+    check_model_supported(model_config, quantization_config)  # before any weight is read
+    engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
+    _check_engine_config(engine_config, model_config)
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but no CUDA device is available")
+    torch_dtype = resolve_dtype(dtype, torch_device, model_config.torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos_token_ids = model_config.eos_token_ids | (
+        {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    )
+    if not eos_token_ids:
+        raise ValueError(f"{model_dir} defines no EOS token (config, generation_config or tokenizer)")
+    executor_config = ExecutorConfig(
+        model_config=model_config,
+        dtype=torch_dtype,
+        device=torch_device,
+        block_size=engine_config.block_size,
+        max_model_len=engine_config.max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes
+        if kv_cache_memory_bytes is not None
+        else default_kv_cache_bytes(model_config, torch_dtype, torch_device),
+        attention_backend=attention_backend,
+        seed=seed,
+        eos_token_ids=frozenset(eos_token_ids),
+        quantization=quantization_config,
+    )
+    executor = LocalExecutor(executor_config)
+    engine = LLMEngine(engine_config, executor, tokenizer, frozenset(eos_token_ids))
+    return EngineBundle(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        model_dir=model_dir,
+        max_model_len=engine_config.max_model_len,
+        eos_token_ids=frozenset(eos_token_ids),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        device=str(torch_device),
+        weight_bytes=executor.weight_bytes,
+        kv_cache_bytes=executor.kv_cache_bytes,
+        num_kv_blocks=executor.num_kv_blocks,
+        quantization=quantization,
+    )
+
+
+class LLM:
+    """Offline batch generation over the same engine the server runs.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    >>> llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    ...          SamplingParams(temperature=0))[0].text
+    'The capital of France is Paris.'
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        attention_backend: str = "torch",
+        quantization: str = "none",
+        quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    ) -> None:
+        if max_model_len is None:
+            model_dir, _ = resolve_model_dir(model)
+            max_model_len = default_max_model_len(load_model_config(model_dir))
+            model = model_dir if model is not None else None
+        engine_config = EngineConfig(
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.bundle = create_engine(
+            model,
+            engine_config=engine_config,
+            dtype=dtype,
+            device=device,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=seed,
+            attention_backend=attention_backend,
+            quantization=quantization,
+            quantization_group_size=quantization_group_size,
+        )
+        self.engine = self.bundle.engine
+        self.tokenizer = self.bundle.tokenizer
+        self._request_counter = itertools.count()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (temperature, top_p, ...)."""
+        model_config = load_model_config(self.bundle.model_dir)
+        return SamplingParams(**model_config.sampling_defaults)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) and return the final outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        token_ids = [
+            self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts
+        ]
+        return self._run(token_ids, sampling_params)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        token_ids = [
+            list(
+                self.tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                )
+            )
+            for c in conversations
+        ]
+        return self._run(token_ids, sampling_params)
+
+    def _run(
+        self, token_ids: list[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(token_ids)
+        params = list(sampling_params)
+        if len(params) != len(token_ids):
+            raise ValueError(f"{len(params)} sampling params for {len(token_ids)} prompts")
+        request_ids = [f"llm-{next(self._request_counter)}" for _ in token_ids]
+        for request_id, ids, p in zip(request_ids, token_ids, params, strict=True):
+            self.engine.make_request(request_id, ids, p)  # validate everything before running anything
+        pending = list(zip(request_ids, token_ids, params, strict=True))[::-1]
+        finished: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {r: [] for r in request_ids}
+        while pending or self.engine.has_unfinished_requests():
+            while pending:
+                try:
+                    self.engine.add_request(*pending[-1])
+                except QueueFullError:
+                    break
+                pending.pop()
+            for output in self.engine.step():
+                logprobs[output.request_id].extend(output.new_logprobs)
+                if output.finished:
+                    # The caller sees one output per request, so its delta is everything.
+                    finished[output.request_id] = dataclasses.replace(
+                        output,
+                        new_token_ids=output.output_token_ids,
+                        text_delta=output.text,
+                        new_logprobs=tuple(logprobs[output.request_id]),
+                    )
+        return [finished[r] for r in request_ids]

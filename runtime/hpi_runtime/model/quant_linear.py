@@ -1,0 +1,149 @@
+"""Weight-only quantized linear layers: int8 / int4 weights in memory, the matmul op picked by device.
+
+CPU: torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
+`aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
+`aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
+CUDA: hpi_kernels' Triton `int8_weight_only_matmul` / `int4_weight_only_matmul` over the portable
+layout of hpi_kernels.quant. Both ops want their scales in the activation dtype, so a layer is built for
+one (device type, activation dtype); the portable `QuantizedWeight` is what stays device-neutral.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
+
+CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
+
+
+def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the quantized matmul computes in (and keeps its scales in).
+
+    torch's fp32 CPU kernels for the packed ops are scalar fallbacks (16-32x slower than their bf16
+    kernels on an AVX2 CPU at 443 rows, see docs/quantization.md), so on CPU fp32 activations are rounded to
+    bf16 at the matmul's input (2**-9 relative, below int8's own weight error) and the fp32 accumulator's
+    result is cast back. The Triton kernels take fp32 as it is.
+    """
+    if torch.device(device).type == "cpu" and activation_dtype == torch.float32:
+        return torch.bfloat16
+    return activation_dtype
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear weight in the portable format of hpi_kernels.quant (the offline step's output)."""
+
+    method: str  # "int8" | "int4"
+    qweight: torch.Tensor  # int8: [N, K] int8; int4: [N, K // 2] uint8, byte j = (q[2j] << 4) | q[2j + 1]
+    scales: torch.Tensor  # int8: [N]; int4: [N, K // group_size]
+    zeros: torch.Tensor | None = None  # int4: [N, K // group_size], w = (q - 8) * scale + zero
+    group_size: int | None = None  # int4 only
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.method == "int4" else 1)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32
+        if self.method == "int8":
+            return dequantize_int8(self.qweight, self.scales)
+        assert self.zeros is not None and self.group_size is not None
+        return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+
+
+def pack_int4_for_cpu(
+    weight: QuantizedWeight,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (packed [N_pad, K // 2] uint8 in torch's CPU tile layout, [K // g, N_pad, 2])
+    """The portable int4 weight in the layout `aten._weight_int4pack_mm_for_cpu` takes; N padded to 16.
+
+    Pad rows hold q = 8 with scale 0 and zero 0, so they dequantize to exactly 0.
+    """
+    n = weight.out_features
+    pad = -n % CPU_INT4_N_MULTIPLE
+    q = unpack_int4(weight.qweight).to(torch.int32)  # [N, K]
+    scales, zeros = weight.scales, weight.zeros
+    assert zeros is not None
+    if pad:
+        q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, to_torch_scales_and_zeros(scales, zeros)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W).T + b with W kept quantized; built for one device type and activation dtype.
+
+    The quantized tensors are frozen `nn.Parameter`s so that `model.parameters()` (and with it the
+    reported weight footprint and device lookups) sees them like any other weight.
+    """
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,  # activation dtype
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.activation_dtype = dtype
+        scale_dtype = op_dtype(device, dtype)
+        self.method, self.group_size = weight.method, weight.group_size
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.device_type = torch.device(device).type
+
+        def frozen(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
+
+        if self.method == "int8":
+            self.qweight = frozen(weight.qweight)  # [N, K] int8
+            self.scales = frozen(weight.scales.to(scale_dtype))  # [N]
+        elif self.device_type == "cpu":
+            packed, scales_and_zeros = pack_int4_for_cpu(weight)
+            self.qweight = frozen(packed)  # [N_pad, K // 2] uint8, torch's CPU tile layout
+            self.scales_and_zeros = frozen(scales_and_zeros.to(scale_dtype))  # [K // g, N_pad, 2]
+        else:
+            assert weight.zeros is not None
+            self.qweight = frozen(weight.qweight)  # [N, K // 2] uint8, hpi_kernels.quant layout
+            self.scales = frozen(weight.scales.to(scale_dtype))  # [N, K // g]
+            self.zeros = frozen(weight.zeros.to(scale_dtype))  # [N, K // g]
+        self.bias = None if bias is None else frozen(bias.to(self.activation_dtype))
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"{self.in_features}, {self.out_features}, {self.method}{group}, {self.device_type}"
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] contiguous -> [M, N]
+        if x.device.type != self.device_type:
+            raise RuntimeError(f"QuantizedLinear was packed for {self.device_type}, got input on {x.device.type}")
+        if self.device_type == "cpu":
+            if self.method == "int8":
+                return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales_and_zeros)
+            return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+        from hpi_kernels.quant_matmul import int4_weight_only_matmul, int8_weight_only_matmul
+
+        if self.method == "int8":
+            return int8_weight_only_matmul(x, self.qweight, self.scales)
+        return int4_weight_only_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        compute_dtype = self.compute_dtype
+        out = self._matmul(x.reshape(-1, self.in_features).to(compute_dtype).contiguous()).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matmul runs in: the dtype its scales are stored in (see op_dtype)."""
+        scales = self.scales if hasattr(self, "scales") else self.scales_and_zeros
+        return scales.dtype

@@ -1,0 +1,140 @@
+"""Weight-only INT8 / INT4 quantization at load time, split as gpt-fast does.
+
+Offline step (pure, no modules): `quantize_weight` turns one float [N, K] weight into a `QuantizedWeight`
+(INT8: symmetric, one scale per output channel; INT4: asymmetric min/max, group-wise along K, two values
+per byte; formats from hpi_kernels.quant), and `quantized_state_dict` does it for every linear of a model.
+Runtime step: `quantize_model` swaps every linear layer (qkv, o, gate_up, down; not the embeddings and,
+unless asked, not the LM head) for a `QuantizedLinear`, one layer at a time, releasing each float weight
+as soon as its replacement exists: peak memory is the float model plus one layer, never two models.
+The model is loaded in float first (the loaders keep doing tensor-parallel slicing); each rank would
+quantize its own shard, so INT4 groups along K need K_per_rank % group_size == 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpi_kernels.quant import quantize_int4, quantize_int8
+from hpi_runtime.model.config import ModelConfig
+from hpi_runtime.model.linear import LinearBase
+from hpi_runtime.model.quant_linear import QuantizedLinear, QuantizedWeight, op_dtype
+
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+# Measured (docs/quantization.md): on the embedded SmolLM2-135M group 32 keeps perplexity within 0.3% of
+# the float model where group 64 loses 44%, for 4% more weight bytes (that checkpoint was converted from a
+# Q4_1 GGUF, itself a group-32 grid, which flatters 32); 128 does not divide its K = 576. 32 divides the K
+# of every Llama-family model, so it is the default that always loads.
+DEFAULT_INT4_GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str = "none"  # "none" | "int8" | "int4"
+    group_size: int = DEFAULT_INT4_GROUP_SIZE  # int4 only: weights per (scale, zero) pair along K
+    quantize_lm_head: bool = False  # untied heads only; a tied head shares the (float) embedding
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.method!r}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}; got {self.group_size!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def quantize_weight(
+    weight: torch.Tensor,  # [N, K] float
+    config: QuantizationConfig,
+    scale_dtype: torch.dtype | None = None,  # default: weight.dtype
+) -> QuantizedWeight:
+    """The offline step for one weight. Integer codes are rounded against the scales as stored in
+    `scale_dtype` (the dtype the matmul will read them in), so storing them costs no extra error."""
+    if not config.enabled:
+        raise ValueError("quantize_weight needs method 'int8' or 'int4', not 'none'")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float [N, K] tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if config.method == "int8":
+        qweight, scales = quantize_int8(weight, scale_dtype)
+        return QuantizedWeight("int8", qweight, scales)
+    k = weight.shape[1]
+    if k % config.group_size != 0:
+        raise ValueError(f"int4 group size {config.group_size} does not divide the layer's K = {k}")
+    packed, scales, zeros = quantize_int4(weight, config.group_size, scale_dtype)
+    return QuantizedWeight("int4", packed, scales, zeros, config.group_size)
+
+
+def _quantizable(model: nn.Module, config: QuantizationConfig) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            yield name, module
+    if config.quantize_lm_head:
+        lm_head = getattr(model, "lm_head", None)
+        if lm_head is None:
+            raise ValueError("quantize_lm_head is set but the model has no lm_head")
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError("quantize_lm_head needs an untied LM head (this model ties it to the embeddings)")
+        yield "lm_head", lm_head
+
+
+def quantized_state_dict(model: nn.Module, config: QuantizationConfig) -> dict[str, torch.Tensor]:
+    """gpt-fast's "make the quantized state dict": `<layer>.qweight/.scales[/.zeros]` for every linear."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in _quantizable(model, config):
+        qw = quantize_weight(module.weight.detach(), config)
+        state[f"{name}.qweight"], state[f"{name}.scales"] = qw.qweight, qw.scales
+        if qw.zeros is not None:
+            state[f"{name}.zeros"] = qw.zeros
+        if module.bias is not None:
+            state[f"{name}.bias"] = module.bias.detach()
+    return state
+
+
+class QuantizedLMHead(QuantizedLinear):
+    """The LM head's contract: hidden states -> fp32 logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+def check_model_supported(model_config: ModelConfig, config: QuantizationConfig) -> None:
+    """Fail before loading any weight when an int4 group size cannot tile some layer's K."""
+    if config.method != "int4":
+        return
+    ks = {
+        "qkv_proj / gate_up_proj (hidden_size)": model_config.hidden_size,
+        "o_proj (num_heads * head_dim)": model_config.num_heads * model_config.head_dim,
+        "down_proj (intermediate_size)": model_config.intermediate_size,
+    }
+    bad = [f"{layer} K = {k}" for layer, k in ks.items() if k % config.group_size != 0]
+    if bad:
+        fits = [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in ks.values())]
+        raise ValueError(
+            f"int4 group size {config.group_size} does not divide {', '.join(bad)}; "
+            f"group sizes that fit this model: {fits or 'none'}"
+        )
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
+    """Swap the model's linear layers for quantized ones in place (returns `model`); "none" is a no-op."""
+    if not config.enabled:
+        return model
+    targets = list(_quantizable(model, config))
+    for name, module in targets:
+        weight = module.weight
+        quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
+        quantized = quantize_weight(weight.detach(), config, op_dtype(weight.device, weight.dtype))
+        replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device)
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
+        # The old parameter's weight_loader (a bound method) ties it to its module in a reference cycle, so
+        # it would wait for the garbage collector: drop the storage now to keep peak memory at one layer.
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    return model

@@ -1,0 +1,153 @@
+"""Sampling from logits: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+Every row is processed with vectorised ops; only seeded rows draw their noise one by one, from their own
+generator re-seeded per output position, so a seeded request's tokens depend only on its seed and its
+logits: not on the batch it shares, nor on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpi_runtime.core.interface import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings for the rows of one step's logits (row i = request i)."""
+
+    temperature: torch.Tensor  # [S] float32; 0 = greedy
+    top_k: torch.Tensor  # [S] int64; 0 = off
+    top_p: torch.Tensor  # [S] float32; 1 = off
+    min_p: torch.Tensor  # [S] float32; 0 = off
+    seeds: tuple[int | None, ...]  # per row: the seed for this draw (already mixed with the position)
+    num_logprobs: tuple[int | None, ...]  # per row: top-n to return, None = no logprobs
+    # Penalties: None when no row uses any (the common case, skips all the work).
+    presence_penalty: torch.Tensor | None = None  # [S] float32
+    frequency_penalty: torch.Tensor | None = None  # [S] float32
+    repetition_penalty: torch.Tensor | None = None  # [S] float32
+    prompt_token_ids: tuple[tuple[int, ...], ...] = ()
+    output_token_ids: tuple[tuple[int, ...], ...] = ()
+    banned_token_ids: tuple[tuple[int, ...], ...] = ()  # per row, e.g. EOS before min_tokens
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A well-spread 63-bit seed for draw number `position` of a request seeded with `seed` (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _counts(token_lists: tuple[tuple[int, ...], ...], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[S, V] float32 occurrence counts of each row's tokens."""
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)
+    for row, ids in enumerate(token_lists):
+        if ids:
+            index = torch.tensor(ids, device=device)
+            counts[row].index_add_(0, index, torch.ones(len(ids), device=device))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (HF/vLLM), presence/frequency over output tokens (OpenAI)."""
+    vocab_size = logits.shape[1]
+    output_counts = _counts(batch.output_token_ids, vocab_size, logits.device)
+    if batch.repetition_penalty is not None:
+        seen = (_counts(batch.prompt_token_ids, vocab_size, logits.device) + output_counts) > 0
+        penalty = batch.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty[:, None] * output_counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty[:, None] * (output_counts > 0)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets, in that order."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)
+    top_k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[1])
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it already does.
+    outside_top_p = (probs.cumsum(dim=-1) - probs) >= batch.top_p[:, None]
+    outside_top_p[:, 0] = False
+    below_min_p = probs < batch.min_p[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(outside_top_p | below_min_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _draw_noise(
+    shape: tuple[int, int], seeds: tuple[int | None, ...], device: torch.device, generator: torch.Generator
+) -> torch.Tensor:
+    """Exp(1) noise [S, V]: seeded rows from their own generator, the rest from the shared one."""
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    row_generator = torch.Generator(device=device)
+    for row, seed in enumerate(seeds):
+        if seed is not None:
+            row_generator.manual_seed(seed)
+            noise[row].exponential_(generator=row_generator)
+    return noise
+
+
+def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
+    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports them."""
+    wanted = [n for n in batch.num_logprobs if n is not None]
+    if not wanted:
+        return [None] * len(batch.num_logprobs)
+    logprobs = raw_logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(max(wanted), dim=-1) if max(wanted) else (None, None)
+    results: list[TokenLogprobs | None] = []
+    for row, n in enumerate(batch.num_logprobs):
+        if n is None:
+            results.append(None)
+            continue
+        top = tuple(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else ()
+        results.append(TokenLogprobs(token_id=int(token_ids[row]), logprob=chosen[row], top=top))
+    return results
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # Draws for unseeded requests: reproducible per engine seed, but they depend on batch order.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [S, V] float32 -> one token per row."""
+        raw_logits = logits
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits = logits.clone() if logits is raw_logits else logits
+                logits[row, list(banned)] = float("-inf")
+        if batch.output_token_ids:
+            logits = apply_penalties(logits, batch)
+        greedy_ids = logits.argmax(dim=-1)
+        is_greedy = batch.temperature == 0
+        if bool(is_greedy.all()):
+            token_ids = greedy_ids
+        else:
+            temperature = torch.where(is_greedy, 1.0, batch.temperature)
+            scaled = logits / temperature[:, None]
+            if bool((batch.top_k > 0).any() | (batch.top_p < 1).any() | (batch.min_p > 0).any()):
+                scaled = apply_top_k_top_p_min_p(scaled, batch)
+            probs = scaled.softmax(dim=-1)
+            # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+            noise = _draw_noise(tuple(probs.shape), batch.seeds, probs.device, self.generator)
+            sampled_ids = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw_logits, token_ids, batch))

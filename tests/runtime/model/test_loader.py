@@ -1,0 +1,80 @@
+"""The safetensors loader: shards with and without an index, merged qkv / gate_up, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hpi_runtime.model.attention import TorchAttentionBackend
+from hpi_runtime.model.config import load_model_config
+from hpi_runtime.model.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def _load(model_dir: Path, dtype: torch.dtype = torch.float32):
+    return load_model(load_model_config(model_dir), dtype, CPU, TorchAttentionBackend(dtype))
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory, tiny_model_factory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=False)
+    out = tmp_path_factory.mktemp("sharded")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.save_pretrained(out, max_shard_size="60KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    return out
+
+
+def _reference(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def _check_matches(model, reference: dict[str, torch.Tensor]) -> None:
+    layer = model.model.layers[1]
+    attn = "model.layers.1.self_attn"
+    expected_qkv = torch.cat([reference[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, expected_qkv, rtol=0, atol=0)
+    expected_bias = torch.cat([reference[f"{attn}.{p}_proj.bias"] for p in "qkv"])
+    torch.testing.assert_close(layer.self_attn.qkv_proj.bias, expected_bias, rtol=0, atol=0)
+    mlp = "model.layers.1.mlp"
+    expected_gate_up = torch.cat([reference[f"{mlp}.gate_proj.weight"], reference[f"{mlp}.up_proj.weight"]])
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight, expected_gate_up, rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.weight, reference["lm_head.weight"], rtol=0, atol=0)
+
+
+def test_sharded_checkpoint_with_and_without_index(sharded_dir: Path) -> None:
+    assert len(list(sharded_dir.glob("*.safetensors"))) > 2
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    reference = _reference(sharded_dir)
+    _check_matches(_load(sharded_dir), reference)
+    (sharded_dir / "model.safetensors.index.json").unlink()
+    _check_matches(_load(sharded_dir), reference)
+
+
+def test_tied_embeddings_share_storage_and_bf16_loads(tiny_model_dir: Path) -> None:
+    model = _load(tiny_model_dir, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_missing_and_unexpected_tensors_are_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    without_v = {k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.v_proj.weight"}
+    save_file(without_v, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*qkv_proj\.weight:v"):
+        _load(tmp_path)
+    save_file({**tensors, "model.layers.0.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.0.extra.weight' has no matching parameter"):
+        _load(tmp_path)

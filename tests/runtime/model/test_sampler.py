@@ -1,0 +1,101 @@
+"""The sampler on hand-made logits: greedy, filters, seeds, penalties, banned tokens, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from hpi_runtime.worker.sampler import Sampler, SamplingBatch, mix_seed
+
+VOCAB = 32
+
+
+def _batch(num_rows: int, **columns) -> SamplingBatch:
+    def col(name: str, default: float, dtype=torch.float32) -> torch.Tensor:
+        value = columns.pop(name, default)
+        return value if isinstance(value, torch.Tensor) else torch.full((num_rows,), value, dtype=dtype)
+
+    return SamplingBatch(
+        temperature=col("temperature", 1.0),
+        top_k=col("top_k", 0, torch.int64),
+        top_p=col("top_p", 1.0),
+        min_p=col("min_p", 0.0),
+        seeds=columns.pop("seeds", (None,) * num_rows),
+        num_logprobs=columns.pop("num_logprobs", (None,) * num_rows),
+        **columns,
+    )
+
+
+def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
+    logits = _logits(6)
+    argmax = logits.argmax(-1).tolist()
+    assert Sampler()(logits, _batch(6, temperature=0.0)).token_ids == argmax
+    for filters in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        assert Sampler()(logits, _batch(6, **filters)).token_ids == argmax
+
+
+def test_filters_restrict_the_support() -> None:
+    logits = _logits(1).expand(400, -1).contiguous()
+    top4 = set(logits[0].topk(4).indices.tolist())
+    assert set(Sampler(seed=1)(logits, _batch(400, top_k=4)).token_ids) <= top4
+    probs = logits[0].softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    nucleus = set(order[: int((sorted_probs.cumsum(0) < 0.6).sum()) + 1].tolist())
+    assert set(Sampler(seed=2)(logits, _batch(400, top_p=0.6)).token_ids) <= nucleus
+    above_min_p = set((probs >= 0.3 * probs.max()).nonzero().flatten().tolist())
+    assert set(Sampler(seed=3)(logits, _batch(400, min_p=0.3)).token_ids) <= above_min_p
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0] + [-30.0] * (VOCAB - 3)]).expand(6000, -1).contiguous()
+    tokens = torch.tensor(Sampler(seed=0)(logits, _batch(6000, temperature=1.0)).token_ids)
+    observed = torch.bincount(tokens, minlength=3)[:3].float() / 6000
+    torch.testing.assert_close(observed, logits[0, :3].softmax(-1), atol=0.03, rtol=0)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    logits = _logits(5)
+    alone = Sampler(seed=1)(logits[2:3], _batch(1, seeds=(mix_seed(7, 0),))).token_ids
+    seeds = (None, mix_seed(9, 0), mix_seed(7, 0), None, mix_seed(7, 3))
+    batched = Sampler(seed=2)(logits, _batch(5, seeds=seeds)).token_ids
+    assert batched[2] == alone[0]
+    flat = torch.zeros(64, VOCAB)  # uniform: draws are decided by the noise alone
+    draws = [Sampler()(flat, _batch(64, seeds=(mix_seed(s, 0),) * 64)).token_ids for s in (7, 7, 8)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    assert mix_seed(7, 0) != mix_seed(7, 1) != mix_seed(8, 0)
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [-9.0] * (VOCAB - 4)])
+    greedy = {"temperature": 0.0}
+    penalties = {
+        "presence_penalty": torch.zeros(1),
+        "frequency_penalty": torch.zeros(1),
+        "repetition_penalty": torch.ones(1),
+        "prompt_token_ids": ((),),
+        "output_token_ids": ((),),
+    }
+    repeated = {**penalties, "repetition_penalty": torch.tensor([4.0]), "prompt_token_ids": ((0,),)}
+    assert Sampler()(logits, _batch(1, **greedy, **repeated)).token_ids == [2]  # 2.0 / 4 < 1.0
+    frequency = {**penalties, "frequency_penalty": torch.tensor([0.6]), "output_token_ids": ((0, 0),)}
+    assert Sampler()(logits, _batch(1, **greedy, **frequency)).token_ids == [2]  # 2.0 - 1.2 < 1.0
+    presence = {**penalties, "presence_penalty": torch.tensor([0.6]), "output_token_ids": ((0, 0),)}
+    assert Sampler()(logits, _batch(1, **greedy, **presence)).token_ids == [0]  # 2.0 - 0.6 > 1.0
+
+
+def test_banned_tokens_and_logprobs() -> None:
+    logits = _logits(3)
+    argmax = logits.argmax(-1).tolist()
+    banned = ((argmax[0],), (), ())
+    out = Sampler()(logits, _batch(3, temperature=0.0, banned_token_ids=banned, num_logprobs=(2, None, 0)))
+    assert out.token_ids[0] != argmax[0] and out.token_ids[1:] == argmax[1:]
+    logprobs = logits.log_softmax(-1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    assert abs(first.logprob - logprobs[0, first.token_id].item()) < 1e-5  # of the model, not the filtered
+    top_values, top_ids = logprobs[0].topk(2)
+    assert [t for t, _ in first.top] == top_ids.tolist()
+    assert out.logprobs[1] is None and out.logprobs[2].top == ()
