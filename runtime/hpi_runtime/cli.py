@@ -1,0 +1,129 @@
+"""`hpi`: the runtime's command line (`hpi serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpi", description="hetero-paged-infer runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a Hugging Face model directory over an OpenAI-compatible HTTP API with a paged KV "
+        "cache and continuous batching. Without --model, serves the embedded SmolLM2-135M-Instruct on CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = serve.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="model directory (config.json, *.safetensors, tokenizer); default: the embedded model")
+    model.add_argument("--served-model-name", default=None,
+                       help="the name clients put in 'model'; default: the model directory's name")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weight and activation dtype; auto = bf16 where the device does it fast, else fp32")
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto = cuda when a GPU is visible, else cpu")
+    model.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                       help="weight-only quantization of the linear layers at load time (int8 per channel, "
+                       "int4 group-wise); embeddings and LM head stay in --dtype")
+    model.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
+                       help="int4 only: weights per scale/zero along K (must divide every layer's K)")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="bytes for the paged KV cache, e.g. 2GiB; default: sized by the runtime")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens computed per engine step at most (chunked-prefill budget)")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + completion tokens per request at most; default: the model's context")
+    engine.add_argument("--max-num-waiting", type=int, default=1024,
+                        help="queued requests at most; more get HTTP 429")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    http = serve.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    http.add_argument("--port", type=int, default=8000, help="port to bind")
+    http.add_argument("--api-key", default=os.environ.get("HPI_API_KEY"),
+                      help="require 'Authorization: Bearer <key>' on /v1/* (env: HPI_API_KEY)")
+    http.add_argument("--max-request-body", type=parse_bytes, default=4 * 2**20,
+                      help="larger request bodies get HTTP 413")
+    http.add_argument("--drain-timeout", type=float, default=30.0,
+                      help="seconds to let in-flight requests finish after SIGTERM")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from hpi_runtime.config import EngineConfig
+    from hpi_runtime.embedded import EMBEDDED_MODEL_NAME
+    from hpi_runtime.server.main import serve as run_server
+    from hpi_runtime.server.state import ServerSettings
+
+    name = args.served_model_name or (
+        EMBEDDED_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model))
+    )
+    engine_settings = dict(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_waiting=args.max_num_waiting,
+    )
+    try:  # fail on bad flags now, before the model loads
+        EngineConfig(**engine_settings, max_model_len=args.max_model_len or 1)
+    except ValueError as exc:
+        print(f"hpi serve: {exc}", file=sys.stderr)
+        return 2
+    settings = ServerSettings(served_model_name=name, api_key=args.api_key or None,
+                              max_request_body_bytes=args.max_request_body, drain_timeout_s=args.drain_timeout)
+
+    def load():
+        import torch
+
+        from hpi_runtime.llm import create_engine, default_max_model_len, resolve_model_dir
+        from hpi_runtime.model.config import load_model_config
+
+        model_dir, _ = resolve_model_dir(args.model)
+        max_model_len = args.max_model_len or default_max_model_len(load_model_config(model_dir))
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        return create_engine(
+            model_dir,
+            engine_config=EngineConfig(**engine_settings, max_model_len=max_model_len),
+            dtype=args.dtype,
+            device=device,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            seed=args.seed,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+        )
+
+    return asyncio.run(run_server(settings, load, args.host, args.port))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        sys.exit(serve(args))
+
+
+if __name__ == "__main__":
+    main()

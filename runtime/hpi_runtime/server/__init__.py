@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of the async engine."""

@@ -1,0 +1,118 @@
+"""The aiohttp application: routes, authentication, in-flight accounting and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from hpi_runtime.core.async_engine import EngineDeadError
+from hpi_runtime.core.engine import EngineError, QueueFullError
+from hpi_runtime.server.chat import create_chat_completion
+from hpi_runtime.server.completions import create_completion
+from hpi_runtime.server.errors import ApiError
+from hpi_runtime.server.state import STATE_KEY, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason or exc.text or "error").response()
+    except QueueFullError as exc:
+        return ApiError(429, str(exc), code="queue_full").response()
+    except ValueError as exc:  # the engine's admission checks: input it cannot take is a client error
+        return ApiError(400, str(exc)).response()
+    except EngineDeadError as exc:
+        return ApiError(503, f"the engine is not running: {exc}", code="engine_dead").response()
+    except EngineError as exc:
+        logger.error("request %s failed in the engine: %s", request["request_id"], exc)
+        return ApiError(500, f"the engine failed this request: {exc}").response()
+    except (ConnectionError, TimeoutError):
+        raise
+    except Exception as exc:  # a bug or an engine failure: fail this request only, with its id in the log
+        logger.exception("request %s failed", request["request_id"])
+        return ApiError(500, f"internal error ({type(exc).__name__}); request id {request['request_id']}").response()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    api_key = request.app[STATE_KEY].settings.api_key
+    if api_key and request.path.startswith("/v1/"):
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def inflight_middleware(request: web.Request, handler) -> web.StreamResponse:
+    if request.method != "POST":
+        return await handler(request)
+    state: ServerState = request.app[STATE_KEY]
+    state.request_started()
+    try:
+        return await handler(request)
+    finally:
+        state.request_finished()
+
+
+async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    if state.model is not None and getattr(state.model.engine, "errored", False):
+        return web.json_response({"status": "engine failed"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    if state.ready:
+        return web.json_response({"status": "ready"})
+    reason = "draining" if state.draining else ("load failed" if state.load_error else "loading")
+    if state.model is not None and getattr(state.model.engine, "errored", False):
+        reason = "engine failed"
+    return web.json_response({"status": reason}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    if state.model is not None:
+        state.metrics.refresh(state.model.engine.get_stats())
+    state.metrics.set_ready(state.ready)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    model = state.admit()
+    card = {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "hetero-paged-infer",
+            "root": model.name, "parent": None, "max_model_len": model.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware, inflight_middleware],
+        client_max_size=state.settings.max_request_body_bytes,
+    )
+    app[STATE_KEY] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    return app

@@ -1,0 +1,172 @@
+"""Run the choices of one API request on the async engine: prompt checks, n-way fan-out, timing.
+
+Everything HTTP-shaped lives in the endpoint modules; this module turns prompts plus validated sampling
+fields into engine requests and merges their output streams as (choice index, RequestOutput).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from hpi_runtime.outputs import FINISH_ABORT, RequestOutput
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.server.errors import ApiError, bad_request
+from hpi_runtime.server.metrics import RequestTiming, ServingMetrics
+from hpi_runtime.server.protocol import SamplingFields
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def plan_choices(
+    base_id: str,
+    prompts: Sequence[Sequence[int]],
+    fields: SamplingFields,
+    n: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> list[Choice]:
+    """One Choice per (prompt, i < n); validates lengths against max_model_len (400 with the numbers)."""
+    choices = []
+    for p, prompt_ids in enumerate(prompts):
+        if not prompt_ids:
+            raise bad_request("the prompt is empty", "prompt")
+        if max(prompt_ids) >= vocab_size:
+            raise bad_request(f"token id {max(prompt_ids)} is outside the vocabulary of {vocab_size}", "prompt")
+        num_prompt = len(prompt_ids)
+        if num_prompt >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{num_prompt} tokens. Please shorten the prompt.",
+                "messages",
+                "context_length_exceeded",
+            )
+        max_tokens = fields.max_tokens if fields.max_tokens is not None else max_model_len - num_prompt
+        if num_prompt + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or the completion length.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        for i in range(n):
+            seed = None if fields.seed is None else fields.seed + i  # n choices: reproducible, yet distinct
+            try:
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=fields.temperature,
+                    top_p=fields.top_p,
+                    top_k=fields.top_k,
+                    min_p=fields.min_p,
+                    seed=seed,
+                    stop=fields.stop,
+                    stop_token_ids=fields.stop_token_ids,
+                    ignore_eos=fields.ignore_eos,
+                    min_tokens=min(fields.min_tokens, max_tokens),
+                    presence_penalty=fields.presence_penalty,
+                    frequency_penalty=fields.frequency_penalty,
+                    repetition_penalty=fields.repetition_penalty,
+                    logprobs=fields.logprobs,
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc)) from exc
+            index = len(choices)
+            choices.append(Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params))
+    return choices
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.queue_s: float | None = None
+
+    def tick(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.first_scheduled_time is not None and self.queue_s is None:
+            self.queue_s = max(0.0, out.first_scheduled_time - out.arrival_time)
+        if not out.new_token_ids:
+            return
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            # Several tokens in one delivery share the gap (rare: only when the consumer falls behind).
+            gap = (now - self.last) / len(out.new_token_ids)
+            self.gaps.extend([gap] * len(out.new_token_ids))
+        self.last = now
+
+    def timing(self) -> RequestTiming:
+        first = None if self.first is None else self.first - self.start
+        return RequestTiming(first, tuple(self.gaps), time.monotonic() - self.start, self.queue_s)
+
+
+async def stream_choices(
+    engine, metrics: ServingMetrics, choices: Sequence[Choice]
+) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Run all choices concurrently; yield their outputs as they come; cancel them all on early exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        timer = _Timer()
+        finish = FINISH_ABORT
+        try:
+            async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params):
+                timer.tick(out)
+                if out.finished:
+                    finish = out.finish_reason or FINISH_ABORT
+                await queue.put((choice, out, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer, which maps it to an HTTP error
+            await queue.put((choice, None, exc))
+        finally:
+            metrics.observe_request(timer.timing(), finish)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            choice, out, error = await queue.get()
+            if error is not None:
+                raise error
+            yield choice, out
+            if out.finished:
+                remaining -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_choices(engine, metrics: ServingMetrics, choices: Sequence[Choice]) -> dict[int, list]:
+    """Non-streaming: every choice's RequestOutputs, keyed by choice index."""
+    outputs: dict[int, list[RequestOutput]] = {c.index: [] for c in choices}
+    async for choice, out in stream_choices(engine, metrics, choices):
+        outputs[choice.index].append(out)
+    return outputs
+
+
+def final_output(outputs: list[RequestOutput]) -> RequestOutput:
+    """The cumulative last output, with every step's logprobs gathered into new_logprobs."""
+    if not outputs:
+        raise ApiError(500, "the engine finished a request without output")
+    last = outputs[-1]
+    logprobs = tuple(lp for out in outputs for lp in out.new_logprobs)
+    return replace(last, new_logprobs=logprobs)

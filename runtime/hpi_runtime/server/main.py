@@ -1,0 +1,92 @@
+"""Run the server: listen first (liveness answers at once), load and warm the model, serve, drain on SIGTERM.
+
+Readiness is false while loading and from the first SIGTERM on. On SIGTERM new requests get 503, in-flight
+ones finish within the drain timeout, then the process exits 0 (Kubernetes' rolling-update contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.server.app import build_app
+from hpi_runtime.server.metrics import ModelFootprint
+from hpi_runtime.server.state import ServedModel, ServerSettings, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(settings: ServerSettings, load_bundle: Callable[[], Any], host: str, port: int) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code."""
+    state = ServerState(settings)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logger.info("listening on http://%s:%d (loading the model; /ready says when it is done)", host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.create_task(_load(state, load_bundle))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and state.load_error is None:
+        await stopper
+    exit_code = 0
+    if state.load_error is not None:
+        exit_code = 1
+    else:
+        logger.info("draining: refusing new requests, waiting up to %.0f s for %d in flight",
+                    settings.drain_timeout_s, state.in_flight)
+        state.begin_drain()
+        if not await state.wait_idle(settings.drain_timeout_s):
+            logger.warning("drain timeout: %d requests still in flight are cut off", state.in_flight)
+    stopper.cancel()
+    loader.cancel()
+    await runner.cleanup()
+    if state.model is not None:
+        await state.model.engine.shutdown()
+    logger.info("stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+async def _load(state: ServerState, load_bundle: Callable[[], Any]) -> None:
+    from hpi_runtime.core.async_engine import AsyncLLM
+
+    try:
+        bundle = await asyncio.get_running_loop().run_in_executor(None, load_bundle)
+        engine = AsyncLLM(bundle.engine)
+        await engine.start()
+        await _warm_up(engine, bundle.tokenizer)
+    except Exception as exc:  # reported on /ready and in the exit code
+        logger.exception("loading the model failed")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    state.metrics.set_footprint(ModelFootprint(bundle.weight_bytes, bundle.kv_cache_bytes,
+                                               bundle.num_kv_blocks, bundle.engine.config.block_size))
+    state.set_model(ServedModel(engine=engine, tokenizer=bundle.tokenizer, name=state.settings.served_model_name,
+                                max_model_len=bundle.max_model_len, vocab_size=len(bundle.tokenizer)))
+    # Everything allocated so far (model, tokenizer, modules) lives for the whole process: keep it out of
+    # the cyclic GC's generations so collections during serving stay short (vLLM does the same).
+    gc.collect()
+    gc.freeze()
+    logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB in %d blocks, "
+                "max_model_len %d", state.settings.served_model_name, bundle.dtype, bundle.quantization,
+                bundle.device, bundle.weight_bytes / 2**20, bundle.kv_cache_bytes / 2**20, bundle.num_kv_blocks,
+                bundle.max_model_len)
+
+
+async def _warm_up(engine, tokenizer) -> None:
+    """One short greedy request through the whole path, so the first user request pays no first-call costs."""
+    prompt_ids = tokenizer("Hello").input_ids or [0]
+    async for _ in engine.generate("warmup", list(prompt_ids), SamplingParams(max_tokens=2, temperature=0.0)):
+        pass

@@ -1,0 +1,121 @@
+"""Prometheus metrics under vLLM's names (the ecosystem's contract) plus `hpi:` extras.
+
+Each server owns its own CollectorRegistry (no process-global state). Gauges and counters are brought up
+to date from the engine's cumulative stats whenever /metrics is scraped, so the numbers are exact at scrape
+time and the engine loop pays nothing per step; latency histograms are observed by the request handlers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self._running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=reg)
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+                              registry=reg)
+        self._kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", labels,
+                               registry=reg)
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self._generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=reg)
+        self._preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", labels, registry=reg)
+        self._prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", labels,
+                                       registry=reg)
+        self._prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
+                                    registry=reg)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                               buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+                              buckets=ITL_BUCKETS_S, registry=reg)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                              buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting before scheduling.",
+                                labels, buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._weight_bytes = Gauge("hpi:model_weight_bytes", "Bytes of model weights on the device.", labels,
+                                   registry=reg)
+        self._kv_bytes = Gauge("hpi:kv_cache_bytes", "Bytes reserved for the paged KV cache.", labels,
+                               registry=reg)
+        self._kv_blocks = Gauge("hpi:kv_cache_blocks", "KV-cache blocks in the pool.", labels, registry=reg)
+        self._block_size = Gauge("hpi:kv_cache_block_size_tokens", "Tokens per KV-cache block.", labels,
+                                 registry=reg)
+        self._ready = Gauge("hpi:ready", "1 when the server accepts requests.", labels, registry=reg)
+        self._model = model_name
+        self._last: dict[str, int] = {}
+        for counter in (self._prompt_tokens, self._generation_tokens, self._preemptions, self._prefix_queries,
+                        self._prefix_hits):
+            counter.labels(model_name)  # exported at 0 from the start
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for gauge in (self._running, self._waiting, self._kv_usage):
+            gauge.labels(model_name).set(0)
+
+    def set_footprint(self, footprint: ModelFootprint) -> None:
+        self._weight_bytes.labels(self._model).set(footprint.weight_bytes)
+        self._kv_bytes.labels(self._model).set(footprint.kv_cache_bytes)
+        self._kv_blocks.labels(self._model).set(footprint.num_kv_blocks)
+        self._block_size.labels(self._model).set(footprint.block_size)
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready.labels(self._model).set(1 if ready else 0)
+
+    def refresh(self, stats) -> None:
+        """Bring gauges and counters up to the engine's cumulative `EngineStats`."""
+        model = self._model
+        self._running.labels(model).set(stats.num_running)
+        self._waiting.labels(model).set(stats.num_waiting)
+        self._kv_usage.labels(model).set(stats.kv_cache_usage)
+        for name, counter in (
+            ("num_prompt_tokens", self._prompt_tokens),
+            ("num_generation_tokens", self._generation_tokens),
+            ("num_preemptions", self._preemptions),
+            ("prefix_cache_queries", self._prefix_queries),
+            ("prefix_cache_hits", self._prefix_hits),
+        ):
+            total = int(getattr(stats, name))
+            delta = total - self._last.get(name, 0)
+            if delta > 0:
+                counter.labels(model).inc(delta)
+            self._last[name] = total
+
+    def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
+        model = self._model
+        self._success.labels(model, finish_reason).inc()
+        if timing.first_token_s is not None:
+            self._ttft.labels(model).observe(timing.first_token_s)
+        for gap in timing.inter_token_s:
+            self._itl.labels(model).observe(gap)
+        self._e2e.labels(model).observe(timing.e2e_s)
+        if timing.queue_s is not None:
+            self._queue.labels(model).observe(timing.queue_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    first_token_s: float | None
+    inter_token_s: tuple[float, ...]
+    e2e_s: float
+    queue_s: float | None

@@ -1,0 +1,264 @@
+"""Parse and validate OpenAI request bodies into plain frozen dataclasses, or raise a 400 ApiError.
+
+Unknown fields are ignored, as OpenAI does. Known fields are type-checked strictly (a JSON `true` is not
+an integer, a string is not a number) so that a typo is a clear 400 and never a 500 deeper down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpi_runtime.server.errors import bad_request
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling settings common to both endpoints; max_tokens is resolved later against the prompt."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    ignore_eos: bool
+    min_tokens: int
+    logprobs: int | None  # None: no logprobs; k: chosen token plus top-k alternatives
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]
+    sampling: SamplingFields
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: tuple[dict[str, str], ...]
+    sampling: SamplingFields
+    n: int
+    stream: bool
+    include_usage: bool
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _Body:
+    """Typed access to a JSON object's fields with OpenAI-style 400s naming the parameter."""
+
+    def __init__(self, body: Any):
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        value = self.body.get(name)
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise bad_request(f"'{name}' must be an integer, got {type(value).__name__}", name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {value}", name)
+        return value
+
+    def number(self, name: str, default: float | None, lo: float, hi: float, *, lo_open: bool = False):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
+        if value < lo or value > hi or (lo_open and value == lo):
+            interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be a boolean, got {type(value).__name__}", name)
+        return value
+
+    def string(self, name: str) -> str | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
+        return value
+
+    def stop(self) -> tuple[str, ...]:
+        value = self.body.get("stop")
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise bad_request("'stop' must be a string or a list of strings", "stop")
+        if len(value) > MAX_STOP_STRINGS:
+            raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+        return tuple(s for s in value if s)
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        value = self.body.get(name)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+            raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+        return tuple(value)
+
+    def stream_options(self, stream: bool) -> bool:
+        options = self.body.get("stream_options")
+        if options is None:
+            return False
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+        return include
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max_tokens") -> SamplingFields:
+    for unsupported in ("logit_bias", "suffix", "tools", "functions", "response_format"):
+        value = body.get(unsupported)
+        if value not in (None, {}, [], "") and not (unsupported == "response_format" and _is_text(value)):
+            raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
+    max_tokens = body.integer(max_tokens_field, None, 1, None)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = body.integer("max_tokens", None, 1, None)
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=body.number("temperature", 1.0, 0.0, 2.0),
+        top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=body.integer("top_k", 0, -1, None),
+        min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        seed=body.integer("seed", None, -(2**63), 2**63 - 1),
+        stop=body.stop(),
+        stop_token_ids=body.token_ids("stop_token_ids"),
+        presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0, 0.01, 10.0),
+        ignore_eos=body.boolean("ignore_eos", False),
+        min_tokens=body.integer("min_tokens", 0, 0, None),
+        logprobs=logprobs,
+    )
+
+
+def _is_text(response_format: Any) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") == "text"
+
+
+def parse_completion(raw: Any) -> CompletionRequest:
+    body = _Body(raw)
+    prompt = body.get("prompt")
+    prompts: list[str | tuple[int, ...]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [tuple(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+    ):
+        prompts = [tuple(p) for p in prompt]
+    else:
+        raise bad_request(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "prompt",
+        )
+    if any(isinstance(p, tuple) and min(p) < 0 for p in prompts):
+        raise bad_request("token ids in 'prompt' must be non-negative", "prompt")
+    stream = body.boolean("stream", False)
+    n = body.integer("n", 1, 1, MAX_N)
+    best_of = body.integer("best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' different from 'n' is not supported", "best_of")
+    return CompletionRequest(
+        model=body.string("model"),
+        prompts=tuple(prompts),
+        sampling=_sampling(body, body.integer("logprobs", None, 0, 20)),
+        n=n,
+        stream=stream,
+        include_usage=body.stream_options(stream),
+        echo=body.boolean("echo", False),
+    )
+
+
+def parse_chat(raw: Any) -> ChatRequest:
+    body = _Body(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    stream = body.boolean("stream", False)
+    want_logprobs = body.boolean("logprobs", False)
+    top_logprobs = body.integer("top_logprobs", None, 0, 20)
+    if top_logprobs is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ChatRequest(
+        model=body.string("model"),
+        messages=parsed,
+        sampling=_sampling(
+            body, (top_logprobs or 0) if want_logprobs else None, max_tokens_field="max_completion_tokens"
+        ),
+        n=body.integer("n", 1, 1, MAX_N),
+        stream=stream,
+        include_usage=body.stream_options(stream),
+        chat_template_kwargs=template_kwargs,
+    )
+
+
+def _message(message: Any, index: int) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", param)
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}.content: only text parts are supported", param)
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", param)
+    return {"role": "system" if role == "developer" else role, "content": content}

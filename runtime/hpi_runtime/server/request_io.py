@@ -1,0 +1,42 @@
+"""Reading request bodies and the small checks every endpoint shares."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from hpi_runtime.server.errors import ApiError, bad_request
+from hpi_runtime.server.state import STATE_KEY, ServedModel
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()  # raises 413 past the app's client_max_size
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.app[STATE_KEY].settings.max_request_body_bytes
+        raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large") from exc
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+
+
+def check_model(model: ServedModel, requested: str | None) -> None:
+    if requested is not None and requested != model.name:
+        raise ApiError(
+            404, f"The model '{requested}' does not exist; this server serves '{model.name}'.",
+            param="model", code="model_not_found",
+        )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+

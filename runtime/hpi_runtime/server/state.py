@@ -1,0 +1,94 @@
+"""The server's own state: the loaded model (once ready), lifecycle phase and in-flight accounting."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from hpi_runtime.server.errors import ApiError
+from hpi_runtime.server.metrics import ServingMetrics
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoints need of the loaded model; set once loading and warm-up are done."""
+
+    engine: Any  # AsyncLLM
+    tokenizer: Any
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+
+
+class ServerState:
+    """Lifecycle: loading -> ready -> draining. Owned by one server; stored on the aiohttp app."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.metrics = ServingMetrics(settings.served_model_name)
+        self.model: ServedModel | None = None
+        self.draining = False
+        self.load_error: str | None = None
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and not self.draining and not self._engine_dead()
+
+    def _engine_dead(self) -> bool:
+        return self.model is not None and bool(getattr(self.model.engine, "errored", False))
+
+    def set_model(self, model: ServedModel) -> None:
+        self.model = model
+        self.metrics.set_ready(self.ready)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        self.metrics.set_ready(False)
+
+    def admit(self) -> ServedModel:
+        """The model for a new request, or a 503 while loading, draining or after an engine failure."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica", code="draining")
+        if self.model is None:
+            message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise ApiError(503, message, code="not_ready")
+        if self._engine_dead():
+            raise ApiError(503, "the engine has failed; this replica is restarting", code="engine_dead")
+        return self.model
+
+    def request_started(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+STATE_KEY = web.AppKey("hpi_state", ServerState)

@@ -1,0 +1,100 @@
+"""Start `hpi serve` as a real subprocess on a free loopback port and wait until it is ready."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RuntimeServer:
+    """A `hpi serve` process. Use as a context manager; `stop()` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, model_dir: Path | None, log_path: Path, *extra_args: str, ready_timeout_s: float = 180):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = [sys.executable, "-m", "hpi_runtime.cli", "serve", "--port", str(self.port), *extra_args]
+        if model_dir is not None:
+            args += ["--model", str(model_dir)]
+        self._log = open(log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("HPI_API_KEY", None)
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"hpi serve exited with {self.process.returncode}:\n{self.logs()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"hpi serve was not ready after {timeout_s} s:\n{self.logs()}")
+
+    def get_json(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}{path}", timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> RuntimeServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def post_json(base_url: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{base_url}{path}", data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+

@@ -1,0 +1,71 @@
+"""Bad input gets a 4xx in OpenAI's error shape, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpi_testing.server import post_json as post
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+OK_CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+CASES = [
+    # (name, path, body, status, param or None, text the message must contain)
+    ("malformed json", CHAT, b'{"model": "tiny-llama", "messages": [', 400, None, "not valid JSON"),
+    ("empty body", CHAT, b"", 400, None, "empty"),
+    ("body not an object", CHAT, b"[1, 2]", 400, None, "JSON object"),
+    ("temperature wrong type", CHAT, {**OK_CHAT, "temperature": "hot"}, 400, "temperature", "number"),
+    ("temperature out of range", CHAT, {**OK_CHAT, "temperature": 7}, 400, "temperature", "[0.0, 2.0]"),
+    ("top_p zero", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p", "top_p"),
+    ("max_tokens zero", CHAT, {**OK_CHAT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("max_tokens bool", CHAT, {**OK_CHAT, "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("n too large", CHAT, {**OK_CHAT, "n": 1000}, 400, "n", "'n'"),
+    ("messages missing", CHAT, {"model": "tiny-llama"}, 400, "messages", "messages"),
+    ("messages empty", CHAT, {**OK_CHAT, "messages": []}, 400, "messages", "non-empty"),
+    ("bad role", CHAT, {**OK_CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]", "role"),
+    ("image part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0]", "text parts"),
+    ("stop wrong type", CHAT, {**OK_CHAT, "stop": 5}, 400, "stop", "stop"),
+    ("stream_options without stream", CHAT, {**OK_CHAT, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "stream"),
+    ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("logit_bias unsupported", CHAT, {**OK_CHAT, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    ("unknown model", CHAT, {**OK_CHAT, "model": "gpt-9"}, 404, "model", "gpt-9"),
+    ("prompt missing", COMPLETIONS, {"model": "tiny-llama"}, 400, "prompt", "prompt"),
+    ("prompt ids out of vocabulary", COMPLETIONS, {"prompt": [1, 2, 10**7]}, 400, "prompt", "vocabulary"),
+    ("prompt too long", COMPLETIONS, {"prompt": [5] * 300}, 400, "messages", "300 tokens"),
+    ("prompt plus max_tokens too long", COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens",
+     "300 tokens"),
+    ("logprobs too many", COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ("body too large", COMPLETIONS, {"prompt": "x" * 100_000}, 413, None, "larger than"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param", "text"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_openai_error(server, name, path, body, status, param, text) -> None:
+    code, payload = post(server.base_url, path, body)
+    assert code == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert text in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert error["type"] == ("invalid_request_error" if status in (400, 413) else "not_found_error")
+
+
+def test_unknown_route_and_method_are_openai_shaped(server) -> None:
+    status, payload = server.get_json("/v1/nothing-here")
+    assert status == 404 and "error" in payload
+    status, payload = server.get_json("/v1/completions")
+    assert status == 405 and "error" in payload
+
+
+def test_server_keeps_serving_after_bad_input(server) -> None:
+    for _, path, body, *_ in CASES:
+        post(server.base_url, path, body)
+    status, payload = post(server.base_url, CHAT, OK_CHAT)
+    assert status == 200, payload
+    assert payload["choices"][0]["message"]["role"] == "assistant"
+    assert server.process.poll() is None

@@ -1,0 +1,114 @@
+"""Many concurrent streams with disconnecting clients; /metrics under the vLLM contract names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hpi_operator.metric_names import READ_BY_OPERATOR  # the names the operator reads
+from hpi_testing.server import RuntimeServer
+
+VLLM_CONTRACT = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+]
+
+
+@pytest.fixture(scope="module")
+def busy_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("busy") / "server.log"
+    # A small KV cache so that 120 streams force preemptions as well.
+    with RuntimeServer(tiny_model_dir, log, "--served-model-name", "tiny-llama", "--max-num-seqs", "48",
+                       "--kv-cache-memory", "1MiB", "--max-model-len", "256") as running:
+        yield running
+
+
+def samples(text: str) -> dict[str, float]:
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+def wait_for_idle(server, timeout_s: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = samples(server.metrics_text())
+        idle = (values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+                and values["vllm:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.2)
+
+
+def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
+    values = samples(busy_server.metrics_text())
+    names = {name.split("{")[0] for name in values}
+    for name in VLLM_CONTRACT[:9]:
+        assert name in names, name
+    for name in READ_BY_OPERATOR:
+        assert any(n == name or n.startswith(name + "_") for n in names), f"operator reads {name}"
+    assert values["hpi:kv_cache_blocks"] > 0 and values["hpi:model_weight_bytes"] > 0
+
+
+def test_concurrent_streams_with_disconnects(busy_server) -> None:
+    rng = random.Random(0)
+    plans = [(i, rng.random() < 0.3) for i in range(120)]
+
+    async def one(session: aiohttp.ClientSession, i: int, disconnect: bool) -> tuple[str, int, str | None]:
+        body = {"model": "tiny-llama", "prompt": f"request {i}: one two three", "max_tokens": 24 + i % 16,
+                "temperature": 0.8, "seed": i, "stream": True, "ignore_eos": True}
+        async with session.post(f"{busy_server.base_url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                return "status", response.status, await response.text()
+            finish, chunks = None, 0
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunks += 1
+                payload = json.loads(line[6:])
+                assert "error" not in payload, payload
+                finish = payload["choices"][0]["finish_reason"] or finish
+                if disconnect and chunks == 3:
+                    response.close()  # the client goes away mid-stream
+                    return "disconnected", 200, None
+            return "done", 200, finish
+
+    async def run() -> list:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return await asyncio.gather(*(one(session, i, d) for i, d in plans))
+
+    before = samples(busy_server.metrics_text())
+    results = asyncio.run(run())
+    statuses = [r[1] for r in results]
+    assert all(s < 500 for s in statuses), [r for r in results if r[1] >= 500]
+    for (i, disconnect), (kind, status, finish) in zip(plans, results, strict=True):
+        assert status == 200, (i, kind, finish)
+        if not disconnect:
+            assert (kind, finish) == ("done", "length"), i
+
+    after = wait_for_idle(busy_server)
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0  # aborted streams left no blocks behind
+    survivors = sum(1 for _, d in plans if not d)
+    delta = after["vllm:request_success_total{finished_reason=length}"] - before.get(
+        "vllm:request_success_total{finished_reason=length}", 0)
+    assert delta == survivors
+    assert after["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:time_to_first_token_seconds_count"] >= survivors
+    assert after["vllm:e2e_request_latency_seconds_count"] >= survivors
+    assert busy_server.process.poll() is None
