@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight and activation dtype; auto = bf16 where the device does it fast, else fp32")
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto = cuda when a GPU is visible, else cpu")
+    model.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                       help="auto = the Triton kernels on cuda, the torch reference on cpu")
     model.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                        help="weight-only quantization of the linear layers at load time (int8 per channel, "
                        "int4 group-wise); embeddings and LM head stay in --dtype")
@@ -110,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=device,
             kv_cache_memory_bytes=args.kv_cache_memory,
+            attention_backend=args.attention_backend,
             seed=args.seed,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,

@@ -123,6 +123,12 @@ def default_max_model_len(model_config: ModelConfig) -> int:
     )
 
 
+def _resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" else "torch"
+
+
 def create_engine(
     model: str | Path | None = None,
     *,
@@ -131,7 +137,7 @@ def create_engine(
     device: str = "cpu",
     kv_cache_memory_bytes: int | None = None,
     seed: int = 0,
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     quantization: str = "none",
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> EngineBundle:
@@ -140,6 +146,7 @@ def create_engine(
     `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`.
     `kv_cache_memory_bytes=None`: see `default_kv_cache_bytes`.
     `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization).
+    `attention_backend="auto"`: the Triton kernels on CUDA, the torch backend (the reference) on CPU.
     """
     from transformers import AutoTokenizer
 
@@ -168,7 +175,7 @@ def create_engine(
         kv_cache_memory_bytes=kv_cache_memory_bytes
         if kv_cache_memory_bytes is not None
         else default_kv_cache_bytes(model_config, torch_dtype, torch_device),
-        attention_backend=attention_backend,
+        attention_backend=_resolve_attention_backend(attention_backend, torch_device),
         seed=seed,
         eos_token_ids=frozenset(eos_token_ids),
         quantization=quantization_config,
@@ -213,7 +220,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         quantization: str = "none",
         quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
     ) -> None:

@@ -253,15 +253,10 @@ def test_runtime_image_accepts_the_command_line_the_operator_gives_it(env, examp
     )
     assert code == 0
     parser = build_parser()
-    # Issue 7 adds `--quantization` to `hpi serve`; until it lands, every other flag must still parse.
-    pending = [] if any("--quantization" in a.option_strings for a in _serve_actions(parser)) else ["--quantization"]
     problems = []
     for deployment in (d for d in yaml.safe_load_all(out.getvalue()) if d and d["kind"] == "Deployment"):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         args = list(container["args"])
-        for flag in pending:
-            if flag in args:
-                del args[args.index(flag) : args.index(flag) + 2]
         errors = io.StringIO()
         with contextlib.redirect_stderr(errors):
             try:
@@ -269,12 +264,4 @@ def test_runtime_image_accepts_the_command_line_the_operator_gives_it(env, examp
             except SystemExit:
                 problems.append(f"{deployment['metadata']['name']}: {errors.getvalue().strip().splitlines()[-1]}")
     assert not problems, "the runtime rejects the operator's args:\n" + "\n".join(problems)
-    if pending:
-        pytest.xfail(f"the runtime's `hpi serve` has no {', '.join(pending)} yet (issue 7); the rest parses")
 
-
-def _serve_actions(parser):
-    import argparse
-
-    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return subparsers.choices["serve"]._actions
