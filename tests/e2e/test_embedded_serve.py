@@ -15,7 +15,8 @@ def test_embedded_model_answers_paris_over_http(tmp_path: Path) -> None:
     from hpi_runtime.embedded import ensure_embedded_model
 
     ensure_embedded_model()  # converted once into $HPI_CACHE_DIR; the server finds it by itself
-    with RuntimeServer(None, tmp_path / "server.log", "--kv-cache-memory", "256MiB", "--max-model-len", "2048") as server:
+    options = ("--kv-cache-memory", "256MiB", "--max-model-len", "2048")
+    with RuntimeServer(None, tmp_path / "server.log", *options) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         answer = client.chat.completions.create(
