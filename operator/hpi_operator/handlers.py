@@ -5,7 +5,8 @@ run operators with different settings in one process.
 - an index of the Deployments this operator manages (their rollout state, for status);
 - create/update/resume of an InferenceDeployment -> reconcile;
 - a timer per InferenceDeployment that re-reconciles when the inventory changes what the plan would be,
-  and otherwise refreshes status from the Deployment index (no API reads, and no write when nothing moved).
+  and otherwise refreshes status from the Deployment index (no API reads, and no write when nothing moved);
+- the builtin KV-cache autoscaler (autoscale_handlers.py): an index of runtime pods and a timer per resource.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import kopf
 
+from .autoscale_handlers import register_autoscaler
 from .kube import KubeClient, load_api_client
 from .manifests import short_name
 from .names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, OPERATOR_NAME, PLURAL, VERSION
@@ -33,6 +35,7 @@ from .status import ChildState, build_status, conditions_equal
 class OperatorConfig:
     resync_interval_s: float = 10.0  # how often each InferenceDeployment compares its plan with the inventory
     metrics_port: int | None = None  # the operator's own /metrics; None: not served
+    autoscale_tick_s: float = 1.0  # how often a builtin-autoscaled resource checks whether a poll is due
 
 
 def utc_now() -> str:
@@ -138,4 +141,5 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if changed or not conditions_equal(status.get("conditions") or [], fresh["conditions"]):
             patch.status.update(fresh)
 
+    register_autoscaler(registry, tick_s=config.autoscale_tick_s)  # autoscale_handlers.py
     return registry

@@ -16,6 +16,7 @@ from typing import Any
 from kubernetes import client, config
 
 from . import __version__
+from .autoscale_manifests import AUTOSCALER_PATHS
 from .names import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
 from .plan import Plan
 from .status import ChildState
@@ -26,6 +27,7 @@ _PATHS = {
     "Deployment": "/apis/apps/v1/namespaces/{namespace}/deployments",
     "Service": "/api/v1/namespaces/{namespace}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
+    **AUTOSCALER_PATHS,  # HorizontalPodAutoscaler, ScaledObject
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import kopf
 
+from .autoscale_manifests import autoscaler_child
 from .manifests import Owner, build_deployment, build_pdb, build_service, selector_labels, stamp_hash
 from .names import ANNOTATION_SPEC_HASH
 from .nodes import NodeInfo, group_pools
@@ -32,6 +33,7 @@ class Plan:
     service: dict[str, Any]
     pdb: dict[str, Any]
     num_unplaced: int  # replicas beyond the serving pools' capacity (they wait Pending)
+    autoscaler: dict[str, Any] | None = None  # the HPA (mode hpa) or ScaledObject (mode keda), if any
 
     @property
     def placeable(self) -> bool:
@@ -39,7 +41,7 @@ class Plan:
 
     @property
     def children(self) -> tuple[dict[str, Any], ...]:
-        return (*self.deployments, self.service, self.pdb)
+        return (*self.deployments, self.service, self.pdb, *([self.autoscaler] if self.autoscaler else []))
 
     @property
     def selector(self) -> str:
@@ -88,4 +90,5 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> Plan:
         service=service,
         pdb=pdb,
         num_unplaced=max(0, spec.replicas - sum(s.capacity for s in slots)),
+        autoscaler=autoscaler_child(body, owner, spec),
     )

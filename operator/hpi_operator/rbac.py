@@ -30,10 +30,15 @@ RULES: tuple[Rule, ...] = (
     Rule(GROUP, f"{PLURAL}/status", ("patch",), "conditions, replicas, pools"),
     # The node inventory (a kopf index fed by a watch).
     Rule("", "nodes", ("list", "watch"), "node pools from GFD/NFD labels"),
+    # The builtin autoscaler's index of ready runtime pods to scrape (autoscale_handlers.py).
+    Rule("", "pods", ("list", "watch"), "scrape targets of the builtin KV-cache autoscaler"),
     # Children (kube.py): read, create, patch when the spec-hash differs, prune dropped pools.
     Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"), "one per node pool"),
     Rule("", "services", ("get", "create", "patch"), "one per InferenceDeployment"),
     Rule("policy", "poddisruptionbudgets", ("get", "create", "patch"), "one per InferenceDeployment"),
+    # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.
+    Rule("autoscaling", "horizontalpodautoscalers", ("get", "list", "create", "patch", "delete"), "mode hpa"),
+    Rule("keda.sh", "scaledobjects", ("get", "list", "create", "patch", "delete"), "mode keda"),
     # Events: ours (kopf.event) and kopf's own.
     Rule("", "events", ("create",), "Events on InferenceDeployments"),
     # kopf resolves its resources at start-up and watches for new ones; namespaces only for glob patterns.

@@ -12,6 +12,7 @@ from typing import Any
 
 import kopf
 
+from .autoscale_children import prune_autoscalers
 from .kube import KubeClient, KubeError, apply_plan
 from .nodes import NodeInfo
 from .plan import Plan, make_plan
@@ -81,6 +82,7 @@ def reconcile(
         return Outcome(status, events, kopf.PermanentError(message), "unplaceable")
     try:
         applied = apply_plan(kube, plan, metadata.get("uid"))
+        applied.actions.update(dict.fromkeys(prune_autoscalers(kube, plan, metadata.get("uid")), "deleted"))
     except KubeError as e:
         transient = e.status in (409, 429) or e.status >= 500
         message = f"applying children failed: {e}"

@@ -178,6 +178,15 @@ def _example_inputs(repo: Path) -> Iterable[tuple[dict[str, Any], list[Any]]]:
         yield body, [node_info(n) for n in nodes]
 
 
+def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
+    """Each example as written, and with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child)."""
+    for body, nodes in inputs:
+        yield body, nodes
+        for mode in ("hpa", "keda"):
+            autoscaling = {**(body["spec"].get("autoscaling") or {}), "enabled": True, "mode": mode}
+            yield {**body, "spec": {**body["spec"], "autoscaling": autoscaling}}, nodes
+
+
 def reconciler_rules(repo: Path) -> set[Rule]:
     """Run the real reconcile on every example against a recording client, on an empty and a stale cluster."""
     from hpi_operator import kube, reconcile
@@ -204,7 +213,7 @@ def reconciler_rules(repo: Path) -> set[Rule]:
             return dict(body or {})
 
     calls: list[tuple[str, str]] = []
-    for body, nodes in _example_inputs(repo):
+    for body, nodes in _with_autoscaler_modes(_example_inputs(repo)):
         for exists in (False, True):
             meta = body["metadata"]
             client = RecordingClient(

@@ -143,6 +143,7 @@ RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
     ("apps/v1/deployments", True, "Deployment", ("status", "scale")),
     ("policy/v1/poddisruptionbudgets", True, "PodDisruptionBudget", ("status",)),
     ("autoscaling/v2/horizontalpodautoscalers", True, "HorizontalPodAutoscaler", ("status",)),
+    ("keda.sh/v1alpha1/scaledobjects", True, "ScaledObject", ("status",)),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", False, "CustomResourceDefinition", ("status",)),
     ("serving.hpi.dev/v1alpha1/inferencedeployments", True, "InferenceDeployment", ("status", "scale")),
 )
@@ -436,7 +437,7 @@ def operator_thread(registry: Any, memo: Any = None, timeout_s: float = 20.0) ->
             raise RuntimeError("the operator failed") from errors[0]
 
 
-async def eventually(check: Any, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
+async def eventually(check: Any, timeout_s: float = 60.0, interval_s: float = 0.1) -> Any:
     """Await `check()` (sync, run in a thread so the emulator's loop keeps serving) until it returns truthy
     without an AssertionError; returns its value."""
     deadline = asyncio.get_running_loop().time() + timeout_s

@@ -265,6 +265,18 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
     await eventually(lambda: (kube.get(f"/api/v1/namespaces/{NS}/services/audit")["metadata"]["labels"]
                               .get("team") == "search"))  # fmt: skip
     await eventually(lambda: sum(d["spec"]["replicas"] for d in deployments_of(kube, "audit").values()) == 3)
+    # The external autoscaler modes: an HPA, then a ScaledObject (the HPA pruned), then neither.
+    hpa = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/audit"
+    scaled_object = f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects/audit"
+    for change, check in (
+        ({"enabled": True, "mode": "hpa"}, lambda: kube.get(hpa)),
+        ({"maxReplicas": 6}, lambda: (kube.get(hpa) or {}).get("spec", {}).get("maxReplicas") == 6),
+        ({"mode": "keda"}, lambda: kube.get(hpa) is None and kube.get(scaled_object)),
+        ({"maxReplicas": 5}, lambda: (kube.get(scaled_object) or {}).get("spec", {}).get("maxReplicaCount") == 5),
+        ({"enabled": False}, lambda: kube.get(scaled_object) is None),
+    ):
+        await api.patch(f"{CRS}/audit", {"spec": {"autoscaling": change}})
+        await eventually(check)
     await api.call("DELETE", "/api/v1/nodes/gpu-0")
     await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
     await api.patch(f"{CRS}/audit", {"spec": {"model": {"source": "pvc"}}})  # an Event for the bad spec

@@ -1,0 +1,82 @@
+"""The builtin autoscaler's kopf handlers, added to a registry by `register_autoscaler` (no import-time state).
+
+- an index of the runtime pods (kopf keeps it current from a watch: no API reads per poll), by
+  InferenceDeployment, holding a scrape target for each ready pod;
+- a timer per InferenceDeployment whose spec asks for the builtin scaler (kopf starts and stops it as the
+  spec changes): it ticks often, polls every pollIntervalSeconds as recorded on the resource, scrapes,
+  decides (autoscale.py), writes spec.replicas when the decision moves (the reconciler then spreads them over
+  the pools) and status (current KV utilisation, the last decision with its reason, unreachable pods, and the
+  scaler's memory), and posts an Event on every scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from .autoscale_loop import builtin_active, poll, poll_due
+from .manifests import short_name
+from .names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, OPERATOR_NAME, PLURAL, VERSION
+from .scrape import DEFAULT_TIMEOUT_S, PodTarget, ready_pod_targets, scrape_pods
+from .spec import SpecError, parse_spec
+
+DEFAULT_TICK_S = 1.0
+
+
+def wants_builtin(spec: Mapping[str, Any], **_: Any) -> bool:
+    """kopf `when=` filter: the timer runs only for resources whose spec asks for the builtin scaler."""
+    try:
+        return builtin_active(parse_spec(spec).autoscaling)
+    except SpecError:
+        return False  # the reconciler reports it; nothing to scale until it is fixed
+
+
+def register_autoscaler(
+    registry: kopf.OperatorRegistry, tick_s: float = DEFAULT_TICK_S, scrape_timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
+    @kopf.index("", "v1", "pods", id="runtime_pods", labels={LABEL_MANAGED_BY: OPERATOR_NAME}, registry=registry)
+    def runtime_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Any, list[PodTarget]]:
+        # Always a value (an empty list when not ready): kopf keeps a pod's old value if the function returns None.
+        return {(namespace, labels.get(LABEL_DEPLOYMENT)): ready_pod_targets([body])}
+
+    @kopf.timer(GROUP, VERSION, PLURAL, id="autoscaler", interval=tick_s, when=wants_builtin, registry=registry)
+    async def autoscaler(
+        body: kopf.Body,
+        name: str,
+        namespace: str,
+        spec: kopf.Spec,
+        meta: kopf.Meta,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        runtime_pods: kopf.Index,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
+        if meta.get("deletionTimestamp"):
+            return
+        try:
+            parsed = parse_spec(spec)
+        except SpecError:
+            return
+        settings = parsed.autoscaling
+        now_s = time.time()
+        if not poll_due(status.get("autoscaling"), settings, now_s, slack_s=tick_s / 2):
+            return
+        targets = [t for targets in runtime_pods.get((namespace, short_name(name)), []) for t in targets]
+        scraper = functools.partial(scrape_pods, timeout_s=scrape_timeout_s)
+        result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper)
+        decision = result.decision
+        if result.scale_to is not None:
+            patch.spec["replicas"] = result.scale_to
+            kopf.event(body, type="Normal", reason=decision.reason, message=decision.message)
+        before = (status.get("autoscaling") or {}).get("numUnreachablePods") or 0
+        if decision.num_failed and decision.num_failed != before:  # an Event when it changes, not every poll
+            failed = ", ".join(f"{f['pod']} ({f['kind']})" for f in result.status["autoscaling"]["failedPods"])
+            message = f"{decision.num_failed} ready pod(s) without metrics, scale-down held: {failed}"
+            kopf.event(body, type="Warning", reason="MetricsUnavailable", message=message)
+        (logger.info if result.scale_to is not None else logger.debug)(f"autoscaler: {decision.message}")
+        patch.status.update(result.status)

@@ -1,0 +1,107 @@
+"""One poll of the builtin autoscaler, between the kopf timer (autoscale_handlers.py) and the pure decision.
+
+scrape the ready pods -> `autoscale.decide` with the history read back from the resource -> the replicas to
+write (or None) and the status to merge. Everything but the scrape is a pure function of its arguments, so
+the poll is testable without kopf and a restarted operator reads the same memory back.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .autoscale import Decision, decide, history_from_status, history_to_status
+from .names import GROUP
+from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods
+from .spec import AutoscalingSpec
+
+# Demand seen in front of the pods (a gateway or activator holding requests while there are no replicas):
+# an integer annotation on the InferenceDeployment; the builtin scaler wakes from zero when it is positive.
+ANNOTATION_WAITING_REQUESTS = f"{GROUP}/waiting-requests"
+MAX_REPORTED_FAILURES = 10
+
+Scraper = Callable[[Sequence[PodTarget]], Awaitable[list[ScrapeResult]]]
+
+
+@dataclass(frozen=True)
+class PollResult:
+    decision: Decision
+    results: tuple[ScrapeResult, ...]
+    scale_to: int | None  # the new spec.replicas, when it changes
+    status: dict[str, Any]  # keys to merge into .status
+
+
+def rfc3339(epoch_s: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch_s, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def builtin_active(settings: AutoscalingSpec) -> bool:
+    return settings.enabled and settings.mode == "builtin"
+
+
+def poll_due(status_autoscaling: Mapping[str, Any] | None, settings: AutoscalingSpec, now_s: float,
+             slack_s: float = 0.0) -> bool:  # fmt: skip
+    """Whether pollIntervalSeconds have passed since the last poll recorded on the resource.
+
+    The timer ticks faster than any interval; the resource, not process memory, says when the last poll was,
+    so a restarted operator keeps the cadence. `slack_s` (half a tick) keeps ticks from drifting a poll late.
+    """
+    last = (status_autoscaling or {}).get("lastPollEpoch") if isinstance(status_autoscaling, Mapping) else None
+    try:
+        return last is None or now_s - float(last) >= settings.poll_interval_s - slack_s
+    except (TypeError, ValueError):
+        return True
+
+
+def external_waiting(annotations: Mapping[str, str] | None) -> int:
+    raw = (annotations or {}).get(ANNOTATION_WAITING_REQUESTS, "")
+    return int(raw) if str(raw).strip().isdigit() else 0
+
+
+def autoscaling_status(decision: Decision, current: int, results: Sequence[ScrapeResult], now_s: float
+                       ) -> dict[str, Any]:  # fmt: skip
+    """The status keys one poll writes: `autoscaling` (memory + last decision) and `kvCacheUtilization`."""
+    failures = [r for r in results if isinstance(r, ScrapeFailed)]
+    memory = history_to_status(decision.history)
+    kv = decision.kv_utilization
+    return {
+        "kvCacheUtilization": None if kv is None else round(kv, 4),
+        "autoscaling": {
+            **memory,
+            "lastPollEpoch": round(now_s, 3),
+            "lastScaleTime": None if decision.history.last_scale_s is None else rfc3339(decision.history.last_scale_s),
+            "lastDecision": {
+                "time": rfc3339(now_s),
+                "fromReplicas": current,
+                "replicas": decision.desired_replicas,
+                "recommendedReplicas": decision.raw_replicas,
+                "reason": decision.reason,
+                "message": decision.message,
+            },
+            "numReadyPods": decision.num_ready,
+            "numUnreachablePods": decision.num_failed,
+            "failedPods": [
+                {"pod": f.pod, "kind": f.kind, "detail": f.detail[:200]} for f in failures[:MAX_REPORTED_FAILURES]
+            ]
+            or None,
+        },
+    }
+
+
+async def poll(
+    settings: AutoscalingSpec,
+    current: int,
+    status: Mapping[str, Any],
+    annotations: Mapping[str, str] | None,
+    targets: Sequence[PodTarget],
+    now_s: float,
+    scraper: Scraper = scrape_pods,
+) -> PollResult:
+    """Scrape `targets`, decide, and say what to write. `current` is the resource's spec.replicas."""
+    results = tuple(await scraper(targets)) if targets else ()
+    history = history_from_status(status.get("autoscaling"))
+    decision = decide(settings, current, observation(results, external_waiting(annotations)), history, now_s)
+    scale_to = decision.desired_replicas if decision.desired_replicas != current else None
+    return PollResult(decision, results, scale_to, autoscaling_status(decision, current, results, now_s))

@@ -1,0 +1,160 @@
+"""Reading the runtime pods' KV-cache load: which pods to ask (pure, from the Pod objects), and an async scrape
+of each one's /metrics (aiohttp, prometheus_client's text parser) into a per-pod result.
+
+Only the names in metric_names.py are read. They are vLLM's, so stock vLLM pods scrape the same way. A pod
+that does not answer, answers badly, or lacks the KV gauge is a `ScrapeFailed`, never a zero load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .autoscale import Observation, PodLoad
+from .metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from .names import RUNTIME_PORT, RUNTIME_PORT_NAME
+
+DEFAULT_TIMEOUT_S = 2.0
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a runtime's /metrics is tens of KiB; anything huge is not one
+UNREACHABLE, UNPARSABLE = "unreachable", "unparsable"
+
+
+@dataclass(frozen=True)
+class PodTarget:
+    pod: str
+    url: str  # http://<podIP>:<port>/metrics
+
+
+@dataclass(frozen=True)
+class Scraped:
+    pod: str
+    load: PodLoad
+
+
+@dataclass(frozen=True)
+class ScrapeFailed:
+    pod: str
+    kind: str  # unreachable | unparsable
+    detail: str
+
+
+ScrapeResult = Scraped | ScrapeFailed
+
+
+class MetricsParseError(ValueError):
+    pass
+
+
+# -- which pods ---------------------------------------------------------------------------------------------
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def _metrics_port(pod: Mapping[str, Any]) -> int:
+    """The runtime container's named port, else the Prometheus annotation, else the runtime's default."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == RUNTIME_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get("prometheus.io/port")
+    return int(annotated) if annotated and str(annotated).isdigit() else RUNTIME_PORT
+
+
+def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
+    """The pods that serve traffic (Running, Ready, not terminating, with an IP), as scrape targets."""
+    targets = []
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if ip and _pod_ready(pod):
+            host = f"[{ip}]" if ":" in ip else ip
+            targets.append(PodTarget(pod["metadata"]["name"], f"http://{host}:{_metrics_port(pod)}/metrics"))
+    return sorted(targets, key=lambda t: t.pod)
+
+
+# -- parsing ------------------------------------------------------------------------------------------------
+
+
+def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
+    """A pod's /metrics text -> its load; samples of other models are ignored when `model_name` is given.
+
+    Several samples of one gauge (several engines or models in one pod) are averaged for the KV fraction and
+    summed for the request counts. Raises MetricsParseError when the text is not Prometheus exposition format
+    or the KV gauge is missing or not a finite number in [0, 1].
+    """
+    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_REQUESTS_WAITING: [], NUM_REQUESTS_RUNNING: []}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in values:
+                    continue
+                if model_name is not None and sample.labels.get(MODEL_NAME_LABEL, model_name) != model_name:
+                    continue
+                values[sample.name].append(float(sample.value))
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise MetricsParseError(f"not Prometheus text: {e}") from e
+    kv = values[KV_CACHE_USAGE]
+    if not kv:
+        raise MetricsParseError(f"no {KV_CACHE_USAGE} sample")
+    numbers = [v for vs in values.values() for v in vs]
+    if not all(math.isfinite(v) for v in numbers) or not all(0.0 <= v <= 1.0 for v in kv):
+        raise MetricsParseError(f"{KV_CACHE_USAGE} or a request gauge is not a finite fraction/count: {numbers}")
+    return PodLoad(
+        pod=pod,
+        kv_utilization=sum(kv) / len(kv),
+        num_waiting=sum(values[NUM_REQUESTS_WAITING]),
+        num_running=sum(values[NUM_REQUESTS_RUNNING]),
+    )
+
+
+# -- scraping -----------------------------------------------------------------------------------------------
+
+
+async def scrape_pod(
+    session: aiohttp.ClientSession, target: PodTarget, timeout_s: float, model_name: str | None = None
+) -> ScrapeResult:
+    try:
+        async with session.get(target.url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                return ScrapeFailed(target.pod, UNREACHABLE, f"HTTP {response.status} from {target.url}")
+            body = await response.content.read(MAX_BODY_BYTES + 1)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return ScrapeFailed(target.pod, UNREACHABLE, f"{type(e).__name__} from {target.url}: {e}")
+    if len(body) > MAX_BODY_BYTES:
+        return ScrapeFailed(target.pod, UNPARSABLE, f"/metrics larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return Scraped(target.pod, parse_load(target.pod, body.decode("utf-8", errors="strict"), model_name))
+    except (MetricsParseError, UnicodeDecodeError) as e:
+        return ScrapeFailed(target.pod, UNPARSABLE, str(e))
+
+
+async def scrape_pods(
+    targets: Sequence[PodTarget],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    model_name: str | None = None,
+    session: aiohttp.ClientSession | None = None,
+) -> list[ScrapeResult]:
+    """Scrape every target concurrently; one result per target, in the targets' order."""
+    if session is None:
+        async with aiohttp.ClientSession() as own:
+            return await scrape_pods(targets, timeout_s, model_name, own)
+    return list(await asyncio.gather(*(scrape_pod(session, t, timeout_s, model_name) for t in targets)))
+
+
+def observation(results: Iterable[ScrapeResult], num_external_waiting: int = 0) -> Observation:
+    results = list(results)
+    return Observation(
+        loads=tuple(r.load for r in results if isinstance(r, Scraped)),
+        num_failed=sum(isinstance(r, ScrapeFailed) for r in results),
+        num_external_waiting=num_external_waiting,
+    )

@@ -1,0 +1,252 @@
+"""The builtin autoscaler end to end: the real kopf operator against the kmock-based API emulator, runtime pods
+played by Pod objects whose /metrics are small aiohttp servers on loopback ports serving vLLM-format text
+with values the test controls. KV above target scales the InferenceDeployment up; below target, after the
+window, down; an unreachable pod holds the scale-down; a restarted operator keeps the window."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import kopf
+import kubernetes
+import pytest
+
+from hpi_operator.handlers import OperatorConfig, build_registry
+from hpi_operator.kube import KubeClient
+from hpi_operator.manifests import common_labels
+from hpi_operator.op_metrics import OperatorMetrics
+from hpi_testing.kube_emulator import eventually, make_node, operator_thread
+
+pytestmark = pytest.mark.slow
+
+NS = "default"
+CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+MERGE = "application/merge-patch+json"
+WINDOW_S = 3
+
+
+class FakeRuntime:
+    """One loopback /metrics endpoint per fake pod, serving vLLM's text with a KV value the test sets."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, float] = {}
+        self.ports: dict[str, int] = {}
+        self.runners: dict[str, aiohttp.web.AppRunner] = {}
+
+    async def start(self, pod: str, kv: float) -> int:
+        self.kv[pod] = kv
+
+        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            kv = self.kv[pod]
+            running = 4 if kv > 0.01 else 0
+            text = (
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{model_name="m",engine="0"}} {kv}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                'vllm:num_requests_waiting{model_name="m",engine="0"} 0.0\n'
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="m",engine="0"}} {running}\n'
+            )
+            return aiohttp.web.Response(text=text, content_type="text/plain")
+
+        app = aiohttp.web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners[pod], self.ports[pod] = runner, port
+        return port
+
+    async def stop(self, pod: str) -> None:
+        await self.runners.pop(pod).cleanup()
+
+    async def close(self) -> None:
+        for pod in list(self.runners):
+            await self.stop(pod)
+
+
+@pytest.fixture()
+async def runtime() -> AsyncIterator[FakeRuntime]:
+    fake = FakeRuntime()
+    yield fake
+    await fake.close()
+
+
+def make_registry() -> kopf.OperatorRegistry:
+    return build_registry(OperatorConfig(resync_interval_s=0.5, autoscale_tick_s=0.2))
+
+
+@contextlib.asynccontextmanager
+async def running_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[None]:
+    """operator_thread, entered and left off the event loop: the emulator on this loop keeps answering the
+    operator's in-flight requests while it stops (a blocking join here would stall them until its timeout)."""
+    context = operator_thread(make_registry(), memo=kopf.Memo(kube=KubeClient(api), metrics=OperatorMetrics()))
+    await asyncio.to_thread(context.__enter__)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(context.__exit__, None, None, None)
+
+
+@pytest.fixture()
+async def autoscaling_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[None]:
+    async with running_operator(api):
+        yield
+
+
+def runtime_pod(owner: str, name: str, port: int) -> dict[str, Any]:
+    """A runtime pod as the Deployment controller and kubelet would leave it: Running, Ready, with an IP."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {**common_labels(owner), "serving.hpi.dev/pool": "p"}},
+        "spec": {"containers": [{"name": "runtime", "image": "x",
+                                 "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }  # fmt: skip
+
+
+def autoscaled_cr(name: str, window_s: int = WINDOW_S) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"replicas": 1, "autoscaling": {
+            "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetKVUtilization": 0.5,
+            "scaleDownStabilizationSeconds": window_s, "maxScaleStep": 2, "pollIntervalSeconds": 1,
+        }},
+    }  # fmt: skip
+
+
+async def call(kube: KubeClient, method: str, path: str, body: Any = None, content_type: str = "application/json"):
+    return await asyncio.to_thread(kube.request, method, path, body, content_type)
+
+
+def replicas_of(kube: KubeClient, name: str) -> int:
+    return kube.get(f"{CRS}/{name}")["spec"]["replicas"]
+
+
+def autoscaling_status(kube: KubeClient, name: str) -> dict[str, Any]:
+    return (kube.get(f"{CRS}/{name}").get("status") or {}).get("autoscaling") or {}
+
+
+def deployment_replicas(kube: KubeClient, name: str) -> int:
+    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment={name}")
+    return sum(d["spec"]["replicas"] for d in listing["items"])
+
+
+async def test_kv_above_target_scales_up_and_below_target_scales_down(
+    kube: KubeClient, runtime: FakeRuntime, autoscaling_operator: Any
+) -> None:
+    for i in range(4):
+        await call(kube, "POST", "/api/v1/nodes", make_node(f"cpu-{i}", bf16=True))
+    await call(kube, "POST", CRS, autoscaled_cr("scaly"))
+    await call(kube, "POST", PODS, runtime_pod("scaly", "scaly-0", await runtime.start("scaly-0", 0.45)))
+
+    # Within the tolerance of 0.5: the scaler polls, reports, and leaves replicas alone.
+    body = await eventually(lambda: (b := kube.get(f"{CRS}/scaly")).get("status", {}).get("kvCacheUtilization")
+                            == 0.45 and b)  # fmt: skip
+    assert body["spec"]["replicas"] == 1
+    assert body["status"]["autoscaling"]["lastDecision"]["reason"] == "Steady"
+
+    # 0.95 on one pod with a target of 0.5: saturated -> ready (1) + step (2) = 3.
+    runtime.kv["scaly-0"] = 0.95
+    await eventually(lambda: replicas_of(kube, "scaly") == 3)
+    await eventually(lambda: deployment_replicas(kube, "scaly") == 3)  # the reconciler spread them
+    # kopf writes spec and status in two requests: the status of the scaling poll follows shortly.
+    auto = await eventually(lambda: (a := autoscaling_status(kube, "scaly")).get("lastScaleTime") and a)
+    assert auto["windowMax"] and auto["lastDecision"]["reason"] in ("ScaledUp", "Steady")
+    events = (await call(kube, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
+    assert any(e["reason"] == "ScaledUp" and e["involvedObject"]["name"] == "scaly" for e in events)
+
+    # The new pods come up at the target (nothing moves); one of them never answers on /metrics.
+    runtime.kv["scaly-0"] = 0.5
+    await eventually(lambda: kube.get(f"{CRS}/scaly").get("status", {}).get("kvCacheUtilization") == 0.5)
+    dead_port = await runtime.start("scaly-2", 0.5)
+    await runtime.stop("scaly-2")
+    await call(kube, "POST", PODS, runtime_pod("scaly", "scaly-2", dead_port))
+    await call(kube, "POST", PODS, runtime_pod("scaly", "scaly-1", await runtime.start("scaly-1", 0.5)))
+    await eventually(lambda: autoscaling_status(kube, "scaly").get("numReadyPods") == 3)
+    runtime.kv["scaly-0"] = runtime.kv["scaly-1"] = 0.1
+
+    # Load is gone, but one pod is unreadable: no scale-down, however long the window has passed.
+    await eventually(lambda: autoscaling_status(kube, "scaly").get("numUnreachablePods") == 1)
+    await asyncio.sleep(WINDOW_S + 1.5)
+    auto = await asyncio.to_thread(autoscaling_status, kube, "scaly")
+    assert await asyncio.to_thread(replicas_of, kube, "scaly") == 3
+    assert auto["lastDecision"]["reason"] == "MetricsMissing" and "blocked" in auto["lastDecision"]["message"]
+    assert auto["failedPods"][0]["pod"] == "scaly-2" and auto["failedPods"][0]["kind"] == "unreachable"
+    events = (await call(kube, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
+    assert any(e["reason"] == "MetricsUnavailable" for e in events)
+
+    # The unreadable pod goes away: now the low load scales down, to the minimum.
+    await call(kube, "DELETE", f"{PODS}/scaly-2")
+    await eventually(lambda: replicas_of(kube, "scaly") == 1, timeout_s=30)
+    await eventually(lambda: deployment_replicas(kube, "scaly") == 1)
+    auto = await asyncio.to_thread(autoscaling_status, kube, "scaly")
+    assert auto["lastDecision"]["reason"] in ("ScaledDown", "Steady") and auto["numUnreachablePods"] == 0
+
+
+async def test_a_restarted_operator_keeps_the_scale_down_window(
+    kube: KubeClient, runtime: FakeRuntime, api: kubernetes.client.ApiClient
+) -> None:
+    for i in range(2):
+        await call(kube, "POST", "/api/v1/nodes", make_node(f"cpu-{i}", bf16=True))
+    window_s = 8
+    async with running_operator(api):
+        await call(kube, "POST", CRS, autoscaled_cr("keep", window_s))
+        await call(kube, "POST", PODS, runtime_pod("keep", "keep-0", await runtime.start("keep-0", 0.8)))
+        await eventually(lambda: replicas_of(kube, "keep") == 2)  # ceil(0.8 / 0.5)
+        await eventually(lambda: deployment_replicas(kube, "keep") == 2)  # the reconciler is done: stop quietly
+        await eventually(lambda: (b := kube.get(f"{CRS}/keep")).get("status", {}).get("observedGeneration")
+                         == b["metadata"]["generation"])  # fmt: skip
+    # The operator is gone; load drops while nobody watches.
+    await call(kube, "POST", PODS, runtime_pod("keep", "keep-1", await runtime.start("keep-1", 0.05)))
+    runtime.kv["keep-0"] = 0.05
+    scaled_at = (await asyncio.to_thread(autoscaling_status, kube, "keep"))["lastScaleUpEpoch"]
+
+    loop = asyncio.get_running_loop()
+    restarted_at = time.time()
+    async with running_operator(api):
+        # The new process has no memory of its own: only the window on the resource stops a scale-down now.
+        await eventually(lambda: autoscaling_status(kube, "keep").get("lastPollEpoch", 0) > restarted_at)
+        assert time.time() < scaled_at + window_s - 1, "the restart took longer than the window: test says nothing"
+        assert await asyncio.to_thread(replicas_of, kube, "keep") == 2
+        assert "held" in (await asyncio.to_thread(autoscaling_status, kube, "keep"))["lastDecision"]["message"]
+        started = loop.time()
+        await eventually(lambda: replicas_of(kube, "keep") == 1, timeout_s=30)
+        auto = await asyncio.to_thread(autoscaling_status, kube, "keep")
+        assert auto["lastScaleEpoch"] >= scaled_at + window_s  # not before the window that began before restart
+        assert loop.time() - started < 30
+
+
+async def test_hpa_mode_renders_an_owned_hpa_and_a_mode_change_removes_it(
+    kube: KubeClient, autoscaling_operator: Any
+) -> None:
+    hpa_path = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/ext"
+    await call(kube, "POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
+    created = await call(kube, "POST", CRS, {**autoscaled_cr("ext"), "spec": {"replicas": 2, "autoscaling": {
+        "enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 5, "targetKVUtilization": 0.6}}})
+    hpa = await eventually(lambda: kube.get(hpa_path))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+                                             "name": "ext"}  # fmt: skip
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "600m"
+    [ref] = hpa["metadata"]["ownerReferences"]
+    assert ref["uid"] == created["metadata"]["uid"] and ref["controller"] is True
+    # No builtin timer for an hpa-mode resource: nothing writes status.autoscaling.
+    await asyncio.sleep(1.0)
+    assert not await asyncio.to_thread(autoscaling_status, kube, "ext")
+    # Back to builtin: the HPA goes (it would fight the builtin scaler otherwise), and the timer starts.
+    await call(kube, "PATCH", f"{CRS}/ext", {"spec": {"autoscaling": {"mode": "builtin"}}}, MERGE)
+    await eventually(lambda: kube.get(hpa_path) is None)
+    await eventually(lambda: autoscaling_status(kube, "ext").get("lastDecision"))
