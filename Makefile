@@ -61,8 +61,27 @@ lint: $(TEST_STAMP) ## ruff
 test: $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
 	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(TEST_STAMP) model ## run the benchmarks under bench/ (not part of make test)
-	$(BIN)/python -m bench
+# Bench-only installs, kept out of the test requirements: matplotlib in the venv, and llama-cpp-python (the
+# llama.cpp baseline; it compiles llama.cpp from source, ~5 min on 2 cores) in its own venv in the cache,
+# its wheel kept in $(CACHE)/wheels so a rebuilt venv does not compile again.
+BENCH_STAMP := $(VENV)/.stamp-bench
+LLAMA_VENV := $(CACHE)/bench-venv
+LLAMA_CPP_VERSION := 0.3.36
+
+$(BENCH_STAMP): $(TEST_STAMP)
+	$(BIN)/pip install -q matplotlib
+	touch $@
+
+$(LLAMA_VENV)/.stamp:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
+	$(LLAMA_VENV)/bin/pip wheel -q --no-deps -w $(CACHE)/wheels --find-links $(CACHE)/wheels \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(LLAMA_VENV)/bin/pip install -q --find-links $(CACHE)/wheels "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
+	touch $@
+
+bench: $(BENCH_STAMP) $(LLAMA_VENV)/.stamp model ## run the benchmark suite into bench/results/ (~20 min; not part of make test)
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) $(CACHE) .pytest_cache .ruff_cache .hypothesis

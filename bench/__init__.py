@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `make bench` runs `python -m bench`; see bench/README.md."""

@@ -1,0 +1,339 @@
+"""Write a benchmark run as `latest.json`, `latest.md` and PNG plots; re-render from a saved JSON.
+
+    .venv/bin/python -m bench.report bench/results/latest.json     # rewrite latest.md and the plots
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEM_STYLE = {"hpi": ("tab:blue", "o"), "llama.cpp": ("tab:orange", "s"), "transformers": ("tab:green", "^")}
+
+
+def machine_description(llama_python: Path | None = None) -> dict:
+    import torch
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    mem_kib = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal")), 0)
+    llama_version = None
+    if llama_python and llama_python.exists():
+        out = subprocess.run([str(llama_python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True, check=False)
+        llama_version = out.stdout.strip() or None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return {
+        "cpu_model": model,
+        "num_cpus": os.cpu_count(),
+        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "llama_cpp_python": llama_version,
+        "git_commit": commit.stdout.strip() or None,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _ms(value) -> str:
+    return "-" if value is None else (f"{value:.0f}" if value >= 10 else f"{value:.1f}")
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _serving_rows(results: dict) -> list[str]:
+    lines = ["| system | N | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
+             "| TPOT p50 (ms) | e2e p50 / p99 (ms) | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for system in ("hpi", "llama.cpp"):
+        for run in (results.get(system) or {}).get("closed_loop", []):
+            t, i, e = run["ttft_ms"], run["itl_ms"], run["e2e_ms"]
+            lines.append(
+                f"| {system} | {run['concurrency']} | {run['num_requests']} | {run['requests_per_s']:.2f} "
+                f"| {run['output_tokens_per_s']:.1f} | {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} "
+                f"| {_ms(i['p50'])} / {_ms(i['p90'])} / {_ms(i['p99'])} | {_ms(run['tpot_ms']['p50'])} "
+                f"| {_ms(e['p50'])} / {_ms(e['p99'])} | {run['num_errors']} |")
+    for run in (results.get("transformers") or {}).get("static_batches", []):
+        lines.append(
+            f"| transformers (static batch) | {run['batch_size']} | {run['num_requests']} "
+            f"| {run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} | {_ms(run['ttft_ms']['p50'])} (batch) "
+            f"| - | {_ms(run['tpot_ms']['p50'])} | {_ms(run['e2e_ms']['p50'])} | 0 |")
+    return lines
+
+
+def _targets(results: dict) -> list[str]:
+    serving, rows = results.get("serving") or {}, (results.get("serving") or {}).get("ratios", [])
+    lines = ["| target | measured | met |", "|---|---|:-:|"]
+    high = [r for r in rows if r["concurrency"] >= 32]
+    if high:
+        best = max(high, key=lambda r: r["hpi_tok_s"])
+        if best["hpi_over_tf"] is not None:
+            lines.append(f"| output tok/s at N>=32 >= 2x transformers' best static batch <= N | "
+                         f"{best['hpi_tok_s']:.0f} vs {best['tf_tok_s']:.0f} (batch {best['tf_batch_size']}) at N="
+                         f"{best['concurrency']}: {_x(best['hpi_over_tf'])} "
+                         f"| {'yes' if best['hpi_over_tf'] >= 2 else 'no'} |")
+        if best["hpi_over_llama"] is not None:
+            lines.append(f"| output tok/s at N>=32 >= 3x llama-cpp-python's server | {best['hpi_tok_s']:.0f} vs "
+                         f"{best['llama_tok_s']:.0f}: {_x(best['hpi_over_llama'])} "
+                         f"| {'yes' if best['hpi_over_llama'] >= 3 else 'no'} |")
+    roofline = results.get("roofline")
+    if roofline and roofline.get("hpi_fraction_of_peak") is not None:
+        lines.append(f"| achieved FLOP/s as a fraction of this machine's measured {roofline['hpi_dtype']} matmul peak "
+                     f"| {roofline['hpi_achieved_gflops']:.1f} / {roofline['peak_gflops']:.1f} GFLOP/s = "
+                     f"{100 * roofline['hpi_fraction_of_peak']:.0f}% | (reported) |")
+    single = _single_request(serving)
+    if single:
+        lines.append(f"| single-request decode beside llama.cpp | {single} | (reported) |")
+    prefix = results.get("prefix_cache")
+    if prefix:
+        lines.append(f"| prefix caching cuts TTFT >= 2x (shared system prompt) "
+                     f"| p50 {_ms(prefix['off']['ttft_ms']['p50'])} -> {_ms(prefix['on']['ttft_ms']['p50'])} ms: "
+                     f"{_x(prefix['ttft_p50_speedup'])} "
+                     f"| {'yes' if prefix['ttft_p50_speedup'] >= 2 else 'no'} |")
+    return lines
+
+
+def _single_request(serving: dict) -> str | None:
+    def tok_s(system: str) -> float | None:
+        run = next((r for r in (serving.get(system) or {}).get("closed_loop", []) if r["concurrency"] == 1), None)
+        return run and 1000 / run["tpot_ms"]["p50"]
+
+    hpi, llama = tok_s("hpi"), tok_s("llama.cpp")
+    tf = next((r for r in (serving.get("transformers") or {}).get("static_batches", []) if r["batch_size"] == 1), None)
+    if hpi is None:
+        return None
+    parts = [f"hpi {hpi:.1f} tok/s"]
+    if llama:
+        parts.append(f"llama.cpp {llama:.1f} tok/s (hpi/llama.cpp {hpi / llama:.2f}x)")
+    if tf:
+        parts.append(f"transformers {1000 / tf['tpot_ms']['p50']:.1f} tok/s")
+    return ", ".join(parts) + " (1000 / TPOT p50)"
+
+
+def render_markdown(results: dict) -> str:
+    m, serving = results["machine"], results.get("serving") or {}
+    plan = serving.get("plan", {})
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `make bench` on {m['date_utc']} at commit `{m['git_commit']}`. "
+        "How to run and what each number means: [bench/README.md](../README.md).",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m['cpu_model']}, {m['num_cpus']} cores, flags: {', '.join(m['cpu_flags'])} |",
+        f"| memory | {m['memory_gib']} GiB |",
+        f"| threads | torch {m['torch_threads']}; llama.cpp {plan.get('num_threads', '-')} |",
+        f"| software | Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"llama-cpp-python {m['llama_cpp_python'] or '-'} |",
+        f"| load average at start | {', '.join(f'{x:.2f}' for x in m['load_average_at_start'])} |",
+        "",
+        "## Targets",
+        "",
+        *_targets(results),
+    ]
+    if serving:
+        tf_dtype = (serving.get("transformers") or {}).get("dtype", "-")
+        lines += [
+            "",
+            f"## Serving: closed loop, {plan['prompt_len']}-token prompts, {plan['output_len']}-token outputs",
+            "",
+            f"N = concurrent clients (transformers: static batch size; offline, dtype {tf_dtype}). "
+            "TTFT = time to first token, ITL = gap between streamed tokens, TPOT = (e2e - TTFT) / (tokens - 1).",
+            "",
+            *_serving_rows(serving),
+            "",
+            "### Ratios (output tokens/s)",
+            "",
+            "| N | hpi | transformers best static batch <= N | llama.cpp | hpi / transformers | hpi / llama.cpp |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in serving.get("ratios", []):
+            tf = "-" if r["tf_tok_s"] is None else f"{r['tf_tok_s']:.1f} (batch {r['tf_batch_size']})"
+            llama = "-" if r["llama_tok_s"] is None else f"{r['llama_tok_s']:.1f} (N={r['llama_concurrency']})"
+            lines.append(f"| {r['concurrency']} | {r['hpi_tok_s']:.1f} | {tf} | {llama} | {_x(r['hpi_over_tf'])} "
+                         f"| {_x(r['hpi_over_llama'])} |")
+        open_loop = (serving.get("hpi") or {}).get("open_loop")
+        if open_loop:
+            t, e = open_loop["ttft_ms"], open_loop["e2e_ms"]
+            lines += ["", "### Open loop (hpi, Poisson arrivals)", "",
+                      "| rate (req/s) | requests | achieved req/s | output tok/s | TTFT p50 / p90 / p99 (ms) "
+                      "| TPOT p50 (ms) | e2e p50 / p99 (ms) | errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                      f"| {open_loop['rate_rps']:.2f} | {open_loop['num_requests']} "
+                      f"| {open_loop['requests_per_s']:.2f} "
+                      f"| {open_loop['output_tokens_per_s']:.1f} | {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} "
+                      f"| {_ms(open_loop['tpot_ms']['p50'])} | {_ms(e['p50'])} / {_ms(e['p99'])} "
+                      f"| {open_loop['num_errors']} |"]
+        lines += ["", "![throughput](throughput.png)", "", "![latency CDFs](latency_cdf.png)"]
+    roofline = results.get("roofline")
+    if roofline:
+        lines += ["", "## Roofline", "",
+                  f"Model: {roofline['linear_flops_per_token'] / 1e9:.3f} GFLOP per token in its linears and LM "
+                  f"head (+{roofline['attention_flops_per_token_per_context_token']} FLOP per token of context in "
+                  "attention, left out). Peak = best torch matmul on the model's GEMM shapes, M = 64..256, this run.",
+                  "", "| dtype | matmul peak (GFLOP/s) | token bound at that peak (tokens/s) |", "|---|---:|---:|"]
+        for dtype, peak in roofline["peaks"].items():
+            lines.append(f"| {dtype} | {peak['peak_gflops']:.1f} "
+                         f"| {peak['peak_gflops'] * 1e9 / roofline['linear_flops_per_token']:.0f} |")
+        if roofline.get("hpi_achieved_gflops") is not None:
+            lines += ["", f"hpi at N={roofline['hpi_concurrency']} ({roofline['hpi_dtype']}): "
+                      f"{roofline['hpi_total_tokens_per_s']:.0f} tokens/s (prompt + output) = "
+                      f"{roofline['hpi_achieved_gflops']:.1f} GFLOP/s = {100 * roofline['hpi_fraction_of_peak']:.0f}% "
+                      "of the measured peak."]
+    prefix = results.get("prefix_cache")
+    if prefix:
+        p = prefix["plan"]
+        lines += ["", "## Prefix cache (hpi, shared system prompt)", "",
+                  f"{p['num_requests']} requests, closed loop N={p['concurrency']}: a {p['shared_len']}-token system "
+                  f"prompt shared by all + {p['unique_len']} unique tokens, {p['output_len']} output tokens.", "",
+                  "| prefix caching | TTFT p50 / p90 (ms) | e2e p50 (ms) | output tok/s | req/s | cache hit rate |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for key in ("on", "off"):
+            r = prefix[key]
+            lines.append(f"| {key} | {_ms(r['ttft_ms']['p50'])} / {_ms(r['ttft_ms']['p90'])} "
+                         f"| {_ms(r['e2e_ms']['p50'])} "
+                         f"| {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} "
+                         f"| {100 * r['prefix_cache_hit_rate']:.0f}% |")
+        lines += ["", f"TTFT p50 {_x(prefix['ttft_p50_speedup'])} lower with caching (p90 "
+                  f"{_x(prefix['ttft_p90_speedup'])}); throughput {_x(prefix['throughput_speedup'])}."]
+    engine = results.get("engine_core")
+    if engine:
+        lines += ["", "## Engine core (bench/bench_engine_core.py: fake executor, no model)", "",
+                  "| running requests | us/step (token ids only) | us/request | us/step (+ detokenize) | us/request |",
+                  "|---:|---:|---:|---:|---:|"]
+        for row in engine["step_cost"]:
+            n = row["num_running"]
+            lines.append(f"| {n} | {row['us_per_step']:.0f} | {row['us_per_step'] / n:.1f} "
+                         f"| {row['us_per_step_detok']:.0f} | {row['us_per_step_detok'] / n:.1f} |")
+        kv = engine["kv"]
+        lines += ["", "| KV memory (mixed workload: prompt 16-1023, output 16-511 tokens) | |", "|---|---:|",
+                  f"| KV budget | {kv['budget_tokens']} tokens |",
+                  f"| waste, mean over steps (allocated but unfilled slots) | {100 * kv['waste']:.2f}% |",
+                  f"| concurrent requests, paged | {kv['paged_running']:.1f} |",
+                  f"| concurrent requests, contiguous max_model_len={kv['max_model_len']} "
+                  f"| {kv['contiguous_running']} |",
+                  f"| capacity ratio | {kv['paged_running'] / kv['contiguous_running']:.1f}x |",
+                  f"| preemptions | {kv['preemptions']} |"]
+    for section in ("skipped",):
+        for name, reason in (results.get(section) or {}).items():
+            lines += ["", f"_{name} skipped: {reason}_"]
+    return "\n".join(lines) + "\n"
+
+
+def _cdf(ax, values, label, color) -> None:
+    ordered = sorted(values)
+    if ordered:
+        ax.step([ordered[0], *ordered], [0.0, *((i + 1) / len(ordered) for i in range(len(ordered)))], where="post",
+                label=label, color=color)
+
+
+def render_plots(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    serving = results.get("serving") or {}
+    if "hpi" not in serving:
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    for system in ("hpi", "llama.cpp"):
+        runs = (serving.get(system) or {}).get("closed_loop", [])
+        if runs:
+            color, marker = SYSTEM_STYLE[system]
+            ax.plot([r["concurrency"] for r in runs], [r["output_tokens_per_s"] for r in runs], marker=marker,
+                    color=color, label=f"{system} (server, closed loop)")
+    tf_runs = (serving.get("transformers") or {}).get("static_batches", [])
+    if tf_runs:
+        color, marker = SYSTEM_STYLE["transformers"]
+        ax.plot([r["batch_size"] for r in tf_runs], [r["output_tokens_per_s"] for r in tf_runs], marker=marker,
+                color=color, linestyle="--", label="transformers generate (offline, static batch)")
+    roofline, plan = results.get("roofline"), serving["plan"]
+    if roofline and roofline.get("hpi_dtype") in roofline["peaks"]:
+        peak = roofline["peaks"][roofline["hpi_dtype"]]["peak_gflops"] * 1e9
+        output_share = plan["output_len"] / (plan["prompt_len"] + plan["output_len"])
+        bound = peak / roofline["linear_flops_per_token"] * output_share
+        ax.axhline(bound, color="grey", linestyle=":", label=f"compute bound at measured {roofline['hpi_dtype']} peak")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["concurrency"] for r in serving["hpi"]["closed_loop"]} | {r["batch_size"] for r in tf_runs})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("concurrent requests (transformers: batch size)")
+    ax.set_ylabel("output tokens/s")
+    cores = results["machine"]["num_cpus"]
+    ax.set_title(f"Throughput, {plan['prompt_len']}+{plan['output_len']} tokens, {cores} CPU cores", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "throughput.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+
+    target_n = max((r["concurrency"] for r in serving["hpi"]["closed_loop"] if r["concurrency"] <= 32), default=None)
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), dpi=80)
+    for system in ("hpi", "llama.cpp", "transformers"):
+        if system == "transformers":
+            run = best_tf = None
+            fitting = [r for r in tf_runs if target_n and r["batch_size"] <= target_n]
+            best_tf = max(fitting, key=lambda r: r["output_tokens_per_s"], default=None)
+            run, label = best_tf, f"transformers (batch {best_tf['batch_size']})" if best_tf else ""
+        else:
+            runs = (serving.get(system) or {}).get("closed_loop", [])
+            run = max((r for r in runs if r["concurrency"] <= (target_n or 0)), key=lambda r: r["concurrency"],
+                      default=None)
+            label = f"{system} (N={run['concurrency']})" if run else ""
+        if not run:
+            continue
+        color = SYSTEM_STYLE[system][0]
+        for ax, key, scale in zip(axes, ("ttft_s", "tpot_s", "e2e_s"), (1000, 1000, 1), strict=True):
+            _cdf(ax, [v * scale for v in run["samples"][key]], label, color)
+    for ax, title in zip(axes, ("TTFT (ms)", "time per output token (ms)", "end-to-end latency (s)"), strict=True):
+        ax.set_xscale("log")
+        lo, hi = ax.get_xlim()
+        ax.xaxis.set_major_locator(LogLocator(subs=(1,) if hi / lo > 100 else (1, 2, 5)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests")
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Latency CDFs at {target_n} concurrent requests", fontsize=10)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+    return paths
+
+
+def write_report(results: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "latest.md").write_text(render_markdown(results))
+    return [out_dir / "latest.json", out_dir / "latest.md", *render_plots(results, out_dir)]
+
+
+if __name__ == "__main__":
+    source = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/latest.json")
+    data = json.loads(source.read_text())
+    for path in write_report(data, source.parent):
+        print(path)

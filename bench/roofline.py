@@ -1,0 +1,74 @@
+"""The compute roofline: this machine's measured matmul peak and the model's FLOPs per token.
+
+Peak is the best GFLOP/s torch reaches on the model's own GEMM shapes (M tokens x hidden -> intermediate and
+back, plus the LM head) at M = 64..256, per dtype, measured in the same run as the serving numbers (the
+machine is shared and clocks vary, so a datasheet figure would flatter or blame the wrong thing).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def model_flops_per_token(model_dir: Path) -> dict:
+    """2 x the weights every token multiplies through (all linears and the LM head), and the attention
+    FLOPs per token per token of context."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    per_layer = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * c["intermediate_size"]
+    linear_params = layers * per_layer + hidden * c["vocab_size"]
+    return {
+        "linear_flops_per_token": 2 * linear_params,
+        "attention_flops_per_token_per_context_token": 4 * layers * q_dim,  # QK^T and PV
+    }
+
+
+def _gflops(m: int, k: int, n: int, dtype: torch.dtype, min_time_s: float) -> float:
+    """Best single-call GFLOP/s over at least `min_time_s` (the best call is the least disturbed one)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.matmul(a, b)
+    best = float("inf")
+    deadline = time.perf_counter() + min_time_s
+    for _ in range(1000):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            break
+    return 2 * m * k * n / best / 1e9
+
+
+def matmul_peak(model_dir: Path, dtypes=(torch.float32, torch.bfloat16), min_time_s: float = 0.4) -> dict:
+    """{dtype: {"peak_gflops": best, "shapes": {"MxKxN": GFLOP/s}}} on the model's GEMM shapes.
+
+    Without native bf16 (AVX512-BF16/AMX) torch's bf16 matmul is ~10x slower than fp32 (which is why the
+    runtime picks fp32 on such CPUs); there one shape shows it rather than the full grid."""
+    from hpi_runtime.llm import _cpu_has_fast_bf16
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    out = {}
+    for dtype in dtypes:
+        shapes = {}
+        grid = [(m, k, n) for m in (64, 128, 256) for k, n in ((hidden, inter), (inter, hidden), (hidden, 2 * inter))]
+        if dtype == torch.bfloat16 and not _cpu_has_fast_bf16():
+            grid = grid[:1]
+        for m, k, n in grid:
+            shapes[f"{m}x{k}x{n}"] = _gflops(m, k, n, dtype, min_time_s)
+        out[str(dtype).removeprefix("torch.")] = {"peak_gflops": max(shapes.values()), "shapes": shapes}
+    return out
+
+
+if __name__ == "__main__":
+    from hpi_runtime.llm import resolve_model_dir
+
+    model_dir, _ = resolve_model_dir(None)
+    print(model_flops_per_token(model_dir))
+    for dtype, result in matmul_peak(model_dir).items():
+        print(dtype, f"{result['peak_gflops']:.1f} GFLOP/s")

@@ -1,0 +1,194 @@
+"""Serving benchmark: hpi against transformers `generate` and llama.cpp, same machine, same requests.
+
+For each concurrency N, a closed loop of N clients replays a seeded request set (fixed prompt and output
+lengths, EOS ignored) against `hpi serve`, then against llama-cpp-python's OpenAI server on the GGUF the
+embedded model was converted from. transformers runs offline on the same prompts with static batches; its
+row at concurrency N is its best batch size <= N. One system runs at a time. An open-loop run (Poisson
+arrivals at a fraction of hpi's measured capacity) shows latency under a load that does not wait for it.
+
+    .venv/bin/python -m bench.serving --concurrency 1 8 32 --output-len 32     # a smaller sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
+from bench.systems import (
+    SERVED_MODEL_NAME,
+    ServerProcess,
+    TransformersBaseline,
+    hpi_command,
+    llamacpp_command,
+    metric_value,
+)
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    concurrencies: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
+    llama_concurrencies: tuple[int, ...] = (1, 4, 32)  # one sequence at a time: flat after N=1
+    tf_batch_sizes: tuple[int, ...] = (1, 8, 16, 32, 64)
+    prompt_len: int = 128
+    output_len: int = 128
+    requests_per_client: float = 2.0  # closed loop: N * this requests (at least min_requests)
+    min_requests: int = 4
+    llama_max_requests: int = 32
+    open_loop_load: float = 0.7  # Poisson rate as a fraction of hpi's best closed-loop requests/s
+    open_loop_requests: int = 48
+    num_threads: int = 2
+    kv_cache_memory: str = "1GiB"
+    seed: int = 0
+
+
+def workload(plan: ServingPlan, num_requests: int, seed_offset: int) -> WorkloadSpec:
+    # A different seed per run: hpi's prefix cache must not serve a later run from an earlier one's prompts.
+    return WorkloadSpec(num_requests, LengthDist(plan.prompt_len), LengthDist(plan.output_len),
+                        seed=plan.seed * 100_000 + seed_offset)
+
+
+def num_requests_for(plan: ServingPlan, concurrency: int, cap: int | None = None) -> int:
+    n = max(plan.min_requests, round(concurrency * plan.requests_per_client), concurrency)
+    return min(n, max(cap, concurrency)) if cap else n
+
+
+def _warm_up(base_url: str, tokenizer, plan: ServingPlan) -> None:
+    requests = build_requests(tokenizer, WorkloadSpec(2, LengthDist(plan.prompt_len), LengthDist(8), seed=99_999))
+    asyncio.run(run_load(requests, LoadConfig(base_url, SERVED_MODEL_NAME, concurrency=2)))
+
+
+def _closed_loop(server: ServerProcess, tokenizer, plan: ServingPlan, concurrency: int, cap: int | None) -> dict:
+    requests = build_requests(tokenizer, workload(plan, num_requests_for(plan, concurrency, cap), concurrency))
+    run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency=concurrency)))
+    return summarize(run)
+
+
+def run_hpi(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
+    runs, open_loop = [], None
+    command = hpi_command(plan.num_threads, "--kv-cache-memory", plan.kv_cache_memory,
+                          "--max-num-seqs", str(max(64, *plan.concurrencies)))
+    with ServerProcess(command, log_dir / "hpi.log") as server:
+        _warm_up(server.base_url, tokenizer, plan)
+        for concurrency in plan.concurrencies:
+            before = server.metrics_text()
+            summary = _closed_loop(server, tokenizer, plan, concurrency, None)
+            after = server.metrics_text()
+            summary["num_preemptions"] = metric_value(after, "vllm:num_preemptions_total") - metric_value(
+                before, "vllm:num_preemptions_total")
+            runs.append(summary)
+            progress(f"hpi N={concurrency}: {summary['output_tokens_per_s']:.1f} out tok/s")
+        if plan.open_loop_load > 0 and plan.open_loop_requests > 0:
+            rate = plan.open_loop_load * max(r["requests_per_s"] for r in runs)
+            requests = build_requests(tokenizer, workload(plan, plan.open_loop_requests, 77_777))
+            config = LoadConfig(server.base_url, SERVED_MODEL_NAME, rate_rps=rate, seed=plan.seed)
+            open_loop = summarize(asyncio.run(run_load(requests, config)))
+            progress(f"hpi open loop {rate:.2f} req/s: TTFT p50 {open_loop['ttft_ms']['p50']:.0f} ms")
+    return {"closed_loop": runs, "open_loop": open_loop, "command": list(command.argv[1:])}
+
+
+def run_llamacpp(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
+    runs = []
+    command = llamacpp_command(plan.num_threads)
+    with ServerProcess(command, log_dir / "llamacpp.log") as server:
+        _warm_up(server.base_url, tokenizer, plan)
+        for concurrency in plan.llama_concurrencies:
+            summary = _closed_loop(server, tokenizer, plan, concurrency, plan.llama_max_requests)
+            runs.append(summary)
+            progress(f"llama.cpp N={concurrency}: {summary['output_tokens_per_s']:.1f} out tok/s")
+    return {"closed_loop": runs, "command": list(command.argv[1:])}
+
+
+def run_transformers(plan: ServingPlan, tokenizer, model_dir: Path, dtype: torch.dtype, progress) -> dict:
+    baseline = TransformersBaseline(model_dir, dtype)
+    runs = []
+    for batch_size in plan.tf_batch_sizes:
+        requests = build_requests(tokenizer, workload(plan, batch_size, 50_000 + batch_size))
+        prompt_ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+        result = baseline.run(prompt_ids, plan.output_len, batch_size)
+        runs.append(result)
+        progress(f"transformers batch={batch_size}: {result['output_tokens_per_s']:.1f} out tok/s")
+    return {"static_batches": runs, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def best_static_batch(tf_runs: list[dict], concurrency: int) -> dict | None:
+    """transformers' best run among batch sizes <= concurrency (a static batch cannot exceed the clients)."""
+    fitting = [r for r in tf_runs if r["batch_size"] <= concurrency]
+    return max(fitting, key=lambda r: r["output_tokens_per_s"], default=None)
+
+
+def ratio_rows(results: dict) -> list[dict]:
+    """Per hpi concurrency: output tok/s of hpi, transformers' best static batch <= N, llama.cpp at N
+    (or its nearest measured N below, since it serves one sequence at a time), and hpi's ratios."""
+    tf_runs = (results.get("transformers") or {}).get("static_batches", [])
+    llama_runs = (results.get("llama.cpp") or {}).get("closed_loop", [])
+    rows = []
+    for run in results["hpi"]["closed_loop"]:
+        n, hpi_tps = run["concurrency"], run["output_tokens_per_s"]
+        tf = best_static_batch(tf_runs, n)
+        llama = max((r for r in llama_runs if r["concurrency"] <= n), key=lambda r: r["concurrency"], default=None)
+        rows.append({
+            "concurrency": n,
+            "hpi_tok_s": hpi_tps,
+            "tf_tok_s": tf and tf["output_tokens_per_s"],
+            "tf_batch_size": tf and tf["batch_size"],
+            "llama_tok_s": llama and llama["output_tokens_per_s"],
+            "llama_concurrency": llama and llama["concurrency"],
+            "hpi_over_tf": tf and hpi_tps / tf["output_tokens_per_s"],
+            "hpi_over_llama": llama and hpi_tps / llama["output_tokens_per_s"],
+        })
+    return rows
+
+
+def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: Path, progress=print,
+                systems: tuple[str, ...] = ("hpi", "llama.cpp", "transformers")) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results: dict = {"plan": asdict(plan)}
+    if "hpi" in systems:
+        results["hpi"] = run_hpi(plan, tokenizer, log_dir, progress)
+    if "llama.cpp" in systems:
+        try:
+            results["llama.cpp"] = run_llamacpp(plan, tokenizer, log_dir, progress)
+        except (FileNotFoundError, RuntimeError) as exc:
+            results["llama.cpp"] = {"skipped": str(exc)}
+            progress(f"llama.cpp skipped: {exc}")
+    if "transformers" in systems:
+        results["transformers"] = run_transformers(plan, tokenizer, model_dir, dtype, progress)
+    if "hpi" in results:
+        results["ratios"] = ratio_rows(results)
+    return results
+
+
+def main() -> None:
+    from hpi_runtime.llm import resolve_dtype, resolve_model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(ServingPlan.concurrencies))
+    parser.add_argument("--llama-concurrency", type=int, nargs="+", default=list(ServingPlan.llama_concurrencies))
+    parser.add_argument("--tf-batch-sizes", type=int, nargs="+", default=list(ServingPlan.tf_batch_sizes))
+    parser.add_argument("--prompt-len", type=int, default=ServingPlan.prompt_len)
+    parser.add_argument("--output-len", type=int, default=ServingPlan.output_len)
+    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"])
+    parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    args = parser.parse_args()
+    plan = ServingPlan(concurrencies=tuple(args.concurrency), llama_concurrencies=tuple(args.llama_concurrency),
+                       tf_batch_sizes=tuple(args.tf_batch_sizes), prompt_len=args.prompt_len,
+                       output_len=args.output_len)
+    model_dir, _ = resolve_model_dir(None)
+    dtype = resolve_dtype("auto", torch.device("cpu"), "float32")
+    results = run_serving(plan, model_dir, dtype, Path("bench/results/tmp"), systems=tuple(args.systems))
+    for row in results.get("ratios", []):
+        print(row)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
