@@ -8,7 +8,7 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from hpi_runtime.server.errors import bad_request
-from hpi_runtime.server.generation import collect_choices, final_output, new_id, plan_choices, stream_choices
+from hpi_runtime.server.generation import collect_choices, new_id, plan_choices, stream_choices
 from hpi_runtime.server.logprobs import chat_logprobs
 from hpi_runtime.server.protocol import ChatRequest, parse_chat
 from hpi_runtime.server.request_io import check_model, read_json, usage
@@ -42,11 +42,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     want_logprobs = body.sampling.logprobs is not None
 
     if not body.stream:
-        outputs = await collect_choices(model.engine, state.metrics, choices)
-        rendered, completion_tokens = [], 0
-        for choice in choices:
-            out = final_output(outputs[choice.index])
-            completion_tokens += len(out.output_token_ids)
+        finals = await collect_choices(model.engine, state.metrics, choices)
+        completion_tokens = sum(len(out.output_token_ids) for _, out in finals)
+        rendered = []
+        for choice, out in finals:
             rendered.append({
                 "index": choice.index,
                 "message": {"role": "assistant", "content": out.text},

@@ -6,7 +6,7 @@ import time
 
 from aiohttp import web
 
-from hpi_runtime.server.generation import collect_choices, final_output, new_id, plan_choices, stream_choices
+from hpi_runtime.server.generation import collect_choices, new_id, plan_choices, stream_choices
 from hpi_runtime.server.logprobs import completion_logprobs
 from hpi_runtime.server.protocol import parse_completion
 from hpi_runtime.server.request_io import check_model, read_json, usage
@@ -30,11 +30,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     want_logprobs = body.sampling.logprobs is not None
 
     if not body.stream:
-        outputs = await collect_choices(model.engine, state.metrics, choices)
-        rendered, completion_tokens = [], 0
-        for choice in choices:
-            out = final_output(outputs[choice.index])
-            completion_tokens += len(out.output_token_ids)
+        finals = await collect_choices(model.engine, state.metrics, choices)
+        completion_tokens = sum(len(out.output_token_ids) for _, out in finals)
+        rendered = []
+        for choice, out in finals:
             prefix = echo[choice.prompt_index]
             logprobs = completion_logprobs(tokenizer, out.new_logprobs, len(prefix)) if want_logprobs else None
             rendered.append({"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,

@@ -155,18 +155,15 @@ async def stream_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(engine, metrics: ServingMetrics, choices: Sequence[Choice]) -> dict[int, list]:
-    """Non-streaming: every choice's RequestOutputs, keyed by choice index."""
-    outputs: dict[int, list[RequestOutput]] = {c.index: [] for c in choices}
+async def collect_choices(
+    engine, metrics: ServingMetrics, choices: Sequence[Choice]
+) -> list[tuple[Choice, RequestOutput]]:
+    """Non-streaming: each choice's final cumulative output, with every step's logprobs gathered in."""
+    logprobs: dict[int, list] = {c.index: [] for c in choices}
+    last: dict[int, RequestOutput] = {}
     async for choice, out in stream_choices(engine, metrics, choices):
-        outputs[choice.index].append(out)
-    return outputs
-
-
-def final_output(outputs: list[RequestOutput]) -> RequestOutput:
-    """The cumulative last output, with every step's logprobs gathered into new_logprobs."""
-    if not outputs:
+        logprobs[choice.index].extend(out.new_logprobs)
+        last[choice.index] = out
+    if len(last) != len(choices):
         raise ApiError(500, "the engine finished a request without output")
-    last = outputs[-1]
-    logprobs = tuple(lp for out in outputs for lp in out.new_logprobs)
-    return replace(last, new_logprobs=logprobs)
+    return [(c, replace(last[c.index], new_logprobs=tuple(logprobs[c.index]))) for c in choices]
