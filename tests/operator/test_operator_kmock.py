@@ -81,9 +81,9 @@ async def test_create_builds_children_per_pool_and_reports_status(kube: KubeClie
     assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert cpu["spec"]["template"]["spec"]["containers"][0]["args"][-1] != "cuda"
     assert gpu["spec"]["replicas"] + cpu["spec"]["replicas"] == 3
-    service = await api.get(f"/api/v1/namespaces/{NS}/services/llama")
-    pdb = await api.get(f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/llama")
-    assert service and pdb
+    # One apply pass writes the children one by one: the budget may land a moment after the Deployments.
+    service = await eventually(lambda: kube.get(f"/api/v1/namespaces/{NS}/services/llama"))
+    pdb = await eventually(lambda: kube.get(f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/llama"))
     for child in (gpu, cpu, service, pdb):
         [ref] = child["metadata"]["ownerReferences"]
         assert ref["uid"] == created["metadata"]["uid"] and ref["controller"] is True
