@@ -33,6 +33,9 @@ class CountingExecutor:
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.num_tokens: dict[str, list[int]] = {}  # request id -> [num tokens, num computed]
 
+    def register_failure_callback(self, callback) -> None:
+        pass  # runs in this process: nothing can fail under it between steps
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             self.num_tokens.pop(request_id, None)

@@ -21,6 +21,16 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpi", description="hetero-paged-infer runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,9 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "int4 group-wise); embeddings and LM head stay in --dtype")
     model.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                        help="int4 only: weights per scale/zero along K (must divide every layer's K)")
+    model.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="split the model over this many worker processes (one per GPU on cuda, gloo on "
+                       "cpu); attention is split by KV-head groups, see docs/tensor-parallelism.md")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                        help="bytes for the paged KV cache, e.g. 2GiB; default: sized by the runtime")
+                        help="bytes for the paged KV cache per tensor-parallel rank, e.g. 2GiB; default: 1GiB "
+                        "on cpu, 85%% of what the weights leave free on cuda")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -116,6 +130,7 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
 
     return asyncio.run(run_server(settings, load, args.host, args.port))

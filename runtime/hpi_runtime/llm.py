@@ -18,16 +18,15 @@ from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.model.config import ModelConfig, load_model_config
-from hpi_runtime.model.loader import checkpoint_num_params
+from hpi_runtime.model.parallel import split_heads
 from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
 from hpi_runtime.outputs import RequestOutput
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+from hpi_runtime.worker.tp_executor import MultiprocExecutor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-CUDA_KV_CACHE_FRACTION = 0.85  # of the memory free after loading the weights
 
 Message = dict[str, str]
 
@@ -92,15 +91,6 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> to
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def default_kv_cache_bytes(model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """1 GiB on CPU; on CUDA a fixed share of the memory the weights will leave free."""
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_CACHE_BYTES
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    weight_bytes = checkpoint_num_params(model_config) * torch.empty(0, dtype=dtype).element_size()
-    return max(int((free_bytes - weight_bytes) * CUDA_KV_CACHE_FRACTION), 0)
-
-
 def _check_engine_config(engine_config: EngineConfig, model_config: ModelConfig) -> None:
     limit = model_config.max_position_embeddings
     if engine_config.max_model_len > limit:
@@ -113,6 +103,14 @@ def _check_engine_config(engine_config: EngineConfig, model_config: ModelConfig)
             f"max_model_len {engine_config.max_model_len} exceeds the model's sliding window {window}; "
             f"sliding-window attention is not implemented, so set max_model_len <= {window}"
         )
+
+
+def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) -> None:
+    """ValueError when the model cannot be split over `tensor_parallel_size` ranks (see model/parallel.py)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    for rank in range(tensor_parallel_size):
+        split_heads(model_config.num_heads, model_config.num_kv_heads, tensor_parallel_size, rank)
 
 
 def default_max_model_len(model_config: ModelConfig) -> int:
@@ -140,11 +138,13 @@ def create_engine(
     attention_backend: str = "auto",
     quantization: str = "none",
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    tensor_parallel_size: int = 1,
 ) -> EngineBundle:
-    """Load `model` and build an `LLMEngine` over a `LocalExecutor`.
+    """Load `model` and build an `LLMEngine` over a `LocalExecutor` (tensor_parallel_size 1) or a
+    `MultiprocExecutor` (one worker process per rank; gloo on CPU, NCCL on CUDA devices 0..N-1).
 
     `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`.
-    `kv_cache_memory_bytes=None`: see `default_kv_cache_bytes`.
+    `kv_cache_memory_bytes` (per rank) None: 1 GiB on CPU, 85% of what the loaded weights leave free on CUDA.
     `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization).
     `attention_backend="auto"`: the Triton kernels on CUDA, the torch backend (the reference) on CPU.
     """
@@ -153,7 +153,8 @@ def create_engine(
     model_dir, model_name = resolve_model_dir(model)
     model_config = load_model_config(model_dir)
     quantization_config = QuantizationConfig(quantization, quantization_group_size)
-    check_model_supported(model_config, quantization_config)  # before any weight is read
+    check_tensor_parallel(model_config, tensor_parallel_size)  # before any weight is read
+    check_model_supported(model_config, quantization_config, tensor_parallel_size)
     engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
     _check_engine_config(engine_config, model_config)
     torch_device = torch.device(device)
@@ -172,15 +173,14 @@ def create_engine(
         device=torch_device,
         block_size=engine_config.block_size,
         max_model_len=engine_config.max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory_bytes
-        if kv_cache_memory_bytes is not None
-        else default_kv_cache_bytes(model_config, torch_dtype, torch_device),
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         attention_backend=_resolve_attention_backend(attention_backend, torch_device),
         seed=seed,
         eos_token_ids=frozenset(eos_token_ids),
         quantization=quantization_config,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    executor = LocalExecutor(executor_config)
+    executor = LocalExecutor(executor_config) if tensor_parallel_size == 1 else MultiprocExecutor(executor_config)
     engine = LLMEngine(engine_config, executor, tokenizer, frozenset(eos_token_ids))
     return EngineBundle(
         engine=engine,
@@ -223,6 +223,7 @@ class LLM:
         attention_backend: str = "auto",
         quantization: str = "none",
         quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if max_model_len is None:
             model_dir, _ = resolve_model_dir(model)
@@ -245,10 +246,21 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             quantization_group_size=quantization_group_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = self.bundle.engine
         self.tokenizer = self.bundle.tokenizer
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the KV cache and stop tensor-parallel worker processes (also done by `with LLM(...)`)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (temperature, top_p, ...)."""

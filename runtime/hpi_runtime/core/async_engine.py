@@ -3,8 +3,9 @@
 The thread sleeps on an event while there is no work. Each step's outputs cross to the event loop in one
 `call_soon_threadsafe` and land in per-request asyncio queues. A consumer that stops iterating (or whose
 task is cancelled) aborts its request, which frees its KV blocks at once. A failed step fails only its
-own requests (their iterators raise `EngineError`); anything else that escapes the loop kills it: every
-request then raises `EngineDeadError` and `errored` turns true.
+own requests (their iterators raise `EngineError`); anything else that escapes the loop kills it, and so
+does an executor that reports its own death between steps (a tensor-parallel worker gone): every request
+then raises `EngineDeadError`, `errored` turns true and `wait_dead()` returns.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._stopping = False
         self.dead_error: BaseException | None = None
+        self._executor_failure: BaseException | None = None  # set from any thread by the executor
+        self._dead = asyncio.Event()
 
     @property
     def errored(self) -> bool:
@@ -50,8 +53,19 @@ class AsyncLLM:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self.engine.executor.register_failure_callback(self._on_executor_failure)
         self._thread = threading.Thread(target=self._run, name="hpi-engine-loop", daemon=True)
         self._thread.start()
+
+    async def wait_dead(self) -> BaseException:
+        """Return the cause once the engine loop has died (never returns while it is healthy)."""
+        await self._dead.wait()
+        assert self.dead_error is not None
+        return self.dead_error
+
+    def _on_executor_failure(self, error: BaseException) -> None:
+        self._executor_failure = error
+        self._wakeup.set()
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -106,6 +120,9 @@ class AsyncLLM:
         engine = self.engine
         while not self._stopping:
             self._wakeup.clear()
+            if self._executor_failure is not None:
+                self._die(self._executor_failure)
+                return
             if not engine.has_unfinished_requests():
                 self._wakeup.wait()
                 continue
@@ -117,13 +134,17 @@ class AsyncLLM:
                 continue
             except BaseException as exc:
                 logger.exception("engine loop died; failing all requests")
-                self.dead_error = exc
-                dead = EngineDeadError(f"engine loop died: {exc!r}")
-                dead.__cause__ = exc
-                self._call_in_loop(self._fail, None, dead)
+                self._die(exc)
                 return
             if outputs:
                 self._call_in_loop(self._deliver, outputs)
+
+    def _die(self, cause: BaseException) -> None:
+        self.dead_error = cause
+        dead = EngineDeadError(f"engine loop died: {cause}")
+        dead.__cause__ = cause
+        self._call_in_loop(self._fail, None, dead)
+        self._call_in_loop(self._dead.set)
 
     def _call_in_loop(self, callback, *args) -> None:
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import BlockHash, HashFn, sha256_hash
 from hpi_runtime.core.detokenizer import IncrementalDetokenizer
-from hpi_runtime.core.interface import ModelExecutor
+from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request, RequestStatus
 from hpi_runtime.core.scheduler import Scheduler
@@ -132,7 +132,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model and process its output. Raises EngineError if the step failed; its
-        requests are then finished and freed and the engine stays usable."""
+        requests are then finished and freed and the engine stays usable. ExecutorDeadError passes through:
+        the executor is gone and the engine with it."""
         with self._lock:
             outputs, self._pending_outputs = self._pending_outputs, []
             scheduler_output = self.scheduler.schedule()
@@ -142,6 +143,10 @@ class LLMEngine:
             model_output = self.executor.execute_model(scheduler_output)
             with self._lock:
                 return outputs + self.scheduler.update_from_output(scheduler_output, model_output)
+        except ExecutorDeadError:  # not this step's fault, and no later step can run: the engine is over
+            with self._lock:
+                self.scheduler.fail_scheduled(scheduler_output)
+            raise
         except Exception as exc:
             with self._lock:
                 failed_ids = self.scheduler.fail_scheduled(scheduler_output)

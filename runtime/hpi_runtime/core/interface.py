@@ -18,7 +18,7 @@ so a step sends only what changed, as in vLLM v1:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,8 +72,14 @@ class ModelRunnerOutput:
     logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor can never run another step (a tensor-parallel worker process died). Unlike a failed
+    step, which fails only its own requests, this ends the engine: the server reports itself unhealthy
+    and exits so that its supervisor restarts it."""
+
+
 class ModelExecutor(Protocol):
-    """What the engine needs from whatever runs the model (one process now, TP workers later)."""
+    """What the engine needs from whatever runs the model: one process, or one worker per TP rank."""
 
     @property
     def num_kv_blocks(self) -> int: ...
@@ -82,5 +88,9 @@ class ModelExecutor(Protocol):
     def block_size(self) -> int: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(ExecutorDeadError)` (from any thread) if the executor dies between steps."""
+        ...
 
     def shutdown(self) -> None: ...

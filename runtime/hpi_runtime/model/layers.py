@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpi_runtime.model.linear import default_weight_loader
+from hpi_runtime.model.parallel import Span
 
 
 class RMSNorm(nn.Module):
@@ -30,27 +31,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding; under tensor parallelism each rank would hold a slice of the vocabulary."""
+    """Token embedding over this rank's vocabulary rows `vocab_span`. Tokens outside it look up zeros, so the
+    sum over ranks (done by the model) is the full embedding."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_span: Span, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.vocab_span, self.vocab_size = vocab_span, vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_span.size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding has {loaded.shape[0]} rows, the config says vocab_size {self.vocab_size}")
+        default_weight_loader(param, loaded.narrow(0, self.vocab_span.start, self.vocab_span.size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.vocab_span.size == self.vocab_size:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_span.start
+        outside = (local < 0) | (local >= self.vocab_span.size)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return hidden.masked_fill(outside.unsqueeze(-1), 0)
 
 
 class LMHead(nn.Module):
-    """Hidden states -> fp32 logits. Shares the embedding matrix when the model ties them."""
+    """Hidden states -> fp32 logits of this rank's vocabulary rows. Shares the embedding matrix (and so its
+    vocabulary span) when the model ties them."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None) -> None:
+    def __init__(self, vocab_span: Span, hidden_size: int, vocab_size: int, tied_to: VocabEmbedding | None) -> None:
         super().__init__()
+        self.vocab_span, self.vocab_size = vocab_span, vocab_size
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
+            self.weight = nn.Parameter(torch.empty(vocab_span.size, hidden_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(0, self.vocab_span.start, self.vocab_span.size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight).float()

@@ -1,16 +1,22 @@
-"""Linear layers shaped for tensor parallelism: each parameter carries its own `weight_loader`.
+"""Linear layers for tensor parallelism: each holds a slice of the full weight and loads it itself.
 
-Column-parallel layers split the output dimension across ranks, row-parallel ones the input dimension
-(and would all-reduce their output). Merged layers (qkv, gate_up) hold several Hugging Face tensors in
-one matrix and load each through a shard id. `tp_size` is 1 today; the loaders already slice by rank so
-adding ranks only needs a process group and the all-reduce.
+Every parameter carries a `weight_loader` that takes the unsharded checkpoint tensor and copies this
+rank's slice, so any tp size loads from the same safetensors files. Column-parallel layers hold a span of
+the output features, row-parallel ones a span of the input features (their partial outputs are summed
+across ranks by the model, after the layer, so quantized replacements need not know about it). Merged
+layers (qkv, gate_up) hold several checkpoint tensors in one matrix, each loaded through a shard id.
+With tp 1 every span is the whole dimension.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpi_runtime.model.parallel import HeadSplit, Span
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -19,10 +25,20 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _copy_slice(target: torch.Tensor, loaded: torch.Tensor, dim: int, span: Span, what: str) -> None:
+    if loaded.shape[dim] < span.stop:
+        raise ValueError(f"{what}: checkpoint dimension {dim} is {loaded.shape[dim]}, this rank needs "
+                         f"[{span.start}, {span.stop})")  # fmt: skip
+    source = loaded.narrow(dim, span.start, span.size)
+    if target.shape != source.shape:
+        raise ValueError(f"{what}: shape mismatch: parameter {tuple(target.shape)}, checkpoint slice "
+                         f"{tuple(source.shape)}")  # fmt: skip
+    target.copy_(source)
+
+
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size, self.tp_dim = 0, 1, tp_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -39,65 +55,66 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, tp_dim=None)
+    """The whole weight on every rank."""
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; each rank keeps rows [rank * n, (rank + 1) * n)."""
+    """Rows `out_span` of the full [out, in] weight (and of the bias)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, tp_dim=0)
+    def __init__(self, in_features: int, out_span: Span, bias: bool = False) -> None:
+        self.out_span = out_span
+        super().__init__(in_features, out_span.size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+        _copy_slice(param.data, loaded, 0, self.out_span, type(self).__name__)
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matrix (gate_proj + up_proj); shard id = index."""
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs stacked in one matrix (gate_proj + up_proj); shard id = index."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, in_features: int, out_spans: Sequence[Span], bias: bool = False) -> None:
+        self.out_spans = tuple(out_spans)
+        super().__init__(in_features, sum(s.size for s in self.out_spans), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, size)
-        source = loaded.narrow(0, self.tp_rank * size, size)
-        if target.shape != source.shape:
-            raise ValueError(f"shape mismatch for shard {shard_id}: {tuple(target.shape)} vs {tuple(source.shape)}")
-        target.copy_(source)
+        offset = sum(s.size for s in self.out_spans[:shard_id])
+        span = self.out_spans[shard_id]
+        _copy_slice(param.data.narrow(0, offset, span.size), loaded, 0, span, f"shard {shard_id}")
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matrix; shard id "q" | "k" | "v". KV heads split like q heads."""
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections of this rank's heads in one matrix; shard id "q" | "k" | "v"."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.head_dim = head_dim
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads  # per rank (tp_size 1)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+    def __init__(self, hidden_size: int, head_dim: int, heads: HeadSplit, bias: bool) -> None:
+        self.head_dim, self.heads = head_dim, heads
+        self.num_heads, self.num_kv_heads = heads.q.size, heads.kv.size  # on this rank
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        target = param.data.narrow(0, offset, size)
-        source = loaded.narrow(0, self.tp_rank * size, size)
-        if target.shape != source.shape:
-            raise ValueError(f"shape mismatch for {shard_id}: {tuple(target.shape)} vs {tuple(source.shape)}")
-        target.copy_(source)
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        offset, size, heads = {
+            "q": (0, q_size, self.heads.q),
+            "k": (q_size, kv_size, self.heads.kv),
+            "v": (q_size + kv_size, kv_size, self.heads.kv),
+        }[shard_id]
+        rows = Span(heads.start * d, heads.size * d)
+        _copy_slice(param.data.narrow(0, offset, size), loaded, 0, rows, f"{shard_id}_proj")
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial outputs would be all-reduced (not needed at tp 1)."""
+    """Columns `in_span` of the full weight: a partial product the model sums over ranks. The bias must be
+    added once, so only the rank with `holds_bias` loads it; the others keep zeros."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, tp_dim=1)
+    def __init__(self, in_span: Span, out_features: int, bias: bool = False, holds_bias: bool = True) -> None:
+        self.in_span, self.holds_bias = in_span, holds_bias
+        super().__init__(in_span.size, out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # the bias is added once, after the reduce
-            default_weight_loader(param, loaded)
+        if param.dim() == 1:
+            if self.holds_bias:
+                default_weight_loader(param, loaded)
+            else:
+                param.data.zero_()
             return
-        size = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+        _copy_slice(param.data, loaded, 1, self.in_span, type(self).__name__)

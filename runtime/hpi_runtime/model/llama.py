@@ -13,20 +13,26 @@ from hpi_runtime.model.attention import Attention, AttentionBackend, AttentionMe
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.layers import LMHead, RMSNorm, VocabEmbedding, silu_and_mul
 from hpi_runtime.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from hpi_runtime.model.parallel import MLP_SPLIT_UNIT, SINGLE, Span, TensorParallel, balanced_span, split_heads
 from hpi_runtime.model.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, head_dim // 2] for this step's positions
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=config.qkv_bias
+        heads = split_heads(config.num_heads, config.num_kv_heads, tp.size, tp.rank)
+        self.tp, self.head_dim = tp, config.head_dim
+        self.num_heads, self.num_kv_heads = heads.q.size, heads.kv.size  # this rank's
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, heads, bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(
+            Span(heads.q.start * config.head_dim, heads.q.size * config.head_dim),
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            holds_bias=tp.is_first,
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
-        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, backend)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -36,25 +42,27 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, metadata)
-        return self.o_proj(out.view(-1, q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(-1, q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
+        span = balanced_span(size, tp.size, tp.rank, MLP_SPLIT_UNIT if size % MLP_SPLIT_UNIT == 0 else 1)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [span, span], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(span, config.hidden_size, bias=config.mlp_bias, holds_bias=tp.is_first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -64,15 +72,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        vocab_span = balanced_span(config.vocab_size, tp.size, tp.rank)
+        self.embed_tokens = VocabEmbedding(vocab_span, config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.tp.all_reduce(self.embed_tokens(input_ids))
         rope = self.rotary(positions)  # looked up once per step, used by every layer
         for layer in self.layers:
             hidden = layer(rope, hidden, metadata)
@@ -89,21 +99,21 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, backend)
-        self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, self.model.embed_tokens if config.tie_word_embeddings else None
-        )
+        self.config, self.tp = config, tp
+        self.model = LlamaModel(config, backend, tp)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(self.model.embed_tokens.vocab_span, config.hidden_size, config.vocab_size, tied)
+        self._vocab_sizes = [balanced_span(config.vocab_size, tp.size, r).size for r in range(tp.size)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size] on rank 0 (None on the others)."""
+        return self.tp.gather_columns(self.lm_head(hidden), self._vocab_sizes)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

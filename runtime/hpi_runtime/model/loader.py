@@ -21,6 +21,7 @@ from hpi_runtime.model.attention import AttentionBackend
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.linear import default_weight_loader
 from hpi_runtime.model.llama import MODEL_CLASSES, LlamaForCausalLM
+from hpi_runtime.model.parallel import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar only for checkpoints of 1 GiB or more
@@ -103,12 +104,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """Build the model for `config` directly in `dtype` on `device` and fill it from the checkpoint."""
+    """Build this rank's part of the model for `config` directly in `dtype` on `device` and fill it from the
+    (unsharded) checkpoint."""
     files = safetensors_files(config.model_dir)
     with _default_dtype(dtype), torch.device(device):
-        model = MODEL_CLASSES[config.architecture](config, backend)
+        model = MODEL_CLASSES[config.architecture](config, backend, tp)
     load_weights(model, files)
     return model.eval()
 

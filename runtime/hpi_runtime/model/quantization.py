@@ -6,8 +6,8 @@ per byte; formats from hpi_kernels.quant), and `quantized_state_dict` does it fo
 Runtime step: `quantize_model` swaps every linear layer (qkv, o, gate_up, down; not the embeddings and,
 unless asked, not the LM head) for a `QuantizedLinear`, one layer at a time, releasing each float weight
 as soon as its replacement exists: peak memory is the float model plus one layer, never two models.
-The model is loaded in float first (the loaders keep doing tensor-parallel slicing); each rank would
-quantize its own shard, so INT4 groups along K need K_per_rank % group_size == 0.
+The model is loaded in float first (the loaders do the tensor-parallel slicing); each rank quantizes its
+own shard, so INT4 groups along K need K_per_rank % group_size == 0.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from hpi_kernels.quant import quantize_int4, quantize_int8
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.linear import LinearBase
+from hpi_runtime.model.parallel import MLP_SPLIT_UNIT, balanced_span, split_heads
 from hpi_runtime.model.quant_linear import QuantizedLinear, QuantizedWeight, op_dtype
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
@@ -103,15 +104,24 @@ class QuantizedLMHead(QuantizedLinear):
         return super().forward(x).float()
 
 
-def check_model_supported(model_config: ModelConfig, config: QuantizationConfig) -> None:
-    """Fail before loading any weight when an int4 group size cannot tile some layer's K."""
+def _reduction_dims(model_config: ModelConfig, tp_size: int) -> dict[str, int]:
+    """Each quantized layer's K (per rank: o_proj and down_proj take a rank's slice of their input)."""
+    ks = {"qkv_proj / gate_up_proj (hidden_size)": model_config.hidden_size}
+    size = model_config.intermediate_size
+    for rank in range(tp_size):
+        heads = split_heads(model_config.num_heads, model_config.num_kv_heads, tp_size, rank)
+        mlp = balanced_span(size, tp_size, rank, MLP_SPLIT_UNIT if size % MLP_SPLIT_UNIT == 0 else 1)
+        where = f", rank {rank}" if tp_size > 1 else ""
+        ks[f"o_proj (heads x head_dim{where})"] = heads.q.size * model_config.head_dim
+        ks[f"down_proj (intermediate_size{where})"] = mlp.size
+    return ks
+
+
+def check_model_supported(model_config: ModelConfig, config: QuantizationConfig, tp_size: int = 1) -> None:
+    """Fail before loading any weight when an int4 group size cannot tile some layer's K on some rank."""
     if config.method != "int4":
         return
-    ks = {
-        "qkv_proj / gate_up_proj (hidden_size)": model_config.hidden_size,
-        "o_proj (num_heads * head_dim)": model_config.num_heads * model_config.head_dim,
-        "down_proj (intermediate_size)": model_config.intermediate_size,
-    }
+    ks = _reduction_dims(model_config, tp_size)
     bad = [f"{layer} K = {k}" for layer, k in ks.items() if k % config.group_size != 0]
     if bad:
         fits = [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in ks.values())]

@@ -1,7 +1,9 @@
 """Run the server: listen first (liveness answers at once), load and warm the model, serve, drain on SIGTERM.
 
 Readiness is false while loading and from the first SIGTERM on. On SIGTERM new requests get 503, in-flight
-ones finish within the drain timeout, then the process exits 0 (Kubernetes' rolling-update contract).
+ones finish within the drain timeout, then the process exits 0 (Kubernetes' rolling-update contract). If
+the engine dies (a tensor-parallel worker killed, say) readiness and liveness fail at once and the process
+exits 1 instead of lingering.
 """
 
 from __future__ import annotations
@@ -39,10 +41,19 @@ async def serve(settings: ServerSettings, load_bundle: Callable[[], Any], host: 
     loader = asyncio.create_task(_load(state, load_bundle))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    engine_died = None
     if loader.done() and state.load_error is None:
-        await stopper
+        died = asyncio.create_task(state.model.engine.wait_dead())
+        await asyncio.wait({stopper, died}, return_when=asyncio.FIRST_COMPLETED)
+        engine_died = died.result() if died.done() else None
+        died.cancel()
     exit_code = 0
     if state.load_error is not None:
+        exit_code = 1
+    elif engine_died is not None:
+        # In-flight requests have already failed; nothing can be served any more: exit, and let the
+        # supervisor (Kubernetes) start a fresh replica rather than keep an unready one around.
+        logger.error("the engine died (%s); exiting", engine_died)
         exit_code = 1
     else:
         logger.info("draining: refusing new requests, waiting up to %.0f s for %d in flight",

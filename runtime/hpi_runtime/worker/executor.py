@@ -1,10 +1,12 @@
 """LocalExecutor: the model, its paged KV cache and the runner in this process (a `ModelExecutor`).
 
-Tensor-parallel executors will implement the same protocol over several worker processes.
+With tensor parallelism each worker process runs one LocalExecutor over its rank's shard (see
+tp_executor.py); the same class is the whole executor at tp 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,42 +15,68 @@ from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import ModelConfig
+from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.model.loader import load_model, weight_bytes
+from hpi_runtime.model.parallel import SINGLE, TensorParallel
 from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
 from hpi_runtime.worker.model_runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weights are loaded
 
 
 @dataclass(frozen=True)
 class ExecutorConfig:
     model_config: ModelConfig
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # the device type; tensor-parallel rank r uses CUDA device r
     block_size: int
     max_model_len: int
-    kv_cache_memory_bytes: int  # the KV cache gets as many blocks as fit in this
+    # Per rank: the KV cache gets as many blocks as fit in this. None: 1 GiB on CPU, on CUDA a share of
+    # what the loaded weights leave free (measured after loading, so it holds for quantized weights too).
+    kv_cache_memory_bytes: int | None = None
     attention_backend: str = "torch"
     seed: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # banned before a request's min_tokens
     quantization: QuantizationConfig = QuantizationConfig()  # weight-only int8/int4, applied after loading
+    tensor_parallel_size: int = 1
+
+
+def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
+    """K and V of one token over all layers, for the KV heads this rank holds."""
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    return sum(2 * attn.num_kv_heads * attn.head_dim * dtype_bytes for attn in model.attention_layers())
+
+
+def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    return int(free_bytes * CUDA_KV_CACHE_FRACTION)
 
 
 class LocalExecutor:
-    def __init__(self, config: ExecutorConfig) -> None:
+    def __init__(self, config: ExecutorConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
         self.config = config
+        device = device or config.device
         model_config = config.model_config
         backend = get_attention_backend(config.attention_backend, config.dtype)
-        self.model = load_model(model_config, config.dtype, config.device, backend)
+        self.model = load_model(model_config, config.dtype, device, backend, tp)
         quantize_model(self.model, config.quantization)  # in place, one layer at a time
         self.weight_bytes = weight_bytes(self.model)
-        dtype_bytes = torch.empty(0, dtype=config.dtype).element_size()
-        self._num_kv_blocks = num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            model_config.kv_bytes_per_token(dtype_bytes),
-            config.block_size,
-            config.max_model_len,
+        # Every rank must hold the same blocks: take the count the tightest rank affords.
+        self._num_kv_blocks = tp.min_int(
+            num_blocks_for_budget(
+                kv_budget_bytes(config, device),
+                kv_bytes_per_token(self.model, config.dtype),
+                config.block_size,
+                config.max_model_len,
+            )
         )
         self.kv_cache_bytes = allocate_kv_caches(
-            self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), config.device
+            self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), device
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         self.runner = ModelRunner(self.model, backend, config.block_size, eos_token_ids, config.seed)
@@ -63,6 +91,9 @@ class LocalExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Nothing outside this process can fail under it; a failing step raises from execute_model."""
 
     def shutdown(self) -> None:
         for attn in self.model.attention_layers():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from hpi_runtime.model.attention import AttentionBackend, AttentionMetadata
 from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class StepLogits:
     """Logits of the rows sampled this step: row i belongs to request_ids[i]."""
 
     request_ids: tuple[str, ...]
-    logits: torch.Tensor  # [num_sampled, vocab_size] float32
+    logits: torch.Tensor | None  # [num_sampled, vocab_size] float32; None on tensor-parallel ranks other than 0
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
 
 
@@ -52,11 +52,10 @@ class KVCacheSpec:
 
 
 def allocate_kv_caches(model: LlamaForCausalLM, spec: KVCacheSpec, device: torch.device) -> int:
-    """Allocate and bind each layer's k/v cache; returns the bytes allocated."""
-    config = model.config
-    shape = (spec.num_blocks, spec.block_size, config.num_kv_heads, config.head_dim)
+    """Allocate and bind each layer's k/v cache (for the KV heads this rank holds); returns the bytes allocated."""
     total_bytes = 0
     for attn in model.attention_layers():
+        shape = (spec.num_blocks, spec.block_size, attn.num_kv_heads, attn.head_dim)
         attn.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         attn.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         total_bytes += 2 * attn.k_cache.numel() * attn.k_cache.element_size()
@@ -203,16 +202,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, step: StepLogits) -> ModelRunnerOutput:
-        """Sample one token per row of `step`, append it to the request's tokens, report it."""
+        """Sample one token per row of `step`, append it to the request's tokens, report it.
+
+        Under tensor parallelism rank 0 (which holds the gathered logits) samples and broadcasts the token
+        ids, so every rank's copy of the requests stays identical whatever the sampler does."""
         sampled: dict[str, tuple[int, ...]] = dict.fromkeys(step.partial_request_ids, ())
         if not step.request_ids:
             return ModelRunnerOutput(sampled_token_ids=sampled)
         states = [self.requests[r] for r in step.request_ids]
-        result = self.sampler(step.logits, self._sampling_batch(states))
+        tp = self.model.tp
+        if tp.size == 1:
+            result = self.sampler(step.logits, self._sampling_batch(states))
+            token_ids, token_logprobs = result.token_ids, result.logprobs
+        else:
+            token_ids, token_logprobs = self._sample_on_first_rank(step, states)
         logprobs = {}
-        for state, token_id, token_logprobs in zip(states, result.token_ids, result.logprobs, strict=True):
+        for state, token_id, lp in zip(states, token_ids, token_logprobs, strict=True):
             state.token_ids.append(token_id)
-            if token_logprobs is not None:
-                logprobs[state.request_id] = (token_logprobs,)
-        sampled.update((s.request_id, (t,)) for s, t in zip(states, result.token_ids, strict=True))
+            if lp is not None:
+                logprobs[state.request_id] = (lp,)
+        sampled.update((s.request_id, (t,)) for s, t in zip(states, token_ids, strict=True))
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_on_first_rank(
+        self, step: StepLogits, states: list[CachedRequestState]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        tokens = torch.full((len(states),), -1, dtype=torch.int64, device=self.device)
+        token_logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        try:
+            if self.model.tp.is_first:
+                result = self.sampler(step.logits, self._sampling_batch(states))
+                tokens.copy_(torch.tensor(result.token_ids, dtype=torch.int64))
+                token_logprobs = list(result.logprobs)
+        finally:  # the other ranks wait in this broadcast even when rank 0's sampler failed
+            self.model.tp.broadcast_from_first(tokens)
+        token_ids = tokens.tolist()
+        if min(token_ids) < 0:
+            raise RuntimeError("tensor-parallel rank 0 failed to sample this step")
+        return token_ids, token_logprobs

@@ -45,6 +45,9 @@ class FakeExecutor:
     def __post_init__(self) -> None:
         self.kv_slots = [-1] * (self.num_kv_blocks * self.block_size)
 
+    def register_failure_callback(self, callback) -> None:
+        pass  # runs in this process: nothing can fail under it between steps
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.batches.append(so)
         for request_id in so.finished_request_ids | so.preempted_request_ids:

@@ -1,0 +1,70 @@
+"""`hpi serve --tensor-parallel-size 2` with real worker processes: it serves, and when a worker is killed
+mid-request the server fails that request, drops readiness and exits 1 instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from hpi_testing.server import RuntimeServer
+
+pytestmark = pytest.mark.slow
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's spawned tensor-parallel workers (not multiprocessing's resource tracker)."""
+    # Each thread lists the children it started: the model is loaded in a worker thread.
+    children = [pid for task in Path(f"/proc/{server_pid}/task").iterdir()
+                for pid in (task / "children").read_text().split()]  # fmt: skip
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+
+
+def test_killed_worker_fails_the_request_and_the_server_exits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = RuntimeServer(tiny_model_dir, tmp_path / "server.log", "--served-model-name", "tiny",
+                           "--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256",
+                           "--kv-cache-memory", "8MiB")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
+        assert done.usage.completion_tokens == 8
+        pids = worker_pids(server.process.pid)
+        assert len(pids) == 2, server.logs()
+
+        outcome: dict = {}
+        streaming = threading.Event()
+
+        def long_stream() -> None:
+            chunks = 0
+            try:
+                stream = client.completions.create(model="tiny", prompt="Once", max_tokens=240, stream=True,
+                                                   extra_body={"ignore_eos": True})  # fmt: skip
+                for _ in stream:
+                    chunks += 1
+                    streaming.set()
+                    time.sleep(0.02)  # a slow reader keeps the request in flight across the kill
+                outcome["ended"] = "normally"
+            except Exception as exc:  # what the client sees when the server fails the request
+                outcome["ended"] = f"{type(exc).__name__}: {exc}"
+            outcome["chunks"] = chunks
+
+        reader = threading.Thread(target=long_stream)
+        reader.start()
+        assert streaming.wait(60), server.logs()
+        os.kill(pids[1], signal.SIGKILL)
+        reader.join(60)
+        assert not reader.is_alive(), "the stream hung after the worker died"
+        assert outcome["ended"] != "normally" and outcome["chunks"] < 240, outcome
+
+        assert server.process.wait(60) == 1, server.logs()
+        logs = server.logs()
+        assert "tensor-parallel worker rank 1" in logs and "was killed by signal 9" in logs
+        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)  # rank 0 did not outlive the server
+    finally:
+        server.stop()
