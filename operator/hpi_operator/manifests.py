@@ -124,7 +124,8 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile) -> list
         "--max-model-len", str(engine.max_model_len),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--block-size", str(engine.block_size),
-        "--kv-cache-memory", str(profile.kv_cache_bytes),
+        # Per tensor-parallel rank, as the runtime reads it: the profile's KV bytes are the whole replica's.
+        "--kv-cache-memory", str(profile.kv_cache_bytes_per_gpu),
         "--drain-timeout", str(spec.runtime.drain_timeout_s),
     ]  # fmt: skip
     if profile.quantization != "none":  # weight-only int8/int4, applied by the runtime at load time

@@ -1,7 +1,8 @@
 """Profile choice, a pure function: per pool, the highest precision whose memory needs fit the device.
 
 Order of preference: the activation dtype (bf16 where the device supports it, fp16 on pre-Ampere GPUs, fp32
-on CPUs without bf16) unquantized, then weight-only int8, then int4; within one precision, the fewest GPUs.
+on CPUs without bf16) unquantized, then weight-only int8, then int4; within one precision, the fewest GPUs
+(tensor parallelism) among the counts the runtime can split the model's attention heads over.
 Pins and forbidden quantizations from the spec narrow the candidates. A pool where nothing fits gets no
 profile but a reason, so that status can say why it is unused.
 """
@@ -18,7 +19,9 @@ from .sizing import (
     kv_bytes_per_token,
     kv_cache_bytes,
     overhead_bytes,
+    splits_heads,
     weight_bytes,
+    why_heads_do_not_split,
 )
 from .spec import InferenceSpec
 
@@ -35,13 +38,19 @@ class Profile:
     quantization: str  # none | int8 | int4
     num_gpus: int  # per replica; 0 on CPU
     weight_bytes: int
-    kv_cache_bytes: int  # what the runtime gets (passed as --kv-cache-memory-bytes)
+    kv_cache_bytes: int  # over all the replica's GPUs; the runtime gets kv_cache_bytes_per_gpu
     overhead_bytes: int
     memory_budget_bytes: int  # the part of the device memory the runtime may fill
 
     @property
     def needed_bytes(self) -> int:
         return self.weight_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    @property
+    def kv_cache_bytes_per_gpu(self) -> int:
+        """The KV budget of one tensor-parallel rank (what `hpi serve --kv-cache-memory` means). sizing counts
+        the fullest rank's share for every rank, so each rank affords the replica's full token count."""
+        return self.kv_cache_bytes // max(self.num_gpus, 1)
 
     def label(self) -> str:
         quant = "" if self.quantization == "none" else f"/{self.quantization}"
@@ -88,6 +97,72 @@ def _capacity(pool: Pool, profile: Profile) -> int:
     return sum(memory // per_replica for memory in pool.memory_bytes_per_node)
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """The arithmetic of one candidate: a quantization on some number of GPUs per replica."""
+
+    quantization: str
+    num_gpus: int
+    weight_bytes: int
+    min_kv_bytes: int
+    max_kv_bytes: int
+    overhead_bytes: int
+    budget_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weight_bytes + self.min_kv_bytes + self.overhead_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return self.needed_bytes - self.budget_bytes
+
+
+def _attempt(
+    pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: str, quantization: str, num_gpus: int
+) -> _Attempt:
+    engine = spec.engine
+    weights = weight_bytes(shape, dtype, quantization)
+    budget = int(_device_memory_bytes(pool, spec, max(num_gpus, 1)) * engine.kv_cache_memory_fraction)
+    return _Attempt(
+        quantization=quantization,
+        num_gpus=num_gpus,
+        weight_bytes=weights,
+        min_kv_bytes=kv_cache_bytes(shape, dtype, engine.max_model_len, engine.block_size, num_gpus),
+        # More KV than max_num_seqs full-length sequences can never be used: do not reserve it.
+        max_kv_bytes=kv_cache_bytes(
+            shape, dtype, engine.max_model_len * engine.max_num_seqs, engine.block_size, num_gpus
+        ),
+        overhead_bytes=overhead_bytes(weights, num_gpus),
+        budget_bytes=budget,
+    )
+
+
+def _gpu_counts(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> tuple[list[int], list[int]]:
+    """GPU counts per replica to try, and those the limits allow but the model's heads cannot be split over."""
+    if pool.device != "cuda":
+        return [0], []
+    allowed = [n for n in GPU_COUNTS if n <= min(spec.placement.max_gpus_per_replica, pool.max_gpus_per_node)]
+    return [n for n in allowed if splits_heads(shape, n)], [n for n in allowed if not splits_heads(shape, n)]
+
+
+def _tensor_parallel_note(pool: Pool, chosen: _Attempt, too_small: _Attempt | None) -> str:
+    if chosen.num_gpus <= 1:
+        return ""
+    note = f" (tensor parallel over {chosen.num_gpus} GPUs"
+    if too_small is not None:
+        note += (
+            f": {too_small.num_gpus} x {pool.gpu_product} is not enough, {gib(too_small.needed_bytes)} needed "
+            f"but {gib(too_small.budget_bytes)} usable"
+        )
+    return note + ")"
+
+
+def _heads_note(shape: ModelShape, unsplittable: list[int]) -> str:
+    counts = ", ".join(f"x{n}" for n in unsplittable)
+    return f"; {counts} not offered: {why_heads_do_not_split(shape, GPU_COUNTS[-1])}"
+
+
 def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolChoice:
     """The best profile for `pool`, or the reason there is none."""
     pins = spec.placement.pins
@@ -101,52 +176,63 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
         for q in QUANTIZATION_ORDER
         if (pins.quantization in ("auto", q)) and q not in spec.placement.forbidden_quantizations
     ]
-    if pool.device == "cuda":
-        gpu_counts = [n for n in GPU_COUNTS if n <= min(spec.placement.max_gpus_per_replica, pool.max_gpus_per_node)]
-        if not gpu_counts:
-            return PoolChoice(pool, None, "no allocatable nvidia.com/gpu on these nodes")
-    else:
-        gpu_counts = [0]
+    gpu_counts, unsplittable = _gpu_counts(pool, spec, shape)
+    if not gpu_counts:
+        return PoolChoice(pool, None, "no allocatable nvidia.com/gpu on these nodes")
     engine = spec.engine
-    min_kv = kv_cache_bytes(shape, dtype, engine.max_model_len, engine.block_size)
-    # More KV than max_num_seqs full-length sequences can never be used: do not reserve it.
-    max_kv = kv_cache_bytes(shape, dtype, engine.max_model_len * engine.max_num_seqs, engine.block_size)
-    smallest_need = None
+    closest: _Attempt | None = None
     for quantization in quantizations:
-        weights = weight_bytes(shape, dtype, quantization)
+        too_small: _Attempt | None = None  # the largest GPU count this precision tried and overflowed
         for num_gpus in gpu_counts:
-            budget = int(_device_memory_bytes(pool, spec, max(num_gpus, 1)) * engine.kv_cache_memory_fraction)
-            overhead = overhead_bytes(weights, num_gpus)
-            need = weights + min_kv + overhead
-            if smallest_need is None or need < smallest_need[0]:
-                smallest_need = (need, quantization, budget)
-            if need > budget:
+            attempt = _attempt(pool, spec, shape, dtype, quantization, num_gpus)
+            if closest is None or attempt.shortfall_bytes < closest.shortfall_bytes:
+                closest = attempt
+            if attempt.needed_bytes > attempt.budget_bytes:
+                too_small = attempt
                 continue
             profile = Profile(
                 device=pool.device,
                 dtype=dtype,
                 quantization=quantization,
                 num_gpus=num_gpus,
-                weight_bytes=weights,
-                kv_cache_bytes=min(budget - weights - overhead, max_kv),
-                overhead_bytes=overhead,
-                memory_budget_bytes=budget,
-            )
+                weight_bytes=attempt.weight_bytes,
+                kv_cache_bytes=min(attempt.budget_bytes - attempt.weight_bytes - attempt.overhead_bytes,
+                                   attempt.max_kv_bytes),
+                overhead_bytes=attempt.overhead_bytes,
+                memory_budget_bytes=attempt.budget_bytes,
+            )  # fmt: skip
             reason = (
-                f"{profile.label()}: weights {gib(weights)} + min KV {gib(min_kv)} "
-                f"({engine.max_model_len} tokens x {kv_bytes_per_token(shape, dtype)} B) + overhead "
-                f"{gib(overhead)} fit {gib(budget)} of {pool.describe()}"
+                f"{profile.label()}{_tensor_parallel_note(pool, attempt, too_small)}: weights "
+                f"{gib(attempt.weight_bytes)} + min KV {gib(attempt.min_kv_bytes)} ({engine.max_model_len} tokens x "
+                f"{kv_bytes_per_token(shape, dtype, num_gpus)} B) + overhead {gib(attempt.overhead_bytes)} fit "
+                f"{gib(attempt.budget_bytes)} of {pool.describe()}"
             )
             skipped = quantizations[: quantizations.index(quantization)]
             if skipped:
                 reason += f"; {', '.join(skipped)} did not fit"
+                # Only a fallback makes the counts the heads ruled out worth a word: they are always the largest.
+                if unsplittable:
+                    reason += _heads_note(shape, unsplittable)
             return PoolChoice(pool, profile, reason, capacity=_capacity(pool, profile))
-    if smallest_need is None:
+    if closest is None:
         return PoolChoice(pool, None, "no quantization left to try (all forbidden or pinned away)")
-    need, quantization, budget = smallest_need
-    return PoolChoice(
-        pool,
-        None,
-        f"does not fit: even {dtype}/{quantization} needs {gib(need)} but {pool.describe()} "
-        f"offers {gib(budget)}",
-    )
+    over = f" over {closest.num_gpus} GPUs" if closest.num_gpus > 1 else ""
+    if pool.device == "cuda":
+        offer = f"{closest.num_gpus} x {pool.gpu_product} offer{'s' if closest.num_gpus == 1 else ''}"
+        offer += f" {gib(closest.budget_bytes)} ({pool.describe()})"
+    else:
+        offer = f"{pool.describe()} offers {gib(closest.budget_bytes)}"
+    reason = f"does not fit: even {dtype}/{closest.quantization}{over} needs {gib(closest.needed_bytes)} but {offer}"
+    if unsplittable:
+        reason += _heads_note(shape, unsplittable)
+    beyond_limit = [
+        n
+        for n in GPU_COUNTS
+        if spec.placement.max_gpus_per_replica < n <= pool.max_gpus_per_node and splits_heads(shape, n)
+    ]
+    if pool.device == "cuda" and beyond_limit:
+        reason += (
+            f"; these nodes have {pool.max_gpus_per_node} GPUs: raise spec.placement.maxGpusPerReplica (up to "
+            f"{beyond_limit[-1]}) to split the model over more of them"
+        )
+    return PoolChoice(pool, None, reason)

@@ -4,6 +4,12 @@ Numbers follow the runtime: weight-only int8 (per output channel) and int4 (grou
 per group) for every linear layer; embeddings stay in the activation dtype; the KV cache is stored in the
 activation dtype. The overhead term covers the CUDA context, activations and allocator slack; it is
 deliberately generous so that a profile the operator picks does not OOM at start-up.
+
+Tensor parallelism follows the runtime's rule (runtime/hpi_runtime/model/parallel.py, `split_heads`; not
+imported: the operator installs without torch): attention is split along KV-head groups, so a replica of N
+GPUs works when N <= num_kv_heads, or when N is a multiple of num_kv_heads whose share divides the query
+heads per KV head. Every rank holds as many KV blocks as the rank with the most KV heads affords, so uneven
+splits and replicated KV heads cost KV memory; `kv_bytes_per_token` counts that.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class ModelShape:
     head_dim: int
     hidden_size: int = 0
     vocab_size: int = 0
+    num_heads: int = 0  # query heads; 0 = unknown, so no tensor-parallel split beyond num_kv_heads
 
     @property
     def num_embedding_parameters(self) -> int:
@@ -42,17 +49,17 @@ class ModelShape:
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Well-known models, so common CRs need no size hints (keys: lower-case Hugging Face name, no org).
 KNOWN_SHAPES: dict[str, ModelShape] = {
-    "smollm2-135m-instruct": ModelShape(134_515_008, 30, 3, 64, 576, 49152),
-    "smollm2-135m": ModelShape(134_515_008, 30, 3, 64, 576, 49152),
-    "smollm2-360m-instruct": ModelShape(361_821_120, 32, 5, 64, 960, 49152),
-    "smollm2-1.7b-instruct": ModelShape(1_711_376_384, 24, 32, 64, 2048, 49152),
-    "llama-3.1-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256),
-    "llama-3.1-8b": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256),
-    "meta-llama-3-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256),
-    "llama-3.1-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256),
-    "llama-3.3-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256),
-    "mistral-7b-instruct-v0.3": ModelShape(7_248_023_552, 32, 8, 128, 4096, 32768),
-    "qwen2.5-7b-instruct": ModelShape(7_615_616_512, 28, 4, 128, 3584, 152064),
+    "smollm2-135m-instruct": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9),
+    "smollm2-135m": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9),
+    "smollm2-360m-instruct": ModelShape(361_821_120, 32, 5, 64, 960, 49152, num_heads=15),
+    "smollm2-1.7b-instruct": ModelShape(1_711_376_384, 24, 32, 64, 2048, 49152, num_heads=32),
+    "llama-3.1-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
+    "llama-3.1-8b": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
+    "meta-llama-3-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
+    "llama-3.1-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256, num_heads=64),
+    "llama-3.3-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256, num_heads=64),
+    "mistral-7b-instruct-v0.3": ModelShape(7_248_023_552, 32, 8, 128, 4096, 32768, num_heads=32),
+    "qwen2.5-7b-instruct": ModelShape(7_615_616_512, 28, 4, 128, 3584, 152064, num_heads=28),
 }
 
 
@@ -72,6 +79,7 @@ def model_shape(model: ModelSpec) -> ModelShape:
         "head_dim": hints.head_dim,
         "hidden_size": hints.hidden_size,
         "vocab_size": hints.vocab_size,
+        "num_heads": hints.num_heads,
     }
     if known is not None:
         values = {k: v if v is not None else getattr(known, k) for k, v in values.items()}
@@ -85,7 +93,41 @@ def model_shape(model: ModelSpec) -> ModelShape:
         }
         fields = ", ".join(f"spec.model.size.{hint_names[k]}" for k in missing)
         raise SpecError(f"cannot size the model for placement: set {fields}")
-    return ModelShape(**{k: int(v or 0) for k, v in values.items()})
+    shape = ModelShape(**{k: int(v or 0) for k, v in values.items()})
+    if shape.num_heads and shape.num_heads % shape.num_kv_heads:
+        # A hint can override one of the two for a known model; spec.py checks the pair only when both are hints.
+        raise SpecError(
+            f"spec.model.size: {shape.num_kv_heads} KV heads do not divide {shape.num_heads} attention heads "
+            "(numKVHeads must divide numHeads)"
+        )
+    return shape
+
+
+def splits_heads(shape: ModelShape, num_gpus: int) -> bool:
+    """Whether the runtime can split the model's attention over `num_gpus` tensor-parallel ranks."""
+    if num_gpus <= max(shape.num_kv_heads, 1):
+        return True
+    if not shape.num_heads:
+        return False  # the runtime's rule above num_kv_heads needs the query heads, which nobody told us
+    replicas, remainder = divmod(num_gpus, shape.num_kv_heads)
+    return remainder == 0 and (shape.num_heads // shape.num_kv_heads) % replicas == 0
+
+
+def why_heads_do_not_split(shape: ModelShape, max_gpus: int) -> str:
+    """A sentence a user can act on: which GPU counts up to `max_gpus` can split the model's attention."""
+    kv_heads = f"{shape.num_kv_heads} KV head{'s' if shape.num_kv_heads > 1 else ''}"
+    if not shape.num_heads:
+        return f"spec.model.size.numHeads is unknown, so the model is split over at most its {kv_heads}"
+    sizes = [str(n) for n in range(1, max_gpus + 1) if splits_heads(shape, n)]
+    listed = f"{', '.join(sizes[:-1])} or {sizes[-1]} GPUs" if len(sizes) > 1 else "1 GPU"
+    return f"{shape.num_heads} attention heads over {kv_heads} split only over {listed}"
+
+
+def max_kv_heads_per_rank(shape: ModelShape, num_gpus: int) -> int:
+    """KV heads on the fullest rank: balanced whole heads up to num_kv_heads ranks, then one replica each."""
+    if num_gpus <= 1:
+        return shape.num_kv_heads
+    return -(-shape.num_kv_heads // num_gpus) if num_gpus <= shape.num_kv_heads else 1
 
 
 def weight_bytes(shape: ModelShape, dtype: str, quantization: str) -> int:
@@ -97,13 +139,17 @@ def weight_bytes(shape: ModelShape, dtype: str, quantization: str) -> int:
     return math.ceil(linear * QUANTIZED_WEIGHT_BYTES[quantization]) + embeddings * dense
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]  # K and V
+def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1) -> int:
+    """KV bytes one token costs a replica over all its GPUs. Every rank allocates the blocks the fullest rank
+    affords, so a replica pays num_gpus x the fullest rank's share (the plain K and V size when even)."""
+    num_ranks = max(num_gpus, 1)
+    num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
+    return 2 * shape.num_layers * num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]  # K and V
 
 
-def kv_cache_bytes(shape: ModelShape, dtype: str, num_tokens: int, block_size: int) -> int:
-    """Bytes for `num_tokens` tokens of KV cache, rounded up to whole blocks."""
-    return math.ceil(num_tokens / block_size) * block_size * kv_bytes_per_token(shape, dtype)
+def kv_cache_bytes(shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1) -> int:
+    """Bytes for `num_tokens` tokens of KV cache over a replica's GPUs, rounded up to whole blocks."""
+    return math.ceil(num_tokens / block_size) * block_size * kv_bytes_per_token(shape, dtype, num_gpus)
 
 
 def overhead_bytes(weights: int, num_gpus: int) -> int:

@@ -37,6 +37,7 @@ class ModelSize:
     head_dim: int | None = None
     hidden_size: int | None = None
     vocab_size: int | None = None
+    num_heads: int | None = None  # query heads; without it tensor parallelism stops at num_kv_heads GPUs
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class PlacementSpec:
     preferred_pools: tuple[str, ...] = ()  # filled first, in this order
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
-    max_gpus_per_replica: int = 1
+    max_gpus_per_replica: int = 8
     pins: ProfilePins = field(default_factory=ProfilePins)
     forbidden_quantizations: tuple[str, ...] = ()
 
@@ -139,6 +140,33 @@ def _get(mapping: Mapping[str, Any] | None, key: str, default: Any = None) -> An
     return default if value is None else value
 
 
+def _head_count(raw: Mapping[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"spec.model.size.{key} must be a positive integer; got {value!r}")
+    return value
+
+
+def _parse_size(raw: Mapping[str, Any]) -> ModelSize:
+    size = ModelSize(
+        num_parameters=parse_parameter_count(raw.get("parameters")),
+        num_layers=raw.get("numLayers"),
+        num_kv_heads=_head_count(raw, "numKVHeads"),
+        head_dim=raw.get("headDim"),
+        hidden_size=raw.get("hiddenSize"),
+        vocab_size=raw.get("vocabSize"),
+        num_heads=_head_count(raw, "numHeads"),
+    )
+    if size.num_heads and size.num_kv_heads and size.num_heads % size.num_kv_heads:
+        raise SpecError(
+            f"spec.model.size.numKVHeads ({size.num_kv_heads}) must divide spec.model.size.numHeads "
+            f"({size.num_heads}): each KV head serves a whole group of query heads"
+        )
+    return size
+
+
 def _secret_ref(raw: Mapping[str, Any] | None, default_key: str, where: str) -> SecretKeyRef | None:
     if not raw:
         return None
@@ -151,15 +179,7 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     source = _get(raw, "source", "embedded")
     if source not in MODEL_SOURCES:
         raise SpecError(f"spec.model.source must be one of {', '.join(MODEL_SOURCES)}; got {source!r}")
-    size_raw = _get(raw, "size", {})
-    size = ModelSize(
-        num_parameters=parse_parameter_count(size_raw.get("parameters")),
-        num_layers=size_raw.get("numLayers"),
-        num_kv_heads=size_raw.get("numKVHeads"),
-        head_dim=size_raw.get("headDim"),
-        hidden_size=size_raw.get("hiddenSize"),
-        vocab_size=size_raw.get("vocabSize"),
-    )
+    size = _parse_size(_get(raw, "size", {}))
     pvc = _get(raw, "pvc", {})
     hf = _get(raw, "huggingface", {})
     if source == "pvc" and not pvc.get("claimName"):
@@ -229,7 +249,7 @@ def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
     if allowed and not set(preferred) <= set(allowed):
         outside = sorted(set(preferred) - set(allowed))
         raise SpecError(f"spec.placement.preferredPools names pools outside allowedPools: {', '.join(outside)}")
-    max_gpus = int(_get(raw, "maxGpusPerReplica", 1))
+    max_gpus = int(_get(raw, "maxGpusPerReplica", 8))
     if max_gpus not in (1, 2, 4, 8):
         raise SpecError(f"spec.placement.maxGpusPerReplica must be 1, 2, 4 or 8; got {max_gpus}")
     return PlacementSpec(

@@ -12,6 +12,8 @@ from hpi_operator.manifests import short_name, spec_hash
 from hpi_operator.names import ANNOTATION_SPEC_HASH
 from hpi_operator.nodes import node_info
 from hpi_operator.plan import Plan, make_plan
+from hpi_operator.sizing import kv_bytes_per_token as replica_kv_bytes_per_token
+from hpi_operator.sizing import model_shape
 from hpi_testing.kube_emulator import H100, L4, T4, make_node
 
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -41,7 +43,8 @@ SPECS = {
         "replicas": 2,
         "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-70B-Instruct",
                                                            "tokenSecretRef": {"name": "hf"}}},
-        "placement": {"tolerations": [{"key": "spot", "operator": "Exists"}]},
+        # One GPU per replica: quantize rather than split (the int4 path; splitting is tested below).
+        "placement": {"tolerations": [{"key": "spot", "operator": "Exists"}], "maxGpusPerReplica": 1},
         "engine": {"maxNumBatchedTokens": 4096},
     },
 }
@@ -184,17 +187,77 @@ def test_runtime_args_match_the_profile() -> None:
     assert "--quantization" not in embedded  # unquantized is the runtime's default
 
 
+A4000_X2 = ("NVIDIA-RTX-A4000", 16376, 2)  # 16 GB GPUs, two per node: an 8B bf16 model needs both
+
+
+def tensor_parallel_plan(size: dict[str, Any] | None = None) -> Plan:
+    model = {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}}
+    if size:
+        model = {"source": "pvc", "pvc": {"claimName": "w"}, "size": size}
+    spec = {"model": model, "placement": {"maxGpusPerReplica": 2}}
+    return make_plan(cr(spec), [node_info(make_node("a", gpu=A4000_X2))])
+
+
+def arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_tensor_parallel_replica_asks_for_its_gpus_and_passes_the_size() -> None:
+    plan = tensor_parallel_plan()
+    [dep] = plan.deployments
+    main = container(dep)
+    assert arg(main["args"], "--tensor-parallel-size") == "2"
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == main["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert arg(main["args"], "--dtype") == "bfloat16" and "--quantization" not in main["args"]
+    one_gpu = container(deployment(plan_for("pvc-8b"), "gpu-h100-80gb-hbm3"))["args"]
+    assert "--tensor-parallel-size" not in one_gpu  # the runtime's default is 1
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        None,  # Llama-3.1-8B: 8 KV heads, 4 per rank
+        {"parameters": "10B", "numLayers": 30, "numKVHeads": 3, "numHeads": 9, "headDim": 64},  # 2 + 1 KV heads
+    ],
+)
+def test_kv_cache_memory_is_per_rank_and_every_rank_holds_the_profiles_tokens(size: dict[str, Any] | None) -> None:
+    parallel = pytest.importorskip("hpi_runtime.model.parallel")
+    from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+
+    plan = tensor_parallel_plan(size)
+    [choice] = plan.choices
+    profile = choice.profile
+    assert profile is not None and profile.num_gpus == 2, choice.reason
+    shape = model_shape(plan.spec.model)
+    engine = plan.spec.engine
+    per_rank_bytes = int(arg(container(plan.deployments[0])["args"], "--kv-cache-memory"))
+    # What the runtime does with it (worker/executor.py): each rank sizes blocks for its own KV heads, and all
+    # ranks take the smallest count.
+    rank_heads = [parallel.split_heads(shape.num_heads, shape.num_kv_heads, 2, r).kv.size for r in range(2)]
+    rank_token_bytes = [kv_bytes_per_token(shape.num_layers, h, shape.head_dim, 2) for h in rank_heads]
+    num_blocks = min(
+        num_blocks_for_budget(per_rank_bytes, b, engine.block_size, engine.max_model_len) for b in rank_token_bytes
+    )
+    allocated = [num_blocks * engine.block_size * b for b in rank_token_bytes]
+    assert sum(allocated) <= profile.kv_cache_bytes  # the replica never takes more KV memory than planned
+    assert max(allocated) <= per_rank_bytes
+    planned_tokens = profile.kv_cache_bytes // replica_kv_bytes_per_token(shape, profile.dtype, 2)
+    assert num_blocks * engine.block_size >= planned_tokens - engine.block_size  # nor fewer tokens
+
+
 def test_runtime_parser_accepts_the_rendered_args() -> None:
     from hpi_runtime.cli import build_parser  # the test environment has every component installed
 
     parser = build_parser()
-    for key in SPECS:
-        for dep in plan_for(key).deployments:
+    plans = [plan_for(key) for key in SPECS] + [tensor_parallel_plan()]
+    for plan in plans:
+        for dep in plan.deployments:
             main = container(dep)
             assert main["command"] == ["hpi"]
             args, unknown = parser.parse_known_args(main["args"])
             assert args.command == "serve" and args.port == 8000
             assert unknown == [], unknown
+            assert args.tensor_parallel_size == int(main["resources"]["limits"].get("nvidia.com/gpu", 1))
 
 
 def test_service_and_pdb_select_every_pool() -> None:

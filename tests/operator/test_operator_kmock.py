@@ -137,6 +137,23 @@ async def test_update_replicas_patches_only_what_changed(kube: KubeClient, opera
     assert rolled["spec"]["replicas"] == 4
 
 
+async def test_model_too_big_for_one_gpu_runs_tensor_parallel(kube: KubeClient, operator: Any) -> None:
+    api = Api(kube)
+    await api.call("POST", "/api/v1/nodes", make_node("gpu-a4000-0", gpu=("NVIDIA-RTX-A4000", 16376, 2)))
+    await api.call("POST", CRS, cr("tp", {
+        "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}},
+        "placement": {"maxGpusPerReplica": 2},
+    }))  # fmt: skip
+    [dep] = (await eventually(lambda: deployments_of(kube, "tp"))).values()
+    main = dep["spec"]["template"]["spec"]["containers"][0]
+    assert main["args"][main["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    body = await eventually(lambda: (b := kube.get(f"{CRS}/tp")) and (b.get("status") or {}).get("pools") and b)
+    [pool] = body["status"]["pools"]
+    assert (pool["profile"], pool["gpusPerReplica"]) == ("cuda:bf16 x2", 2)
+    assert "tensor parallel over 2 GPUs: 1 x NVIDIA-RTX-A4000 is not enough" in pool["reason"]
+
+
 async def test_node_pool_appearing_and_vanishing(kube: KubeClient, operator: Any) -> None:
     api = Api(kube)
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))

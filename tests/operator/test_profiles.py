@@ -90,6 +90,77 @@ def test_reason_explains_the_arithmetic_and_the_fallback() -> None:
     assert "Tesla-T4" in choice.reason
 
 
+A4000_X2 = ("NVIDIA-RTX-A4000", 16376, 2)  # a 16 GB Ampere GPU, two per node
+
+
+def choose_on(gpu: tuple[str, int, int], model: dict[str, Any], **spec: Any) -> PoolChoice:
+    [pool] = group_pools([node_info(make_node("n", gpu=gpu))])
+    parsed = parse_spec({"model": model, **spec})
+    return choose_profile(pool, parsed, model_shape(parsed.model))
+
+
+def hinted(num_heads: int | None, num_kv_heads: int) -> dict[str, Any]:
+    """An 8B-sized model behind a PVC, with the head counts under test."""
+    size = {"parameters": "8B", "numLayers": 32, "numKVHeads": num_kv_heads, "headDim": 128}
+    if num_heads is not None:
+        size["numHeads"] = num_heads
+    return {"source": "pvc", "pvc": {"claimName": "w"}, "size": size}
+
+
+def test_8b_bf16_too_big_for_one_16gb_gpu_splits_over_two() -> None:
+    choice = choose_on(A4000_X2, MODELS["8b"])  # the default lets a replica span a node's GPUs
+    assert choice.profile is not None and choice.profile.label() == "cuda:bf16 x2", choice.reason
+    assert choice.profile.num_gpus == 2 and choice.capacity == 1
+    assert choice.reason.startswith("cuda:bf16 x2 (tensor parallel over 2 GPUs: 1 x NVIDIA-RTX-A4000 is not enough, ")
+    assert "did not fit" not in choice.reason  # bf16 itself fitted, on two GPUs
+    # Limited to one GPU per replica, the same pool quantizes instead.
+    single = choose_on(A4000_X2, MODELS["8b"], placement={"maxGpusPerReplica": 1})
+    assert single.profile is not None and single.profile.label() == "cuda:bf16/int8", single.reason
+    assert "tensor parallel" not in single.reason
+
+
+def test_tensor_parallel_reason_names_the_largest_count_that_was_not_enough() -> None:
+    choice = choose("H100", "70b", placement={"maxGpusPerReplica": 8})
+    assert choice.reason.startswith("cuda:bf16 x4 (tensor parallel over 4 GPUs: 2 x NVIDIA-H100-80GB-HBM3 is not")
+
+
+def test_heads_that_cannot_split_over_two_gpus_keep_one_gpu_and_say_why() -> None:
+    # 3 query heads over 1 KV head split over 1 or 3 ranks only: x2 would fit the memory but not the model.
+    choice = choose_on(A4000_X2, hinted(3, 1), placement={"maxGpusPerReplica": 2})
+    assert choice.profile is not None and choice.profile.label() == "cuda:bf16/int8", choice.reason
+    assert "x2 not offered: 3 attention heads over 1 KV head split only over 1 or 3 GPUs" in choice.reason
+    splittable = choose_on(A4000_X2, hinted(4, 1), placement={"maxGpusPerReplica": 2})
+    assert splittable.profile is not None and splittable.profile.label() == "cuda:bf16 x2", splittable.reason
+    assert "not offered" not in splittable.reason
+
+
+def test_heads_that_cannot_split_are_named_when_nothing_fits() -> None:
+    choice = choose_on(("NVIDIA-L4", 23034, 8), {**hinted(3, 1), "size": {**hinted(3, 1)["size"], "parameters": "70B"}},
+                       placement={"maxGpusPerReplica": 8})  # fmt: skip
+    assert choice.profile is None
+    assert choice.reason.startswith("does not fit: even bf16/int4 needs")
+    assert "x2, x4, x8 not offered: 3 attention heads over 1 KV head" in choice.reason
+
+
+def test_without_num_heads_no_replica_splits_beyond_the_kv_heads() -> None:
+    choice = choose_on(A4000_X2, hinted(None, 1), placement={"maxGpusPerReplica": 2})
+    assert choice.profile is not None and choice.profile.num_gpus == 1, choice.reason
+    assert "x2 not offered: spec.model.size.numHeads is unknown" in choice.reason
+    two_kv_heads = choose_on(A4000_X2, hinted(None, 2), placement={"maxGpusPerReplica": 2})
+    assert two_kv_heads.profile is not None and two_kv_heads.profile.label() == "cuda:bf16 x2"
+
+
+def test_no_fit_on_one_gpu_suggests_more_gpus_per_replica_when_nodes_have_them() -> None:
+    choice = choose("A100-40", "70b", placement={"maxGpusPerReplica": 1})
+    assert choice.profile is None
+    assert "raise spec.placement.maxGpusPerReplica" in choice.reason
+    assert "maxGpusPerReplica" not in choose("L4", "70b").reason  # one GPU per node: nothing to raise
+    unsplittable = choose_on(A100_40, {**hinted(3, 1), "size": {**hinted(3, 1)["size"], "parameters": "70B"}})
+    assert unsplittable.profile is None and "maxGpusPerReplica" not in unsplittable.reason  # x2-x8 cannot split it
+    closest = choose_on(("NVIDIA-L4", 23034, 2), MODELS["70b"], placement={"maxGpusPerReplica": 2})
+    assert closest.profile is None and closest.reason.startswith("does not fit: even bf16/int4 over 2 GPUs needs")
+
+
 def test_no_fit_reason_names_the_smallest_need() -> None:
     choice = choose("L4", "70b")
     assert choice.profile is None
@@ -119,7 +190,7 @@ def test_capacity_counts_whole_replicas_per_node() -> None:
         ({"profile": {"device": "cpu"}}, "L4", None),
         ({"profile": {"dtype": "bf16"}}, "T4", None),
         ({"profile": {"dtype": "bf16"}}, "cpu", None),
-        ({"forbiddenQuantizations": ["int4"]}, "A100-40", None),
+        ({"forbiddenQuantizations": ["int4"], "maxGpusPerReplica": 1}, "A100-40", None),
         ({"forbiddenQuantizations": ["none"]}, "H100", "cuda:bf16/int8"),
     ],
 )
@@ -130,7 +201,7 @@ def test_pins_and_forbids(placement: dict[str, Any], node: str, expected: str | 
 
 
 def test_forbidding_int4_leaves_70b_on_one_h100_without_a_profile() -> None:
-    choice = choose("H100", "70b", placement={"forbiddenQuantizations": ["int4"]})
+    choice = choose("H100", "70b", placement={"forbiddenQuantizations": ["int4"], "maxGpusPerReplica": 1})
     assert choice.profile is None and "does not fit" in choice.reason
 
 

@@ -82,11 +82,23 @@ def test_parameter_counts(text: Any, count: int) -> None:
         ({"engine": {"blockSize": 12}}, "blockSize"),
         ({"replicas": -1}, "negative"),
         ({"apiKeySecretRef": {"key": "k"}}, "apiKeySecretRef.name"),
+        ({"model": {"size": {"numHeads": 10, "numKVHeads": 4}}}, r"numKVHeads \(4\) must divide .*numHeads \(10\)"),
+        ({"model": {"size": {"numHeads": 0}}}, "numHeads must be a positive integer"),
+        ({"model": {"size": {"numHeads": "32"}}}, "numHeads must be a positive integer"),
+        ({"model": {"size": {"numHeads": True}}}, "numHeads must be a positive integer"),
+        ({"model": {"size": {"numKVHeads": -2}}}, "numKVHeads must be a positive integer"),
     ],
 )
 def test_spec_errors_name_the_field(raw: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):
         parse_spec(raw)
+
+
+def test_head_counts_parse() -> None:
+    size = parse_spec({"model": {"size": {"numHeads": 32, "numKVHeads": 8}}}).model.size
+    assert (size.num_heads, size.num_kv_heads) == (32, 8)
+    assert parse_spec({}).model.size.num_heads is None
+    assert crd_spec_schema()["properties"]["model"]["properties"]["size"]["properties"]["numHeads"]["minimum"] == 1
 
 
 def test_autoscaling_fields_parse() -> None:
