@@ -1,7 +1,7 @@
 """Memory arithmetic for one replica: weights, KV cache and overhead, per dtype and quantization.
 
-Numbers follow the runtime: weight-only int8 (per output channel) and int4 (group size 128, one bf16 scale
-per group) for every linear layer; embeddings stay in the activation dtype; the KV cache is stored in the
+Numbers follow the runtime: weight-only int8 (per output channel) and int4 (group size 32, a 16-bit scale
+and zero per group) for every linear layer; embeddings stay in the activation dtype; the KV cache is stored in the
 activation dtype. The overhead term covers the CUDA context, activations and allocator slack; it is
 deliberately generous so that a profile the operator picks does not OOM at start-up.
 
@@ -21,9 +21,10 @@ from .spec import ModelSize, ModelSpec, SpecError
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-INT4_GROUP_SIZE = 128
+INT4_GROUP_SIZE = 32  # the runtime's default --quantization-group-size
 # Bytes per quantized weight, scales included (int8 scales are per output channel: negligible).
-QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 2 / INT4_GROUP_SIZE}
+# int4 keeps a 16-bit scale and a 16-bit zero per group (hpi_kernels.quant's asymmetric format).
+QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
 CUDA_CONTEXT_BYTES = 1 * GIB  # per GPU
 CPU_RUNTIME_BYTES = GIB // 2  # interpreter, tokenizer, HTTP server
 OVERHEAD_FRACTION_OF_WEIGHTS = 0.10  # activations and allocator fragmentation grow with the model
