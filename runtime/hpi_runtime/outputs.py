@@ -21,7 +21,7 @@ class RequestOutput:
     text_delta: str  # new text since the previous RequestOutput; never part of a possible stop string
     finished: bool
     finish_reason: str | None = None  # FINISH_STOP / FINISH_LENGTH / FINISH_ABORT
-    stop_reason: str | int | None = None  # the matched stop string or stop token id, if any
+    stop_reason: str | int | None = None  # the matched stop string or requested stop token id; None for EOS
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingParams.logprobs set
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0  # time.monotonic() when the engine received the request

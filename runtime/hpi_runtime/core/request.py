@@ -106,7 +106,9 @@ class Request:
             self._update_block_hashes()
         checks_stops = len(self.output_token_ids) >= self.sampling_params.min_tokens
         if checks_stops and token_id in self.stop_token_ids:
-            return self._finish(RequestStatus.FINISHED_STOPPED, token_id)
+            # vLLM's convention: stop_reason names a stop the user asked for; EOS itself reports None.
+            asked = token_id in self.sampling_params.stop_token_ids
+            return self._finish(RequestStatus.FINISHED_STOPPED, token_id if asked else None)
         stop_string = self._detokenizer.append(token_id, checks_stops) if self._detokenizer is not None else None
         if stop_string is not None:
             return self._finish(RequestStatus.FINISHED_STOPPED, stop_string)

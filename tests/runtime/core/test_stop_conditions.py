@@ -73,7 +73,9 @@ def test_eos_and_stop_token_ids_respect_min_tokens_and_ignore_eos(scripted, toke
     hello = tokenizer.encode("Hello")
     script = [*hello, eos, *hello, eos, *hello]
     out = run(scripted(script), SamplingParams(max_tokens=20))[-1]
-    assert out.output_token_ids == (*hello, eos) and out.stop_reason == eos and out.text == "Hello"
+    assert out.output_token_ids == (*hello, eos) and out.stop_reason is None and out.text == "Hello"  # as vLLM
+    out = run(scripted(script), SamplingParams(max_tokens=20, stop_token_ids=(eos,)))[-1]
+    assert out.finish_reason == "stop" and out.stop_reason == eos  # asked for explicitly: named
     out = run(scripted(script), SamplingParams(max_tokens=20, min_tokens=len(hello) + 2))[-1]
     assert out.output_token_ids == (*hello, eos, *hello, eos) and out.finish_reason == "stop"
     out = run(scripted(script), SamplingParams(max_tokens=len(script), ignore_eos=True))[-1]
