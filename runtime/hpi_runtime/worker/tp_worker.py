@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,6 +44,9 @@ class WorkerInfo:
 
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """The process target."""
+    # Ctrl-C reaches the whole foreground process group; the engine process decides when workers stop
+    # (after draining), so a worker must not die of it first and look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         executor = _start(spec)
     except BaseException as exc:  # anything at all: the engine process must hear why this rank is gone

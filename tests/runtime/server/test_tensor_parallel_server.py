@@ -68,3 +68,20 @@ def test_killed_worker_fails_the_request_and_the_server_exits(tiny_model_dir: Pa
         assert all(not Path(f"/proc/{pid}").exists() for pid in pids)  # rank 0 did not outlive the server
     finally:
         server.stop()
+
+
+def test_ctrl_c_to_the_process_group_drains_and_exits_zero(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C reaches every process of the group; workers leave the stopping to the server."""
+    server = RuntimeServer(tiny_model_dir, tmp_path / "server.log", "--tensor-parallel-size", "2",
+                           "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB")  # fmt: skip
+    try:
+        pids = worker_pids(server.process.pid)
+        assert len(pids) == 2, server.logs()
+        for pid in [*pids, server.process.pid]:  # what the terminal does to the foreground process group
+            os.kill(pid, signal.SIGINT)
+        assert server.process.wait(60) == 0, server.logs()
+        logs = server.logs()
+        assert "Traceback" not in logs and "tensor-parallel worker" not in logs  # no worker died of it
+        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        server.stop()
