@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -79,11 +80,13 @@ def main() -> None:
     parser.add_argument("--llama-concurrency", type=int, nargs="+")
     parser.add_argument("--tf-batch-sizes", type=int, nargs="+")
     parser.add_argument("--requests-per-client", type=float)
+    parser.add_argument("--hpi-args", default="", help="more `hpi serve` flags, e.g. '--quantization int4'")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     plan, prefix_plan = (QUICK_SERVING, QUICK_PREFIX) if args.quick else (ServingPlan(), PrefixPlan())
     overrides = {"concurrencies": args.concurrency, "llama_concurrencies": args.llama_concurrency,
-                 "tf_batch_sizes": args.tf_batch_sizes, "requests_per_client": args.requests_per_client}
+                 "tf_batch_sizes": args.tf_batch_sizes, "requests_per_client": args.requests_per_client,
+                 "hpi_args": shlex.split(args.hpi_args)}
     plan = replace(plan, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v})
     out_dir = args.out_dir or REPO_ROOT / "bench" / ("results/tmp" if args.quick else "results")
     log_dir = REPO_ROOT / "bench" / "results" / "tmp" / "logs"

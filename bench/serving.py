@@ -45,6 +45,7 @@ class ServingPlan:
     num_threads: int = 2
     kv_cache_memory: str = "1GiB"
     seed: int = 0
+    hpi_args: tuple[str, ...] = ()  # more `hpi serve` flags, e.g. ("--quantization", "int4")
 
 
 def workload(plan: ServingPlan, num_requests: int, seed_offset: int) -> WorkloadSpec:
@@ -72,7 +73,7 @@ def _closed_loop(server: ServerProcess, tokenizer, plan: ServingPlan, concurrenc
 def run_hpi(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
     runs, open_loop = [], None
     command = hpi_command(plan.num_threads, "--kv-cache-memory", plan.kv_cache_memory,
-                          "--max-num-seqs", str(max(64, *plan.concurrencies)))
+                          "--max-num-seqs", str(max(64, *plan.concurrencies)), *plan.hpi_args)
     with ServerProcess(command, log_dir / "hpi.log") as server:
         _warm_up(server.base_url, tokenizer, plan)
         for concurrency in plan.concurrencies:
