@@ -11,7 +11,7 @@ from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import load_model_config
 from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.model.loader import load_model, weight_bytes
-from hpi_runtime.model.quant_linear import QuantizedLinear, op_dtype
+from hpi_runtime.model.quant_linear import CPU_INT8_DEQUANT_MIN_ROWS, QuantizedLinear, op_dtype
 from hpi_runtime.model.quantization import (
     QuantizationConfig,
     QuantizedLMHead,
@@ -48,6 +48,19 @@ def test_quantized_linear_matches_dequantize_then_matmul(config, dtype) -> None:
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=8e-3)
     assert layer(torch.empty(0, 128, dtype=dtype)).shape == (0, 40)
     assert layer(torch.randn(2, 3, 128).to(dtype)).shape == (2, 3, 40)
+
+
+def test_int8_prefill_on_cpu_runs_fp32_over_dequantized_weights() -> None:
+    """Many rows, fp32 activations: torch's fp32 GEMM over the dequantized layer (exact up to fp32 rounding);
+    few rows: the packed op, which rounds activations to bf16."""
+    generator = torch.Generator().manual_seed(1)
+    qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig("int8"), torch.bfloat16)
+    bias = torch.randn(40, generator=generator)
+    layer = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"))
+    x = torch.randn(CPU_INT8_DEQUANT_MIN_ROWS, 128, generator=generator)
+    exact = x @ qw.dequantize().T + bias
+    torch.testing.assert_close(layer(x), exact, atol=1e-4, rtol=1e-5)
+    assert (layer(x[:8]) - exact[:8]).abs().max() > 1e-3  # the bf16 path, visibly
 
 
 def _tiny_model(model_dir: Path):
