@@ -83,7 +83,8 @@ class MultiprocExecutor:
             child_conn.close()
             self._workers.append(_Worker(rank, process, parent_conn))
         try:
-            infos, failures = self._gather_replies(READY)
+            # A rank that fails may leave the others waiting for it in a collective: stop at the first failure.
+            infos, failures = self._gather_replies(READY, stop_at_failure=True)
             if failures:  # the first rank's own exception (a ValueError for a budget that is too small, ...)
                 raise failures[0]
         except BaseException:
@@ -123,7 +124,7 @@ class MultiprocExecutor:
             raise RuntimeError("; ".join(map(str, failures)))
         return outputs[0]
 
-    def _gather_replies(self, expected: str) -> tuple[list, list[BaseException]]:
+    def _gather_replies(self, expected: str, stop_at_failure: bool = False) -> tuple[list, list[BaseException]]:
         """(one reply per rank in rank order, the failures ranks reported). A worker that dies, or stays
         silent for STRAGGLER_TIMEOUT_S after another reported a failure, raises ExecutorDeadError (and
         stops every worker)."""
@@ -148,6 +149,8 @@ class MultiprocExecutor:
                     replies[worker.rank] = value
                 else:
                     failures.append(value)
+            if failures and stop_at_failure:
+                break
             for sentinel in [r for r in ready if r in sentinels]:
                 worker = sentinels[sentinel]
                 if worker.conn in pending:

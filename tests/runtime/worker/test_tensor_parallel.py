@@ -11,6 +11,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError
 from hpi_runtime.core.interface import ExecutorDeadError
 from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker.tp_executor import STRAGGLER_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +103,21 @@ def test_int8_with_tensor_parallelism_still_answers(embedded_model_dir: Path) ->
 def test_start_up_failure_raises_the_ranks_error_and_leaves_no_process(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="KV cache budget of 4096 bytes"):
         LLM(tiny_model_dir, tensor_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory_bytes=4096)
+    assert multiprocessing.active_children() == []
+
+
+def test_one_rank_failing_at_start_up_does_not_wait_for_the_others(tiny_model_factory) -> None:
+    """6 query / 3 KV heads at tp 2: rank 0 holds 2 KV heads, rank 1 one. A budget that fits rank 1's share but
+    not rank 0's fails rank 0 while rank 1 enters the block-count all-reduce; the caller gets rank 0's own
+    error. (gloo fails rank 1's collective as soon as rank 0 exits; NCCL would leave it waiting, which is why
+    the executor stops at the first start-up failure instead of waiting for every rank.)"""
+    model_dir = tiny_model_factory("llama", num_heads=6, num_kv_heads=3, hidden_size=96, num_layers=2)
+    per_token = {"rank 0": 2 * 2 * 2 * 16 * 4, "rank 1": 2 * 2 * 1 * 16 * 4}  # layers x K,V x heads x dim x fp32
+    budget = 256 * (per_token["rank 0"] + per_token["rank 1"]) // 2  # max_model_len 256 fits only rank 1
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"KV cache budget of {budget} bytes"):
+        LLM(model_dir, tensor_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory_bytes=budget)
+    assert time.monotonic() - started < STRAGGLER_TIMEOUT_S
     assert multiprocessing.active_children() == []
 
 
