@@ -30,6 +30,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, span: Span, vocab_size: int) -> None:
+    """Copy rows `span` of a [vocab_size, hidden] checkpoint tensor (embedding or LM head) into `param`."""
+    if loaded.shape[0] != vocab_size:
+        raise ValueError(f"checkpoint has {loaded.shape[0]} vocabulary rows, the config says vocab_size {vocab_size}")
+    default_weight_loader(param, loaded.narrow(0, span.start, span.size))
+
+
 class VocabEmbedding(nn.Module):
     """Token embedding over this rank's vocabulary rows `vocab_span`. Tokens outside it look up zeros, so the
     sum over ranks (done by the model) is the full embedding."""
@@ -41,9 +48,7 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded.shape[0]} rows, the config says vocab_size {self.vocab_size}")
-        default_weight_loader(param, loaded.narrow(0, self.vocab_span.start, self.vocab_span.size))
+        load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_span.size == self.vocab_size:
@@ -68,7 +73,7 @@ class LMHead(nn.Module):
             self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.narrow(0, self.vocab_span.start, self.vocab_span.size))
+        load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight).float()

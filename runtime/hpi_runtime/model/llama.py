@@ -13,7 +13,7 @@ from hpi_runtime.model.attention import Attention, AttentionBackend, AttentionMe
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.layers import LMHead, RMSNorm, VocabEmbedding, silu_and_mul
 from hpi_runtime.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from hpi_runtime.model.parallel import MLP_SPLIT_UNIT, SINGLE, Span, TensorParallel, balanced_span, split_heads
+from hpi_runtime.model.parallel import SINGLE, Span, TensorParallel, balanced_span, mlp_span, split_heads
 from hpi_runtime.model.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, head_dim // 2] for this step's positions
@@ -49,8 +49,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        size = config.intermediate_size
-        span = balanced_span(size, tp.size, tp.rank, MLP_SPLIT_UNIT if size % MLP_SPLIT_UNIT == 0 else 1)
+        span = mlp_span(config.intermediate_size, tp.size, tp.rank)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [span, span], bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(span, config.hidden_size, bias=config.mlp_bias, holds_bias=tp.is_first)
 

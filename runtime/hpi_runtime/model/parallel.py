@@ -49,6 +49,13 @@ def balanced_span(total: int, parts: int, index: int, unit: int = 1) -> Span:
     return Span(start, stop - start)
 
 
+def mlp_span(intermediate_size: int, tp_size: int, tp_rank: int) -> Span:
+    """The rank's MLP columns (of gate, of up, and rows of down's input): in units of MLP_SPLIT_UNIT when the
+    size allows."""
+    unit = MLP_SPLIT_UNIT if intermediate_size % MLP_SPLIT_UNIT == 0 else 1
+    return balanced_span(intermediate_size, tp_size, tp_rank, unit)
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """The query heads and KV heads one rank holds (global head indices)."""

@@ -21,7 +21,7 @@ from torch import nn
 from hpi_kernels.quant import quantize_int4, quantize_int8
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.linear import LinearBase
-from hpi_runtime.model.parallel import MLP_SPLIT_UNIT, balanced_span, split_heads
+from hpi_runtime.model.parallel import mlp_span, split_heads
 from hpi_runtime.model.quant_linear import QuantizedLinear, QuantizedWeight, op_dtype
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
@@ -107,10 +107,9 @@ class QuantizedLMHead(QuantizedLinear):
 def _reduction_dims(model_config: ModelConfig, tp_size: int) -> dict[str, int]:
     """Each quantized layer's K (per rank: o_proj and down_proj take a rank's slice of their input)."""
     ks = {"qkv_proj / gate_up_proj (hidden_size)": model_config.hidden_size}
-    size = model_config.intermediate_size
     for rank in range(tp_size):
         heads = split_heads(model_config.num_heads, model_config.num_kv_heads, tp_size, rank)
-        mlp = balanced_span(size, tp_size, rank, MLP_SPLIT_UNIT if size % MLP_SPLIT_UNIT == 0 else 1)
+        mlp = mlp_span(model_config.intermediate_size, tp_size, rank)
         where = f", rank {rank}" if tp_size > 1 else ""
         ks[f"o_proj (heads x head_dim{where})"] = heads.q.size * model_config.head_dim
         ks[f"down_proj (intermediate_size{where})"] = mlp.size
