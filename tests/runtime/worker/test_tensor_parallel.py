@@ -106,7 +106,7 @@ def test_start_up_failure_raises_the_ranks_error_and_leaves_no_process(tiny_mode
     assert multiprocessing.active_children() == []
 
 
-def test_one_rank_failing_at_start_up_does_not_wait_for_the_others(tiny_model_factory) -> None:
+def test_one_rank_failing_at_start_up_raises_that_ranks_error(tiny_model_factory) -> None:
     """6 query / 3 KV heads at tp 2: rank 0 holds 2 KV heads, rank 1 one. A budget that fits rank 1's share but
     not rank 0's fails rank 0 while rank 1 enters the block-count all-reduce; the caller gets rank 0's own
     error. (gloo fails rank 1's collective as soon as rank 0 exits; NCCL would leave it waiting, which is why
