@@ -172,7 +172,8 @@ class HpaStyle:
             if ratio > 1:
                 raw = max(raw, current)  # unready pods count as 0 on scale-up: never down while above target
         self.recs = [(s, r) for s, r in self.recs if s > t - 300] + [(t, raw)]
-        stabilized = min(raw, max(r for _, r in self.recs)) if raw < current else raw
+        # the HPA's scale-down stabilization: never below the highest recommendation of the last 300 s
+        stabilized = min(current, max(r for _, r in self.recs)) if raw < current else raw
         up_limit = max(2 * current, current + 4)
         return max(MIN_REPLICAS, min(MAX_REPLICAS, up_limit, stabilized))
 
@@ -285,10 +286,12 @@ def main(argv: list[str] | None = None) -> None:
         results = run_trace(demand, sample, scale_to_zero=name == "sparse")
         print(f"\n== {name} ({length // 60} min, start-up {STARTUP_S}s, target {TARGET:.0%}, "
               f"SLO: utilisation <= {SATURATION:.0%}){' scale-to-zero' if name == 'sparse' else ''}")  # fmt: skip
-        print(f"{'scaler':<16}{'SLO':>7}{'cost/oracle':>13}{'over/oracle':>13}{'under/oracle':>14}{'scalings':>10}")
+        print(f"{'scaler':<16}{'SLO':>7}{'replica-h':>11}{'cost/oracle':>13}{'over/oracle':>13}{'under/oracle':>14}"
+              f"{'scalings':>10}")  # fmt: skip
         for r in results:
-            print(f"{r.scaler:<16}{r.slo:>7.1%}{r.cost_ratio:>13.2f}{r.over_ratio:>13.2f}{r.under_ratio:>14.3f}"
-                  f"{r.num_scale_events:>10}")  # fmt: skip
+            print(f"{r.scaler:<16}{r.slo:>7.1%}{r.replica_s / 3600:>11.1f}{r.cost_ratio:>13.2f}{r.over_ratio:>13.2f}"
+                  f"{r.under_ratio:>14.3f}{r.num_scale_events:>10}")  # fmt: skip
+        print(f"{'oracle':<16}{'':>7}{results[0].oracle_replica_s / 3600:>11.1f}")
         oracle_line = [oracle(demand[t]) for t in range(0, length, sample)]
         print(f"{'replicas':<16}every {sample // 60} min")
         print(f"  {'oracle':<14}{' '.join(f'{n:>2}' for n in oracle_line)}")

@@ -64,7 +64,16 @@ def test_scale_to_zero_saves_idle_replica_seconds(results) -> None:
     assert sparse["builtin"].slo >= sparse["hpa-kv"].slo - 0.01  # waking costs only the start-up delay
 
 
+def test_hpa_baseline_holds_replicas_through_its_scale_down_window(bench: ModuleType) -> None:
+    hpa = bench.HpaStyle("hpa-kv", bench.kv_metric, bench.TARGET)
+    pods = bench.Pods()
+    pods.started_at = [-bench.STARTUP_S] * 5
+    assert hpa(0, 5, 5 * bench.TARGET, pods) == 5  # at target: recommends 5
+    assert hpa(bench.SYNC_S, 5, 0.5, pods) == 5  # load gone, but 5 was recommended inside the window
+    assert hpa(300 + bench.SYNC_S, 5, 0.5, pods) == 1  # the window has passed: down to what the load needs
+
+
 def test_bench_prints_a_report(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--quick"])
     out = capsys.readouterr().out
-    assert out.count("== ") == 4 and "cost/oracle" in out and "oracle" in out
+    assert out.count("== ") == 4 and "cost/oracle" in out and "replica-h" in out
