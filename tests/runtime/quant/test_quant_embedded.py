@@ -61,7 +61,28 @@ def test_embedded_model_answers_paris_and_keeps_perplexity(
     assert ratio < bound, f"{method}: perplexity x{ratio:.3f} of unquantized, bound x{bound}"
 
 
-def test_create_engine_reports_quantized_footprint_and_rejects_bad_settings(embedded_model_dir: Path) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_embedded_model_on_cuda_answers_paris_and_keeps_perplexity(
+    method: str, embedded_model_dir: Path
+) -> None:
+    """The whole GPU path: Triton quantized matmuls inside the model, bf16 activations, Triton attention.
+    The reference is the same model unquantized on the same GPU and dtype, so bf16 noise cancels out."""
+    options = {"device": "cuda", "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512}
+    ids = _text_ids(embedded_model_dir)
+    with LLM(None, **options) as float_llm:
+        executor = float_llm.engine.executor
+        float_perplexity = perplexity(executor.model, executor.runner.backend, ids)
+    with LLM(None, quantization=method, **options) as llm:
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        assert "Paris" in llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].text
+        executor = llm.engine.executor
+        assert executor.runner.backend.name == "triton"
+        ratio = perplexity(executor.model, executor.runner.backend, ids) / float_perplexity
+    assert ratio < MAX_PPL_RATIO[method], f"{method} on CUDA: perplexity x{ratio:.3f} of unquantized"
+
+
+def test_create_engine_rejects_bad_quantization_settings(embedded_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         create_engine(embedded_model_dir, quantization="fp8")
     with pytest.raises(ValueError, match="does not divide"):  # hidden 576 is not a multiple of 128

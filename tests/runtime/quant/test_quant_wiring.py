@@ -27,7 +27,7 @@ def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> 
         bundle = create_engine(tiny_model_dir, dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20)
         footprints[method] = bundle.weight_bytes
         assert bundle.quantization == method
-    # Tiny model: 2 layers of 64x(128 qkv + 64 o + 256 gate_up) + 128x64 down linears = 57344 weights, the
+    # Tiny model: 2 layers of 64x(128 qkv + 64 o + 256 gate_up) + 128x64 down linears = 73728 weights, the
     # float embedding (vocab x 64) is shared by the LM head and stays fp32.
     linear_weights = 2 * (64 * (128 + 64 + 256) + 128 * 64)
     assert footprints["none"] - footprints["int8"] >= linear_weights * (4 - 1) - 2 * 2 * (128 + 64 + 256 + 64)
