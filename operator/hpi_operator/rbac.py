@@ -1,13 +1,13 @@
 """The RBAC the operator needs: exactly the API calls it makes (its own and kopf's), nothing more.
 
-The Helm chart's ClusterRole must equal `cluster_role_rules()` (the chart's tests compare them), and the
-operator tests check that every request the running operator sends is covered by these rules.
+The Helm chart's ClusterRole and Role must grant exactly these rules (tests/chart/test_rbac.py compares them
+with the chart and with rules derived from the code), and the operator tests check that every request the
+running operator sends is covered by them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .names import GROUP, PLURAL
 
@@ -41,16 +41,12 @@ RULES: tuple[Rule, ...] = (
     Rule("keda.sh", "scaledobjects", ("get", "list", "create", "patch", "delete"), "mode keda"),
     # Events: ours (kopf.event) and kopf's own.
     Rule("", "events", ("create",), "Events on InferenceDeployments"),
-    # kopf resolves its resources at start-up and watches for new ones; namespaces only for glob patterns.
-    Rule("", "namespaces", ("list", "watch"), "kopf's namespace observer", only_when="run --namespace with globs"),
+    # kopf resolves its resources at start-up and watches for new ones; it lists and watches namespaces whenever
+    # it serves named namespaces rather than the whole cluster (kopf/_core/reactor/observation.py).
+    Rule("", "namespaces", ("list", "watch"), "kopf's namespace observer", only_when="run --namespace"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf's resource observer"),
 )
 
 
 def allowed(api_group: str, resource: str, verb: str) -> bool:
     return any(rule.allows(api_group, resource, verb) for rule in RULES)
-
-
-def cluster_role_rules() -> list[dict[str, Any]]:
-    """RULES as `rules:` of a rbac.authorization.k8s.io/v1 ClusterRole."""
-    return [{"apiGroups": [r.api_group], "resources": [r.resource], "verbs": list(r.verbs)} for r in RULES]
