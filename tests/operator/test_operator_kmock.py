@@ -136,6 +136,20 @@ async def test_update_replicas_patches_only_what_changed(kube: KubeClient, opera
                               and deployments_of(kube, "demo")["demo-gpu-h100-80gb-hbm3"])  # fmt: skip
     assert rolled["spec"]["replicas"] == 4
 
+    # A model change rolls the same Deployment onto the new weights and name; the Service is not rewritten.
+    model = {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}, "servedName": "llama"}
+    await api.patch(f"{CRS}/demo", {"spec": {"model": model}})
+    # deployments_of() blocks: inside eventually() it runs off the loop that serves the emulator.
+    children = await eventually(lambda: (d := deployments_of(kube, "demo")) and "llama" in
+                                d["demo-gpu-h100-80gb-hbm3"]["spec"]["template"]["spec"]["containers"][0]["args"]
+                                and d)  # fmt: skip
+    assert set(children) == {"demo-gpu-h100-80gb-hbm3"}
+    args = children["demo-gpu-h100-80gb-hbm3"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--served-model-name") + 1] == "llama"
+    assert args[args.index("--model") + 1].endswith("/models/meta-llama/Llama-3.1-8B-Instruct")
+    service = await api.get(f"/api/v1/namespaces/{NS}/services/demo")
+    assert service["metadata"]["resourceVersion"] == service_rv
+
 
 async def test_model_too_big_for_one_gpu_runs_tensor_parallel(kube: KubeClient, operator: Any) -> None:
     api = Api(kube)

@@ -48,7 +48,10 @@ TABLE = [
     ("H100", "8b", 1, "cuda:bf16"),
     ("H100", "70b", 1, "cuda:bf16/int4"),
     ("H100", "70b", 8, "cuda:bf16 x4"),
+    ("A100-80", "135m", 1, "cuda:bf16"),
+    ("A100-80", "8b", 1, "cuda:bf16"),
     ("A100-80", "70b", 1, "cuda:bf16/int4"),
+    ("A100-40", "135m", 1, "cuda:bf16"),
     ("A100-40", "8b", 1, "cuda:bf16"),
     ("A100-40", "70b", 1, None),
     ("A100-40", "70b", 8, "cuda:bf16 x8"),
@@ -64,6 +67,7 @@ TABLE = [
     ("cpu-bf16", "70b", 1, "cpu:bf16/int4"),
     ("cpu", "135m", 1, "cpu:fp32"),
     ("cpu", "8b", 1, "cpu:fp32"),
+    ("cpu", "70b", 1, "cpu:fp32/int4"),  # int4 44 GiB (embeddings stay fp32) + 2.5 GiB fp32 KV fit 64 GiB
     ("cpu-small", "8b", 1, "cpu:fp32/int8"),
     ("cpu-small", "70b", 1, None),
 ]
