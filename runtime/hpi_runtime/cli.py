@@ -8,9 +8,11 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Mapping
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+API_KEY_ENV = "HPI_API_KEY"
 
 
 def parse_bytes(text: str) -> int:
@@ -77,14 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     http = serve.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     http.add_argument("--port", type=int, default=8000, help="port to bind")
-    http.add_argument("--api-key", default=os.environ.get("HPI_API_KEY"),
-                      help="require 'Authorization: Bearer <key>' on /v1/* (env: HPI_API_KEY)")
+    # Read from the environment only when serving: a default would print the secret in --help.
+    http.add_argument("--api-key", default=None,
+                      help=f"require 'Authorization: Bearer <key>' on /v1/* (env {API_KEY_ENV})")
     http.add_argument("--max-request-body", type=parse_bytes, default=4 * 2**20,
                       help="larger request bodies get HTTP 413")
     http.add_argument("--drain-timeout", type=float, default=30.0,
                       help="seconds to let in-flight requests finish after SIGTERM")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """--api-key, else $HPI_API_KEY; empty means no key."""
+    return args.api_key or environ.get(API_KEY_ENV) or None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -108,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hpi serve: {exc}", file=sys.stderr)
         return 2
-    settings = ServerSettings(served_model_name=name, api_key=args.api_key or None,
+    settings = ServerSettings(served_model_name=name, api_key=api_key(args, os.environ),
                               max_request_body_bytes=args.max_request_body, drain_timeout_s=args.drain_timeout)
 
     def load():

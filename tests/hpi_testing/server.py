@@ -11,7 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -23,7 +26,17 @@ def free_port() -> int:
 class RuntimeServer:
     """A `hpi serve` process. Use as a context manager; `stop()` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, model_dir: Path | None, log_path: Path, *extra_args: str, ready_timeout_s: float = 180):
+    def __init__(
+        self,
+        model_dir: Path | None,
+        log_path: Path,
+        *extra_args: str,
+        ready_timeout_s: float = 180,
+        wait_ready: bool = True,
+        env: Mapping[str, str] | None = None,
+    ):
+        """`wait_ready=False` returns as soon as the process is started (to watch it load);
+        `env` adds variables to the server's environment."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -31,12 +44,14 @@ class RuntimeServer:
         if model_dir is not None:
             args += ["--model", str(model_dir)]
         self._log = open(log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("HPI_API_KEY", None)
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(ready_timeout_s)
+        server_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        server_env.pop("HPI_API_KEY", None)
+        server_env.update(env or {})
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=server_env)
+        if wait_ready:
+            self.wait_ready(ready_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -61,6 +76,9 @@ class RuntimeServer:
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
             return response.read().decode()
+
+    def metric_samples(self) -> dict[str, float]:
+        return metric_samples(self.metrics_text())
 
     def logs(self) -> str:
         self._log.flush()
@@ -98,3 +116,13 @@ def post_json(base_url: str, path: str, body: bytes | dict, headers: dict | None
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
 
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label=value,...}': value}, without the model_name label."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -39,7 +40,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except EngineError as exc:
         logger.error("request %s failed in the engine: %s", request["request_id"], exc)
         return ApiError(500, f"the engine failed this request: {exc}").response()
-    except (ConnectionError, TimeoutError):
+    except (ConnectionError, TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         raise
     except Exception as exc:  # a bug or an engine failure: fail this request only, with its id in the log
         logger.exception("request %s failed", request["request_id"])

@@ -37,7 +37,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     tokenizer = model.tokenizer
     prompt_ids = render_prompt(tokenizer, body)
     chat_id = new_id("chatcmpl")
-    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model.max_model_len, model.vocab_size)
+    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages")
     head = {"id": chat_id, "created": int(time.time()), "model": model.name}
     want_logprobs = body.sampling.logprobs is not None
 

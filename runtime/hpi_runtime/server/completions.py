@@ -22,8 +22,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     tokenizer = model.tokenizer
     prompt_ids = [list(p) if isinstance(p, tuple) else tokenizer(p).input_ids for p in body.prompts]
     completion_id = new_id("cmpl")
-    choices = plan_choices(completion_id, prompt_ids, body.sampling, body.n, model.max_model_len,
-                           model.vocab_size)
+    choices = plan_choices(completion_id, prompt_ids, body.sampling, body.n, model, "prompt")
     echo = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
     head = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model.name}
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

@@ -17,6 +17,7 @@ from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.errors import ApiError, bad_request
 from hpi_runtime.server.metrics import RequestTiming, ServingMetrics
 from hpi_runtime.server.protocol import SamplingFields
+from hpi_runtime.server.state import ServedModel
 
 
 @dataclass(frozen=True)
@@ -37,22 +38,28 @@ def plan_choices(
     prompts: Sequence[Sequence[int]],
     fields: SamplingFields,
     n: int,
-    max_model_len: int,
-    vocab_size: int,
+    model: ServedModel,
+    prompt_param: str,
 ) -> list[Choice]:
-    """One Choice per (prompt, i < n); validates lengths against max_model_len (400 with the numbers)."""
+    """One Choice per (prompt, i < n); validates token ids against the vocabulary and lengths against
+    max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
+    max_model_len, vocab_size = model.max_model_len, model.vocab_size
+    if fields.stop_token_ids and max(fields.stop_token_ids) >= vocab_size:
+        raise bad_request(
+            f"token id {max(fields.stop_token_ids)} is outside the vocabulary of {vocab_size}", "stop_token_ids"
+        )
     choices = []
     for p, prompt_ids in enumerate(prompts):
         if not prompt_ids:
-            raise bad_request("the prompt is empty", "prompt")
+            raise bad_request("the prompt is empty", prompt_param)
         if max(prompt_ids) >= vocab_size:
-            raise bad_request(f"token id {max(prompt_ids)} is outside the vocabulary of {vocab_size}", "prompt")
+            raise bad_request(f"token id {max(prompt_ids)} is outside the vocabulary of {vocab_size}", prompt_param)
         num_prompt = len(prompt_ids)
         if num_prompt >= max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                 f"{num_prompt} tokens. Please shorten the prompt.",
-                "messages",
+                prompt_param,
                 "context_length_exceeded",
             )
         max_tokens = fields.max_tokens if fields.max_tokens is not None else max_model_len - num_prompt
@@ -126,6 +133,7 @@ async def stream_choices(
     async def pump(choice: Choice) -> None:
         timer = _Timer()
         finish = FINISH_ABORT
+        accepted = True
         try:
             async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params):
                 timer.tick(out)
@@ -134,10 +142,14 @@ async def stream_choices(
                 await queue.put((choice, out, None))
         except asyncio.CancelledError:
             raise
+        except ValueError as exc:  # the engine refused it before any output (queue full, invalid)
+            accepted = False
+            await queue.put((choice, None, exc))
         except Exception as exc:  # handed to the consumer, which maps it to an HTTP error
             await queue.put((choice, None, exc))
         finally:
-            metrics.observe_request(timer.timing(), finish)
+            if accepted:  # a refused request never ran: it is neither a success nor a latency sample
+                metrics.observe_request(timer.timing(), finish)
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:

@@ -67,6 +67,8 @@ class ServingMetrics:
             counter.labels(model_name)  # exported at 0 from the start
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
+        for histogram in (self._ttft, self._itl, self._e2e, self._queue):
+            histogram.labels(model_name)  # empty buckets from the start, so queries over them never go missing
         for gauge in (self._running, self._waiting, self._kv_usage):
             gauge.labels(model_name).set(0)
 

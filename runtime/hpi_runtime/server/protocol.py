@@ -6,6 +6,7 @@ an integer, a string is not a number) so that a typo is a clear 400 and never a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ from hpi_runtime.server.errors import bad_request
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+# Integers that reach torch must fit its int64 tensors; past these bounds a value can only be a mistake.
+MAX_INT64 = 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size already means "off"
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -89,6 +93,8 @@ class _Body:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
+        if not math.isfinite(value):  # Python's json accepts NaN and Infinity
+            raise bad_request(f"'{name}' must be a finite number, got {value}", name)
         if value < lo or value > hi or (lo_open and value == lo):
             interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
             raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
@@ -124,8 +130,8 @@ class _Body:
         value = self.body.get(name)
         if value is None:
             return ()
-        if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-            raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+        if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= MAX_INT64 for t in value):
+            raise bad_request(f"'{name}' must be a list of non-negative integers (token ids)", name)
         return tuple(value)
 
     def stream_options(self, stream: bool) -> bool:
@@ -151,23 +157,23 @@ def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max
         value = body.get(unsupported)
         if value not in (None, {}, [], "") and not (unsupported == "response_format" and _is_text(value)):
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
-    max_tokens = body.integer(max_tokens_field, None, 1, None)
+    max_tokens = body.integer(max_tokens_field, None, 1, MAX_INT64)
     if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = body.integer("max_tokens", None, 1, None)
+        max_tokens = body.integer("max_tokens", None, 1, MAX_INT64)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=body.number("temperature", 1.0, 0.0, 2.0),
         top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=body.integer("top_k", 0, -1, None),
+        top_k=body.integer("top_k", 0, -1, MAX_TOP_K),
         min_p=body.number("min_p", 0.0, 0.0, 1.0),
-        seed=body.integer("seed", None, -(2**63), 2**63 - 1),
+        seed=body.integer("seed", None, -MAX_INT64 - 1, MAX_INT64),
         stop=body.stop(),
         stop_token_ids=body.token_ids("stop_token_ids"),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=body.number("repetition_penalty", 1.0, 0.01, 10.0),
         ignore_eos=body.boolean("ignore_eos", False),
-        min_tokens=body.integer("min_tokens", 0, 0, None),
+        min_tokens=body.integer("min_tokens", 0, 0, MAX_INT64),
         logprobs=logprobs,
     )
 

@@ -23,6 +23,8 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the C decoder recurses once per nesting level
+        raise bad_request("the request body is nested too deeply to parse") from exc
 
 
 def check_model(model: ServedModel, requested: str | None) -> None:

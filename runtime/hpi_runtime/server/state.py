@@ -87,7 +87,7 @@ class ServerState:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return False
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM drain: readiness drops, new requests get 503, in-flight ones finish, the process exits 0."""
+"""Lifecycle: while loading the server is alive but not ready and refuses work with 503; on SIGTERM readiness
+drops, new requests get 503, in-flight ones finish and the process exits 0."""
 
 from __future__ import annotations
 
@@ -6,11 +7,48 @@ import json
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from hpi_testing.server import RuntimeServer
 from hpi_testing.server import post_json as post
+
+LOADING = (503, {"status": "loading"})
+
+
+def test_loading_server_is_alive_but_not_ready(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The server listens before it imports torch and loads the model (seconds, even for the tiny model), so
+    # the first answers come while it loads. A sample counts only when /ready said "loading" both before and
+    # after it: the phase only moves forward, so everything in between happened while loading.
+    server = RuntimeServer(tiny_model_dir, tmp_path / "server.log", "--served-model-name", "tiny-llama",
+                           wait_ready=False)
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        deadline = time.monotonic() + 120
+        before, sample = None, None
+        while sample is None and time.monotonic() < deadline and server.process.poll() is None:
+            try:
+                before = server.get_json("/ready")
+            except (urllib.error.URLError, ConnectionError):  # not listening yet
+                time.sleep(0.02)
+                continue
+            if before != LOADING:
+                break
+            during = (server.get_json("/health"), post(server.base_url, "/v1/chat/completions", chat))
+            if server.get_json("/ready") == LOADING:
+                sample = during
+        assert sample is not None, f"no whole sample while loading; /ready said {before}\n{server.logs()}"
+        (health_status, _), (post_status, payload) = sample
+        assert health_status == 200
+        assert post_status == 503 and payload["error"]["code"] == "not_ready", payload
+        assert payload["error"]["type"] == "service_unavailable"
+
+        server.wait_ready()
+        assert post(server.base_url, "/v1/chat/completions", chat)[0] == 200
+        assert server.stop() == 0
+    finally:
+        server.kill()
 
 
 def test_sigterm_drains_in_flight_and_exits_zero(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from hpi_operator.metric_names import READ_BY_OPERATOR  # the names the operator reads
-from hpi_testing.server import RuntimeServer
+from hpi_testing.server import RuntimeServer, metric_samples
 
 VLLM_CONTRACT = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -33,19 +32,10 @@ def busy_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield running
 
 
-def samples(text: str) -> dict[str, float]:
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
-    return values
-
-
 def wait_for_idle(server, timeout_s: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
-        values = samples(server.metrics_text())
+        values = server.metric_samples()
         idle = (values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
                 and values["vllm:kv_cache_usage_perc"] == 0)
         if idle or time.monotonic() > deadline:
@@ -53,10 +43,14 @@ def wait_for_idle(server, timeout_s: float = 30) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def metric_names(values: dict[str, float]) -> set[str]:
+    return {name.split("{")[0] for name in values}
+
+
 def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
-    values = samples(busy_server.metrics_text())
-    names = {name.split("{")[0] for name in values}
-    for name in VLLM_CONTRACT[:9]:
+    values = busy_server.metric_samples()
+    names = metric_names(values)
+    for name in VLLM_CONTRACT:  # histograms too: a query over their buckets must not go missing
         assert name in names, name
     for name in READ_BY_OPERATOR:
         assert any(n == name or n.startswith(name + "_") for n in names), f"operator reads {name}"
@@ -86,12 +80,30 @@ def test_concurrent_streams_with_disconnects(busy_server) -> None:
                     return "disconnected", 200, None
             return "done", 200, finish
 
-    async def run() -> list:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            return await asyncio.gather(*(one(session, i, d) for i, d in plans))
+    async def watch(done: asyncio.Event) -> list[tuple[float, float]]:
+        """Scrape /metrics while the streams run until the engine is seen busy (or the load is over)."""
+        seen = []
+        async with aiohttp.ClientSession() as session:  # its own connections: the streams use up a pool's 100
+            while not done.is_set():
+                async with session.get(f"{busy_server.base_url}/metrics") as response:
+                    values = metric_samples(await response.text())
+                seen.append((values["vllm:num_requests_running"], values["vllm:kv_cache_usage_perc"]))
+                if seen[-1] != (0, 0):
+                    break
+                await asyncio.sleep(0.05)
+        return seen
 
-    before = samples(busy_server.metrics_text())
-    results = asyncio.run(run())
+    async def run() -> tuple[list, list]:
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            results = await asyncio.gather(*(one(session, i, d) for i, d in plans))
+        done.set()
+        return results, await watcher
+
+    before = busy_server.metric_samples()
+    results, scrapes = asyncio.run(run())
+    assert any(running > 0 or kv_usage > 0 for running, kv_usage in scrapes), f"/metrics missed the load: {scrapes}"
     statuses = [r[1] for r in results]
     assert all(s < 500 for s in statuses), [r for r in results if r[1] >= 500]
     for (i, disconnect), (kind, status, finish) in zip(plans, results, strict=True):
@@ -111,4 +123,7 @@ def test_concurrent_streams_with_disconnects(busy_server) -> None:
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert after["vllm:time_to_first_token_seconds_count"] >= survivors
     assert after["vllm:e2e_request_latency_seconds_count"] >= survivors
+    for name in ("vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count"):
+        assert after[name] - before[name] >= survivors, name
+    assert metric_names(after) >= set(VLLM_CONTRACT)
     assert busy_server.process.poll() is None

@@ -48,6 +48,39 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_chat_stream_with_n2_finishes_each_choice(client: openai.OpenAI) -> None:
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, n=2, max_tokens=6, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    finishes: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert sorted(texts) == [0, 1] and all(texts.values()), texts
+    assert finishes == {0: ["length"], 1: ["length"]}
+    # Each choice has its own seed (seed + index), so streaming reproduces the non-streamed choices.
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completion_stream_usage_in_the_last_chunk(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=7, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    num_prompt = len(build_tokenizer()(prompt).input_ids)
+    *body, last = chunks
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        num_prompt, 7, num_prompt + 7)
+    assert all(chunk.usage is None for chunk in body)
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
+
+
 def test_completion_stream_equals_non_stream_and_token_prompts(client: openai.OpenAI) -> None:
     kwargs = dict(model="tiny-llama", prompt="The capital of France is", max_tokens=10, temperature=0,
                   extra_body={"ignore_eos": True})

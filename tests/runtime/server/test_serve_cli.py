@@ -1,0 +1,35 @@
+"""`hpi serve` flags that matter at the HTTP edge: the API key comes from --api-key or $HPI_API_KEY, and
+--help never shows it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hpi_runtime.cli import api_key, build_parser
+
+
+def serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_help_does_not_print_the_api_key_from_the_environment() -> None:
+    secret = "sk-canary-7f3a9c"
+    result = subprocess.run(
+        [sys.executable, "-m", "hpi_runtime.cli", "serve", "--help"],
+        env={**os.environ, "HPI_API_KEY": secret},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--api-key" in result.stdout and "HPI_API_KEY" in result.stdout
+    assert secret not in result.stdout + result.stderr
+
+
+def test_api_key_flag_then_environment_then_none() -> None:
+    assert api_key(serve_args("--api-key", "from-flag"), {"HPI_API_KEY": "from-env"}) == "from-flag"
+    assert api_key(serve_args(), {"HPI_API_KEY": "from-env"}) == "from-env"
+    assert api_key(serve_args(), {}) is None
+    assert api_key(serve_args(), {"HPI_API_KEY": ""}) is None  # set but empty: no key, not an empty key
