@@ -7,23 +7,37 @@ Runs on CPU with a fake executor (no model), so the numbers are the engine core'
 2. KV memory waste over a mixed workload: (allocated token slots - tokens held) / allocated, averaged
    over steps (the PagedAttention paper reports under 4%).
 3. Concurrent requests that fit in a fixed KV budget with paging, against contiguous per-request
-   allocation of max_model_len.
+   allocation of max_model_len; preemptions, and the tokens they made the model compute again.
 
-    .venv/bin/python bench/bench_engine_core.py
+    .venv/bin/python bench/bench_engine_core.py            # ~10 s on 2 cores
+    .venv/bin/python bench/bench_engine_core.py --quick    # toy sizes, seconds: a smoke test, not numbers
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine
 from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Plan:
+    running: tuple[int, ...] = (64, 256)  # running requests for the per-step cost
+    num_steps: int = 50  # per timing window
+    num_windows: int = 5
+    num_mixed_requests: int = 1500
+
+
+QUICK_PLAN = Plan(running=(16,), num_steps=5, num_windows=1, num_mixed_requests=100)  # as `python -m bench --quick`
 
 
 class CountingExecutor:
@@ -111,6 +125,7 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.pool
     waste, running_saturated = [], []
+    num_computed = num_computed_once = 0
     while engine.has_unfinished_requests():
         so = scheduler.schedule()
         allocated = (pool.num_blocks - pool.num_free) * block_size
@@ -120,35 +135,46 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
         if scheduler.waiting:
             running_saturated.append(len(scheduler.running))
         if not so.is_empty:
-            scheduler.update_from_output(so, executor.execute_model(so))
+            num_computed += so.total_num_scheduled_tokens
+            for output in scheduler.update_from_output(so, executor.execute_model(so)):
+                if output.finished:  # uninterrupted, every token but the last sampled one is computed once
+                    num_computed_once += len(output.prompt_token_ids) + len(output.output_token_ids) - 1
     stats = engine.get_stats()
     return {
         "waste": sum(waste) / len(waste),
         "mean_running": sum(running_saturated) / max(1, len(running_saturated)),
         "preemptions": stats.num_preemptions,
+        "computed_tokens": num_computed,
+        "recomputed_tokens": num_computed - num_computed_once,  # prefix caching is off: no hit hides any
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="toy sizes, as `python -m bench --quick` runs it")
+    plan = QUICK_PLAN if parser.parse_args(argv).quick else Plan()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hpi_testing.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
+    steps = {"num_steps": plan.num_steps, "num_windows": plan.num_windows}
     print("## Scheduler + KV cache manager CPU time per decode step (fake executor, prefix caching on)\n")
     print("| running requests | us/step (token ids only) | us/request | us/step (+ detokenize) | us/request |")
     print("|---:|---:|---:|---:|---:|")
-    for num_running in (64, 256):
-        plain = step_cost_us(num_running)
-        detok = step_cost_us(num_running, tokenizer)
+    for num_running in plan.running:
+        plain = step_cost_us(num_running, **steps)
+        detok = step_cost_us(num_running, tokenizer, **steps)
         print(f"| {num_running} | {plain:.0f} | {plain / num_running:.1f} | {detok:.0f} | {detok / num_running:.1f} |")
 
     max_model_len, block_size = 2048, 16
     budget_tokens = 16 * max_model_len  # room for 16 contiguous max-length requests
-    workload = mixed_workload(1500)
+    workload = mixed_workload(plan.num_mixed_requests)
     result = run_mixed(budget_tokens // block_size, max_model_len, workload, block_size)
     contiguous = budget_tokens // max_model_len
     mean_tokens = sum(len(p) + m for p, m in workload) / len(workload)
-    print("\n## KV memory waste and capacity (mixed workload: 1500 requests, prompt 16-1023, output 16-511)\n")
+    recomputed, computed = result["recomputed_tokens"], result["computed_tokens"]
+    print(f"\n## KV memory waste and capacity (mixed workload: {len(workload)} requests, prompt 16-1023, "
+          "output 16-511)\n")  # fmt: skip
     print("| metric | value |")
     print("|---|---:|")
     print(f"| KV budget | {budget_tokens} tokens ({budget_tokens // block_size} blocks of {block_size}) |")
@@ -157,7 +183,8 @@ def main() -> None:
     print(f"| concurrent requests, paged (mean while a backlog waits) | {result['mean_running']:.1f} |")
     print(f"| concurrent requests, contiguous max_model_len={max_model_len} | {contiguous} |")
     print(f"| ratio | {result['mean_running'] / contiguous:.1f}x |")
-    print(f"| preemptions | {result['preemptions']} |")
+    print(f"| preemptions, tokens they recomputed (share of all {computed} computed) | {result['preemptions']}, "
+          f"{recomputed} ({100 * recomputed / computed:.2f}%) |")  # fmt: skip
 
 
 if __name__ == "__main__":

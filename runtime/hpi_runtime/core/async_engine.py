@@ -76,7 +76,7 @@ class AsyncLLM:
         await asyncio.to_thread(self.engine.shutdown)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has finished=True.
 
@@ -84,13 +84,14 @@ class AsyncLLM:
         before any output. A failed step raises EngineError. Close the generator when abandoning it
         (`contextlib.aclosing`, or `aclose()`) so the abort happens at once rather than when asyncio
         finalizes the garbage-collected generator; task cancellation aborts at once either way.
+        A lower `priority` is admitted first among waiting requests.
         """
         if self.dead_error is not None or self._stopping or self._thread is None:
             raise EngineDeadError("the engine loop is not running") from self.dead_error
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_token_ids, sampling_params)
+        self.engine.add_request(request_id, prompt_token_ids, sampling_params, priority=priority)
         self._queues[request_id] = queue
         self._wakeup.set()
         finished = False

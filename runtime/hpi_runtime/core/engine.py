@@ -82,6 +82,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate a request against the config (not against the queues) and build it."""
         num_prompt = len(prompt_token_ids)
@@ -99,6 +100,7 @@ class LLMEngine:
             max_tokens=min(sampling_params.max_tokens, self.config.max_model_len - num_prompt),
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
             hasher=self._hasher,
             detokenizer=None
             if self.tokenizer is None
@@ -111,8 +113,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        request = self.make_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        """Queue a request; among waiting ones a lower `priority` is admitted first (vLLM's convention)."""
+        request = self.make_request(request_id, prompt_token_ids, sampling_params, arrival_time, priority)
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

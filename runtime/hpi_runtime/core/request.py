@@ -43,7 +43,7 @@ class BlockHasher:
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "token_ids",
+        "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "priority", "token_ids",
         "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
         "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
         "_hasher", "_detokenizer", "_num_sent_tokens", "_new_logprobs",
@@ -58,6 +58,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float,
+        priority: int = 0,
         hasher: BlockHasher | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
     ) -> None:
@@ -66,6 +67,7 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # already capped by max_model_len
         self.arrival_time = arrival_time
+        self.priority = priority  # lower is admitted first, as in vLLM
         self.token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -1,10 +1,14 @@
 """Continuous batching with one rule: each step, every request's computed tokens catch up to its tokens.
 
-Running requests go first, in admission order, then waiting ones (FCFS), under the per-step token budget
+Running requests go first, in admission order, then waiting ones, under the per-step token budget
 (`max_num_batched_tokens`) and `max_num_seqs`. That single rule covers chunked prefill (a prompt longer than
 the budget catches up over several steps), decode (one token behind) and prefix-cache hits (admitted with
 some tokens already computed). When the pool runs out of blocks the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+The waiting queue holds the preempted requests first (each one requeued at the very front), then the others by
+(priority, arrival): FCFS when every priority is the default 0. Priority orders admission only: a running
+request is never preempted for a higher-priority waiting one, and the victim is still the newest running.
 """
 
 from __future__ import annotations
@@ -46,7 +50,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        # Behind every preempted request and every request of the same or a higher priority (a lower value);
+        # scanning from the back makes the usual all-default case an append.
+        waiting, priority = self.waiting, request.priority
+        i = len(waiting)
+        while i and waiting[i - 1].priority > priority and waiting[i - 1].status == RequestStatus.WAITING:
+            i -= 1
+        waiting.insert(i, request)
 
     def schedule(self) -> SchedulerOutput:
         self.kv.begin_step()

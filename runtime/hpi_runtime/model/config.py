@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpi_runtime.core import kv_budget
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # generation_config.json keys that map one-to-one onto SamplingParams fields
@@ -58,8 +60,8 @@ class ModelConfig:
         return self.model_dir.name
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one token over all layers, unsharded."""
+        return kv_budget.kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
-from hpi_runtime.core.kv_budget import num_blocks_for_budget
+from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.llama import LlamaForCausalLM
@@ -42,10 +42,11 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
 
 
-def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
-    """K and V of one token over all layers, for the KV heads this rank holds."""
-    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-    return sum(2 * attn.num_kv_heads * attn.head_dim * dtype_bytes for attn in model.attention_layers())
+def rank_kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
+    """K and V of one token over all layers, for the KV heads this rank holds (with tensor parallelism, a
+    share of the model's that may differ between ranks or repeat a replicated head)."""
+    layers = model.attention_layers()
+    return sum(kv_bytes_per_token(1, attn.num_kv_heads, attn.head_dim, dtype.itemsize) for attn in layers)
 
 
 def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
@@ -70,7 +71,7 @@ class LocalExecutor:
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
                 kv_budget_bytes(config, device),
-                kv_bytes_per_token(self.model, config.dtype),
+                rank_kv_bytes_per_token(self.model, config.dtype),
                 config.block_size,
                 config.max_model_len,
             )

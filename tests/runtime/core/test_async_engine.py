@@ -1,5 +1,5 @@
 """AsyncLLM: streaming from the background step thread, cancellation that frees blocks at once, a failing
-step that fails only its requests, synchronous input errors, and a dead loop that is reported."""
+step that fails only its requests, synchronous input errors, a dead loop that is reported, and priority."""
 
 from __future__ import annotations
 
@@ -140,3 +140,22 @@ async def test_idle_loop_sleeps_instead_of_spinning(make_llm):
     assert calls == 0
     assert [o async for o in llm.generate("a", [1], SamplingParams(max_tokens=2, ignore_eos=True))][-1].finished
     assert calls >= 2
+
+
+async def test_generate_priority_is_admitted_first(make_llm, expected_token):
+    llm = await make_llm(max_num_seqs=1)
+    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    first = llm.generate("first", list(range(10)), SamplingParams(max_tokens=20, ignore_eos=True))
+    await first.__anext__()  # "first" holds the only seat for ~100 ms: the next two queue behind it
+
+    async def last_output(agen):
+        return [output async for output in agen][-1]
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    finals = await asyncio.gather(
+        last_output(first),
+        last_output(llm.generate("normal", [1, 2, 3], params)),
+        last_output(llm.generate("urgent", [1, 2, 3], params, priority=-1)),
+    )
+    admitted = sorted(finals, key=lambda output: output.first_scheduled_time)
+    assert [output.request_id for output in admitted] == ["first", "urgent", "normal"]

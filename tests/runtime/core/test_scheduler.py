@@ -1,4 +1,4 @@
-"""Scheduler: the one catch-up rule under budgets, chunked prefill, prefix hits, preemption, fairness."""
+"""Scheduler: the one catch-up rule under budgets, chunked prefill, prefix hits, preemption, fairness, priority."""
 
 from __future__ import annotations
 
@@ -151,3 +151,30 @@ def test_waiting_head_blocks_later_requests_fcfs(make_engine):
     engine.add_request("small", [3] * 4, PARAMS)
     engine.step()
     assert [r.request_id for r in engine.scheduler.waiting] == ["big", "small"]
+
+
+def test_priority_orders_admission_then_arrival(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    for rid, priority in (("low", 1), ("a", 0), ("b", 0), ("urgent", -1), ("c", 0), ("urgent2", -1)):
+        engine.add_request(rid, [1, 2, 3], PARAMS, priority=priority)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["urgent", "urgent2", "a", "b", "c", "low"]
+    drain(engine)
+    admitted = [new.request_id for batch in engine.executor.batches for new in batch.new_requests]
+    assert admitted == ["urgent", "urgent2", "a", "b", "c", "low"]
+
+
+def test_preempted_request_stays_ahead_of_higher_priority_arrivals(make_engine):
+    engine = make_engine(num_blocks=4, max_model_len=32, max_num_seqs=2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request("old", [1] * 15, params, priority=5)
+    engine.add_request("new", [2] * 15, params, priority=5)
+    engine.step()
+    engine.step()
+    engine.add_request("urgent", [3] * 4, params, priority=-5)
+    engine.step()  # both running need a third block; 4 blocks: "new" is preempted and requeued at the front
+    assert [r.request_id for r in engine.scheduler.waiting] == ["new", "urgent"]
+    engine.add_request("urgent2", [4] * 4, params, priority=-5)  # same priority: behind "urgent" by arrival
+    assert [r.request_id for r in engine.scheduler.waiting] == ["new", "urgent", "urgent2"]
+    finals = drain(engine)
+    admitted = sorted(finals.values(), key=lambda o: o.first_scheduled_time)
+    assert [o.request_id for o in admitted] == ["old", "new", "urgent", "urgent2"]
