@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.model.config import ModelConfig, load_model_config
+from hpi_runtime.model.loader import INDEX_FILE, weight_file_patterns
 from hpi_runtime.model.parallel import split_heads
 from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
 from hpi_runtime.outputs import RequestOutput
@@ -27,6 +29,8 @@ from hpi_runtime.worker.tp_executor import MultiprocExecutor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
+# Everything but the weights that a Hub download needs: configs (and the shard index), tokenizer, template.
+HUB_METADATA_PATTERNS = ("*.json", "tokenizer*", "*.jinja")
 
 Message = dict[str, str]
 
@@ -60,13 +64,24 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
         return path, path.name
     if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
         try:
-            from huggingface_hub import snapshot_download
-
-            patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
-            return Path(snapshot_download(model, allow_patterns=patterns)), model
+            return download_from_hub(model), model
         except Exception as exc:  # offline, unknown id, gated: all mean "cannot get it"
             raise FileNotFoundError(f"{model!r} is not a local directory and could not be downloaded: {exc}") from exc
     raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+
+
+def download_from_hub(model_id: str) -> Path:
+    """Fetch a Hub model's configs and tokenizer, then only the weight files the loader will read.
+
+    Two passes because which shards to fetch is written in the index, which comes with the configs; one
+    `*.safetensors` pass would also pull e.g. Mistral's consolidated.safetensors, a second full copy.
+    """
+    from huggingface_hub import snapshot_download
+
+    model_dir = Path(snapshot_download(model_id, allow_patterns=list(HUB_METADATA_PATTERNS)))
+    index_path = model_dir / INDEX_FILE
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    return Path(snapshot_download(model_id, allow_patterns=weight_file_patterns(index)))
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -105,6 +120,17 @@ def _check_engine_config(engine_config: EngineConfig, model_config: ModelConfig)
         )
 
 
+def _check_lm_head_quantization(model_config: ModelConfig, config: QuantizationConfig) -> None:
+    if not config.quantize_lm_head:
+        return
+    if not config.enabled:
+        raise ValueError("quantize_lm_head needs quantization 'int8' or 'int4', not 'none'")
+    if model_config.tie_word_embeddings:
+        raise ValueError(
+            "quantize_lm_head needs an untied LM head; this model ties it to the embeddings, which stay in float"
+        )
+
+
 def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) -> None:
     """ValueError when the model cannot be split over `tensor_parallel_size` ranks (see model/parallel.py)."""
     if tensor_parallel_size < 1:
@@ -138,6 +164,7 @@ def create_engine(
     attention_backend: str = "auto",
     quantization: str = "none",
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantize_lm_head: bool = False,
     tensor_parallel_size: int = 1,
 ) -> EngineBundle:
     """Load `model` and build an `LLMEngine` over a `LocalExecutor` (tensor_parallel_size 1) or a
@@ -145,14 +172,17 @@ def create_engine(
 
     `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`.
     `kv_cache_memory_bytes` (per rank) None: 1 GiB on CPU, 85% of what the loaded weights leave free on CUDA.
-    `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization).
+    `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization);
+    `quantize_lm_head` quantizes an untied LM head too (off by default: its error lands directly on the
+    logits, and a tied head is the embedding, which stays in float).
     `attention_backend="auto"`: the Triton kernels on CUDA, the torch backend (the reference) on CPU.
     """
     from transformers import AutoTokenizer
 
     model_dir, model_name = resolve_model_dir(model)
     model_config = load_model_config(model_dir)
-    quantization_config = QuantizationConfig(quantization, quantization_group_size)
+    quantization_config = QuantizationConfig(quantization, quantization_group_size, quantize_lm_head)
+    _check_lm_head_quantization(model_config, quantization_config)  # before any weight is read
     check_tensor_parallel(model_config, tensor_parallel_size)  # before any weight is read
     check_model_supported(model_config, quantization_config, tensor_parallel_size)
     engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
@@ -223,6 +253,7 @@ class LLM:
         attention_backend: str = "auto",
         quantization: str = "none",
         quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
+        quantize_lm_head: bool = False,
         tensor_parallel_size: int = 1,
     ) -> None:
         if max_model_len is None:
@@ -246,6 +277,7 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             quantization_group_size=quantization_group_size,
+            quantize_lm_head=quantize_lm_head,
             tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = self.bundle.engine
@@ -275,9 +307,8 @@ class LLM:
         """Generate for every prompt (text, or token ids) and return the final outputs in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        token_ids = [
-            self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts
-        ]
+        # With special tokens, as the server and vLLM's LLM.generate do: Llama 2/3 prompts need their BOS.
+        token_ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
         return self._run(token_ids, sampling_params)
 
     def chat(

@@ -33,9 +33,13 @@ ARCHITECTURES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer with ChatML special tokens, trained on CORPUS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(vocab_size: int = 384, *, add_bos_token: bool = False):
+    """A byte-level BPE tokenizer with ChatML special tokens, trained on CORPUS.
+
+    `add_bos_token=True` makes encoding with special tokens prepend the BOS token, as Llama 2/3 tokenizers
+    do (the default adds nothing, like Qwen2's and SmolLM's).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -48,9 +52,17 @@ def build_tokenizer(vocab_size: int = 384):
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    bos_token = "<|im_start|>"
+    if add_bos_token:
+        # A post-processor is where tokenizer.json keeps "prepend BOS"; it survives save and reload.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A:0",
+            pair=f"{bos_token} $A:0 {bos_token} $B:1",
+            special_tokens=[(bos_token, tok.token_to_id(bos_token))],
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|im_start|>",
+        bos_token=bos_token,
         eos_token="<|im_end|>",
         unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -73,12 +85,13 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
     dtype: str = "float32",
+    add_bos_token: bool = False,
     **config_overrides,
 ) -> Path:
     """Write a random-weight `arch` model directory to `out_dir` and return it.
 
     `config_overrides` go straight into the transformers config (e.g. `rope_parameters` for llama3
-    scaling, `attention_bias`, `sliding_window`).
+    scaling, `attention_bias`, `sliding_window`). `add_bos_token`: see `build_tokenizer`.
     """
     import torch
     import transformers
@@ -86,7 +99,7 @@ def build_tiny_model(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     config_cls_name, model_cls_name = ARCHITECTURES[arch]
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(add_bos_token=add_bos_token)
     config = getattr(transformers, config_cls_name)(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

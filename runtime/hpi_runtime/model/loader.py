@@ -1,7 +1,8 @@
 """Load a model from safetensors: memory-mapped, shard by shard, each tensor through its parameter's loader.
 
-Only safetensors is read (never pickle). Shards are found through `model.safetensors.index.json` when
-present, else every `*.safetensors` file in the directory.
+Only safetensors is read (never pickle). Shards are the files `model.safetensors.index.json` lists when
+present, else the `model*.safetensors` files, else every `*.safetensors` file in the directory. A Hub
+download fetches by the first two rules (`weight_file_patterns`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -24,8 +26,22 @@ from hpi_runtime.model.llama import MODEL_CLASSES, LlamaForCausalLM
 from hpi_runtime.model.parallel import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
+# Hugging Face's single-file and unindexed names; repos such as Mistral's also ship consolidated.safetensors,
+# the same weights in another naming, which must be neither downloaded nor loaded.
+UNINDEXED_WEIGHTS_PATTERN = "model*.safetensors"
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar only for checkpoints of 1 GiB or more
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_file_patterns(index: dict | None) -> list[str]:
+    """Which weight files to fetch from a Hub repo, given its parsed index (None when it has none): the
+    shards the index's weight_map lists, else `model*.safetensors`."""
+    if index is None:
+        return [UNINDEXED_WEIGHTS_PATTERN]
+    shards = sorted(set(index.get("weight_map", {}).values()))
+    if not shards:
+        raise ValueError(f"{INDEX_FILE} has an empty weight_map: no shard to fetch")
+    return shards
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -39,6 +55,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             raise FileNotFoundError(f"{index_path} lists shards that are missing: {', '.join(missing)}")
     else:
         files = sorted(model_dir.glob("*.safetensors"))
+        # A checkpoint saved under another name alone still loads; beside model*.safetensors it is a copy.
+        preferred = [f for f in files if fnmatch(f.name, UNINDEXED_WEIGHTS_PATTERN)]
+        files = preferred or files
     if not files:
         pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded, convert them)" if pickles else ""
@@ -46,9 +65,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tensor_data_bytes(path: Path) -> int:
+    """Bytes of tensor data in one safetensors file: the file less its 8-byte length prefix and JSON header
+    (safetensors refuses files whose data region holds anything but the tensors)."""
+    with path.open("rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - header_bytes
+
+
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard; tensors are memory-mapped views until copied."""
-    total_bytes = sum(f.stat().st_size for f in files)
+    # Progress counts tensor bytes, so its total must too: file sizes include the headers.
+    total_bytes = sum(tensor_data_bytes(f) for f in files)
     with tqdm(
         total=total_bytes, unit="B", unit_scale=True, desc="loading weights", disable=total_bytes < PROGRESS_MIN_BYTES
     ) as progress:

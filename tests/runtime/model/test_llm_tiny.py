@@ -1,15 +1,22 @@
 """The real engine (scheduler + block pool) over the model runner on a tiny model: parity with transformers
-through chunked prefill, prefix-cache hits and preemption; seeds; batch invariance; create_engine."""
+through chunked prefill, prefix-cache hits and preemption; seeds; batch invariance; create_engine; what the
+model directory decides (BOS, generation_config defaults, chat template, Hub download); LM-head quantization."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.llm import LLM, create_engine
+from hpi_runtime.llm import LLM, create_engine, resolve_model_dir
+from hpi_runtime.model.linear import LinearBase
+from hpi_runtime.model.quant_linear import QuantizedLinear
+from hpi_runtime.model.quantization import QuantizedLMHead
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -132,7 +139,7 @@ def test_text_prompts_chat_and_default_params(tiny_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outputs = tiny_llm.generate(["Hello world", "The capital of"], params)
     assert [len(o.output_token_ids) for o in outputs] == [4, 4]
-    assert outputs[0].prompt_token_ids == tuple(tokenizer.encode("Hello world", add_special_tokens=False))
+    assert outputs[0].prompt_token_ids == tuple(tokenizer("Hello world").input_ids)
     assert outputs[1].text == tokenizer.decode(outputs[1].output_token_ids, skip_special_tokens=True)
     conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Stop here."}]]
     chats = tiny_llm.chat(conversations, params)
@@ -143,3 +150,109 @@ def test_text_prompts_chat_and_default_params(tiny_llm: LLM) -> None:
     assert len(tiny_llm.generate([[5, 6, 7]])[0].output_token_ids) <= SamplingParams().max_tokens
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         tiny_llm.generate([[5, 6]], [params, params])
+
+
+def _small_llm(model_dir: Path, **options) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20, **options)
+
+
+def _copy_model(model_dir: Path, out: Path) -> Path:
+    return Path(shutil.copytree(model_dir, out / model_dir.name))
+
+
+def test_text_prompts_start_with_bos_when_the_tokenizer_adds_one(tiny_model_factory) -> None:
+    llm = _small_llm(tiny_model_factory("llama", add_bos_token=True))
+    bos_id = llm.tokenizer.bos_token_id
+    plain = llm.tokenizer.encode("Hello world", add_special_tokens=False)
+    assert bos_id is not None and plain[0] != bos_id  # so only the tokenizer's special tokens can put it there
+    output = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert output.prompt_token_ids == (bos_id, *plain)
+
+
+@pytest.mark.parametrize(
+    "generation_config",
+    [{"temperature": 0.0}, {"temperature": 1.0, "top_k": 1}],
+    ids=["temperature-0", "top-k-1"],
+)
+def test_generation_config_sampling_defaults_apply_without_params(
+    tiny_model_dir: Path, tmp_path: Path, generation_config: dict
+) -> None:
+    model_dir = _copy_model(tiny_model_dir, tmp_path)
+    path = model_dir / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **generation_config}))
+    llm = _small_llm(model_dir)
+    prompts = _prompts(len(llm.tokenizer), [5, 9, 14, 3, 20, 7], seed=7)
+    # Without the defaults these would be unseeded temperature-1 draws: 6 x 16 of them all landing on the
+    # argmax does not happen on this model.
+    defaults = [o.output_token_ids for o in llm.generate(prompts)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=SamplingParams().max_tokens)
+    assert defaults == [o.output_token_ids for o in llm.generate(prompts, greedy)]
+
+
+def test_chat_template_from_tokenizer_config_is_used(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model_dir = _copy_model(tiny_model_dir, tmp_path)
+    (model_dir / "chat_template.jinja").unlink()
+    template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ': ' + message['content'] + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant says:' }}{% endif %}"
+    )
+    config_path = model_dir / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": template}))
+    llm = _small_llm(model_dir)
+    conversation = [{"role": "user", "content": "Hello world"}]
+    output = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=2))[0]
+    options = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
+    expected = llm.tokenizer.apply_chat_template(conversation, chat_template=template, **options)
+    assert output.prompt_token_ids == tuple(expected)
+    chatml = llm.tokenizer.apply_chat_template(
+        conversation, chat_template=tiny_model_dir.joinpath("chat_template.jinja").read_text(), **options
+    )
+    assert tuple(chatml) != output.prompt_token_ids
+
+
+def test_hub_download_fetches_only_the_indexed_shards(tmp_path: Path, monkeypatch) -> None:
+    """A Mistral-style repo: an index over two shards plus consolidated.safetensors, the same weights again."""
+    import huggingface_hub
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = {"weight_map": {"a.weight": shards[0], "b.weight": shards[1], "c.weight": shards[1]}}
+    for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "params.json", "consolidated.safetensors"]:
+        (repo / name).write_text("{}")
+    for name in shards:
+        (repo / name).write_text("weights")
+    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+    snapshot = tmp_path / "snapshot"
+    fetched: list[str] = []
+
+    def fake_snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        assert repo_id == "org/mistral-like"
+        snapshot.mkdir(exist_ok=True)
+        for path in repo.iterdir():
+            if any(fnmatch(path.name, pattern) for pattern in allow_patterns):
+                fetched.append(path.name)
+                shutil.copy(path, snapshot / path.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model_dir("org/mistral-like") == (snapshot, "org/mistral-like")
+    assert set(shards) <= set(fetched) and "consolidated.safetensors" not in fetched
+    assert "model.safetensors.index.json" in fetched
+
+
+def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir: Path) -> None:
+    untied = tiny_model_factory("llama", tie_word_embeddings=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for quantize_lm_head in (False, True):
+        llm = _small_llm(untied, quantization="int8", quantize_lm_head=quantize_lm_head)
+        model = llm.engine.executor.model
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+        assert isinstance(model.lm_head, QuantizedLMHead) == quantize_lm_head
+        assert not any(isinstance(m, LinearBase) for m in model.modules())
+        assert len(llm.generate([[5, 6, 7]], params)[0].output_token_ids) == 4
+        llm.shutdown()
+    with pytest.raises(ValueError, match="untied LM head"):
+        create_engine(tiny_model_dir, quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
+        create_engine(untied, quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)

@@ -1,16 +1,19 @@
-"""The safetensors loader: shards with and without an index, merged qkv / gate_up, clear errors."""
+"""The safetensors loader: shards with and without an index, merged qkv / gate_up, clear errors, which
+weight files count (and are fetched), the progress bar."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hpi_runtime.model import loader
 from hpi_runtime.model.attention import TorchAttentionBackend
 from hpi_runtime.model.config import load_model_config
-from hpi_runtime.model.loader import load_model
+from hpi_runtime.model.loader import load_model, safetensors_files, weight_file_patterns
 
 CPU = torch.device("cpu")
 
@@ -78,3 +81,56 @@ def test_missing_and_unexpected_tensors_are_errors(tiny_model_dir: Path, tmp_pat
     save_file({**tensors, "model.layers.0.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="'model.layers.0.extra.weight' has no matching parameter"):
         _load(tmp_path)
+
+
+def test_progress_bar_reaches_its_total(sharded_dir: Path, monkeypatch, capsys) -> None:
+    finished: list[tuple[int, int]] = []
+
+    class RecordingBar(loader.tqdm):
+        def close(self) -> None:
+            if not self.disable:  # a second close (from __del__) finds it disabled
+                finished.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(loader, "tqdm", RecordingBar)
+    _load(sharded_dir)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in _reference(sharded_dir).values())
+    assert finished == [(tensor_bytes, tensor_bytes)]
+    assert "loading weights" in capsys.readouterr().err
+
+
+MISTRAL_LIKE_REPO = [
+    "config.json",
+    "params.json",
+    "consolidated.safetensors",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+]
+
+
+def _selected(patterns: list[str], repo_files: list[str]) -> list[str]:
+    return [f for f in repo_files if any(fnmatch(f, pattern) for pattern in patterns)]
+
+
+def test_weight_file_patterns_skip_unlisted_copies() -> None:
+    index = {"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}}
+    patterns = weight_file_patterns(index)
+    assert patterns == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert _selected(patterns, MISTRAL_LIKE_REPO) == patterns
+    unindexed = ["consolidated.safetensors", "model.safetensors", "adapter.safetensors", "config.json"]
+    assert _selected(weight_file_patterns(None), unindexed) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="empty weight_map"):
+        weight_file_patterns({"weight_map": {}})
+
+
+def test_unindexed_directory_ignores_a_consolidated_copy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    assert safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
+    _load(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")  # any name, when it is the only one
+    (tmp_path / "consolidated.safetensors").unlink()
+    assert safetensors_files(tmp_path) == [tmp_path / "weights.safetensors"]

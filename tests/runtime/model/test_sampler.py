@@ -82,8 +82,12 @@ def test_penalties() -> None:
     assert Sampler()(logits, _batch(1, **greedy, **repeated)).token_ids == [2]  # 2.0 / 4 < 1.0
     frequency = {**penalties, "frequency_penalty": torch.tensor([0.6]), "output_token_ids": ((0, 0),)}
     assert Sampler()(logits, _batch(1, **greedy, **frequency)).token_ids == [2]  # 2.0 - 1.2 < 1.0
+    # Presence subtracts once per seen token, not per occurrence: 2.0 - 0.6 > 1.0 keeps token 0 on top
+    # (a per-count 2 x 0.6 would not), and 2.0 - 1.5 < 1.0 moves the argmax, which only applying it can.
     presence = {**penalties, "presence_penalty": torch.tensor([0.6]), "output_token_ids": ((0, 0),)}
-    assert Sampler()(logits, _batch(1, **greedy, **presence)).token_ids == [0]  # 2.0 - 0.6 > 1.0
+    assert Sampler()(logits, _batch(1, **greedy, **presence)).token_ids == [0]
+    strong_presence = {**presence, "presence_penalty": torch.tensor([1.5])}
+    assert Sampler()(logits, _batch(1, **greedy, **strong_presence)).token_ids == [2]
 
 
 def test_banned_tokens_and_logprobs() -> None:
@@ -92,10 +96,14 @@ def test_banned_tokens_and_logprobs() -> None:
     banned = ((argmax[0],), (), ())
     out = Sampler()(logits, _batch(3, temperature=0.0, banned_token_ids=banned, num_logprobs=(2, None, 0)))
     assert out.token_ids[0] != argmax[0] and out.token_ids[1:] == argmax[1:]
-    logprobs = logits.log_softmax(-1)
+    # Logprobs of the model (not of the filtered logits), computed here in float64 from the definition.
+    expected = logits.double() - logits.double().exp().sum(-1, keepdim=True).log()
     first = out.logprobs[0]
     assert first.token_id == out.token_ids[0]
-    assert abs(first.logprob - logprobs[0, first.token_id].item()) < 1e-5  # of the model, not the filtered
-    top_values, top_ids = logprobs[0].topk(2)
+    assert abs(first.logprob - expected[0, first.token_id].item()) < 1e-5
+    top_values, top_ids = expected[0].topk(2)
     assert [t for t, _ in first.top] == top_ids.tolist()
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in first.top], dtype=torch.float64), top_values, atol=1e-5, rtol=0
+    )
     assert out.logprobs[1] is None and out.logprobs[2].top == ()
