@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "int4 group-wise); embeddings and LM head stay in --dtype")
     model.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                        help="int4 only: weights per scale/zero along K (must divide every layer's K)")
+    model.add_argument("--quantize-lm-head", action="store_true",
+                       help="also quantize an untied LM head (a tied one shares the float embedding); "
+                       "saves its memory at some cost in logit precision")
     model.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                        help="split the model over this many worker processes (one per GPU on cuda, gloo on "
                        "cpu); attention is split by KV-head groups, see docs/tensor-parallelism.md")
@@ -138,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
+            quantize_lm_head=args.quantize_lm_head,
             tensor_parallel_size=args.tensor_parallel_size,
         )
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ class EngineBundle:
     kv_cache_bytes: int
     num_kv_blocks: int
     quantization: str = "none"
+    vocab_size: int = 0  # rows of the model's embedding: token ids at or above it cannot be looked up
+    # generation_config.json's sampling settings, the defaults for requests that leave them out
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
@@ -225,6 +229,8 @@ def create_engine(
         kv_cache_bytes=executor.kv_cache_bytes,
         num_kv_blocks=executor.num_kv_blocks,
         quantization=quantization,
+        vocab_size=model_config.vocab_size,
+        sampling_defaults=dict(model_config.sampling_defaults),
     )
 
 

@@ -27,6 +27,7 @@ class Choice:
     prompt_index: int
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    priority: int = 0
 
 
 def new_id(prefix: str) -> str:
@@ -44,6 +45,11 @@ def plan_choices(
     """One Choice per (prompt, i < n); validates token ids against the vocabulary and lengths against
     max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
     max_model_len, vocab_size = model.max_model_len, model.vocab_size
+    sent = {
+        "temperature": fields.temperature, "top_p": fields.top_p, "top_k": fields.top_k, "min_p": fields.min_p,
+        "repetition_penalty": fields.repetition_penalty,
+    }  # fmt: skip
+    sampling = {**model.sampling_defaults, **{k: v for k, v in sent.items() if v is not None}}
     if fields.stop_token_ids and max(fields.stop_token_ids) >= vocab_size:
         raise bad_request(
             f"token id {max(fields.stop_token_ids)} is outside the vocabulary of {vocab_size}", "stop_token_ids"
@@ -76,10 +82,7 @@ def plan_choices(
             try:
                 params = SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=fields.temperature,
-                    top_p=fields.top_p,
-                    top_k=fields.top_k,
-                    min_p=fields.min_p,
+                    **sampling,
                     seed=seed,
                     stop=fields.stop,
                     stop_token_ids=fields.stop_token_ids,
@@ -87,13 +90,12 @@ def plan_choices(
                     min_tokens=min(fields.min_tokens, max_tokens),
                     presence_penalty=fields.presence_penalty,
                     frequency_penalty=fields.frequency_penalty,
-                    repetition_penalty=fields.repetition_penalty,
                     logprobs=fields.logprobs,
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from exc
             index = len(choices)
-            choices.append(Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params))
+            choices.append(Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority))
     return choices
 
 
@@ -135,7 +137,8 @@ async def stream_choices(
         finish = FINISH_ABORT
         accepted = True
         try:
-            async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params):
+            async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params,
+                                             choice.priority):
                 timer.tick(out)
                 if out.finished:
                     finish = out.finish_reason or FINISH_ABORT

@@ -84,8 +84,14 @@ async def _load(state: ServerState, load_bundle: Callable[[], Any]) -> None:
         return
     state.metrics.set_footprint(ModelFootprint(bundle.weight_bytes, bundle.kv_cache_bytes,
                                                bundle.num_kv_blocks, bundle.engine.config.block_size))
+    # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
+    vocab_size = min(len(bundle.tokenizer), bundle.vocab_size)
     state.set_model(ServedModel(engine=engine, tokenizer=bundle.tokenizer, name=state.settings.served_model_name,
-                                max_model_len=bundle.max_model_len, vocab_size=len(bundle.tokenizer)))
+                                max_model_len=bundle.max_model_len, vocab_size=vocab_size,
+                                sampling_defaults=bundle.sampling_defaults))
+    if bundle.sampling_defaults:
+        logger.info("sampling defaults from generation_config.json for requests that leave them out: %s",
+                    bundle.sampling_defaults)
     # Everything allocated so far (model, tokenizer, modules) lives for the whole process: keep it out of
     # the cyclic GC's generations so collections during serving stay short (vLLM does the same).
     gc.collect()

@@ -16,28 +16,32 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 # Integers that reach torch must fit its int64 tensors; past these bounds a value can only be a mistake.
 MAX_INT64 = 2**63 - 1
-MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size already means "off"
+MAX_TOP_K = 2**31 - 1
+MAX_PRIORITY = 2**31 - 1  # any top_k at or above the vocabulary size already means "off"
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
 class SamplingFields:
-    """The sampling settings common to both endpoints; max_tokens is resolved later against the prompt."""
+    """The sampling settings common to both endpoints; max_tokens is resolved later against the prompt.
+    None in temperature/top_p/top_k/min_p/repetition_penalty means "not sent": the model's
+    generation_config.json default applies, else SamplingParams' own (as vLLM's --generation-config auto)."""
 
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     presence_penalty: float
     frequency_penalty: float
-    repetition_penalty: float
+    repetition_penalty: float | None
     ignore_eos: bool
     min_tokens: int
     logprobs: int | None  # None: no logprobs; k: chosen token plus top-k alternatives
+    priority: int = 0  # vLLM's extra parameter: lower is admitted first (scheduling; rides with the settings)
 
 
 @dataclass(frozen=True)
@@ -162,19 +166,20 @@ def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max
         max_tokens = body.integer("max_tokens", None, 1, MAX_INT64)
     return SamplingFields(
         max_tokens=max_tokens,
-        temperature=body.number("temperature", 1.0, 0.0, 2.0),
-        top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=body.integer("top_k", 0, -1, MAX_TOP_K),
-        min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        temperature=body.number("temperature", None, 0.0, 2.0),
+        top_p=body.number("top_p", None, 0.0, 1.0, lo_open=True),
+        top_k=body.integer("top_k", None, -1, MAX_TOP_K),
+        min_p=body.number("min_p", None, 0.0, 1.0),
         seed=body.integer("seed", None, -MAX_INT64 - 1, MAX_INT64),
         stop=body.stop(),
         stop_token_ids=body.token_ids("stop_token_ids"),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=body.number("repetition_penalty", 1.0, 0.01, 10.0),
+        repetition_penalty=body.number("repetition_penalty", None, 0.01, 10.0),
         ignore_eos=body.boolean("ignore_eos", False),
         min_tokens=body.integer("min_tokens", 0, 0, MAX_INT64),
         logprobs=logprobs,
+        priority=body.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY),
     )
 
 

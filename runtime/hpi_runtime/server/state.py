@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +22,8 @@ class ServedModel:
     name: str
     max_model_len: int
     vocab_size: int
+    # generation_config.json's temperature/top_p/top_k/min_p/repetition_penalty: used where a request is silent
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 from hpi_runtime.cli import build_parser
 from hpi_runtime.llm import LLM, create_engine
 from hpi_runtime.model.quant_linear import QuantizedLinear
+from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -16,7 +17,17 @@ def test_serve_flags() -> None:
     args = build_parser().parse_args(["serve", "--quantization", "int4", "--quantization-group-size", "64"])
     assert (args.quantization, args.quantization_group_size) == ("int4", 64)
     defaults = build_parser().parse_args(["serve"])
-    assert (defaults.quantization, defaults.quantization_group_size) == ("none", 32)
+    assert (defaults.quantization, defaults.quantization_group_size, defaults.quantize_lm_head) == (
+        "none", DEFAULT_INT4_GROUP_SIZE, False
+    )  # fmt: skip
+    assert build_parser().parse_args(["serve", "--quantize-lm-head"]).quantize_lm_head
+    # The CLI spells the group sizes out (it must not import torch to parse); they must stay the library's.
+    for size in (16, *INT4_GROUP_SIZES, 256):
+        if size in INT4_GROUP_SIZES:
+            assert build_parser().parse_args(["serve", "--quantization-group-size", str(size)])
+        else:
+            with pytest.raises(SystemExit):
+                build_parser().parse_args(["serve", "--quantization-group-size", str(size)])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp8"])
 

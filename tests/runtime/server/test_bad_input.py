@@ -41,6 +41,7 @@ CASES = [
     ("image part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages[0]", "text parts"),
     ("stop wrong type", CHAT, {**OK_CHAT, "stop": 5}, 400, "stop", "stop"),
+    ("priority wrong type", CHAT, {**OK_CHAT, "priority": "high"}, 400, "priority", "integer"),
     ("stream_options without stream", CHAT, {**OK_CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream"),
     ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
