@@ -137,11 +137,12 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile) -> list
     return args + list(spec.runtime.extra_args)
 
 
+# The runtime's own downloader (same image): configs first, then only the shards its loader reads.
 FETCH_SCRIPT = (
-    "import os, sys\n"
-    "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(sys.argv[1], local_dir=sys.argv[2], token=os.environ.get('HF_TOKEN'),\n"
-    "                  allow_patterns=['*.json', '*.safetensors', 'tokenizer*', '*.txt', '*.model'])\n"
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from hpi_runtime.llm import download_from_hub\n"
+    "download_from_hub(sys.argv[1], Path(sys.argv[2]))\n"
 )
 
 

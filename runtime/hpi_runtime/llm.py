@@ -74,18 +74,19 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
 
 
-def download_from_hub(model_id: str) -> Path:
-    """Fetch a Hub model's configs and tokenizer, then only the weight files the loader will read.
+def download_from_hub(model_id: str, local_dir: Path | None = None) -> Path:
+    """Fetch a Hub model's configs and tokenizer, then only the weight files the loader will read, into the
+    Hugging Face cache or `local_dir` (the operator's fetch-model init container). HF_TOKEN is honoured.
 
     Two passes because which shards to fetch is written in the index, which comes with the configs; one
     `*.safetensors` pass would also pull e.g. Mistral's consolidated.safetensors, a second full copy.
     """
     from huggingface_hub import snapshot_download
 
-    model_dir = Path(snapshot_download(model_id, allow_patterns=list(HUB_METADATA_PATTERNS)))
+    model_dir = Path(snapshot_download(model_id, allow_patterns=list(HUB_METADATA_PATTERNS), local_dir=local_dir))
     index_path = model_dir / INDEX_FILE
     index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    return Path(snapshot_download(model_id, allow_patterns=weight_file_patterns(index)))
+    return Path(snapshot_download(model_id, allow_patterns=weight_file_patterns(index), local_dir=local_dir))
 
 
 def _cpu_has_fast_bf16() -> bool:

