@@ -8,8 +8,10 @@ Runs on CPU with a fake executor (no model), so the numbers are the engine core'
    over steps (the PagedAttention paper reports under 4%).
 3. Concurrent requests that fit in a fixed KV budget with paging, against contiguous per-request
    allocation of max_model_len; preemptions, and the tokens they made the model compute again.
+4. The same workload under several `kv_admission_watermark` values (0 = admit until the pool is full):
+   recompute, concurrency, KV use, and how long the model would take to drain it (forward-time proxy).
 
-    .venv/bin/python bench/bench_engine_core.py            # ~10 s on 2 cores
+    .venv/bin/python bench/bench_engine_core.py            # ~25 s on 2 cores
     .venv/bin/python bench/bench_engine_core.py --quick    # toy sizes, seconds: a smoke test, not numbers
 """
 
@@ -37,6 +39,8 @@ class Plan:
     num_mixed_requests: int = 1500
 
 
+WATERMARKS = (0.0, 0.01, 0.02, 0.04)  # today's greedy admission, vLLM v0's default, ours, a wider one
+BALANCE_TOKENS = 256  # tokens at which a forward turns compute-bound: ~FLOP/byte of an H100-class GPU, bf16
 QUICK_PLAN = Plan(running=(16,), num_steps=5, num_windows=1, num_mixed_requests=100)  # as `python -m bench --quick`
 
 
@@ -109,8 +113,12 @@ def mixed_workload(num_requests: int, seed: int = 0) -> list[tuple[list[int], in
     ]
 
 
-def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 16) -> dict:
-    """All requests queued at once (a backlog keeps the pool full); sample usage right after schedule()."""
+def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 16, watermark: float = 0.0) -> dict:
+    """All requests queued at once (a backlog keeps the pool full); sample usage right after schedule().
+
+    Forward time is a roofline proxy: a step costs max(1, tokens / BALANCE_TOKENS) units, as a forward reads
+    the weights once (memory-bound) until its tokens make it compute-bound. Steps alone would count a
+    recomputed prompt as free whenever it fits in a decode step's budget; no GPU runs it for free."""
     config = EngineConfig(
         block_size=block_size,
         max_num_seqs=1024,
@@ -118,14 +126,16 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
         max_model_len=max_model_len,
         enable_prefix_caching=False,  # shared blocks would make "tokens held" ambiguous
         max_num_waiting=len(workload),
+        kv_admission_watermark=watermark,
     )
     executor = CountingExecutor(num_blocks, block_size)
     engine = LLMEngine(config, executor, None, frozenset())
     for i, (prompt, max_tokens) in enumerate(workload):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.pool
-    waste, running_saturated = [], []
-    num_computed = num_computed_once = 0
+    waste, running_saturated, usage_saturated = [], [], []
+    num_computed = num_computed_once = num_steps = 0
+    forward_time = 0.0
     while engine.has_unfinished_requests():
         so = scheduler.schedule()
         allocated = (pool.num_blocks - pool.num_free) * block_size
@@ -134,8 +144,11 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
             waste.append((allocated - held) / allocated)
         if scheduler.waiting:
             running_saturated.append(len(scheduler.running))
+            usage_saturated.append(pool.usage)
         if not so.is_empty:
+            num_steps += 1
             num_computed += so.total_num_scheduled_tokens
+            forward_time += max(1.0, so.total_num_scheduled_tokens / BALANCE_TOKENS)
             for output in scheduler.update_from_output(so, executor.execute_model(so)):
                 if output.finished:  # uninterrupted, every token but the last sampled one is computed once
                     num_computed_once += len(output.prompt_token_ids) + len(output.output_token_ids) - 1
@@ -143,10 +156,30 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
     return {
         "waste": sum(waste) / len(waste),
         "mean_running": sum(running_saturated) / max(1, len(running_saturated)),
+        "mean_usage": sum(usage_saturated) / max(1, len(usage_saturated)),
         "preemptions": stats.num_preemptions,
         "computed_tokens": num_computed,
         "recomputed_tokens": num_computed - num_computed_once,  # prefix caching is off: no hit hides any
+        "useful_tokens": num_computed_once,
+        "steps": num_steps,
+        "forward_time": forward_time,
     }
+
+
+def print_watermark_comparison(results: dict[float, dict], default: float) -> None:
+    base = results[0.0]
+    print(f"\n## Admission headroom (`kv_admission_watermark`) on the same workload (default {default})\n")
+    print("| watermark | preemptions | recomputed share | mean running while a backlog waits | KV used then "
+          "| KV waste | steps to drain | useful tokens/step | forward time (vs 0) |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for watermark, r in results.items():
+        share = 100 * r["recomputed_tokens"] / r["computed_tokens"]
+        change = 100 * (r["forward_time"] / base["forward_time"] - 1)
+        print(f"| {watermark:g} | {r['preemptions']} | {share:.2f}% | {r['mean_running']:.1f} "
+              f"| {100 * r['mean_usage']:.1f}% | {100 * r['waste']:.2f}% | {r['steps']} "
+              f"| {r['useful_tokens'] / r['steps']:.1f} | {r['forward_time']:.0f} ({change:+.1f}%) |")  # fmt: skip
+    print(f"\nForward time: each step costs max(1, tokens / {BALANCE_TOKENS}) units (memory-bound until the batch "
+          "reaches an H100-class GPU's FLOP/byte balance, compute-bound beyond).")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,12 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len, block_size = 2048, 16
     budget_tokens = 16 * max_model_len  # room for 16 contiguous max-length requests
     workload = mixed_workload(plan.num_mixed_requests)
-    result = run_mixed(budget_tokens // block_size, max_model_len, workload, block_size)
+    default = EngineConfig().kv_admission_watermark
+    results = {
+        watermark: run_mixed(budget_tokens // block_size, max_model_len, workload, block_size, watermark)
+        for watermark in sorted({*WATERMARKS, default})
+    }
+    result = results[default]
     contiguous = budget_tokens // max_model_len
     mean_tokens = sum(len(p) + m for p, m in workload) / len(workload)
     recomputed, computed = result["recomputed_tokens"], result["computed_tokens"]
     print(f"\n## KV memory waste and capacity (mixed workload: {len(workload)} requests, prompt 16-1023, "
-          "output 16-511)\n")  # fmt: skip
+          f"output 16-511; kv_admission_watermark={default})\n")  # fmt: skip
     print("| metric | value |")
     print("|---|---:|")
     print(f"| KV budget | {budget_tokens} tokens ({budget_tokens // block_size} blocks of {block_size}) |")
@@ -185,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| ratio | {result['mean_running'] / contiguous:.1f}x |")
     print(f"| preemptions, tokens they recomputed (share of all {computed} computed) | {result['preemptions']}, "
           f"{recomputed} ({100 * recomputed / computed:.2f}%) |")  # fmt: skip
+    print_watermark_comparison(results, default)
 
 
 if __name__ == "__main__":

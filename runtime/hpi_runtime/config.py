@@ -13,6 +13,10 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + output tokens per request at most
     enable_prefix_caching: bool = True
     max_num_waiting: int = 1024  # queue limit: more waiting requests than this are refused (HTTP 429)
+    # Fraction of KV blocks that admitting a waiting request must leave free, for the running requests' decode
+    # growth (vLLM v0's `watermark`). 0 admits until the pool is full; then the next block boundary preempts
+    # the newest request and recomputes it (bench/bench_engine_core.py compares values).
+    kv_admission_watermark: float = 0.02
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -20,3 +24,5 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_admission_watermark < 1.0:  # also refuses NaN
+            raise ValueError(f"kv_admission_watermark must be in [0, 1), got {self.kv_admission_watermark}")

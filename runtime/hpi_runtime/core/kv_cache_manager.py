@@ -18,8 +18,19 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def num_free_blocks_after_admission(self, request: Request, computed_blocks: list[KVBlock]) -> int:
+        """Free blocks left once all of a waiting request's tokens hold blocks, its prefix hit shared; negative
+        if they do not fit. Counts the whole prompt, not just the first chunk: the later chunks need it too."""
+        num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        num_needed = -(-request.num_tokens // self.block_size) - len(computed_blocks)
+        return self.pool.num_free - num_evictable_hits - num_needed
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest cached prefix of the request, in full blocks, leaving at least one token to compute.

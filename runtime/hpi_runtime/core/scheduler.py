@@ -4,7 +4,10 @@ Running requests go first, in admission order, then waiting ones, under the per-
 (`max_num_batched_tokens`) and `max_num_seqs`. That single rule covers chunked prefill (a prompt longer than
 the budget catches up over several steps), decode (one token behind) and prefix-cache hits (admitted with
 some tokens already computed). When the pool runs out of blocks the newest running request is preempted by
-recompute: its blocks are freed and it goes back to the front of the waiting queue.
+recompute: its blocks are freed and it goes back to the front of the waiting queue. To keep that rare, a
+waiting request is admitted only if its whole prompt fits with `kv_admission_watermark` of the pool left free
+for the running requests' decode growth; a request admitted into an empty batch needs only to fit, so a
+prompt larger than the headroom is never starved.
 
 The waiting queue holds the preempted requests first (each one requeued at the very front), then the others by
 (priority, arrival): FCFS when every priority is the default 0. Priority orders admission only: a running
@@ -40,6 +43,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_watermark_blocks = int(config.kv_admission_watermark * kv_cache_manager.num_blocks)
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -87,6 +91,8 @@ class Scheduler:
             hit_blocks = kv.get_computed_blocks(request)
             num_hit_tokens = len(hit_blocks) * kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if running and kv.num_free_blocks_after_admission(request, hit_blocks) < self.num_watermark_blocks:
+                break
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.waiting.popleft()

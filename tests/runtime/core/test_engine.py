@@ -109,7 +109,8 @@ def test_stats_and_shutdown(make_engine):
 # abort: None; ("step", n): aborted between steps, n steps after arrival; ("forward", n): aborted from inside
 # the model forward of the n-th batch (from 0) that holds it, as AsyncLLM's aborts land while a step runs.
 # Arrivals are close together, prompts share a few prefixes (their tails share tokens too) and the pool is
-# a few blocks over one max-length request, so most examples preempt and hit the prefix cache.
+# a few blocks over one max-length request, so many examples preempt (more without an admission watermark)
+# and most hit the prefix cache.
 _request = st.tuples(
     st.integers(0, 12),
     st.integers(0, 3),
@@ -128,6 +129,7 @@ _PREFIXES = ([7] * 20, [8] * 16 + [9] * 10, [8] * 16 + [5] * 3, [1, 2, 3])
     max_num_seqs=st.integers(2, 6),
     budget=st.integers(8, 64),
     caching=st.sampled_from([True, True, True, False]),
+    watermark=st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5]),  # 0 preempts most; 0.5 defers most admissions
 )
 def test_random_workloads_keep_every_invariant(
     fake_executor_cls,
@@ -139,6 +141,7 @@ def test_random_workloads_keep_every_invariant(
     max_num_seqs,
     budget,
     caching,
+    watermark,
 ):
     max_model_len = 48
     num_blocks = -(-max_model_len // block_size) + spare_blocks
@@ -148,6 +151,7 @@ def test_random_workloads_keep_every_invariant(
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         enable_prefix_caching=caching,
+        kv_admission_watermark=watermark,
     )
     executor = fake_executor_cls(num_blocks, block_size, vocab_size=40)
     engine = LLMEngine(config, executor, None, frozenset({0}))

@@ -80,6 +80,27 @@ def test_free_is_tail_first_so_tail_blocks_are_evicted_first():
     assert admit(kv, make_request("b", list(range(12)))) == list(ids[:2])
 
 
+def test_free_blocks_after_admission_counts_the_whole_prompt_and_evictable_hits():
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK)
+    first = make_request("a", list(range(12)))
+    assert kv.num_free_blocks_after_admission(first, []) == 10 - 3
+    admit(kv, first)
+    kv.free(first)  # its 3 blocks stay cached but free: a hit on them takes them out of the free count too
+    again = make_request("b", list(range(12)) + [5] * 6)  # 18 tokens: 5 blocks, the first 3 a hit
+    hit = kv.get_computed_blocks(again)
+    assert len(hit) == 3 and kv.num_free_blocks_after_admission(again, hit) == 10 - 5
+    admit(kv, again)
+    assert kv.pool.num_free == 10 - 5
+    shared = make_request("c", list(range(12)) + [6] * 9)  # 21 tokens: 6 blocks, 3 held by "b": 3 new
+    hit = kv.get_computed_blocks(shared)
+    predicted = kv.num_free_blocks_after_admission(shared, hit)
+    assert predicted == 10 - 5 - 3
+    # Only the first chunk is allocated here; the prediction is for the whole prompt, chunks included.
+    assert kv.allocate_slots(shared, 4, hit) is not None and kv.pool.num_free == predicted + 2
+    too_long = make_request("d", [9] * 40)
+    assert kv.pool.num_free == 4 and kv.num_free_blocks_after_admission(too_long, []) == 4 - 10  # does not fit
+
+
 @settings(max_examples=60, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=8))
 @example(prompts=[[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]])  # the 2nd cannot hit; the 3rd hits the 1st's block

@@ -1,4 +1,5 @@
-"""Scheduler: the one catch-up rule under budgets, chunked prefill, prefix hits, preemption, fairness, priority."""
+"""Scheduler: the one catch-up rule under budgets, chunked prefill, prefix hits, preemption, fairness, priority,
+admission headroom."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_prefix_hit_skips_cached_blocks_and_shares_them(make_engine):
 def test_newest_running_request_is_preempted_and_recomputed_identically(make_engine, expected_token):
     # 6 blocks of 8 tokens; three requests of 15 prompt tokens each take 2 blocks, so the first decode
     # step past 16 tokens needs a block that is not there: the newest (r2) must go.
-    engine = make_engine(num_blocks=6, max_model_len=48)
+    engine = make_engine(num_blocks=6, max_model_len=48, kv_admission_watermark=0.0)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [i] * 15, params)
@@ -178,3 +179,80 @@ def test_preempted_request_stays_ahead_of_higher_priority_arrivals(make_engine):
     finals = drain(engine)
     admitted = sorted(finals.values(), key=lambda o: o.first_scheduled_time)
     assert [o.request_id for o in admitted] == ["old", "new", "urgent", "urgent2"]
+
+
+@pytest.mark.parametrize("watermark", [-0.01, 1.0, 1.5, float("nan")])
+def test_kv_admission_watermark_must_be_a_fraction_below_one(watermark):
+    with pytest.raises(ValueError, match="kv_admission_watermark"):
+        EngineConfig(kv_admission_watermark=watermark)
+    assert EngineConfig(kv_admission_watermark=0.99).kv_admission_watermark == 0.99
+
+
+def test_admission_stops_at_the_watermark(make_engine, pool_invariants):
+    # 20 blocks, watermark 0.25: 5 must stay free. Each 15-token prompt takes 2 blocks, so admission stops
+    # at 6 free (the next would leave 4); without the watermark it fills the pool.
+    for watermark, num_admitted in ((0.25, 7), (0.0, 10)):
+        engine = make_engine(num_blocks=20, kv_admission_watermark=watermark, max_num_batched_tokens=512)
+        assert engine.scheduler.num_watermark_blocks == int(watermark * 20)
+        for i in range(12):
+            engine.add_request(f"r{i}", [i] * 15, PARAMS)
+        engine.step()
+        assert list(engine.executor.batches[0].num_scheduled_tokens) == [f"r{i}" for i in range(num_admitted)]
+        assert engine.kv_cache_manager.pool.num_free == 20 - 2 * num_admitted
+        drain(engine, pool_invariants)
+
+
+def test_watermark_counts_the_whole_prompt_not_the_first_chunk(make_engine):
+    engine = make_engine(num_blocks=16, kv_admission_watermark=0.25, max_num_batched_tokens=16)  # 4 stay free
+    engine.add_request("a", [1] * 30, SamplingParams(max_tokens=30, ignore_eos=True))  # 4 blocks, then 8
+    engine.step()
+    engine.step()
+    # 12 free; a 70-token prompt's first chunk needs 2 blocks, the whole prompt 9: 3 would be left.
+    engine.add_request("long", [2] * 70, PARAMS)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["long"]
+    assert list(engine.executor.batches[-1].num_scheduled_tokens) == ["a"]
+
+
+def test_headroom_avoids_the_preemption_a_full_pool_causes(make_engine, expected_token):
+    # 6 blocks of 8 tokens; three 15-token prompts take 2 blocks each and grow to 24 tokens (3 blocks). Filling
+    # the pool admits all three and preempts r2 at token 17; keeping 2 blocks free lets r2 wait instead.
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for watermark, num_admitted, num_preemptions in ((0.0, 3, 1), (0.34, 2, 0)):
+        engine = make_engine(num_blocks=6, max_model_len=48, kv_admission_watermark=watermark)
+        for i in range(3):
+            engine.add_request(f"r{i}", [i] * 15, params)
+        engine.step()
+        assert len(engine.executor.batches[0].num_scheduled_tokens) == num_admitted
+        finals = drain(engine)
+        assert engine.get_stats().num_preemptions == num_preemptions
+        for i in range(3):
+            assert finals[f"r{i}"].output_token_ids == tuple(expected_token(f"r{i}", 15 + j) for j in range(10))
+
+
+def test_request_larger_than_the_headroom_is_admitted_once_nothing_runs(make_engine, pool_invariants):
+    """No starvation or deadlock: the watermark only defers admission while something runs, and running
+    requests always finish, so a prompt that can never leave the watermark free still gets its turn."""
+    engine = make_engine(num_blocks=16, kv_admission_watermark=0.5)  # 8 of 16 blocks stay free
+    engine.add_request("alone", [1] * 100, PARAMS)  # 13 blocks: would leave 3
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["alone"]
+    drain(engine, pool_invariants)
+
+    engine.add_request("small", [2] * 4, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.add_request("big", [3] * 100, PARAMS)
+    engine.add_request("after", [4] * 4, PARAMS)  # fits, but FCFS: does not overtake "big"
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["big", "after"]
+    admitted_at, finished_at = {}, {}
+    for step in range(200):
+        finished_at.update((output.request_id, step) for output in engine.step() if output.finished)
+        for request in engine.scheduler.running:
+            admitted_at.setdefault(request.request_id, step)
+        pool_invariants(engine.kv_cache_manager)
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished_at) == {"small", "big", "after"}
+    assert admitted_at["big"] == finished_at["small"] + 1  # the first step with nothing running
+    assert admitted_at["after"] > admitted_at["big"]
