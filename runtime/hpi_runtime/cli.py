@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-waiting", type=int, default=1024,
                         help="queued requests at most; more get HTTP 429")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument("--kv-admission-watermark", type=float, default=0.02,
+                        help="fraction of KV blocks a newly admitted request must leave free for the running "
+                        "ones to grow into; 0 admits until the pool is full, at the cost of more preemptions")
     engine.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
     http = serve.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
@@ -113,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_waiting=args.max_num_waiting,
+        kv_admission_watermark=args.kv_admission_watermark,
     )
     try:  # fail on bad flags now, before the model loads
         EngineConfig(**engine_settings, max_model_len=args.max_model_len or 1)

@@ -1,5 +1,5 @@
 """`hpi serve` flags that matter at the HTTP edge: the API key comes from --api-key or $HPI_API_KEY, and
---help never shows it."""
+--help never shows it; bad engine flags stop the start."""
 
 from __future__ import annotations
 
@@ -33,3 +33,16 @@ def test_api_key_flag_then_environment_then_none() -> None:
     assert api_key(serve_args(), {"HPI_API_KEY": "from-env"}) == "from-env"
     assert api_key(serve_args(), {}) is None
     assert api_key(serve_args(), {"HPI_API_KEY": ""}) is None  # set but empty: no key, not an empty key
+
+
+def test_bad_engine_flags_stop_before_the_model_loads() -> None:
+    """A bad value exits 2 with the library's message, in about the time it takes to import the CLI."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hpi_runtime.cli", "serve", "--kv-admission-watermark", "1.5", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "kv_admission_watermark must be in [0, 1), got 1.5" in result.stderr
+    assert serve_args("--kv-admission-watermark", "0").kv_admission_watermark == 0.0
