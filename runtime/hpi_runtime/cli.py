@@ -129,15 +129,13 @@ def serve(args: argparse.Namespace) -> int:
     def load():
         import torch
 
-        from hpi_runtime.llm import create_engine, default_max_model_len, resolve_model_dir
+        from hpi_runtime.llm import LoadConfig, create_engine, default_max_model_len, resolve_model_dir
         from hpi_runtime.model.config import load_model_config
 
         model_dir, _ = resolve_model_dir(args.model)
         max_model_len = args.max_model_len or default_max_model_len(load_model_config(model_dir))
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return create_engine(
-            model_dir,
-            engine_config=EngineConfig(**engine_settings, max_model_len=max_model_len),
+        load_config = LoadConfig(
             dtype=args.dtype,
             device=device,
             kv_cache_memory_bytes=args.kv_cache_memory,
@@ -148,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
             quantize_lm_head=args.quantize_lm_head,
             tensor_parallel_size=args.tensor_parallel_size,
         )
+        return create_engine(model_dir, EngineConfig(**engine_settings, max_model_len=max_model_len), load_config)
 
     return asyncio.run(run_server(settings, load, args.host, args.port))
 

@@ -158,35 +158,41 @@ def _resolve_attention_backend(name: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the model is loaded and run: precision, device, memory and parallelism (the scheduling limits are
+    EngineConfig's)."""
+
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16" (see resolve_dtype)
+    device: str = "cpu"
+    kv_cache_memory_bytes: int | None = None  # per rank; None: 1 GiB on CPU, 85% of what weights leave on CUDA
+    seed: int = 0
+    attention_backend: str = "auto"  # the Triton kernels on CUDA, the torch backend (the reference) on CPU
+    quantization: str = "none"  # "none" | "int8" | "int4" weight-only (hpi_runtime.model.quantization)
+    quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    # Also quantize an untied LM head: off by default, its error lands directly on the logits (a tied head is
+    # the embedding, which stays in float).
+    quantize_lm_head: bool = False
+    tensor_parallel_size: int = 1
+
+
 def create_engine(
-    model: str | Path | None = None,
-    *,
-    engine_config: EngineConfig | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    kv_cache_memory_bytes: int | None = None,
-    seed: int = 0,
-    attention_backend: str = "auto",
-    quantization: str = "none",
-    quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
-    quantize_lm_head: bool = False,
-    tensor_parallel_size: int = 1,
+    model: str | Path | None = None, engine_config: EngineConfig | None = None, load: LoadConfig | None = None
 ) -> EngineBundle:
     """Load `model` and build an `LLMEngine` over a `LocalExecutor` (tensor_parallel_size 1) or a
     `MultiprocExecutor` (one worker process per rank; gloo on CPU, NCCL on CUDA devices 0..N-1).
 
-    `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`.
-    `kv_cache_memory_bytes` (per rank) None: 1 GiB on CPU, 85% of what the loaded weights leave free on CUDA.
-    `quantization`: "none" | "int8" | "int4" weight-only (see hpi_runtime.model.quantization);
-    `quantize_lm_head` quantizes an untied LM head too (off by default: its error lands directly on the
-    logits, and a tied head is the embedding, which stays in float).
-    `attention_backend="auto"`: the Triton kernels on CUDA, the torch backend (the reference) on CPU.
+    `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`;
+    `load=None` uses LoadConfig's defaults.
     """
     from transformers import AutoTokenizer
 
+    load = load or LoadConfig()
+    dtype, device, quantization = load.dtype, load.device, load.quantization
+    tensor_parallel_size = load.tensor_parallel_size
     model_dir, model_name = resolve_model_dir(model)
     model_config = load_model_config(model_dir)
-    quantization_config = QuantizationConfig(quantization, quantization_group_size, quantize_lm_head)
+    quantization_config = QuantizationConfig(quantization, load.quantization_group_size, load.quantize_lm_head)
     _check_lm_head_quantization(model_config, quantization_config)  # before any weight is read
     check_tensor_parallel(model_config, tensor_parallel_size)  # before any weight is read
     check_model_supported(model_config, quantization_config, tensor_parallel_size)
@@ -208,9 +214,9 @@ def create_engine(
         device=torch_device,
         block_size=engine_config.block_size,
         max_model_len=engine_config.max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        attention_backend=_resolve_attention_backend(attention_backend, torch_device),
-        seed=seed,
+        kv_cache_memory_bytes=load.kv_cache_memory_bytes,
+        attention_backend=_resolve_attention_backend(load.attention_backend, torch_device),
+        seed=load.seed,
         eos_token_ids=frozenset(eos_token_ids),
         quantization=quantization_config,
         tensor_parallel_size=tensor_parallel_size,
@@ -274,9 +280,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.bundle = create_engine(
-            model,
-            engine_config=engine_config,
+        load = LoadConfig(
             dtype=dtype,
             device=device,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -287,6 +291,7 @@ class LLM:
             quantize_lm_head=quantize_lm_head,
             tensor_parallel_size=tensor_parallel_size,
         )
+        self.bundle = create_engine(model, engine_config, load)
         self.engine = self.bundle.engine
         self.tokenizer = self.bundle.tokenizer
         self._request_counter = itertools.count()

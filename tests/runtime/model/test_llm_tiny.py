@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.llm import LLM, create_engine, resolve_model_dir
+from hpi_runtime.llm import LLM, LoadConfig, create_engine, resolve_model_dir
 from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.model.quant_linear import QuantizedLinear
 from hpi_runtime.model.quantization import QuantizedLMHead
@@ -106,7 +106,7 @@ def test_generation_stops_and_min_tokens(tiny_llm: LLM) -> None:
 
 
 def test_create_engine_bundle_and_errors(tiny_model_dir: Path) -> None:
-    bundle = create_engine(tiny_model_dir, dtype="float32", kv_cache_memory_bytes=1 << 20)
+    bundle = create_engine(tiny_model_dir, load=LoadConfig(dtype="float32", kv_cache_memory_bytes=1 << 20))
     assert bundle.model_name == tiny_model_dir.name and bundle.model_dir == tiny_model_dir
     assert bundle.max_model_len == 512 and bundle.eos_token_ids == frozenset({2})
     assert (bundle.dtype, bundle.device) == ("float32", "cpu")
@@ -115,9 +115,9 @@ def test_create_engine_bundle_and_errors(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
         create_engine(tiny_model_dir, engine_config=EngineConfig(max_model_len=1024))
     with pytest.raises(ValueError, match="dtype must be"):
-        create_engine(tiny_model_dir, dtype="float64")
+        create_engine(tiny_model_dir, load=LoadConfig(dtype="float64"))
     with pytest.raises(ValueError, match="KV cache budget"):
-        create_engine(tiny_model_dir, kv_cache_memory_bytes=1 << 10)
+        create_engine(tiny_model_dir, load=LoadConfig(kv_cache_memory_bytes=1 << 10))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         create_engine(tiny_model_dir / "nope")
 
@@ -274,6 +274,8 @@ def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir
         assert len(llm.generate([[5, 6, 7]], params)[0].output_token_ids) == 4
         llm.shutdown()
     with pytest.raises(ValueError, match="untied LM head"):
-        create_engine(tiny_model_dir, quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)
+        create_engine(
+            tiny_model_dir, load=LoadConfig(quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)
+        )
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
-        create_engine(untied, quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)
+        create_engine(untied, load=LoadConfig(quantize_lm_head=True, kv_cache_memory_bytes=1 << 20))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpi_runtime.cli import build_parser
-from hpi_runtime.llm import LLM, create_engine
+from hpi_runtime.llm import LLM, LoadConfig, create_engine
 from hpi_runtime.model.quant_linear import QuantizedLinear
 from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from hpi_runtime.sampling_params import SamplingParams
@@ -35,7 +35,8 @@ def test_serve_flags() -> None:
 def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> None:
     footprints = {}
     for method in ("none", "int8", "int4"):
-        bundle = create_engine(tiny_model_dir, dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20)
+        load = LoadConfig(dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20)
+        bundle = create_engine(tiny_model_dir, load=load)
         footprints[method] = bundle.weight_bytes
         assert bundle.quantization == method
     # Tiny model: 2 layers of 64x(128 qkv + 64 o + 256 gate_up) + 128x64 down linears = 73728 weights, the
