@@ -367,7 +367,7 @@ async def test_cli_run_serves_liveness_and_metrics_and_reconciles(kube: KubeClie
         process.send_signal(signal.SIGTERM)
         try:
             code = await asyncio.wait_for(process.wait(), 20)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             process.kill()
             raise
     assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
