@@ -11,7 +11,6 @@ own (`build_metadata`, once per step) and then runs every layer with it (`forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Protocol
 
 import torch
@@ -61,7 +60,7 @@ class AttentionBackend(Protocol):
 
 @dataclass(frozen=True)
 class _PaddedGroup:
-    """Requests attended together by one masked SDPA call, padded to common query/context lengths."""
+    """Prefill/extend chunks attended together by one masked SDPA call, padded to common query/context lengths."""
 
     query_index: torch.Tensor  # [num_reqs, max_query_len] int64 -> flat token row (pads repeat a valid row)
     key_slots: torch.Tensor  # [num_reqs, max_context_len] int64 -> cache slot (pads point at slot 0)
@@ -72,8 +71,85 @@ class _PaddedGroup:
 
 
 @dataclass(frozen=True)
+class _DecodeGroup:
+    """Decodes of similar context length attended by one masked SDPA call, padded to the longest of them."""
+
+    query_rows: torch.Tensor  # [num_reqs] int64 -> flat token row of each request's one query (not contiguous)
+    key_slots: torch.Tensor  # [num_reqs, max_context_len] int64 -> cache slot (pads point at slot 0)
+    mask: torch.Tensor  # [num_reqs, 1, 1, max_context_len] additive: 0 = attend, -inf = not
+
+
+@dataclass(frozen=True)
 class TorchAttentionMetadata(AttentionMetadata):
-    groups: tuple[_PaddedGroup, ...] = ()
+    decode_groups: tuple[_DecodeGroup, ...] = ()
+    prefill_group: _PaddedGroup | None = None
+
+
+def split_decodes_by_context_len(
+    context_lens: torch.Tensor,  # [num_decode_reqs] int, on the host
+    max_groups: int,
+    group_cost_slots: int,
+) -> tuple[torch.Tensor, ...]:  # each [num_group_reqs] int64 request indices; together a partition
+    """Cut decodes into at most `max_groups` groups of consecutive context lengths that minimize
+    padded key slots + `group_cost_slots` per group.
+
+    A group costs its gather and SDPA over num_reqs * max_context_len slots plus a fixed per-call overhead
+    (priced in slots), so one group stays when the batch is uniform or too small for a split to pay.
+    Exact dynamic programme over the sorted lengths; O(max_groups * n^2) tensor work, n = number of decodes.
+    """
+    n = context_lens.shape[0]
+    lens = context_lens.to(torch.float64)
+    if n == 0 or max_groups <= 1 or float(n * lens.max() - lens.sum()) <= group_cost_slots:
+        return (torch.arange(n),) if n else ()
+    lens, order = lens.sort()
+    bounds = torch.arange(n + 1)
+    # cost[m, i]: padded slots of one group holding sorted requests [m, i); inf unless m < i.
+    width = (bounds[None, :] - bounds[:, None]).to(torch.float64)
+    cost = torch.where(width > 0, width * torch.cat([lens[:1], lens])[None, :], torch.inf)
+    best = cost[0]  # best[i]: fewest padded slots covering the i shortest requests with k groups
+    best_total, best_k, starts = float(best[n]) + group_cost_slots, 1, []
+    for k in range(2, min(max_groups, n) + 1):
+        best, start = (best[:, None] + cost).min(0)
+        starts.append(start)
+        if float(best[n]) + k * group_cost_slots < best_total:
+            best_total, best_k = float(best[n]) + k * group_cost_slots, k
+    groups, end = [], n
+    for start in reversed(starts[: best_k - 1]):
+        first = int(start[end])
+        groups.append(order[first:end])
+        end = first
+    groups.append(order[:end])
+    return tuple(reversed(groups))
+
+
+def _key_slots(block_tables: torch.Tensor, block_size: int, max_context_len: int) -> torch.Tensor:
+    """[num_reqs, max_context_len] cache slot of each context position (columns past a table's end repeat it).
+
+    block_tables: [num_reqs, max_blocks] int64
+    """
+    cols = torch.arange(max_context_len, device=block_tables.device)
+    block_ids = block_tables.gather(
+        1, (cols // block_size).clamp_max(block_tables.shape[1] - 1).expand(block_tables.shape[0], -1)
+    )
+    return block_ids * block_size + cols % block_size
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Additive, in the model's dtype: SDPA would otherwise convert a bool mask in every layer.
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _build_decode_group(common: AttentionMetadata, req_ids: torch.Tensor, mask_dtype: torch.dtype) -> _DecodeGroup:
+    """Gather indices and length mask for the decode requests `req_ids` ([num_reqs] int64)."""
+    req_ids = req_ids.to(common.context_lens.device)
+    context_lens = common.context_lens.index_select(0, req_ids).long()
+    max_context_len = int(context_lens.max())
+    cols = torch.arange(max_context_len, device=req_ids.device)
+    return _DecodeGroup(
+        query_rows=common.query_start_loc.index_select(0, req_ids).long(),
+        key_slots=_key_slots(common.block_tables.index_select(0, req_ids).long(), common.block_size, max_context_len),
+        mask=_additive(cols[None, :] < context_lens[:, None], mask_dtype)[:, None, None, :],
+    )
 
 
 def _build_group(common: AttentionMetadata, first: int, last: int, mask_dtype: torch.dtype) -> _PaddedGroup:
@@ -87,11 +163,7 @@ def _build_group(common: AttentionMetadata, first: int, last: int, mask_dtype: t
     rows = torch.arange(max_query_len, device=device)
     query_index = torch.minimum(loc[:-1, None] + rows, loc[1:, None] - 1)
     cols = torch.arange(max_context_len, device=device)
-    block_tables = common.block_tables[first:last].long()
-    block_ids = block_tables.gather(
-        1, (cols // common.block_size).clamp_max(block_tables.shape[1] - 1).expand(last - first, -1)
-    )
-    key_slots = block_ids * common.block_size + cols % common.block_size
+    key_slots = _key_slots(common.block_tables[first:last].long(), common.block_size, max_context_len)
     # Query i of a request sits at position context_len - query_len + i and sees keys up to there.
     # Pad rows (i >= query_len) see every real key, so no row is fully masked (no NaN).
     query_pos = (context_lens - query_lens)[:, None] + rows  # [R, Lq]
@@ -102,8 +174,7 @@ def _build_group(common: AttentionMetadata, first: int, last: int, mask_dtype: t
     return _PaddedGroup(
         query_index=query_index,
         key_slots=key_slots,
-        # Additive, in the model's dtype: SDPA would otherwise convert a bool mask in every layer.
-        mask=torch.zeros(mask.shape, dtype=mask_dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1),
+        mask=_additive(mask, mask_dtype).unsqueeze(1),
         token_rows=token_rows,
         token_start=int(loc[0]),
         num_tokens=int(loc[-1] - loc[0]),
@@ -114,19 +185,37 @@ class TorchAttentionBackend:
     """Reference and CPU backend: gathers paged K/V and runs one batched masked SDPA per group per layer.
 
     Decodes and prefill chunks form separate groups so that one long prompt does not pad every decode
-    to its length.
+    to its length; decodes are further bucketed by context length (`split_decodes_by_context_len`) so that
+    a few long contexts do not pad every short one. Both the gather and SDPA cost scale with padded slots.
     """
 
     name = "torch"
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        max_decode_groups: int = 8,
+        # ~0.1 ms of fixed work per group and layer, priced at the per-slot cost of 64 decodes on 2 AVX2 cores
+        # (bench/bench_attention_cpu.py); 128 and 512 measured the same there.
+        group_cost_slots: int = 256,
+    ) -> None:
+        if max_decode_groups < 1:
+            raise ValueError(f"max_decode_groups must be >= 1, got {max_decode_groups}")
         self.dtype = dtype  # the model's dtype (of q, k, v)
+        self.max_decode_groups = max_decode_groups
+        self.group_cost_slots = group_cost_slots
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
-        bounds = [0, common.num_decode_reqs, common.num_reqs]
-        groups = tuple(_build_group(common, a, b, self.dtype) for a, b in pairwise(bounds) if b > a)
+        num_decodes = common.num_decode_reqs
+        decode_req_ids = split_decodes_by_context_len(
+            common.context_lens[:num_decodes].cpu(), self.max_decode_groups, self.group_cost_slots
+        )
+        decode_groups = tuple(_build_decode_group(common, ids, self.dtype) for ids in decode_req_ids)
+        prefill_group = None
+        if common.num_reqs > num_decodes:
+            prefill_group = _build_group(common, num_decodes, common.num_reqs, self.dtype)
         fields = {f: getattr(common, f) for f in AttentionMetadata.__dataclass_fields__}
-        return TorchAttentionMetadata(**fields, groups=groups)
+        return TorchAttentionMetadata(**fields, decode_groups=decode_groups, prefill_group=prefill_group)
 
     def forward(
         self,
@@ -147,18 +236,26 @@ class TorchAttentionBackend:
         num_heads = q.shape[1]
         group_size = num_heads // num_kv_heads
         out = q.new_empty(q.shape)  # contiguous even when q is a view
-        for group in metadata.groups:
-            num_reqs, max_query_len = group.query_index.shape
+
+        def gather(
+            key_slots: torch.Tensor,  # [R, Lk] int64 cache slots
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # keys and values, each [R, H_kv, Lk, D]
             # index_select, not advanced indexing: the latter is ~100x slower for these sizes on CPU.
-            slots = group.key_slots.view(-1)
+            num_reqs, slots = key_slots.shape[0], key_slots.view(-1)
             keys = k_flat.index_select(0, slots).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
             values = v_flat.index_select(0, slots).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-            end = group.token_start + group.num_tokens
-            if max_query_len == 1:  # decodes: no padding, the mask broadcasts over the q heads of a kv head
-                q_dec = q[group.token_start : end].view(num_reqs, num_kv_heads, group_size, head_dim)
-                o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=group.mask, scale=scale)
-                out[group.token_start : end] = o.view(num_reqs, num_heads, head_dim)
-                continue
+            return keys, values
+
+        for group in metadata.decode_groups:
+            # One query row per request and no padding of q: the mask broadcasts over a kv head's q heads.
+            num_reqs = group.query_rows.shape[0]
+            keys, values = gather(group.key_slots)
+            q_dec = q.index_select(0, group.query_rows).view(num_reqs, num_kv_heads, group_size, head_dim)
+            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=group.mask, scale=scale)
+            out.index_copy_(0, group.query_rows, o.view(num_reqs, num_heads, head_dim))
+        if (group := metadata.prefill_group) is not None:
+            num_reqs, max_query_len = group.query_index.shape
+            keys, values = gather(group.key_slots)
             # Fold the q heads sharing a kv head into the query axis: [R, H_kv, G * Lq, D], no K/V repeat.
             q_pad = q.index_select(0, group.query_index.view(-1))
             q_pad = q_pad.view(num_reqs, max_query_len, num_kv_heads, group_size, head_dim)
@@ -167,7 +264,7 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
             o = o.view(num_reqs, num_kv_heads, group_size, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
             o = o.reshape(num_reqs * max_query_len, num_heads, head_dim)
-            out[group.token_start : end] = o.index_select(0, group.token_rows)
+            out[group.token_start : group.token_start + group.num_tokens] = o.index_select(0, group.token_rows)
         return out
 
 
