@@ -315,13 +315,16 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids) and return the final outputs in prompt order."""
+        """Generate for every prompt (text, or token ids) and return the final outputs in prompt order.
+        `priority`: one per prompt, lower is admitted first (as vLLM's); None: all 0, first come first served."""
         if isinstance(prompts, str):
             prompts = [prompts]
         # With special tokens, as the server and vLLM's LLM.generate do: Llama 2/3 prompts need their BOS.
         token_ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(token_ids, sampling_params)
+        return self._run(token_ids, sampling_params, priority)
 
     def chat(
         self,
@@ -329,6 +332,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -340,10 +344,13 @@ class LLM:
             )
             for c in conversations
         ]
-        return self._run(token_ids, sampling_params)
+        return self._run(token_ids, sampling_params, priority)
 
     def _run(
-        self, token_ids: list[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        token_ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -352,16 +359,20 @@ class LLM:
         params = list(sampling_params)
         if len(params) != len(token_ids):
             raise ValueError(f"{len(params)} sampling params for {len(token_ids)} prompts")
+        priorities = [0] * len(token_ids) if priority is None else list(priority)
+        if len(priorities) != len(token_ids):
+            raise ValueError(f"{len(priorities)} priorities for {len(token_ids)} prompts")
         request_ids = [f"llm-{next(self._request_counter)}" for _ in token_ids]
         for request_id, ids, p in zip(request_ids, token_ids, params, strict=True):
             self.engine.make_request(request_id, ids, p)  # validate everything before running anything
         pending = list(zip(request_ids, token_ids, params, strict=True))[::-1]
+        priority_of = dict(zip(request_ids, priorities, strict=True))
         finished: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {r: [] for r in request_ids}
         while pending or self.engine.has_unfinished_requests():
             while pending:
                 try:
-                    self.engine.add_request(*pending[-1])
+                    self.engine.add_request(*pending[-1], priority=priority_of[pending[-1][0]])
                 except QueueFullError:
                     break
                 pending.pop()

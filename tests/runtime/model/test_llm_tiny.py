@@ -279,3 +279,17 @@ def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir
         )
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
         create_engine(untied, load=LoadConfig(quantize_lm_head=True, kv_cache_memory_bytes=1 << 20))
+
+
+def test_priority_orders_admission_in_the_offline_api(tiny_model_dir: Path) -> None:
+    llm = _small_llm(tiny_model_dir, max_num_seqs=1)  # one request at a time: the order of admission shows
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    outputs = llm.generate(prompts, params, priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outputs[i].first_scheduled_time)
+    assert order == [1, 2, 0]
+    assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in prompts]  # results stay in prompt order
+    fifo = llm.generate(prompts, params)
+    assert sorted(range(3), key=lambda i: fifo[i].first_scheduled_time) == [0, 1, 2]
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate(prompts, params, priority=[0, 1])
