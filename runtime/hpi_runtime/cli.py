@@ -129,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     def load():
         import torch
 
-        from hpi_runtime.llm import LoadConfig, create_engine, default_max_model_len, resolve_model_dir
+        from hpi_runtime.llm import LoadConfig, default_max_model_len, prepare_engine, resolve_model_dir
         from hpi_runtime.model.config import load_model_config
 
         model_dir, _ = resolve_model_dir(args.model)
@@ -146,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
             quantize_lm_head=args.quantize_lm_head,
             tensor_parallel_size=args.tensor_parallel_size,
         )
-        return create_engine(model_dir, EngineConfig(**engine_settings, max_model_len=max_model_len), load_config)
+        return prepare_engine(model_dir, EngineConfig(**engine_settings, max_model_len=max_model_len), load_config)
 
     return asyncio.run(run_server(settings, load, args.host, args.port))
 

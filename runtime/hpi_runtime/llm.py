@@ -23,10 +23,10 @@ from hpi_runtime.model.config import ModelConfig, load_model_config
 from hpi_runtime.model.loader import INDEX_FILE, weight_file_patterns
 from hpi_runtime.model.parallel import split_heads
 from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
-from hpi_runtime.outputs import RequestOutput
+from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
-from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
-from hpi_runtime.worker.tp_executor import MultiprocExecutor
+from hpi_runtime.worker.executor import ExecutorConfig
+from hpi_runtime.worker.factory import make_executor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
@@ -176,15 +176,35 @@ class LoadConfig:
     tensor_parallel_size: int = 1
 
 
-def create_engine(
-    model: str | Path | None = None, engine_config: EngineConfig | None = None, load: LoadConfig | None = None
-) -> EngineBundle:
-    """Load `model` and build an `LLMEngine` over a `LocalExecutor` (tensor_parallel_size 1) or a
-    `MultiprocExecutor` (one worker process per rank; gloo on CPU, NCCL on CUDA devices 0..N-1).
+@dataclass(frozen=True)
+class PreparedEngine:
+    """Everything decided before a weight is read: configs checked, tokenizer loaded, the executor's config.
+    The server hands `executor_config` to its engine-core process, which loads the weights itself."""
 
-    `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`;
-    `load=None` uses LoadConfig's defaults.
-    """
+    engine_config: EngineConfig
+    executor_config: ExecutorConfig
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    model_name: str
+    model_dir: Path
+    eos_token_ids: frozenset[int]
+    quantization: str
+    vocab_size: int  # rows of the model's embedding
+    sampling_defaults: Mapping[str, Any]
+
+    @property
+    def dtype(self) -> str:
+        return str(self.executor_config.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(self.executor_config.device)
+
+
+def prepare_engine(
+    model: str | Path | None = None, engine_config: EngineConfig | None = None, load: LoadConfig | None = None
+) -> PreparedEngine:
+    """Resolve and check everything `create_engine` needs, short of loading the weights (ValueError for bad
+    settings, before any weight is read)."""
     from transformers import AutoTokenizer
 
     load = load or LoadConfig()
@@ -193,8 +213,8 @@ def create_engine(
     model_dir, model_name = resolve_model_dir(model)
     model_config = load_model_config(model_dir)
     quantization_config = QuantizationConfig(quantization, load.quantization_group_size, load.quantize_lm_head)
-    _check_lm_head_quantization(model_config, quantization_config)  # before any weight is read
-    check_tensor_parallel(model_config, tensor_parallel_size)  # before any weight is read
+    _check_lm_head_quantization(model_config, quantization_config)
+    check_tensor_parallel(model_config, tensor_parallel_size)
     check_model_supported(model_config, quantization_config, tensor_parallel_size)
     engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
     _check_engine_config(engine_config, model_config)
@@ -221,23 +241,47 @@ def create_engine(
         quantization=quantization_config,
         tensor_parallel_size=tensor_parallel_size,
     )
-    executor = LocalExecutor(executor_config) if tensor_parallel_size == 1 else MultiprocExecutor(executor_config)
-    engine = LLMEngine(engine_config, executor, tokenizer, frozenset(eos_token_ids))
-    return EngineBundle(
-        engine=engine,
+    return PreparedEngine(
+        engine_config=engine_config,
+        executor_config=executor_config,
         tokenizer=tokenizer,
         model_name=model_name,
         model_dir=model_dir,
-        max_model_len=engine_config.max_model_len,
         eos_token_ids=frozenset(eos_token_ids),
-        dtype=str(torch_dtype).removeprefix("torch."),
-        device=str(torch_device),
-        weight_bytes=executor.weight_bytes,
-        kv_cache_bytes=executor.kv_cache_bytes,
-        num_kv_blocks=executor.num_kv_blocks,
         quantization=quantization,
         vocab_size=model_config.vocab_size,
         sampling_defaults=dict(model_config.sampling_defaults),
+    )
+
+
+def create_engine(
+    model: str | Path | None = None, engine_config: EngineConfig | None = None, load: LoadConfig | None = None
+) -> EngineBundle:
+    """Load `model` and build an `LLMEngine` (its core in this process) over a `LocalExecutor`
+    (tensor_parallel_size 1) or a `MultiprocExecutor` (one worker process per rank; gloo on CPU, NCCL on
+    CUDA devices 0..N-1).
+
+    `engine_config=None` uses EngineConfig's defaults with max_model_len = `default_max_model_len`;
+    `load=None` uses LoadConfig's defaults.
+    """
+    prepared = prepare_engine(model, engine_config, load)
+    executor = make_executor(prepared.executor_config)
+    engine = LLMEngine(prepared.engine_config, executor, prepared.tokenizer, prepared.eos_token_ids)
+    return EngineBundle(
+        engine=engine,
+        tokenizer=prepared.tokenizer,
+        model_name=prepared.model_name,
+        model_dir=prepared.model_dir,
+        max_model_len=prepared.engine_config.max_model_len,
+        eos_token_ids=prepared.eos_token_ids,
+        dtype=prepared.dtype,
+        device=prepared.device,
+        weight_bytes=executor.weight_bytes,
+        kv_cache_bytes=executor.kv_cache_bytes,
+        num_kv_blocks=executor.num_kv_blocks,
+        quantization=prepared.quantization,
+        vocab_size=prepared.vocab_size,
+        sampling_defaults=prepared.sampling_defaults,
     )
 
 
@@ -372,7 +416,10 @@ class LLM:
         while pending or self.engine.has_unfinished_requests():
             while pending:
                 try:
-                    self.engine.add_request(*pending[-1], priority=priority_of[pending[-1][0]])
+                    # DELTA: only the final output carries the whole text, and only it is kept.
+                    self.engine.add_request(
+                        *pending[-1], priority=priority_of[pending[-1][0]], output_kind=RequestOutputKind.DELTA
+                    )
                 except QueueFullError:
                     break
                 pending.pop()

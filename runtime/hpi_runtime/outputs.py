@@ -1,7 +1,8 @@
-"""What the engine hands back per request: `RequestOutput`, cumulative plus the delta of this step."""
+"""What the engine hands back per request: `RequestOutput`, the delta of this step plus (by kind) the whole."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from hpi_runtime.core.interface import TokenLogprobs
@@ -11,13 +12,24 @@ FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"  # client went away or the request was cancelled
 
 
+class RequestOutputKind(enum.Enum):
+    """Whether intermediate outputs repeat everything so far (as vLLM's RequestOutputKind).
+
+    Rebuilding the whole output for every request every step costs O(length) per token; a streaming server
+    needs only the deltas, and the whole once, at the end."""
+
+    CUMULATIVE = "cumulative"  # every output carries output_token_ids and text so far (the offline API)
+    DELTA = "delta"  # intermediate outputs carry only the delta; the final one carries the whole too
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]  # cumulative
+    # Cumulative: every output of a CUMULATIVE request, only the final one of a DELTA request (else empty).
+    output_token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]  # produced since the previous RequestOutput for this request
-    text: str  # cumulative detokenized output, stop string (and anything after it) removed
+    text: str  # as output_token_ids: the detokenized output so far, stop string (and anything after it) removed
     text_delta: str  # new text since the previous RequestOutput; never part of a possible stop string
     finished: bool
     finish_reason: str | None = None  # FINISH_STOP / FINISH_LENGTH / FINISH_ABORT

@@ -1,84 +1,112 @@
-"""AsyncLLM: the asyncio front of LLMEngine. One background thread runs step(); outputs stream per request.
+"""AsyncLLM: the asyncio frontend of the engine. Outputs stream per request; the core runs elsewhere.
 
-The thread sleeps on an event while there is no work. Each step's outputs cross to the event loop in one
-`call_soon_threadsafe` and land in per-request asyncio queues. A consumer that stops iterating (or whose
-task is cancelled) aborts its request, which frees its KV blocks at once. A failed step fails only its
-own requests (their iterators raise `EngineError`); anything else that escapes the loop kills it, and so
-does an executor that reports its own death between steps (a tensor-parallel worker gone): every request
-then raises `EngineDeadError`, `errored` turns true and `wait_dead()` returns.
+The frontend validates requests, keeps each one's detokenizer and stop strings (`OutputProcessor`) and feeds
+per-request asyncio queues; the engine core runs in its own process (`ProcessCoreClient`, the server's
+setup) or in a thread (`ThreadCoreClient`, for tests) and sends back deltas. Everything here runs on the
+event loop: core messages arrive through a reader callback, so there is no lock and no thread.
+
+A consumer that stops iterating (or whose task is cancelled) aborts its request; the core frees its blocks
+before its next step. A stop string ends a request here at once and aborts it in the core. A failed step
+fails only its own requests (their iterators raise `EngineError`); a core that dies (its process killed,
+its executor gone) fails every request with `EngineDeadError`, `errored` turns true and `wait_dead()`
+returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+import time
 from collections.abc import AsyncIterator, Iterable
+from typing import Protocol
 
-from hpi_runtime.core.engine import EngineError, EngineStats, LLMEngine
-from hpi_runtime.outputs import RequestOutput
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.engine_core import EngineCore, EngineError, QueueFullError
+from hpi_runtime.core.engine_io import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreInfo,
+    CoreOutputs,
+    EngineStats,
+    RequestRejected,
+    StepFailed,
+)
+from hpi_runtime.core.output_processor import OutputProcessor, make_core_request
+from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineError"]
 
+_NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
 
 class EngineDeadError(EngineError):
-    """The engine loop is not running (it crashed or was shut down); no request can make progress."""
+    """The engine core is not running (it died or was shut down); no request can make progress."""
+
+
+class CoreClient(Protocol):
+    async def start(self, on_message) -> CoreInfo: ...
+
+    def send(self, message: AddRequest | AbortRequests) -> None: ...
+
+    async def shutdown(self) -> None: ...
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, client: CoreClient, tokenizer, config: EngineConfig) -> None:
+        self.client = client
+        self.config = config
+        self.output_processor = OutputProcessor(tokenizer)
+        self.core_info: CoreInfo | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._wakeup = threading.Event()
+        self._stats = _NO_STATS
+        self._started = False
         self._stopping = False
         self.dead_error: BaseException | None = None
-        self._executor_failure: BaseException | None = None  # set from any thread by the executor
         self._dead = asyncio.Event()
+
+    @classmethod
+    def in_thread(cls, core: EngineCore, tokenizer) -> AsyncLLM:
+        """The core loop in a thread of this process (tests inspect `client.core`)."""
+        from hpi_runtime.core.core_process import ThreadCoreClient
+
+        return cls(ThreadCoreClient(core), tokenizer, core.config)
 
     @property
     def errored(self) -> bool:
-        """True once the background loop has died; the server should report itself unhealthy."""
+        """True once the core has died; the server should report itself unhealthy."""
         return self.dead_error is not None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and not self._stopping and self.dead_error is None
 
-    async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self.engine.executor.register_failure_callback(self._on_executor_failure)
-        self._thread = threading.Thread(target=self._run, name="hpi-engine-loop", daemon=True)
-        self._thread.start()
+    async def start(self) -> CoreInfo:
+        """Start the core (in a process: load the model there); RuntimeError if it fails to load."""
+        if not self._started:
+            self.core_info = await self.client.start(self._on_core_message)
+            self._started = True
+        return self.core_info
 
     async def wait_dead(self) -> BaseException:
-        """Return the cause once the engine loop has died (never returns while it is healthy)."""
+        """Return the cause once the core has died (never returns while it is healthy)."""
         await self._dead.wait()
         assert self.dead_error is not None
         return self.dead_error
 
-    def _on_executor_failure(self, error: BaseException) -> None:
-        self._executor_failure = error
-        self._wakeup.set()
-
     async def shutdown(self) -> None:
         self._stopping = True
-        self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
         self._fail(list(self._queues), EngineDeadError("the engine was shut down"))
-        await asyncio.to_thread(self.engine.shutdown)
+        if self._started:
+            await self.client.shutdown()
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last one has finished=True.
+        """Stream the request's outputs (deltas; the last one, finished=True, also carries the whole output).
 
         Invalid input raises ValueError (QueueFullError when the queue is full) on the first iteration,
         before any output. A failed step raises EngineError. Close the generator when abandoning it
@@ -86,14 +114,17 @@ class AsyncLLM:
         finalizes the garbage-collected generator; task cancellation aborts at once either way.
         A lower `priority` is admitted first among waiting requests.
         """
-        if self.dead_error is not None or self._stopping or self._thread is None:
-            raise EngineDeadError("the engine loop is not running") from self.dead_error
+        if self.dead_error is not None or self._stopping or not self._started:
+            raise EngineDeadError("the engine core is not running") from self.dead_error
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        request = make_core_request(
+            self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority
+        )
         queue: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_token_ids, sampling_params, priority=priority)
+        self.output_processor.add_request(request, RequestOutputKind.DELTA)
         self._queues[request_id] = queue
-        self._wakeup.set()
+        self.client.send(AddRequest(request))
         finished = False
         try:
             while not finished:
@@ -111,59 +142,50 @@ class AsyncLLM:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in request_ids:
             self._queues.pop(rid, None)
-        self.engine.abort_request(request_ids)
-        self._wakeup.set()  # let the loop flush the abort outputs
+        self.output_processor.abort_requests(request_ids)
+        if self.dead_error is None and not self._stopping:
+            self.client.send(AbortRequests(tuple(request_ids)))
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        """The core's state as of its last message (it sends one after every step and every abort)."""
+        return self._stats
 
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stopping:
-            self._wakeup.clear()
-            if self._executor_failure is not None:
-                self._die(self._executor_failure)
-                return
-            if not engine.has_unfinished_requests():
-                self._wakeup.wait()
-                continue
-            try:
-                outputs = engine.step()
-            except EngineError as exc:
-                logger.exception("engine step failed; failing requests %s", sorted(exc.request_ids))
-                self._call_in_loop(self._fail, exc.request_ids, exc)
-                continue
-            except BaseException as exc:
-                logger.exception("engine loop died; failing all requests")
-                self._die(exc)
-                return
-            if outputs:
-                self._call_in_loop(self._deliver, outputs)
-
-    def _die(self, cause: BaseException) -> None:
-        self.dead_error = cause
-        dead = EngineDeadError(f"engine loop died: {cause}")
-        dead.__cause__ = cause
-        self._call_in_loop(self._fail, None, dead)
-        self._call_in_loop(self._dead.set)
-
-    def _call_in_loop(self, callback, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            queue = self._queues.get(output.request_id)
+    def _on_core_message(self, message: object) -> None:
+        if isinstance(message, CoreOutputs):
+            self._stats = message.stats
+            processed = self.output_processor.process_outputs(message.outputs)
+            for output in processed.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finished:
+                        del self._queues[output.request_id]
+            if processed.request_ids_to_abort and self.dead_error is None:
+                self.client.send(AbortRequests(tuple(processed.request_ids_to_abort)))
+        elif isinstance(message, RequestRejected):
+            self.output_processor.abort_requests([message.request_id])
+            error = QueueFullError(message.message) if message.queue_full else ValueError(message.message)
+            queue = self._queues.pop(message.request_id, None)
             if queue is not None:
-                queue.put_nowait(output)
-                if output.finished:
-                    del self._queues[output.request_id]
+                queue.put_nowait(error)
+        elif isinstance(message, StepFailed):
+            logger.error("engine step failed; failing requests %s", list(message.request_ids))
+            self.output_processor.abort_requests(message.request_ids)
+            self._fail(message.request_ids, EngineError(message.message, message.request_ids))
+        elif isinstance(message, CoreDead):
+            if self.dead_error is not None:
+                return
+            logger.error("the engine core died: %s; failing all requests", message.message)
+            self.dead_error = RuntimeError(message.message)
+            dead = EngineDeadError(f"engine core died: {message.message}")
+            dead.__cause__ = self.dead_error
+            self.output_processor.abort_requests(list(self._queues))
+            self._fail(list(self._queues), dead)
+            self._dead.set()
 
-    def _fail(self, request_ids: Iterable[str] | None, error: EngineError) -> None:
-        """Deliver `error` to these requests' iterators (None: to all), one exception object each."""
-        for request_id in list(self._queues) if request_ids is None else request_ids:
+    def _fail(self, request_ids: Iterable[str], error: EngineError) -> None:
+        """Deliver `error` to these requests' iterators, one exception object each."""
+        for request_id in request_ids:
             queue = self._queues.pop(request_id, None)
             if queue is not None:
                 per_request = type(error)(str(error), error.request_ids)

@@ -1,7 +1,8 @@
 """A request's progress: its tokens, how many have KV computed, its status and its stop conditions.
 
 The request is the one owner of this state; the scheduler moves it between queues and the KV cache
-manager holds its blocks. Full-block hashes are computed once per block as tokens arrive.
+manager holds its blocks. Full-block hashes are computed once per block as tokens arrive. Text (detokenizing,
+stop strings) is the frontend's business: a request here is token ids only.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import enum
 from dataclasses import dataclass
 
 from hpi_runtime.core.block_pool import BlockHash, HashFn, hash_block_tokens
-from hpi_runtime.core.detokenizer import IncrementalDetokenizer
+from hpi_runtime.core.engine_io import EngineCoreOutput
 from hpi_runtime.core.interface import TokenLogprobs
-from hpi_runtime.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from hpi_runtime.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "priority", "token_ids",
         "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
         "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
-        "_hasher", "_detokenizer", "_num_sent_tokens", "_new_logprobs",
+        "_hasher", "_num_sent_tokens", "_new_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -60,7 +61,6 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         hasher: BlockHasher | None = None,
-        detokenizer: IncrementalDetokenizer | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -72,7 +72,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: str | int | None = None
+        self.stop_reason: int | None = None  # the requested stop token id that finished it
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
@@ -81,7 +81,6 @@ class Request:
         )
         self.block_hashes: list[BlockHash] = []
         self._hasher = hasher
-        self._detokenizer = detokenizer
         self._num_sent_tokens = 0
         self._new_logprobs: list[TokenLogprobs] = []
         self._update_block_hashes()
@@ -111,14 +110,11 @@ class Request:
             # vLLM's convention: stop_reason names a stop the user asked for; EOS itself reports None.
             asked = token_id in self.sampling_params.stop_token_ids
             return self._finish(RequestStatus.FINISHED_STOPPED, token_id if asked else None)
-        stop_string = self._detokenizer.append(token_id, checks_stops) if self._detokenizer is not None else None
-        if stop_string is not None:
-            return self._finish(RequestStatus.FINISHED_STOPPED, stop_string)
         if len(self.output_token_ids) >= self.max_tokens:
             return self._finish(RequestStatus.FINISHED_LENGTH, None)
         return False
 
-    def _finish(self, status: RequestStatus, stop_reason: str | int | None) -> bool:
+    def _finish(self, status: RequestStatus, stop_reason: int | None) -> bool:
         self.status, self.stop_reason = status, stop_reason
         return True
 
@@ -132,31 +128,20 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else hasher.root_hash
             self.block_hashes.append(hash_block_tokens(hasher.hash_fn, parent, self.token_ids[start : start + size]))
 
-    def make_output(self) -> RequestOutput:
-        """The cumulative state plus what changed since the previous output of this request."""
+    def make_output(self) -> EngineCoreOutput:
+        """What changed since the previous output of this request: its new tokens and, at the end, why."""
         finished = self.status in _FINISHED
-        detokenizer = self._detokenizer
-        text_delta = text = ""
-        if detokenizer is not None:
-            text_delta = detokenizer.emit(finished)
-            text = detokenizer.emitted_text
         new_token_ids = tuple(self.output_token_ids[self._num_sent_tokens :])
         self._num_sent_tokens = len(self.output_token_ids)
         new_logprobs = ()
         if self._new_logprobs:
             new_logprobs, self._new_logprobs = tuple(self._new_logprobs), []
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=tuple(self.output_token_ids),
             new_token_ids=new_token_ids,
-            text=text,
-            text_delta=text_delta,
-            finished=finished,
+            new_logprobs=new_logprobs,
             finish_reason=self.status.value if finished else None,
             stop_reason=self.stop_reason,
-            new_logprobs=new_logprobs,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
-            arrival_time=self.arrival_time,
             first_scheduled_time=self.first_scheduled_time,
         )

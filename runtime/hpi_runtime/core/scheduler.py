@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import KVBlock
+from hpi_runtime.core.engine_io import EngineCoreOutput
 from hpi_runtime.core.interface import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -30,7 +31,6 @@ from hpi_runtime.core.interface import (
 )
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import Request, RequestStatus
-from hpi_runtime.outputs import RequestOutput
 
 
 class Scheduler:
@@ -158,7 +158,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests; one output per change."""
         outputs = []
         scheduled, self._scheduled = self._scheduled, {}
@@ -183,9 +183,8 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return outputs
 
-    def finish_requests(self, request_ids, status: RequestStatus) -> list[RequestOutput]:
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """Finish unfinished requests from outside (abort, failure): free their blocks now."""
-        outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -196,8 +195,6 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
-            outputs.append(request.make_output())
-        return outputs
 
     def fail_scheduled(self, scheduler_output: SchedulerOutput) -> list[str]:
         """The step in flight failed: finish its requests, forgetting cache entries they may not have written.

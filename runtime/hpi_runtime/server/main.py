@@ -25,7 +25,7 @@ from hpi_runtime.server.state import ServedModel, ServerSettings, ServerState
 logger = logging.getLogger(__name__)
 
 
-async def serve(settings: ServerSettings, load_bundle: Callable[[], Any], host: str, port: int) -> int:
+async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str, port: int) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     state = ServerState(settings)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
@@ -38,7 +38,7 @@ async def serve(settings: ServerSettings, load_bundle: Callable[[], Any], host: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loader = asyncio.create_task(_load(state, load_bundle))
+    loader = asyncio.create_task(_load(state, prepare))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     engine_died = None
@@ -70,36 +70,45 @@ async def serve(settings: ServerSettings, load_bundle: Callable[[], Any], host: 
     return exit_code
 
 
-async def _load(state: ServerState, load_bundle: Callable[[], Any]) -> None:
+async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
+    """Check the settings and load the tokenizer here (`prepare` returns a PreparedEngine), then start the
+    engine core in its own process, which loads the weights and allocates the KV cache."""
     from hpi_runtime.core.async_engine import AsyncLLM
+    from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
 
+    engine = None
     try:
-        bundle = await asyncio.get_running_loop().run_in_executor(None, load_bundle)
-        engine = AsyncLLM(bundle.engine)
-        await engine.start()
-        await _warm_up(engine, bundle.tokenizer)
+        prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
+        spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
+                               logging.getLogger().getEffectiveLevel())
+        engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
+        info = await engine.start()
+        await _warm_up(engine, prepared.tokenizer)
     except Exception as exc:  # reported on /ready and in the exit code
         logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
+        if engine is not None:
+            await engine.shutdown()
         return
-    state.metrics.set_footprint(ModelFootprint(bundle.weight_bytes, bundle.kv_cache_bytes,
-                                               bundle.num_kv_blocks, bundle.engine.config.block_size))
+    state.metrics.set_footprint(ModelFootprint(info.weight_bytes, info.kv_cache_bytes, info.num_kv_blocks,
+                                               prepared.engine_config.block_size))
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
-    vocab_size = min(len(bundle.tokenizer), bundle.vocab_size)
-    state.set_model(ServedModel(engine=engine, tokenizer=bundle.tokenizer, name=state.settings.served_model_name,
-                                max_model_len=bundle.max_model_len, vocab_size=vocab_size,
-                                sampling_defaults=bundle.sampling_defaults))
-    if bundle.sampling_defaults:
+    vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)
+    max_model_len = prepared.engine_config.max_model_len
+    state.set_model(ServedModel(engine=engine, tokenizer=prepared.tokenizer, name=state.settings.served_model_name,
+                                max_model_len=max_model_len, vocab_size=vocab_size,
+                                sampling_defaults=prepared.sampling_defaults))
+    if prepared.sampling_defaults:
         logger.info("sampling defaults from generation_config.json for requests that leave them out: %s",
-                    bundle.sampling_defaults)
-    # Everything allocated so far (model, tokenizer, modules) lives for the whole process: keep it out of
-    # the cyclic GC's generations so collections during serving stay short (vLLM does the same).
+                    prepared.sampling_defaults)
+    # Everything allocated so far (tokenizer, modules) lives for the whole process: keep it out of the cyclic
+    # GC's generations so collections during serving stay short (vLLM does the same; the core does it too).
     gc.collect()
     gc.freeze()
     logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB in %d blocks, "
-                "max_model_len %d", state.settings.served_model_name, bundle.dtype, bundle.quantization,
-                bundle.device, bundle.weight_bytes / 2**20, bundle.kv_cache_bytes / 2**20, bundle.num_kv_blocks,
-                bundle.max_model_len)
+                "max_model_len %d; engine core in its own process", state.settings.served_model_name,
+                prepared.dtype, prepared.quantization, prepared.device, info.weight_bytes / 2**20,
+                info.kv_cache_bytes / 2**20, info.num_kv_blocks, max_model_len)
 
 
 async def _warm_up(engine, tokenizer) -> None:

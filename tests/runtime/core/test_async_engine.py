@@ -1,5 +1,7 @@
-"""AsyncLLM: streaming from the background step thread, cancellation that frees blocks at once, a failing
-step that fails only its requests, synchronous input errors, a dead loop that is reported, and priority."""
+"""AsyncLLM over the core loop in a thread (ThreadCoreClient, so the core's state can be inspected): streaming,
+cancellation that frees blocks before the next step, a failing step that fails only its requests, input
+errors before any output, a dead loop that is reported, and priority. The same loop in its own process is
+tested in test_core_process.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError, EngineError
-from hpi_runtime.core.engine import LLMEngine, QueueFullError
+from hpi_runtime.core.engine import QueueFullError
+from hpi_runtime.core.engine_core import EngineCore
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -21,7 +24,7 @@ async def make_llm(fake_executor_cls, tokenizer):
     async def build(**config) -> AsyncLLM:
         cfg = EngineConfig(**{"block_size": 8, "max_model_len": 256, **config})
         executor = fake_executor_cls(64, 8, vocab_size=300)
-        llm = AsyncLLM(LLMEngine(cfg, executor, tokenizer, frozenset({tokenizer.eos_token_id})))
+        llm = AsyncLLM.in_thread(EngineCore(cfg, executor, frozenset({tokenizer.eos_token_id})), tokenizer)
         await llm.start()
         started.append(llm)
         return llm
@@ -29,6 +32,14 @@ async def make_llm(fake_executor_cls, tokenizer):
     yield build
     for llm in started:
         await llm.shutdown()
+
+
+async def eventually(condition, timeout_s: float = 5.0) -> None:
+    """Aborts reach the core thread before its next step, not synchronously: wait for their effect."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
 
 
 async def test_streams_every_token_and_ends_with_finished(make_llm, expected_token):
@@ -50,16 +61,17 @@ async def test_streams_every_token_and_ends_with_finished(make_llm, expected_tok
 
 async def test_consumer_break_and_task_cancel_abort_and_free_blocks(make_llm, expected_token):
     llm = await make_llm()
-    pool = llm.engine.kv_cache_manager.pool
+    pool = llm.client.core.kv_cache_manager.pool
     # A slow fake model, so the consumer is cancelled while it waits for the next token.
-    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    llm.client.core.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
     params = SamplingParams(max_tokens=200, ignore_eos=True)
+    num_seen = 0
     async for output in llm.generate("brk", list(range(30)), params):
-        if len(output.output_token_ids) >= 3:
+        num_seen += len(output.new_token_ids)
+        assert output.output_token_ids == ()  # intermediate outputs are deltas only
+        if num_seen >= 3:
             break  # the abandoned generator is closed by asyncio's async-generator finalizer
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert "brk" not in llm.engine.scheduler.requests and pool.num_free == 64
+    await eventually(lambda: "brk" not in llm.client.core.scheduler.requests and pool.num_free == 64)
 
     got_one = asyncio.Event()
 
@@ -73,15 +85,15 @@ async def test_consumer_break_and_task_cancel_abort_and_free_blocks(make_llm, ex
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert "cxl" not in llm.engine.scheduler.requests and pool.num_free == 64  # freed synchronously
-    assert llm.get_stats().num_running == 0
+    await eventually(lambda: "cxl" not in llm.client.core.scheduler.requests and pool.num_free == 64)
+    await eventually(lambda: llm.get_stats().num_running == 0)  # the core reports after applying the abort
 
 
 async def test_input_errors_surface_before_any_output(make_llm, expected_token):
     llm = await make_llm(max_num_waiting=1, max_model_len=32, max_num_seqs=1)
     with pytest.raises(ValueError, match="max_model_len=32"):
         await anext(llm.generate("long", list(range(40)), SamplingParams()))
-    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    llm.client.core.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
     hog = llm.generate("hog", [1], SamplingParams(max_tokens=30, ignore_eos=True))
     await anext(hog)  # running, and the only seat: the next request has to wait
     waiter = llm.generate("waiter", [2], SamplingParams(max_tokens=2))
@@ -99,7 +111,7 @@ async def test_input_errors_surface_before_any_output(make_llm, expected_token):
 
 async def test_failing_step_fails_only_its_requests(make_llm):
     llm = await make_llm(max_num_seqs=1)
-    llm.engine.executor.fail_on = {"bad"}
+    llm.client.core.executor.fail_on = {"bad"}
     good = [o async for o in llm.generate("good", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True))]
     with pytest.raises(EngineError) as info:
         async for _ in llm.generate("bad", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True)):
@@ -107,7 +119,7 @@ async def test_failing_step_fails_only_its_requests(make_llm):
     assert info.value.request_ids == {"bad"}
     after = [o async for o in llm.generate("after", [1] * 10, SamplingParams(max_tokens=3, ignore_eos=True))]
     assert good[-1].finished and after[-1].finished and not llm.errored
-    assert llm.engine.kv_cache_manager.pool.num_free == 64
+    assert llm.client.core.kv_cache_manager.pool.num_free == 64
 
 
 async def test_dead_loop_fails_everyone_and_is_reported(make_llm):
@@ -116,7 +128,7 @@ async def test_dead_loop_fails_everyone_and_is_reported(make_llm):
     def broken_step():
         raise KeyError("scheduler bug")
 
-    llm.engine.step = broken_step
+    llm.client.core.step = broken_step
     with pytest.raises(EngineDeadError):
         async for _ in llm.generate("x", [1, 2, 3], SamplingParams()):
             pass
@@ -128,14 +140,14 @@ async def test_dead_loop_fails_everyone_and_is_reported(make_llm):
 async def test_idle_loop_sleeps_instead_of_spinning(make_llm):
     llm = await make_llm()
     calls = 0
-    step = llm.engine.step
+    step = llm.client.core.step
 
     def counting_step():
         nonlocal calls
         calls += 1
         return step()
 
-    llm.engine.step = counting_step
+    llm.client.core.step = counting_step
     await asyncio.sleep(0.2)
     assert calls == 0
     assert [o async for o in llm.generate("a", [1], SamplingParams(max_tokens=2, ignore_eos=True))][-1].finished
@@ -144,7 +156,7 @@ async def test_idle_loop_sleeps_instead_of_spinning(make_llm):
 
 async def test_generate_priority_is_admitted_first(make_llm, expected_token):
     llm = await make_llm(max_num_seqs=1)
-    llm.engine.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
+    llm.client.core.executor.token_fn = lambda rid, pos: time.sleep(0.005) or expected_token(rid, pos, 300)
     first = llm.generate("first", list(range(10)), SamplingParams(max_tokens=20, ignore_eos=True))
     await first.__anext__()  # "first" holds the only seat for ~100 ms: the next two queue behind it
 

@@ -1,5 +1,6 @@
-"""`hpi serve --tensor-parallel-size 2` with real worker processes: it serves, and when a worker is killed
-mid-request the server fails that request, drops readiness and exits 1 instead of hanging."""
+"""`hpi serve --tensor-parallel-size 2` with real worker processes (spawned by the engine-core process): it
+serves, and when a worker is killed mid-request the server fails that request, drops readiness and exits 1
+instead of hanging."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ from hpi_testing.server import RuntimeServer
 pytestmark = pytest.mark.slow
 
 
-def worker_pids(server_pid: int) -> list[int]:
-    """The server's spawned tensor-parallel workers (not multiprocessing's resource tracker)."""
-    # Each thread lists the children it started: the model is loaded in a worker thread.
-    children = [pid for task in Path(f"/proc/{server_pid}/task").iterdir()
-                for pid in (task / "children").read_text().split()]  # fmt: skip
-    return [int(pid) for pid in children
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (not its resource tracker)."""
+    # Each thread lists the children it started.
+    children = [child for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]  # fmt: skip
+    return [int(child) for child in children
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]  # fmt: skip
+
+
+def core_and_worker_pids(server_pid: int) -> tuple[int, list[int]]:
+    """The server's engine-core process and the tensor-parallel workers that the core spawned."""
+    (core_pid,) = spawned_children(server_pid)
+    return core_pid, spawned_children(core_pid)
 
 
 def test_killed_worker_fails_the_request_and_the_server_exits(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -34,7 +41,7 @@ def test_killed_worker_fails_the_request_and_the_server_exits(tiny_model_dir: Pa
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
         assert done.usage.completion_tokens == 8
-        pids = worker_pids(server.process.pid)
+        core_pid, pids = core_and_worker_pids(server.process.pid)
         assert len(pids) == 2, server.logs()
 
         outcome: dict = {}
@@ -65,18 +72,19 @@ def test_killed_worker_fails_the_request_and_the_server_exits(tiny_model_dir: Pa
         assert server.process.wait(60) == 1, server.logs()
         logs = server.logs()
         assert "tensor-parallel worker rank 1" in logs and "was killed by signal 9" in logs
-        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)  # rank 0 did not outlive the server
+        assert all(not Path(f"/proc/{pid}").exists() for pid in [core_pid, *pids])  # nothing outlived the server
     finally:
         server.stop()
 
 
 def test_ctrl_c_to_the_process_group_drains_and_exits_zero(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Ctrl-C reaches every process of the group; workers leave the stopping to the server."""
+    """Ctrl-C reaches every process of the group; the core and the workers leave the stopping to the server."""
     server = RuntimeServer(tiny_model_dir, tmp_path / "server.log", "--tensor-parallel-size", "2",
                            "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB")  # fmt: skip
     try:
-        pids = worker_pids(server.process.pid)
+        core_pid, pids = core_and_worker_pids(server.process.pid)
         assert len(pids) == 2, server.logs()
+        pids.append(core_pid)
         for pid in [*pids, server.process.pid]:  # what the terminal does to the foreground process group
             os.kill(pid, signal.SIGINT)
         assert server.process.wait(60) == 0, server.logs()

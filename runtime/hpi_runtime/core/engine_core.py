@@ -1,0 +1,122 @@
+"""EngineCore: scheduler, KV cache manager and executor, stepped by one thread; token ids in, deltas out.
+
+It knows nothing of text: requests arrive tokenized (`EngineCoreRequest`) and each step returns, per request
+that changed, only what is new (`EngineCoreOutput`: new token ids, their logprobs, a finish reason). The
+frontend (`OutputProcessor`) detokenizes, matches stop strings and aborts a request here when one matches.
+The core runs in its own process under the server (core/core_process.py) and in the caller's process for the
+offline `LLM` and for tests (core/engine.py); both drive the same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.block_pool import BlockHash, HashFn, sha256_hash
+from hpi_runtime.core.engine_io import EngineCoreOutput, EngineCoreRequest, EngineStats
+from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor
+from hpi_runtime.core.kv_cache_manager import KVCacheManager
+from hpi_runtime.core.request import BlockHasher, Request, RequestStatus
+from hpi_runtime.core.scheduler import Scheduler
+
+
+class QueueFullError(ValueError):
+    """More requests are waiting than `max_num_waiting` allows (HTTP 429)."""
+
+
+class EngineError(RuntimeError):
+    """A step failed; the requests in `request_ids` were finished and their blocks freed."""
+
+    def __init__(self, message: str, request_ids: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = frozenset(request_ids)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: ModelExecutor,
+        eos_token_ids: frozenset[int],
+        *,
+        hash_fn: HashFn = sha256_hash,
+        root_hash: BlockHash = b"",
+    ) -> None:
+        if executor.block_size != config.block_size:
+            raise ValueError(f"executor block_size {executor.block_size} != config block_size {config.block_size}")
+        num_blocks = executor.num_kv_blocks
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {config.block_size} tokens hold {num_blocks * config.block_size} "
+                f"tokens, less than one request of max_model_len={config.max_model_len}"
+            )
+        self.config = config
+        self.executor = executor
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._hasher = BlockHasher(config.block_size, hash_fn, root_hash) if config.enable_prefix_caching else None
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting (max_num_waiting="
+                f"{self.config.max_num_waiting}); retry later"
+            )
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.sampling_params,
+                max_tokens=request.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                hasher=self._hasher,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests now and free their blocks; unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model and process its output. Raises EngineError if the step failed; its
+        requests are then finished and freed and the core stays usable. ExecutorDeadError passes through:
+        the executor is gone and the core with it."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        try:
+            model_output = self.executor.execute_model(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, model_output)
+        except ExecutorDeadError:  # not this step's fault, and no later step can run: the core is over
+            self.scheduler.fail_scheduled(scheduler_output)
+            raise
+        except Exception as exc:
+            failed_ids = self.scheduler.fail_scheduled(scheduler_output)
+            raise EngineError(f"engine step failed for requests {sorted(failed_ids)}: {exc!r}", failed_ids) from exc
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def get_stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=scheduler.num_prompt_tokens,
+            num_generation_tokens=scheduler.num_generation_tokens,
+        )
+
+    def shutdown(self) -> None:
+        """Abort everything (freeing its blocks) and stop the executor."""
+        self.abort_requests(list(self.scheduler.requests))
+        self.executor.shutdown()
+

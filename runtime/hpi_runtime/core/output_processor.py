@@ -1,0 +1,156 @@
+"""The frontend half of a request: validate and build `EngineCoreRequest`s, turn core deltas into outputs.
+
+`make_core_request` checks a tokenized request against the engine's limits. `OutputProcessor` holds, per
+request, what the core does not: the detokenizer, stop-string matching and the accumulated output. It runs
+in the API server's process (and in the offline `LLM`), so none of this work sits inside the engine step.
+A stop string found here finishes the request at once; the caller then aborts it in the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.detokenizer import IncrementalDetokenizer
+from hpi_runtime.core.engine_io import EngineCoreOutput, EngineCoreRequest
+from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.outputs import FINISH_ABORT, FINISH_STOP, RequestOutput, RequestOutputKind
+from hpi_runtime.sampling_params import SamplingParams
+
+
+def make_core_request(
+    config: EngineConfig,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    arrival_time: float,
+    priority: int = 0,
+) -> EngineCoreRequest:
+    """Validate a request against the config (not against the queues); ValueError says what is wrong."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt_token_ids must not be empty")
+    if num_prompt >= config.max_model_len:
+        raise ValueError(
+            f"prompt of {num_prompt} tokens does not fit max_model_len={config.max_model_len} "
+            "(at least one output token must fit)"
+        )
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt_token_ids),
+        sampling_params=sampling_params,
+        max_tokens=min(sampling_params.max_tokens, config.max_model_len - num_prompt),
+        arrival_time=arrival_time,
+        priority=priority,
+    )
+
+
+class _RequestState:
+    """One unfinished request as the frontend sees it (owned by the OutputProcessor)."""
+
+    __slots__ = ("request", "kind", "detokenizer", "output_token_ids", "first_scheduled_time",
+                 "num_cached_prompt_tokens")  # fmt: skip
+
+    def __init__(self, request: EngineCoreRequest, kind: RequestOutputKind, tokenizer) -> None:
+        self.request = request
+        self.kind = kind
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params)
+        self.output_token_ids: list[int] = []
+        self.first_scheduled_time: float | None = None
+        self.num_cached_prompt_tokens = 0
+
+    def make_output(
+        self,
+        new_token_ids: tuple[int, ...],
+        new_logprobs: tuple[TokenLogprobs, ...],
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+    ) -> RequestOutput:
+        finished = finish_reason is not None
+        whole = finished or self.kind is RequestOutputKind.CUMULATIVE
+        detokenizer = self.detokenizer
+        text_delta = detokenizer.emit(finished)
+        return RequestOutput(
+            request_id=self.request.request_id,
+            prompt_token_ids=self.request.prompt_token_ids,
+            output_token_ids=tuple(self.output_token_ids) if whole else (),
+            new_token_ids=new_token_ids,
+            text=detokenizer.emitted_text if whole else "",
+            text_delta=text_delta,
+            finished=finished,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            new_logprobs=new_logprobs,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            arrival_time=self.request.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+        )
+
+
+@dataclass(frozen=True)
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    request_ids_to_abort: list[str]  # finished here (a stop string) but still running in the core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, request: EngineCoreRequest, kind: RequestOutputKind) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = _RequestState(request, kind, self.tokenizer)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Forget these requests; returns their final (aborted) outputs."""
+        outputs = []
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is not None:
+                outputs.append(state.make_output((), (), FINISH_ABORT, None))
+        return outputs
+
+    def process_outputs(self, core_outputs: Iterable[EngineCoreOutput]) -> ProcessedOutputs:
+        outputs, to_abort = [], []
+        for core_output in core_outputs:
+            state = self._requests.get(core_output.request_id)
+            if state is None:  # aborted here while the core was stepping
+                continue
+            output = self._process_one(state, core_output)
+            outputs.append(output)
+            if output.finished:
+                del self._requests[core_output.request_id]
+                if not core_output.finished:
+                    to_abort.append(core_output.request_id)
+        return ProcessedOutputs(outputs, to_abort)
+
+    def _process_one(self, state: _RequestState, core_output: EngineCoreOutput) -> RequestOutput:
+        if core_output.first_scheduled_time is not None:
+            state.first_scheduled_time = core_output.first_scheduled_time
+            state.num_cached_prompt_tokens = core_output.num_cached_prompt_tokens
+        params = state.request.sampling_params
+        finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
+        token_ids = core_output.new_token_ids
+        # The core stops on tokens (EOS, stop_token_ids) before any text is made of them, as vLLM does: the
+        # stop token itself is not detokenized.
+        num_text_tokens = len(token_ids) - (1 if finish_reason == FINISH_STOP and token_ids else 0)
+        num_kept = len(token_ids)
+        outputs_so_far = len(state.output_token_ids)
+        for j in range(num_text_tokens):
+            stop_string = state.detokenizer.append(token_ids[j], outputs_so_far + j + 1 >= params.min_tokens)
+            if stop_string is not None:
+                finish_reason, stop_reason, num_kept = FINISH_STOP, stop_string, j + 1
+                break
+        kept = token_ids if num_kept == len(token_ids) else token_ids[:num_kept]
+        state.output_token_ids.extend(kept)
+        logprobs = core_output.new_logprobs[:num_kept]
+        return state.make_output(kept, logprobs, finish_reason, stop_reason)
