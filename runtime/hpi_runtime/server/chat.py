@@ -11,7 +11,7 @@ from hpi_runtime.server.errors import bad_request
 from hpi_runtime.server.generation import collect_choices, new_id, plan_choices, stream_choices
 from hpi_runtime.server.logprobs import chat_logprobs
 from hpi_runtime.server.protocol import ChatRequest, parse_chat
-from hpi_runtime.server.request_io import check_model, read_json, usage
+from hpi_runtime.server.request_io import check_model, read_json, tokenize_off_loop, usage
 from hpi_runtime.server.sse import serve_stream
 from hpi_runtime.server.state import STATE_KEY, ServerState
 
@@ -35,7 +35,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     model = state.admit()
     check_model(model, body.model)
     tokenizer = model.tokenizer
-    prompt_ids = render_prompt(tokenizer, body)
+    num_chars = sum(len(str(message.get("content") or "")) for message in body.messages)
+    prompt_ids = await tokenize_off_loop(lambda: render_prompt(tokenizer, body), num_chars)
     chat_id = new_id("chatcmpl")
     choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages")
     head = {"id": chat_id, "created": int(time.time()), "model": model.name}

@@ -9,7 +9,7 @@ from aiohttp import web
 from hpi_runtime.server.generation import collect_choices, new_id, plan_choices, stream_choices
 from hpi_runtime.server.logprobs import completion_logprobs
 from hpi_runtime.server.protocol import parse_completion
-from hpi_runtime.server.request_io import check_model, read_json, usage
+from hpi_runtime.server.request_io import check_model, read_json, tokenize_off_loop, usage
 from hpi_runtime.server.sse import serve_stream
 from hpi_runtime.server.state import STATE_KEY, ServerState
 
@@ -20,7 +20,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     model = state.admit()
     check_model(model, body.model)
     tokenizer = model.tokenizer
-    prompt_ids = [list(p) if isinstance(p, tuple) else tokenizer(p).input_ids for p in body.prompts]
+    num_chars = sum(len(p) for p in body.prompts if isinstance(p, str))
+    prompt_ids = await tokenize_off_loop(
+        lambda: [list(p) if isinstance(p, tuple) else tokenizer(p).input_ids for p in body.prompts], num_chars
+    )
     completion_id = new_id("cmpl")
     choices = plan_choices(completion_id, prompt_ids, body.sampling, body.n, model, "prompt")
     echo = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]

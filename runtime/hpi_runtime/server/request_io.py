@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -25,6 +27,19 @@ async def read_json(request: web.Request) -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # the C decoder recurses once per nesting level
         raise bad_request("the request body is nested too deeply to parse") from exc
+
+
+T = TypeVar("T")
+# Below this many characters tokenizing inline (well under a millisecond) costs less than a hop to a thread.
+LONG_PROMPT_CHARS = 16_384
+
+
+async def tokenize_off_loop(tokenize: Callable[[], T], num_chars: int) -> T:
+    """Run `tokenize` (chat template + tokenizer) in a thread when the text is long, so a 100k-character prompt
+    does not stall every other stream on the event loop."""
+    if num_chars < LONG_PROMPT_CHARS:
+        return tokenize()
+    return await asyncio.to_thread(tokenize)
 
 
 def check_model(model: ServedModel, requested: str | None) -> None:

@@ -53,6 +53,10 @@ CASES = [
      "maximum context length is 256 tokens, but the prompt has 300 tokens"),
     ("chat prompt too long", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi " * 300}]}, 400,
      "messages", "maximum context length is 256 tokens"),
+    # Past LONG_PROMPT_CHARS the tokenizer runs in a thread; its errors still come back as 400s.
+    ("long text prompt too long", COMPLETIONS, {"prompt": "hi " * 7000}, 400, "prompt", "maximum context length"),
+    ("long chat prompt too long", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi " * 7000}]}, 400,
+     "messages", "maximum context length is 256 tokens"),
     ("prompt plus max_tokens too long", COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens",
      "maximum context length is 256 tokens. However, you requested 300 tokens"),
     ("logprobs too many", COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
