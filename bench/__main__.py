@@ -75,7 +75,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes, results under bench/results/tmp/")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"])
+    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers", "hpi-offline"])
     parser.add_argument("--concurrency", type=int, nargs="+", help="hpi's closed-loop sweep")
     parser.add_argument("--llama-concurrency", type=int, nargs="+")
     parser.add_argument("--tf-batch-sizes", type=int, nargs="+")

@@ -161,14 +161,16 @@ def render_markdown(results: dict) -> str:
             "",
             "### Ratios (output tokens/s)",
             "",
-            "| N | hpi | transformers best static batch <= N | llama.cpp | hpi / transformers | hpi / llama.cpp |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| N | hpi | transformers best static batch <= N | llama.cpp | hpi offline (LLM.generate) "
+            "| hpi / transformers | hpi / llama.cpp | served / offline |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in serving.get("ratios", []):
             tf = "-" if r["tf_tok_s"] is None else f"{r['tf_tok_s']:.1f} (batch {r['tf_batch_size']})"
             llama = "-" if r["llama_tok_s"] is None else f"{r['llama_tok_s']:.1f} (N={r['llama_concurrency']})"
-            lines.append(f"| {r['concurrency']} | {r['hpi_tok_s']:.1f} | {tf} | {llama} | {_x(r['hpi_over_tf'])} "
-                         f"| {_x(r['hpi_over_llama'])} |")
+            offline = "-" if r.get("offline_tok_s") is None else f"{r['offline_tok_s']:.1f}"
+            lines.append(f"| {r['concurrency']} | {r['hpi_tok_s']:.1f} | {tf} | {llama} | {offline} "
+                         f"| {_x(r['hpi_over_tf'])} | {_x(r['hpi_over_llama'])} | {_x(r.get('hpi_over_offline'))} |")
         open_loop = (serving.get("hpi") or {}).get("open_loop")
         if open_loop:
             t, e = open_loop["ttft_ms"], open_loop["e2e_ms"]

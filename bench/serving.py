@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -117,6 +118,30 @@ def run_transformers(plan: ServingPlan, tokenizer, model_dir: Path, dtype: torch
     return {"static_batches": runs, "dtype": str(dtype).removeprefix("torch.")}
 
 
+def run_hpi_offline(plan: ServingPlan, tokenizer, progress) -> dict:
+    """hpi's offline `LLM.generate` (no HTTP, no second process) on the requests of each closed-loop run, with
+    max_num_seqs = N: what the server would reach if serving cost nothing. Same dtype (auto) and KV size."""
+    from hpi_runtime.cli import parse_bytes
+    from hpi_runtime.llm import LLM
+    from hpi_runtime.sampling_params import SamplingParams
+
+    runs = []
+    for concurrency in plan.concurrencies:
+        requests = build_requests(tokenizer, workload(plan, num_requests_for(plan, concurrency, None), concurrency))
+        prompt_ids = [tokenizer(r.prompt).input_ids for r in requests]
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+        with LLM(kv_cache_memory_bytes=parse_bytes(plan.kv_cache_memory), max_num_seqs=concurrency) as llm:
+            llm.generate([prompt_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))  # first-call costs
+            start = time.perf_counter()
+            outputs = llm.generate(prompt_ids, params)
+            duration_s = time.perf_counter() - start
+        num_output = sum(len(o.output_token_ids) for o in outputs)
+        runs.append({"concurrency": concurrency, "num_requests": len(requests), "duration_s": duration_s,
+                     "output_tokens_per_s": num_output / duration_s})
+        progress(f"hpi offline max_num_seqs={concurrency}: {num_output / duration_s:.1f} out tok/s")
+    return {"runs": runs}
+
+
 def best_static_batch(tf_runs: list[dict], concurrency: int) -> dict | None:
     """transformers' best run among batch sizes <= concurrency (a static batch cannot exceed the clients)."""
     fitting = [r for r in tf_runs if r["batch_size"] <= concurrency]
@@ -128,6 +153,7 @@ def ratio_rows(results: dict) -> list[dict]:
     (or its nearest measured N below, since it serves one sequence at a time), and hpi's ratios."""
     tf_runs = (results.get("transformers") or {}).get("static_batches", [])
     llama_runs = (results.get("llama.cpp") or {}).get("closed_loop", [])
+    offline = {r["concurrency"]: r for r in (results.get("hpi-offline") or {}).get("runs", [])}
     rows = []
     for run in results["hpi"]["closed_loop"]:
         n, hpi_tps = run["concurrency"], run["output_tokens_per_s"]
@@ -142,6 +168,8 @@ def ratio_rows(results: dict) -> list[dict]:
             "llama_concurrency": llama and llama["concurrency"],
             "hpi_over_tf": tf and hpi_tps / tf["output_tokens_per_s"],
             "hpi_over_llama": llama and hpi_tps / llama["output_tokens_per_s"],
+            "offline_tok_s": offline[n]["output_tokens_per_s"] if n in offline else None,
+            "hpi_over_offline": hpi_tps / offline[n]["output_tokens_per_s"] if n in offline else None,
         })
     return rows
 
@@ -162,6 +190,8 @@ def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir:
             progress(f"llama.cpp skipped: {exc}")
     if "transformers" in systems:
         results["transformers"] = run_transformers(plan, tokenizer, model_dir, dtype, progress)
+    if "hpi-offline" in systems:
+        results["hpi-offline"] = run_hpi_offline(plan, tokenizer, progress)
     if "hpi" in results:
         results["ratios"] = ratio_rows(results)
     return results
@@ -176,7 +206,8 @@ def main() -> None:
     parser.add_argument("--tf-batch-sizes", type=int, nargs="+", default=list(ServingPlan.tf_batch_sizes))
     parser.add_argument("--prompt-len", type=int, default=ServingPlan.prompt_len)
     parser.add_argument("--output-len", type=int, default=ServingPlan.output_len)
-    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"])
+    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"],
+                        help="any of hpi, llama.cpp, transformers, hpi-offline (LLM.generate on the same requests)")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     args = parser.parse_args()
     plan = ServingPlan(concurrencies=tuple(args.concurrency), llama_concurrencies=tuple(args.llama_concurrency),
