@@ -1,0 +1,123 @@
+"""Builds and loads the C++ CPU kernels: torch.utils.cpp_extension, compiled at first use and cached on disk.
+
+The build targets the instruction set torch itself dispatches to on this CPU (`torch.backends.cpu.
+get_cpu_capability()`: AVX512, AVX2 or DEFAULT; `ATEN_CPU_CAPABILITY` lowers it), with the flags torch
+compiles its own kernels of that level with, so ATen's `Vectorized<float>` is as wide as torch's. Never
+`-march=native`: a cached build must run on every CPU of the same capability. Each capability is its own
+extension (and build directory), so one cache can serve machines of different kinds.
+
+Build directory: `$HPI_CACHE_DIR/torch_extensions/...` when HPI_CACHE_DIR is set, else torch's default
+(`$TORCH_EXTENSIONS_DIR` or ~/.cache/torch_extensions). Needs a C++ compiler (`$CXX` or c++) and ninja.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+
+# torch's per-capability compiler flags (cmake/Codegen.cmake), plus F16C, which every AVX2 CPU has and
+# at::vec's float16 conversions use.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+class CpuKernelBuildError(RuntimeError):
+    """The C++ CPU kernels could not be built or loaded (no compiler, no ninja, a compile error)."""
+
+
+def cpu_capability() -> str:
+    """The instruction set the extension is built for: torch's own dispatch level on this CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    is_x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return capability if is_x86 and capability in _ISA_FLAGS else "DEFAULT"
+
+
+def _ensure_ninja_on_path() -> None:
+    # cpp_extension runs `ninja` through PATH; pip puts it next to the interpreter, which is not on PATH
+    # when the virtualenv is used without being activated (.venv/bin/python ...).
+    if shutil.which("ninja"):
+        return
+    scripts = sysconfig.get_path("scripts")
+    if scripts and (Path(scripts) / "ninja").exists():
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        return
+    raise CpuKernelBuildError(
+        "building the C++ CPU kernels needs ninja: `pip install ninja` (a dependency of hpi-kernels)"
+    )
+
+
+def _build_directory(name: str) -> str | None:
+    """$HPI_CACHE_DIR/torch_extensions/<python+torch>/<name>, or None (torch's default) when unset or read-only."""
+    cache_dir = os.environ.get("HPI_CACHE_DIR")
+    if not cache_dir:
+        return None
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    path = Path(cache_dir) / "torch_extensions" / tag / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
+    if not os.access(path, os.W_OK):  # e.g. a read-only image layer: ninja must write its log and lock there
+        logger.warning("%s is not writable; building the CPU kernels under torch's default directory", path)
+        return None
+    return str(path)
+
+
+@functools.cache
+def load_extension() -> str:
+    """Build (the first time on a machine: ~15 s on 2 cores) and load the CPU kernels; returns the .so path.
+
+    Registers the ops `torch.ops.hpi_kernels.*` (CPU and Meta kernels) in this process. Raises
+    CpuKernelBuildError with the reason when the compiler or ninja is missing or the build fails.
+    """
+    from torch.utils import cpp_extension  # imports setuptools: only when a build is asked for
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise CpuKernelBuildError(f"building the C++ CPU kernels needs a C++ compiler; {compiler!r} is not on PATH")
+    _ensure_ninja_on_path()
+    capability = cpu_capability()
+    name = f"hpi_cpu_kernels_{capability.lower()}"
+    flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])]
+    if capability != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    start = time.perf_counter()
+    try:
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded (same soname)
+            build_directory=_build_directory(name),
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError) as error:  # compile errors, a missing toolchain piece, a bad .so
+        raise CpuKernelBuildError(f"could not build the C++ CPU kernels ({name}): {error}") from error
+    logger.info("loaded %s (%s) in %.1f s", name, path, time.perf_counter() - start)
+    return str(path)
+
+
+@functools.cache
+def cpu_attention_available() -> bool:
+    """True when the C++ CPU kernels build and load here (the first call may build them); never raises."""
+    try:
+        load_extension()
+    except CpuKernelBuildError as error:
+        logger.warning("C++ CPU attention unavailable: %s", error)
+        return False
+    return True

@@ -1,0 +1,532 @@
+// Paged attention on CPU that reads K/V in place from the paged cache (no per-layer gather).
+//
+// One op, hpi_kernels::paged_attention_cpu, covers a mixed batch: request r's query rows are
+// query_start_loc[r]..query_start_loc[r + 1] and sit at the last positions of its context_lens[r]
+// cached tokens (the new tokens' K/V are already in the cache); each query attends causally.
+//
+// Work is cut into items that share one kv head of one request, sorted longest first and claimed by
+// the threads of one at::parallel_for region from an atomic counter, so a few long contexts do not
+// leave the other threads idle:
+//   - decode (one query token): the token's q heads of one kv head (at most kMaxDecodeHeads, held in
+//     registers); per key, G dot products over head_dim, each reduced once (decode_item);
+//   - prefill/extend chunks: a tile of up to kMaxTileVecs * Vec::size() (token, q head) rows, stored
+//     transposed so that the rows sit in vector lanes: scores, the online softmax and the P @ V update
+//     all run across rows without horizontal reductions (tile_item).
+// Math is fp32 (bf16/fp16 inputs are widened on load), the softmax is the streaming (online) one.
+//
+// Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability (AVX512, AVX2 or
+// none), so at::vec::Vectorized<float> is 16, 8 (or 4 on aarch64) lanes wide.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVecSize = Vec::size();
+constexpr int64_t kMaxDecodeHeads = 8;  // q heads per decode item: their accumulators fit in registers
+constexpr int64_t kMaxTileVecs = 4;     // row vectors per prefill tile (64 rows with AVX512, 32 with AVX2)
+constexpr int64_t kMaxTileRows = kMaxTileVecs * kVecSize;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline Vec load_float(const T* src) {  // kVecSize elements of src, widened to fp32
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(src, out);
+    return out;
+  }
+}
+
+// Horizontal sum / max through at::vec's shuffle trees (Vectorized::reduce_add does not compile in
+// torch's generic DEFAULT build).
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+}
+inline float max_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// Brings rows [0, n) of a block's kv head (row stride `stride` elements) towards L1 ahead of use: blocks
+// sit at random places in the cache, so the hardware prefetchers cannot see the next one coming.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t head_dim) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t c = 0; c < head_dim; c += kLine) __builtin_prefetch(rows + j * stride + c, 0, 3);
+  }
+}
+
+template <typename T>
+struct Problem {
+  T* out;                          // [num_tokens, num_heads, head_dim] contiguous
+  const T* q;                      // [num_tokens, num_heads, head_dim], last dim contiguous
+  const T* k_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const T* v_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const int32_t* block_tables;     // [num_reqs, max_blocks], row stride block_table_stride
+  const int32_t* query_start_loc;  // [num_reqs + 1]
+  const int32_t* context_lens;     // [num_reqs]
+  int64_t q_token_stride;          // elements between tokens of q
+  int64_t q_head_stride;           // elements between heads of q
+  int64_t block_table_stride;      // elements between rows of block_tables
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t group_size;  // q heads per kv head
+  int64_t block_size;
+  int64_t num_blocks;
+  float scale;
+
+  int64_t cache_token_stride() const { return num_kv_heads * head_dim; }
+
+  // Keys (or values) of the kv head at cache block block_table[req][b]: row j at + j * cache_token_stride().
+  const T* block_rows(const T* cache, int64_t req, int64_t b, int64_t kv_head) const {
+    const int64_t block = block_tables[req * block_table_stride + b];
+    TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", req, "][", b, "] = ", block,
+                      " is outside the cache's ", num_blocks, " blocks");
+    return cache + (block * block_size * num_kv_heads + kv_head) * head_dim;
+  }
+};
+
+struct WorkItem {
+  int64_t cost;  // ~ keys x rows, for longest-first ordering
+  int32_t req;
+  int32_t kv_head;
+  int32_t first;  // decode: first q head within the kv head's group; tile: first row
+  int32_t count;  // decode: q heads; tile: rows (row = token * group_size + q head within the group)
+  bool decode;
+};
+
+// One decode token, q heads [first, first + GB) of one kv head's group, over all its cached keys.
+template <typename T, int GB>
+void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+  const int64_t D = p.head_dim, BS = p.block_size, token_stride = p.cache_token_stride();
+  const int64_t token = p.query_start_loc[w.req];
+  const int64_t context_len = p.context_lens[w.req];
+  const int64_t head0 = w.kv_head * p.group_size + w.first;
+  float* q = scratch;            // [GB, D] query rows times scale
+  float* acc = q + GB * D;       // [GB, D] unnormalised output
+  float* scores = acc + GB * D;  // [GB, BS] one block's scores, then probabilities
+  for (int g = 0; g < GB; ++g) {
+    const T* src = p.q + token * p.q_token_stride + (head0 + g) * p.q_head_stride;
+    for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(src[d]) * p.scale;
+  }
+  std::fill(acc, acc + GB * D, 0.f);
+  float row_max[GB], row_sum[GB], alpha[GB];
+  std::fill(row_max, row_max + GB, kNegInf);
+  std::fill(row_sum, row_sum + GB, 0.f);
+
+  for (int64_t start = 0, b = 0; start < context_len; start += BS, ++b) {
+    const int64_t n = std::min(BS, context_len - start);
+    const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
+    const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
+    if (start + BS < context_len) {
+      const int64_t next_n = std::min(BS, context_len - start - BS);
+      prefetch_rows(p.block_rows(p.k_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
+      prefetch_rows(p.block_rows(p.v_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      Vec part[GB];
+      for (int g = 0; g < GB; ++g) part[g] = Vec(0.f);
+      const T* key = k + j * token_stride;
+      for (int64_t c = 0; c < D; c += kVecSize) {
+        const Vec kv = load_float(key + c);
+        for (int g = 0; g < GB; ++g) part[g] = at::vec::fmadd(Vec::loadu(q + g * D + c), kv, part[g]);
+      }
+      for (int g = 0; g < GB; ++g) scores[g * BS + j] = sum_lanes(part[g]);
+    }
+    for (int g = 0; g < GB; ++g) {
+      float* s = scores + g * BS;
+      Vec block_max(kNegInf);
+      for (int64_t j = 0; j < n; j += kVecSize) {
+        const int64_t count = std::min(kVecSize, n - j);
+        block_max = at::vec::maximum(block_max, Vec::set(Vec(kNegInf), Vec::loadu(s + j, count), count));
+      }
+      const float new_max = std::max(row_max[g], max_lanes(block_max));
+      alpha[g] = std::exp(row_max[g] - new_max);  // 0 on the first block (row_max = -inf)
+      row_max[g] = new_max;
+      Vec sum(0.f);
+      for (int64_t j = 0; j < n; j += kVecSize) {
+        const int64_t count = std::min(kVecSize, n - j);
+        const Vec x = Vec::set(Vec(kNegInf), Vec::loadu(s + j, count), count);
+        const Vec e = (x - Vec(new_max)).exp_u20();  // lanes past n: exp(-inf) = 0
+        e.store(s + j, count);
+        sum = sum + e;
+      }
+      row_sum[g] = row_sum[g] * alpha[g] + sum_lanes(sum);
+    }
+    for (int64_t c = 0; c < D; c += kVecSize) {
+      Vec a[GB];
+      for (int g = 0; g < GB; ++g) a[g] = Vec::loadu(acc + g * D + c) * Vec(alpha[g]);
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec vv = load_float(v + j * token_stride + c);
+        for (int g = 0; g < GB; ++g) a[g] = at::vec::fmadd(Vec(scores[g * BS + j]), vv, a[g]);
+      }
+      for (int g = 0; g < GB; ++g) a[g].store(acc + g * D + c);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    T* dst = p.out + token * p.num_heads * D + (head0 + g) * D;
+    const float inv = 1.f / row_sum[g];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[g * D + d] * inv);
+  }
+}
+
+// Keys and head-dim columns handled per pass of the tile kernel's inner loops: each loaded vector of rows
+// feeds this many FMAs. Four with AVX512's 32 registers, two with AVX2's 16 (NV <= 4 accumulators each).
+constexpr int kTileUnroll = kVecSize >= 16 ? 4 : 2;
+
+// scores[j + u, rows] = sum_d keys[j + u, d] * qt[d, rows] for u < NK; qt: [D, NV * kVecSize].
+template <int NK, int NV>
+inline void score_keys(const float* qt, const float* keys, int64_t key_stride, int64_t D, float* scores) {
+  constexpr int64_t RT = NV * kVecSize;
+  Vec s[NK][NV];
+  for (int u = 0; u < NK; ++u)
+    for (int vi = 0; vi < NV; ++vi) s[u][vi] = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec key[NK];
+    for (int u = 0; u < NK; ++u) key[u] = Vec(keys[u * key_stride + d]);
+    for (int vi = 0; vi < NV; ++vi) {
+      const Vec qv = Vec::loadu(qt + d * RT + vi * kVecSize);
+      for (int u = 0; u < NK; ++u) s[u][vi] = at::vec::fmadd(qv, key[u], s[u][vi]);
+    }
+  }
+  for (int u = 0; u < NK; ++u)
+    for (int vi = 0; vi < NV; ++vi) s[u][vi].store(scores + u * RT + vi * kVecSize);
+}
+
+// acc[d + u, rows] = acc[d + u, rows] * alpha + sum_j values[j, d + u] * probs[j, rows] for u < ND.
+template <int ND, int NV>
+inline void accumulate_values(const float* probs, const float* values, int64_t value_stride, int64_t n,
+                              const Vec (&alpha)[NV], float* acc) {
+  constexpr int64_t RT = NV * kVecSize;
+  Vec a[ND][NV];
+  for (int u = 0; u < ND; ++u)
+    for (int vi = 0; vi < NV; ++vi) a[u][vi] = Vec::loadu(acc + u * RT + vi * kVecSize) * alpha[vi];
+  for (int64_t j = 0; j < n; ++j) {
+    Vec value[ND];
+    for (int u = 0; u < ND; ++u) value[u] = Vec(values[j * value_stride + u]);
+    for (int vi = 0; vi < NV; ++vi) {
+      const Vec pv = Vec::loadu(probs + j * RT + vi * kVecSize);
+      for (int u = 0; u < ND; ++u) a[u][vi] = at::vec::fmadd(pv, value[u], a[u][vi]);
+    }
+  }
+  for (int u = 0; u < ND; ++u)
+    for (int vi = 0; vi < NV; ++vi) a[u][vi].store(acc + u * RT + vi * kVecSize);
+}
+
+// Rows [first, first + count) of one request's (token, q head) rows of one kv head, over the keys up to
+// the last row's position. Row r is token r / group_size, q head r % group_size of the group.
+template <typename T, int NV>
+void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+  constexpr int64_t RT = NV * kVecSize;  // rows in lanes, padded
+  const int64_t D = p.head_dim, BS = p.block_size, G = p.group_size, token_stride = p.cache_token_stride();
+  const int64_t q_start = p.query_start_loc[w.req];
+  const int64_t query_len = p.query_start_loc[w.req + 1] - q_start;
+  const int64_t prefix_len = p.context_lens[w.req] - query_len;
+  const int64_t r0 = w.first, num_rows = w.count;
+  float* qt = scratch;            // [D, RT] query rows times scale, transposed
+  float* acc = qt + D * RT;       // [D, RT] unnormalised output, transposed
+  float* scores = acc + D * RT;   // [BS, RT] one block's scores, then probabilities
+  float* pos = scores + BS * RT;  // [RT] position of each row; pad rows see every key
+  float* kbuf = pos + RT;         // [BS, D] a block's keys in fp32 (bf16/fp16 caches only)
+  float* vbuf = kbuf + BS * D;    // [BS, D] a block's values in fp32 (bf16/fp16 caches only)
+
+  for (int64_t r = 0; r < RT; ++r) {
+    if (r < num_rows) {
+      const int64_t token = (r0 + r) / G, head = w.kv_head * G + (r0 + r) % G;
+      const T* src = p.q + (q_start + token) * p.q_token_stride + head * p.q_head_stride;
+      for (int64_t d = 0; d < D; ++d) qt[d * RT + r] = static_cast<float>(src[d]) * p.scale;
+      pos[r] = static_cast<float>(prefix_len + token);
+    } else {
+      for (int64_t d = 0; d < D; ++d) qt[d * RT + r] = 0.f;
+      pos[r] = std::numeric_limits<float>::max();
+    }
+  }
+  std::fill(acc, acc + D * RT, 0.f);
+  Vec row_max[NV], row_sum[NV], alpha[NV], pos_v[NV];
+  for (int v = 0; v < NV; ++v) {
+    row_max[v] = Vec(kNegInf);
+    row_sum[v] = Vec(0.f);
+    pos_v[v] = Vec::loadu(pos + v * kVecSize);
+  }
+  const int64_t first_pos = prefix_len + r0 / G;
+  const int64_t kv_end = prefix_len + (r0 + num_rows - 1) / G + 1;  // causal: the last row's position + 1
+
+  for (int64_t start = 0, b = 0; start < kv_end; start += BS, ++b) {
+    const int64_t n = std::min(BS, kv_end - start);
+    const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
+    const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
+    if (start + BS < kv_end) {
+      const int64_t next_n = std::min(BS, kv_end - start - BS);
+      prefetch_rows(p.block_rows(p.k_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
+      prefetch_rows(p.block_rows(p.v_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
+    }
+    const float* kf;
+    const float* vf;
+    int64_t kv_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k, vf = v, kv_stride = token_stride;
+    } else {  // widen once per block; every row of the tile reuses it
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t c = 0; c < D; c += kVecSize) {
+          load_float(k + j * token_stride + c).store(kbuf + j * D + c);
+          load_float(v + j * token_stride + c).store(vbuf + j * D + c);
+        }
+      }
+      kf = kbuf, vf = vbuf, kv_stride = D;
+    }
+
+    int64_t j = 0;
+    for (; j + kTileUnroll <= n; j += kTileUnroll) {
+      score_keys<kTileUnroll, NV>(qt, kf + j * kv_stride, kv_stride, D, scores + j * RT);
+    }
+    for (; j < n; ++j) score_keys<1, NV>(qt, kf + j * kv_stride, kv_stride, D, scores + j * RT);
+    if (start + n - 1 > first_pos) {  // the block reaches past some row's position: causal mask
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const Vec key_pos(static_cast<float>(start + jj));
+        for (int vi = 0; vi < NV; ++vi) {
+          float* s = scores + jj * RT + vi * kVecSize;
+          Vec::blendv(Vec::loadu(s), Vec(kNegInf), key_pos > pos_v[vi]).store(s);
+        }
+      }
+    }
+
+    // Online softmax, per row (lane): every row has key 0 unmasked, so row_max is finite after block 0.
+    for (int vi = 0; vi < NV; ++vi) {
+      Vec block_max = row_max[vi];
+      for (int64_t jj = 0; jj < n; ++jj)
+        block_max = at::vec::maximum(block_max, Vec::loadu(scores + jj * RT + vi * kVecSize));
+      alpha[vi] = (row_max[vi] - block_max).exp_u20();
+      row_max[vi] = block_max;
+      Vec sum(0.f);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        float* s = scores + jj * RT + vi * kVecSize;
+        const Vec e = (Vec::loadu(s) - block_max).exp_u20();
+        e.store(s);
+        sum = sum + e;
+      }
+      row_sum[vi] = row_sum[vi] * alpha[vi] + sum;
+    }
+
+    // head_dim is a multiple of 16, so of kTileUnroll.
+    for (int64_t d = 0; d < D; d += kTileUnroll) {
+      accumulate_values<kTileUnroll, NV>(scores, vf + d, kv_stride, n, alpha, acc + d * RT);
+    }
+  }
+
+  float inv[RT];
+  for (int vi = 0; vi < NV; ++vi) (Vec(1.f) / row_sum[vi]).store(inv + vi * kVecSize);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t token = (r0 + r) / G, head = w.kv_head * G + (r0 + r) % G;
+    T* dst = p.out + (q_start + token) * p.num_heads * D + head * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d * RT + r] * inv[r]);
+  }
+}
+
+template <typename T>
+void run_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+  if (w.decode) {
+    switch (w.count) {
+      case 1: return decode_item<T, 1>(p, w, scratch);
+      case 2: return decode_item<T, 2>(p, w, scratch);
+      case 3: return decode_item<T, 3>(p, w, scratch);
+      case 4: return decode_item<T, 4>(p, w, scratch);
+      case 5: return decode_item<T, 5>(p, w, scratch);
+      case 6: return decode_item<T, 6>(p, w, scratch);
+      case 7: return decode_item<T, 7>(p, w, scratch);
+      default: return decode_item<T, 8>(p, w, scratch);
+    }
+  }
+  switch ((w.count + kVecSize - 1) / kVecSize) {
+    case 1: return tile_item<T, 1>(p, w, scratch);
+    case 2: return tile_item<T, 2>(p, w, scratch);
+    case 3: return tile_item<T, 3>(p, w, scratch);
+    default: return tile_item<T, 4>(p, w, scratch);
+  }
+}
+
+// Floats of per-thread scratch that any item needs.
+int64_t scratch_floats(int64_t head_dim, int64_t block_size) {
+  const int64_t decode = 2 * kMaxDecodeHeads * head_dim + kMaxDecodeHeads * block_size;
+  const int64_t tile =
+      2 * head_dim * kMaxTileRows + block_size * kMaxTileRows + kMaxTileRows + 2 * block_size * head_dim;
+  return std::max(decode, tile);
+}
+
+// The op's arguments, validated by check_args.
+struct OpArgs {
+  const at::Tensor& out;              // [num_tokens, num_heads, head_dim] contiguous, written in place
+  const at::Tensor& q;                // [num_tokens, num_heads, head_dim], last dim contiguous
+  const at::Tensor& k_cache;          // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const at::Tensor& v_cache;          // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const at::Tensor& block_tables;     // [num_reqs, max_blocks] int32, contiguous rows
+  const at::Tensor& query_start_loc;  // [num_reqs + 1] int32
+  const at::Tensor& context_lens;     // [num_reqs] int32, tokens in the cache incl. this step's
+  double scale;
+
+  int64_t num_reqs() const { return block_tables.size(0); }
+  int64_t group_size() const { return q.size(1) / k_cache.size(2); }
+};
+
+void check_int32_vector(const at::Tensor& t, const char* name, int64_t length) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == length && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+                    " must be a contiguous int32 vector of length ", length, ", got ", t.scalar_type(), " ", t.sizes());
+}
+
+// Shapes, dtypes and layouts; the per-request lengths are checked by plan_work, block ids as they are read.
+void check_args(const OpArgs& a) {
+  for (const at::Tensor* t :
+       {&a.out, &a.q, &a.k_cache, &a.v_cache, &a.block_tables, &a.query_start_loc, &a.context_lens}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_attention_cpu takes CPU tensors, got one on ", t->device());
+  }
+  TORCH_CHECK_VALUE(a.q.dim() == 3 && a.q.stride(2) == 1,
+                    "q must be [num_tokens, num_heads, head_dim] with a contiguous last dim, got ", a.q.sizes(),
+                    " strides ", a.q.strides());
+  TORCH_CHECK_VALUE(a.k_cache.dim() == 4 && a.k_cache.is_contiguous(),
+                    "k_cache must be a contiguous [num_blocks, block_size, num_kv_heads, head_dim], got ",
+                    a.k_cache.sizes());
+  TORCH_CHECK_VALUE(a.v_cache.sizes() == a.k_cache.sizes() && a.v_cache.is_contiguous(),
+                    "v_cache must be contiguous and shaped as k_cache ", a.k_cache.sizes(), ", got ",
+                    a.v_cache.sizes());
+  const auto dtype = a.q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "q must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(a.k_cache.scalar_type() == dtype && a.v_cache.scalar_type() == dtype,
+                    "k_cache and v_cache must have q's dtype ", dtype, ", got ", a.k_cache.scalar_type(), " and ",
+                    a.v_cache.scalar_type());
+  TORCH_CHECK_VALUE(a.out.sizes() == a.q.sizes() && a.out.scalar_type() == dtype && a.out.is_contiguous(),
+                    "out must be a contiguous tensor of q's shape and dtype");
+  const int64_t num_heads = a.q.size(1), head_dim = a.q.size(2), num_kv_heads = a.k_cache.size(2);
+  TORCH_CHECK_VALUE(a.k_cache.size(3) == head_dim, "cache head_dim ", a.k_cache.size(3), " != q head_dim ", head_dim);
+  TORCH_CHECK_VALUE(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+                    ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK_VALUE(
+      a.block_tables.dim() == 2 && a.block_tables.scalar_type() == at::kInt && a.block_tables.stride(1) == 1,
+      "block_tables must be [num_reqs, max_blocks] int32 with contiguous rows, got ", a.block_tables.scalar_type(), " ",
+      a.block_tables.sizes());
+  check_int32_vector(a.query_start_loc, "query_start_loc", a.num_reqs() + 1);
+  check_int32_vector(a.context_lens, "context_lens", a.num_reqs());
+}
+
+// Validates each request's lengths and cuts the batch into work items, longest first.
+std::vector<WorkItem> plan_work(const OpArgs& a) {
+  const int32_t* query_start_loc = a.query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* context_lens = a.context_lens.const_data_ptr<int32_t>();
+  const int64_t num_tokens = a.q.size(0), num_kv_heads = a.k_cache.size(2), group_size = a.group_size();
+  const int64_t max_context_len = a.block_tables.size(1) * a.k_cache.size(1);
+  TORCH_CHECK_VALUE(a.num_reqs() == 0 || query_start_loc[0] >= 0, "query_start_loc[0] must be >= 0");
+  // Decodes split their q heads evenly into chunks of at most kMaxDecodeHeads.
+  const int64_t decode_chunks = (group_size + kMaxDecodeHeads - 1) / kMaxDecodeHeads;
+  const int64_t decode_chunk = (group_size + decode_chunks - 1) / decode_chunks;
+  std::vector<WorkItem> items;
+  for (int64_t r = 0; r < a.num_reqs(); ++r) {
+    const int64_t query_len = query_start_loc[r + 1] - query_start_loc[r];
+    const int64_t context_len = context_lens[r];
+    TORCH_CHECK_VALUE(query_len >= 0 && query_start_loc[r + 1] <= num_tokens,
+                      "query_start_loc must be non-decreasing and <= num_tokens (", num_tokens,
+                      "), got query_start_loc[", r, ":", r + 2, "] = ", query_start_loc[r], ", ",
+                      query_start_loc[r + 1]);
+    TORCH_CHECK_VALUE(query_len <= context_len, "request ", r, ": context_lens (", context_len,
+                      ") must count the query's own ", query_len, " tokens");
+    TORCH_CHECK_VALUE(context_len <= max_context_len, "request ", r, ": context_lens (", context_len,
+                      ") exceeds block_tables' ", max_context_len, " slots");
+    if (query_len == 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      if (query_len == 1) {
+        for (int64_t g = 0; g < group_size; g += decode_chunk) {
+          const int64_t count = std::min(decode_chunk, group_size - g);
+          items.push_back({context_len * (count + 4), int32_t(r), int32_t(h), int32_t(g), int32_t(count), true});
+        }
+        continue;
+      }
+      const int64_t num_rows = query_len * group_size, prefix_len = context_len - query_len;
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxTileRows) {
+        const int64_t count = std::min(kMaxTileRows, num_rows - r0);
+        const int64_t kv_end = prefix_len + (r0 + count - 1) / group_size + 1;
+        const int64_t padded = (count + kVecSize - 1) / kVecSize * kVecSize;
+        items.push_back({kv_end * padded, int32_t(r), int32_t(h), int32_t(r0), int32_t(count), false});
+      }
+    }
+  }
+  std::sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+  return items;
+}
+
+template <typename T>
+void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
+  const Problem<T> problem{.out = a.out.data_ptr<T>(),
+                           .q = a.q.const_data_ptr<T>(),
+                           .k_cache = a.k_cache.const_data_ptr<T>(),
+                           .v_cache = a.v_cache.const_data_ptr<T>(),
+                           .block_tables = a.block_tables.const_data_ptr<int32_t>(),
+                           .query_start_loc = a.query_start_loc.const_data_ptr<int32_t>(),
+                           .context_lens = a.context_lens.const_data_ptr<int32_t>(),
+                           .q_token_stride = a.q.stride(0),
+                           .q_head_stride = a.q.stride(1),
+                           .block_table_stride = a.block_tables.stride(0),
+                           .num_heads = a.q.size(1),
+                           .num_kv_heads = a.k_cache.size(2),
+                           .head_dim = a.q.size(2),
+                           .group_size = a.group_size(),
+                           .block_size = a.k_cache.size(1),
+                           .num_blocks = a.k_cache.size(0),
+                           .scale = static_cast<float>(a.scale)};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t scratch_size = scratch_floats(problem.head_dim, problem.block_size);
+  std::atomic<int64_t> next{0};
+  // One task per thread, each claiming items (sorted longest first) until none are left: dynamic
+  // balancing that at::parallel_for's static chunks would not give for skewed context lengths.
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_size);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      run_item(problem, items[i], scratch.data());
+    }
+  });
+}
+
+void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& context_lens, double scale) {
+  const OpArgs args{out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale};
+  check_args(args);
+  const std::vector<WorkItem> items = plan_work(args);
+  if (items.empty()) return;
+  switch (q.scalar_type()) {
+    case at::kBFloat16: return launch<at::BFloat16>(args, items);
+    case at::kHalf: return launch<at::Half>(args, items);
+    default: return launch<float>(args, items);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hpi_kernels, m) {
+  m.def(
+      "paged_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+}
+
+// Fake/meta tensors (torch.compile tracing): the op only writes `out`, so there is nothing to compute.
+TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
+  m.impl("paged_attention_cpu", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {});
+}

@@ -1,0 +1,62 @@
+"""Paged attention on CPU that reads K/V in place from the paged cache, and its plain-PyTorch reference.
+
+One call covers a mixed batch: request r's query tokens are rows query_start_loc[r]:query_start_loc[r + 1]
+of q; their own K/V are already in the cache, so context_lens[r] counts them, and query i of the chunk
+(query_len tokens) sits at position context_lens[r] - query_len + i and attends causally to cache
+positions 0..that position, read through the request's row of block_tables. GQA: q head h reads kv head
+h // (num_heads // num_kv_heads). Rows of `out` that belong to no request are left as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpi_kernels.cpu._extension import load_extension
+from hpi_kernels.reference import gather_kv
+
+
+def paged_attention_cpu(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] contiguous, written in place
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; may be a strided view (last dim contiguous)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32, padded
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    context_lens: torch.Tensor,  # [num_reqs] int32, tokens in the cache incl. this step's new ones
+    scale: float,
+) -> None:
+    """The C++ kernel (torch.ops.hpi_kernels.paged_attention_cpu); builds it on first use.
+
+    float32, bfloat16 or float16 (q, caches and out alike), fp32 math; head_dim a multiple of 16.
+    Bad arguments raise ValueError; a missing toolchain raises CpuKernelBuildError.
+    """
+    load_extension()
+    torch.ops.hpi_kernels.paged_attention_cpu(
+        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )
+
+
+def paged_attention_ref(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    context_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+) -> None:
+    """Slow and obvious: per request, gather its context, mask causally, softmax in fp32."""
+    group_size = q.shape[1] // k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for r, context_len in enumerate(context_lens.tolist()):
+        q_start, q_end = starts[r], starts[r + 1]
+        if q_end == q_start:
+            continue
+        key = gather_kv(k_cache, block_tables[r], context_len).float().repeat_interleave(group_size, dim=1)
+        value = gather_kv(v_cache, block_tables[r], context_len).float().repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), key) * scale  # [H, Q, K]
+        positions = torch.arange(context_len - (q_end - q_start), context_len)
+        future = torch.arange(context_len)[None, :] > positions[:, None]  # [Q, K]
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, value).to(out.dtype)

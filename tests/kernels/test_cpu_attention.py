@@ -1,0 +1,288 @@
+"""C++ CPU paged attention (hpi_kernels.cpu) against its plain-PyTorch reference.
+
+The module fixture builds the extension (~15 s the first time on a machine, cached after). A failed
+build fails these tests rather than skipping them: every machine the project runs on has g++, and ninja
+is a dependency of hpi-kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpi_kernels.cpu import cpu_attention_available, cpu_capability, load_extension
+from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
+
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 2e-2, "rtol": 2e-2},
+}
+PAD_BLOCK_ID = 2**30  # padded block-table entries: reading one would fail the kernel's bounds check
+SENTINEL = 7.0  # out rows that no request owns keep it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension() -> str:
+    return load_extension()
+
+
+@dataclass(frozen=True)
+class Batch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim], possibly a slice of a fused qkv tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    context_lens: torch.Tensor  # [num_reqs] int32
+
+    def args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc, self.context_lens)
+
+
+def make_batch(
+    requests: list[tuple[int, int]],  # (query_len, context_len) per request
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    fused_qkv: bool = False,
+    seed: int = 0,
+) -> Batch:
+    """Random K/V in scattered, shuffled blocks; every cache slot that no request may read holds NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-context_len // block_size) for _, context_len in requests]
+    num_blocks = sum(blocks_per_req) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables = torch.full((len(requests), max(blocks_per_req) + 1), PAD_BLOCK_ID, dtype=torch.int32)
+    for r, ((_, context_len), n) in enumerate(zip(requests, blocks_per_req, strict=True)):
+        blocks, order = order[:n], order[n:]
+        block_tables[r, :n] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)
+        slots = slots.flatten()[:context_len]
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+                context_len, num_kv_heads, head_dim, generator=generator
+            ).to(dtype)
+    query_lens = torch.tensor([query_len for query_len, _ in requests])
+    num_tokens = int(query_lens.sum())
+    width = (num_heads + 2 * num_kv_heads) * head_dim if fused_qkv else num_heads * head_dim
+    qkv = torch.randn(num_tokens, width, generator=generator).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    query_start_loc[1:] = query_lens.cumsum(0)
+    context_lens = torch.tensor([context_len for _, context_len in requests], dtype=torch.int32)
+    return Batch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+
+
+def mixed_requests(block_size: int) -> list[tuple[int, int]]:
+    """Decodes at and around block boundaries, extends over a cached prefix, full prefills, an idle request."""
+    return [
+        (1, 1),
+        (1, block_size - 1),
+        (1, block_size),
+        (1, block_size + 1),
+        (1, 3 * block_size + 5),
+        (7, 7 + 2 * block_size + 3),  # extend: a prefix ending mid-block
+        (40, 100),
+        (0, 20),  # scheduled with no new tokens: owns no rows
+        (50, 50),  # full prefill
+        (block_size + 1, block_size + 1),
+        (1, 70),  # a decode after the prefills: the kernel does not rely on the runner's order
+    ]
+
+
+def run_both(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full(batch.q.shape, SENTINEL, dtype=batch.q.dtype)
+    expected = out.clone()
+    paged_attention_cpu(out, *batch.args(), scale)
+    paged_attention_ref(expected, *batch.args(), scale)
+    return out, expected
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEADS = [pytest.param(4, 4, id="mha"), pytest.param(9, 3, id="gqa9:3"), pytest.param(8, 2, id="gqa8:2")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:
+    batch = make_batch(mixed_requests(block_size), num_heads, num_kv_heads, head_dim, block_size, dtype)
+    out, expected = run_both(batch, head_dim**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_sliced_from_fused_qkv(dtype) -> None:
+    batch = make_batch(mixed_requests(16), 9, 3, 64, 16, dtype, fused_qkv=True, seed=1)
+    assert not batch.q.is_contiguous()
+    out, expected = run_both(batch, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads",
+    [pytest.param(12, 1, id="mqa12"), pytest.param(20, 2, id="gqa20:2"), pytest.param(7, 7, id="mha7")],
+)
+def test_wide_and_odd_groups(dtype, num_heads, num_kv_heads) -> None:
+    # Decode groups above 8 q heads are split into chunks; prefill tiles end mid-group.
+    batch = make_batch([(1, 33), (1, 200), (30, 90), (5, 5)], num_heads, num_kv_heads, 64, 16, dtype, seed=2)
+    out, expected = run_both(batch, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_chunks(dtype) -> None:
+    # Many query tiles per request, a cached prefix, and tiles whose rows straddle the causal diagonal.
+    batch = make_batch([(300, 400), (257, 257), (1, 1500)], 9, 3, 64, 16, dtype, fused_qkv=True, seed=3)
+    out, expected = run_both(batch, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    batch = make_batch(mixed_requests(16), 9, 3, 64, 16, torch.float32, seed=4)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            out = torch.full(batch.q.shape, SENTINEL)
+            paged_attention_cpu(out, *batch.args(), 0.125)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+BIG_BLOCK_SIZE, BIG_HEAD_DIM = 16, 64
+BIG_NUM_BLOCKS = 2**31 // (BIG_BLOCK_SIZE * BIG_HEAD_DIM) + 4  # one kv head: past 2**31 elements per cache
+
+
+def test_int64_offsets_with_a_sparse_file_backed_cache(tmp_path: Path) -> None:
+    shape = (BIG_NUM_BLOCKS, BIG_BLOCK_SIZE, 1, BIG_HEAD_DIM)
+    numel = BIG_NUM_BLOCKS * BIG_BLOCK_SIZE * BIG_HEAD_DIM
+    path = tmp_path / "kv_cache.bin"
+    with open(path, "wb") as f:
+        f.truncate(2 * numel * torch.bfloat16.itemsize)  # sparse: no disk or memory until touched
+    kv = torch.from_file(str(path), shared=True, size=2 * numel, dtype=torch.bfloat16).view(2, *shape)
+    k_cache, v_cache = kv[0], kv[1]
+    blocks = [BIG_NUM_BLOCKS - 1, 7, BIG_NUM_BLOCKS - 3]
+    for block in blocks:
+        k_cache[block] = torch.randn(BIG_BLOCK_SIZE, 1, BIG_HEAD_DIM).bfloat16()
+        v_cache[block] = torch.randn(BIG_BLOCK_SIZE, 1, BIG_HEAD_DIM).bfloat16()
+    context_len = 2 * BIG_BLOCK_SIZE + 9
+    block_tables = torch.tensor([blocks, blocks], dtype=torch.int32)
+    batch = Batch(
+        q=torch.randn(21, 2, BIG_HEAD_DIM).bfloat16(),  # a decode, then a 20-token extend
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        query_start_loc=torch.tensor([0, 1, 21], dtype=torch.int32),
+        context_lens=torch.tensor([context_len, context_len], dtype=torch.int32),
+    )
+    out, expected = run_both(batch, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+def _valid_args() -> dict:
+    batch = make_batch([(1, 20), (3, 9)], 4, 2, 64, 16, torch.float32)
+    return {
+        "out": torch.empty(batch.q.shape),
+        "q": batch.q,
+        "k_cache": batch.k_cache,
+        "v_cache": batch.v_cache,
+        "block_tables": batch.block_tables,
+        "query_start_loc": batch.query_start_loc,
+        "context_lens": batch.context_lens,
+        "scale": 0.125,
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"q": torch.randn(4, 4, 64, dtype=torch.float64)}, "float32, bfloat16 or float16"),
+        ({"q": torch.randn(4, 4, 64).bfloat16()}, "must have q's dtype"),
+        ({"q": torch.randn(4, 3, 64), "out": torch.empty(4, 3, 64)}, "multiple of num_kv_heads"),
+        ({"q": torch.randn(4, 4, 128)[..., ::2]}, "contiguous last dim"),
+        ({"out": torch.empty(4, 4, 64).transpose(0, 1).contiguous().transpose(0, 1)}, "out must be"),
+        ({"k_cache": torch.zeros(6, 16, 2, 48), "v_cache": torch.zeros(6, 16, 2, 48)}, "head_dim"),
+        ({"v_cache": torch.zeros(6, 16, 2, 64).transpose(0, 1).contiguous().transpose(0, 1)}, "v_cache must be"),
+        ({"block_tables": torch.zeros(2, 3, dtype=torch.int64)}, "block_tables must be"),
+        ({"context_lens": torch.tensor([20, 2], dtype=torch.int32)}, "must count the query's own 3 tokens"),
+        ({"context_lens": torch.tensor([20, 200], dtype=torch.int32)}, "exceeds block_tables"),
+        ({"query_start_loc": torch.tensor([0, 1, 9], dtype=torch.int32)}, "<= num_tokens"),
+        ({"query_start_loc": torch.tensor([0, 1], dtype=torch.int32)}, "query_start_loc must be"),
+        ({"block_tables": torch.tensor([[0, 1], [99, 0]], dtype=torch.int32)}, "outside the cache"),
+    ],
+)
+def test_bad_arguments_raise_value_error(overrides, message) -> None:
+    args = _valid_args()
+    args.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_cpu(**args)
+
+
+def test_op_schema_and_fake_kernel() -> None:
+    # The mutation annotation and fake kernel are what torch.compile needs to keep the op opaque.
+    args = _valid_args()
+    torch.library.opcheck(torch.ops.hpi_kernels.paged_attention_cpu.default, tuple(args.values()))
+
+
+def test_available_and_built_for_torch_capability(extension) -> None:
+    assert cpu_attention_available()
+    assert f"hpi_cpu_kernels_{cpu_capability().lower()}" in Path(extension).name
+    if expected := os.environ.get("HPI_EXPECT_CPU_CAPABILITY"):  # set by the test below for its child run
+        assert cpu_capability() == expected
+
+
+def test_missing_compiler_is_reported_not_a_crash() -> None:
+    code = (
+        "import hpi_kernels.cpu as cpu\n"
+        "assert cpu.cpu_attention_available() is False\n"
+        "try:\n"
+        "    cpu.load_extension()\n"
+        "except cpu.CpuKernelBuildError as error:\n"
+        "    print(error)\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/c++"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "needs a C++ compiler; '/nonexistent/c++' is not on PATH" in result.stdout
+
+
+_LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_lower_capability_builds_agree(capability) -> None:
+    """Re-run this file's mixed-batch tests in a child whose torch dispatches to a lower instruction set,
+    so the AVX2 (CI) and generic builds are checked on every machine that can run them."""
+    if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
+        pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability}
+    selection = "(mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or built_for"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", selection],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
