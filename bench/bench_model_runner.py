@@ -3,15 +3,19 @@
 For each dtype and each concurrency N, N prompts decode `--max-tokens` greedy tokens (EOS ignored, so
 every request produces the same count) through `LLM.generate` (continuous batching, paged KV cache,
 torch attention backend) and through transformers' `generate` on the same prompts as one static,
-left-padded batch. Prints tokens/s for both and their ratio.
+left-padded batch. Prints tokens/s for both and their ratio, for each engine mode: `compiled` (the
+default, torch.compile of the model step at start-up) and `eager` (`enforce_eager=True`); the start-up
+column is the time `LLM(...)` took (load + compile + warm-up).
 
     .venv/bin/python bench/bench_model_runner.py                       # full: N = 1 8 32 64, fp32 + bf16
     .venv/bin/python bench/bench_model_runner.py --concurrency 1 8 --max-tokens 16 --dtypes float32
+    .venv/bin/python bench/bench_model_runner.py --modes eager          # also an engine without the flag
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 import torch
@@ -74,24 +78,38 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
-    print(f"{'dtype':<9} {'N':>3} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
+    print(f"{'dtype':<9} {'mode':<8} {'start-up s':>10} {'N':>3} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
+    has_flag = "enforce_eager" in inspect.signature(LLM).parameters  # engines from before the flag: eager
     for dtype in args.dtypes:
-        llm = LLM(args.model, dtype=dtype, device=args.device, max_model_len=1024, max_num_seqs=max(args.concurrency))
-        hf_model = AutoModelForCausalLM.from_pretrained(llm.bundle.model_dir, dtype=getattr(torch, dtype))
-        hf_model = hf_model.to(args.device).eval()
-        pad_id = llm.tokenizer.pad_token_id or 0
-        _ours(llm, _prompts(llm, 2), 4)  # warm-up
-        _transformers(hf_model, pad_id, _prompts(llm, 2), 4)
-        for n in args.concurrency:
-            prompts = _prompts(llm, n)
-            ours = _ours(llm, prompts, args.max_tokens)
-            theirs = _transformers(hf_model, pad_id, prompts, args.max_tokens)
-            print(f"{dtype:<9} {n:>3} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>6.2f}", flush=True)
-        del llm, hf_model
+        hf_model, hf_tok_s = None, {}
+        for mode in args.modes:
+            flag = {"enforce_eager": mode == "eager"} if has_flag else {}
+            start = time.perf_counter()
+            llm = LLM(args.model, dtype=dtype, device=args.device, max_model_len=1024,
+                      max_num_seqs=max(args.concurrency), **flag)  # fmt: skip
+            startup_s = time.perf_counter() - start
+            if hf_model is None:
+                hf_model = AutoModelForCausalLM.from_pretrained(llm.bundle.model_dir, dtype=getattr(torch, dtype))
+                hf_model = hf_model.to(args.device).eval()
+                _transformers(hf_model, llm.tokenizer.pad_token_id or 0, _prompts(llm, 2), 4)  # warm-up
+            pad_id = llm.tokenizer.pad_token_id or 0
+            _ours(llm, _prompts(llm, 2), 4)  # warm-up
+            for n in args.concurrency:
+                prompts = _prompts(llm, n)
+                ours = _ours(llm, prompts, args.max_tokens)
+                if n not in hf_tok_s:  # transformers does not change with our mode
+                    hf_tok_s[n] = _transformers(hf_model, pad_id, prompts, args.max_tokens)
+                theirs = hf_tok_s[n]
+                print(f"{dtype:<9} {mode:<8} {startup_s:>10.1f} {n:>3} {ours:>11.1f} {theirs:>9.1f} "
+                      f"{ours / theirs:>6.2f}", flush=True)  # fmt: skip
+            llm.shutdown()
+            del llm
+        del hf_model
 
 
 if __name__ == "__main__":

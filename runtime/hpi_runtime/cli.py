@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                        help="split the model over this many worker processes (one per GPU on cuda, gloo on "
                        "cpu); attention is split by KV-head groups, see docs/tensor-parallelism.md")
+    model.add_argument("--enforce-eager", action="store_true",
+                       help="run the model step eagerly: skip torch.compile (its start-up compile and warm-up; "
+                       "on CPU the compiled step is faster once running)")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="bytes for the paged KV cache per tensor-parallel rank, e.g. 2GiB; default: 1GiB "
@@ -145,6 +148,7 @@ def serve(args: argparse.Namespace) -> int:
             quantization_group_size=args.quantization_group_size,
             quantize_lm_head=args.quantize_lm_head,
             tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager,
         )
         return prepare_engine(model_dir, EngineConfig(**engine_settings, max_model_len=max_model_len), load_config)
 

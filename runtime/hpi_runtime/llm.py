@@ -174,6 +174,7 @@ class LoadConfig:
     # the embedding, which stays in float).
     quantize_lm_head: bool = False
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # vLLM's name: run the model step without torch.compile
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,7 @@ def prepare_engine(
         eos_token_ids=frozenset(eos_token_ids),
         quantization=quantization_config,
         tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=load.enforce_eager,
     )
     return PreparedEngine(
         engine_config=engine_config,
@@ -312,6 +314,7 @@ class LLM:
         quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
         quantize_lm_head: bool = False,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
     ) -> None:
         if max_model_len is None:
             model_dir, _ = resolve_model_dir(model)
@@ -334,6 +337,7 @@ class LLM:
             quantization_group_size=quantization_group_size,
             quantize_lm_head=quantize_lm_head,
             tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
         )
         self.bundle = create_engine(model, engine_config, load)
         self.engine = self.bundle.engine

@@ -6,6 +6,10 @@ KV cache layout (shared with the hpi_kernels Triton kernels): per layer `k_cache
 The runner orders each step's requests decodes first (query length 1), then prefill/extend chunks, so a
 backend can treat the two groups with different kernels. A backend turns the common metadata into its
 own (`build_metadata`, once per step) and then runs every layer with it (`forward`).
+
+Backends: `torch` is the `hpi::paged_attention` op (attention_op.py: the C++ CPU kernel, falling back to
+TorchAttentionBackend below, the reference), the one a compiled model step can contain; `triton` is the
+CUDA path (triton_backend.py), run eagerly.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
-        """Once per step: precompute whatever every layer reuses (returns a subclass instance)."""
+    def build_metadata(self, common: AttentionMetadata) -> object:
+        """Once per step: precompute whatever every layer reuses (the backend's own metadata type; for a
+        backend with `supports_compile`, tensors only)."""
         ...
 
     def forward(
@@ -48,7 +53,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        metadata: object,  # what build_metadata returned
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into their slots, then attend each query over its request's cached context.
@@ -268,9 +273,15 @@ class TorchAttentionBackend:
         return out
 
 
-def get_attention_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
+def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device | None = None) -> AttentionBackend:
+    """`torch`: the `hpi::paged_attention` op (hpi_kernels' C++ kernel on CPU devices, else this module's
+    TorchAttentionBackend); `triton`: hpi_kernels' CUDA kernels. `device=None` (shape-only models) builds
+    no kernel."""
     if name == "torch":
-        return TorchAttentionBackend(dtype)
+        from hpi_runtime.model.attention_op import PagedAttentionOpBackend  # imports this module
+
+        on_cpu = device is not None and torch.device(device).type == "cpu"
+        return PagedAttentionOpBackend(dtype, prefer_cpu_kernel=on_cpu)
     if name == "triton":
         from hpi_runtime.model.triton_backend import TritonAttentionBackend  # imports triton: only when asked
 
@@ -289,5 +300,5 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim] once bound
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object) -> torch.Tensor:
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpi_runtime.model.attention import Attention, AttentionBackend, AttentionMetadata
+from hpi_runtime.model.attention import Attention, AttentionBackend
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.layers import LMHead, RMSNorm, VocabEmbedding, silu_and_mul
 from hpi_runtime.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, backend)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
         # q and k rotate together: one set of element-wise ops instead of two.
@@ -65,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -80,7 +80,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
         hidden = self.tp.all_reduce(self.embed_tokens(input_ids))
         rope = self.rotary(positions)  # looked up once per step, used by every layer
         for layer in self.layers:
@@ -106,8 +106,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(self.model.embed_tokens.vocab_span, config.hidden_size, config.vocab_size, tied)
         self._vocab_sizes = [balanced_span(config.vocab_size, tp.size, r).size for r in range(tp.size)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
+
+        `metadata`: the step's attention metadata as the attention backend built it (build_metadata)."""
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -153,8 +153,9 @@ class QuantizedLinear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
     def _dequantize_for(self, rows: torch.Tensor) -> bool:
-        return (self.device_type == "cpu" and self.method == "int8" and rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS
-                and rows.dtype == torch.float32 and self.compute_dtype != torch.float32)  # fmt: skip
+        # The row count last: under torch.compile it is a guard (one more graph), needed only when the rest holds.
+        return (self.device_type == "cpu" and self.method == "int8" and rows.dtype == torch.float32
+                and self.compute_dtype != torch.float32 and rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS)  # fmt: skip
 
     @property
     def compute_dtype(self) -> torch.dtype:

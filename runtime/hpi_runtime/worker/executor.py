@@ -1,7 +1,8 @@
 """LocalExecutor: the model, its paged KV cache and the runner in this process (a `ModelExecutor`).
 
 With tensor parallelism each worker process runs one LocalExecutor over its rank's shard (see
-tp_executor.py); the same class is the whole executor at tp 1.
+tp_executor.py); the same class is the whole executor at tp 1. On CPU the runner compiles its model step
+at start-up (each rank its own; the all-reduces trace into the graph), unless `enforce_eager`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.model.loader import load_model, weight_bytes
 from hpi_runtime.model.parallel import SINGLE, TensorParallel
 from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
-from hpi_runtime.worker.model_runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weights are loaded
@@ -40,6 +41,13 @@ class ExecutorConfig:
     eos_token_ids: frozenset[int] = frozenset()  # banned before a request's min_tokens
     quantization: QuantizationConfig = QuantizationConfig()  # weight-only int8/int4, applied after loading
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # vLLM's name: no torch.compile of the model step
+    # Compiled CPU step: Inductor freezing (weights as constants, prepacked for oneDNN). Off: on the CPUs
+    # measured (AVX512-BF16 without AMX, 2 cores; bench/results/model_runner.md) it made the linears no
+    # faster at 1-64 rows, took 10 s more to compile and kept a second copy of the linear weights (+400 MiB
+    # for SmolLM2-135M fp32, the eager model stays usable). Never for quantized weights, which constant
+    # folding would dequantize.
+    freeze_weights: bool = False
 
 
 def rank_kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
@@ -58,12 +66,21 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
     return int(free_bytes * CUDA_KV_CACHE_FRACTION)
 
 
+def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
+    """How the model step is compiled here; None: eagerly (asked for, or on CUDA, whose Triton attention
+    backend is not a compilable op yet)."""
+    if config.enforce_eager or device.type != "cpu":
+        return None
+    freeze = config.freeze_weights and not config.quantization.enabled
+    return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
+
+
 class LocalExecutor:
     def __init__(self, config: ExecutorConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
         self.config = config
         device = device or config.device
         model_config = config.model_config
-        backend = get_attention_backend(config.attention_backend, config.dtype)
+        backend = get_attention_backend(config.attention_backend, config.dtype, device)
         self.model = load_model(model_config, config.dtype, device, backend, tp)
         quantize_model(self.model, config.quantization)  # in place, one layer at a time
         self.weight_bytes = weight_bytes(self.model)
@@ -80,7 +97,9 @@ class LocalExecutor:
             self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), device
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
-        self.runner = ModelRunner(self.model, backend, config.block_size, eos_token_ids, config.seed)
+        self.runner = ModelRunner(
+            self.model, backend, config.block_size, eos_token_ids, config.seed, compile_config(config, device)
+        )
 
     @property
     def num_kv_blocks(self) -> int:
@@ -99,4 +118,4 @@ class LocalExecutor:
     def shutdown(self) -> None:
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
-        self.runner.requests.clear()
+        self.runner.input_batch.clear()

@@ -1,38 +1,30 @@
 """The model runner: scheduler deltas in, one batched forward over all scheduled tokens, sampled tokens out.
 
-It keeps each request's token ids, block ids and progress from the `SchedulerOutput` deltas, packs the
-step's tokens into flat tensors (decodes first, then prefill chunks), runs the model once for all of
-them, computes logits only for the rows that are sampled, and samples.
+It keeps each request's token ids, block ids, progress and sampling settings in a persistent batch
+(input_batch.py) updated from the `SchedulerOutput` deltas, takes the step's flat tensors from it (decodes
+first, then prefill chunks), runs the model once for all of them (compiled, see compiled_model.py, or
+eagerly), computes logits only for the rows that are sampled, and samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from hpi_runtime.model.attention import AttentionBackend, AttentionMetadata
 from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
-from hpi_runtime.worker.sampler import Sampler, SamplingBatch, mix_seed
+from hpi_runtime.worker.compiled_model import CompiledForward
+from hpi_runtime.worker.input_batch import InputBatch
+from hpi_runtime.worker.sampler import Sampler
 
-
-@dataclass
-class CachedRequestState:
-    """The runner's copy of one request (mutable, owned by the runner)."""
-
-    request_id: str
-    token_ids: list[int]  # prompt + outputs so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +34,21 @@ class StepLogits:
     request_ids: tuple[str, ...]
     logits: torch.Tensor | None  # [num_sampled, vocab_size] float32; None on tensor-parallel ranks other than 0
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How the runner compiles its model step (see compiled_model.py)."""
+
+    max_model_len: int = 2048  # warm-up requests stay within it
+    freeze_weights: bool = False
+    warmup_large_step_tokens: int = 256  # also compiles graphs guarded on a large step (CPU int8 dequant)
+
+    def warmup_steps(self) -> tuple[tuple[int, ...], ...]:
+        """Warm-up steps as the query lengths of their requests: one decode (padded to two rows), decodes
+        with a prefill chunk, and a large step of prefill chunks. Any step shape then finds its graph."""
+        chunk = min(self.max_model_len, 128)
+        return (1,), (1, 1, min(self.max_model_len, 5)), (chunk,) * -(-self.warmup_large_step_tokens // chunk)
 
 
 @dataclass(frozen=True)
@@ -70,134 +77,53 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: frozenset[int],
         seed: int = 0,
+        compile_config: CompileConfig | None = None,  # None: run the model eagerly
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
-        self.eos_token_ids = eos_token_ids
         self.device = next(model.parameters()).device
         self.sampler = Sampler(seed, self.device)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(block_size, eos_token_ids)
+        self._forward: Callable[..., torch.Tensor] = model
+        if compile_config is not None:
+            self._compile(compile_config)
+
+    @property
+    def is_compiled(self) -> bool:
+        return isinstance(self._forward, CompiledForward)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.sample(self.forward(scheduler_output))
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
-            self.requests.pop(request_id, None)
-        for new in scheduler_output.new_requests:
-            self.requests[new.request_id] = CachedRequestState(
-                request_id=new.request_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
-        for cached in scheduler_output.cached_requests:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-
     @torch.inference_mode()
     def forward(self, scheduler_output: SchedulerOutput) -> StepLogits:
         """Run the model over every scheduled token; logits for the requests whose chunk ends their tokens."""
-        self._update_states(scheduler_output)
-        scheduled = scheduler_output.num_scheduled_tokens
-        # Decodes first (stable), so attention backends see two contiguous groups.
-        request_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)
-        if not request_ids:
+        self.input_batch.update(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
             return StepLogits((), torch.empty(0, self.model.config.vocab_size, device=self.device))
-        states = [self.requests[r] for r in request_ids]
-        query_lens = [scheduled[r] for r in request_ids]
-        starts = [s.num_computed_tokens for s in states]
-        input_ids: list[int] = []
-        for state, start, n in zip(states, starts, query_lens, strict=True):
-            if start + n > len(state.token_ids):
-                raise ValueError(
-                    f"request {state.request_id}: {n} tokens scheduled from {start}, "
-                    f"but only {len(state.token_ids)} are known"
-                )
-            input_ids.extend(state.token_ids[start : start + n])
-            state.num_computed_tokens = start + n
-        is_sampled = [start + n == len(s.token_ids) for s, start, n in zip(states, starts, query_lens, strict=True)]
-        positions, metadata = self._prepare_inputs(states, starts, query_lens)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), positions, metadata)
-        last_rows = metadata.query_start_loc[1:].long() - 1
-        sampled_rows = last_rows[torch.tensor(is_sampled, device=self.device)]
-        logits = self.model.compute_logits(hidden.index_select(0, sampled_rows))
-        return StepLogits(
-            request_ids=tuple(r for r, s in zip(request_ids, is_sampled, strict=True) if s),
-            logits=logits,
-            partial_request_ids=tuple(r for r, s in zip(request_ids, is_sampled, strict=True) if not s),
-        )
-
-    def _prepare_inputs(
-        self, states: list[CachedRequestState], starts: list[int], query_lens: list[int]
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Token positions [num_tokens] and the step's attention metadata (built on the host, then moved)."""
-        device, bs = self.device, self.block_size
-        context_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
-        max_blocks = max(-(-c // bs) for c in context_lens)
-        block_tables = torch.zeros(len(states), max_blocks, dtype=torch.int32)
-        for row, (state, context_len) in enumerate(zip(states, context_lens, strict=True)):
-            num_blocks = -(-context_len // bs)
-            if len(state.block_ids) < num_blocks:
-                raise ValueError(f"request {state.request_id} needs {num_blocks} blocks, has {len(state.block_ids)}")
-            block_tables[row, :num_blocks] = torch.tensor(state.block_ids[:num_blocks], dtype=torch.int32)
-        query_start_loc = torch.zeros(len(states) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-        # Slot of each new token: its position's block from the request's table, plus the offset in it.
-        req_of_token = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-        slot_mapping = block_tables[req_of_token, positions // bs].long() * bs + positions % bs
+        step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
+        device = self.device
         common = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables.to(device),
-            query_start_loc=query_start_loc.to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            num_decode_reqs=sum(1 for n in query_lens if n == 1),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=bs,
+            slot_mapping=step.slot_mapping.to(device),
+            block_tables=step.block_tables.to(device),
+            query_start_loc=step.query_start_loc.to(device),
+            context_lens=step.context_lens.to(device),
+            num_decode_reqs=step.num_decode_reqs,
+            max_query_len=step.max_query_len,
+            max_context_len=step.max_context_len,
+            block_size=self.block_size,
         )
-        return positions.to(device), self.backend.build_metadata(common)
-
-    def _sampling_batch(self, states: Sequence[CachedRequestState]) -> SamplingBatch:
-        params = [s.sampling_params for s in states]
-
-        def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
-
-        uses_penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-        banned = tuple(
-            tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
-            if len(s.output_token_ids) < p.min_tokens
-            else ()
-            for s, p in zip(states, params, strict=True)
-        )
-        penalties = {}
-        if uses_penalties:
-            penalties = dict(
-                presence_penalty=column("presence_penalty"),
-                frequency_penalty=column("frequency_penalty"),
-                repetition_penalty=column("repetition_penalty"),
-                prompt_token_ids=tuple(tuple(s.token_ids[: s.num_prompt_tokens]) for s in states),
-                output_token_ids=tuple(tuple(s.output_token_ids) for s in states),
-            )
-        return SamplingBatch(
-            temperature=column("temperature"),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=self.device),
-            top_p=column("top_p"),
-            min_p=column("min_p"),
-            seeds=tuple(
-                None if p.seed is None else mix_seed(p.seed, len(s.output_token_ids))
-                for s, p in zip(states, params, strict=True)
-            ),
-            num_logprobs=tuple(p.logprobs for p in params),
-            banned_token_ids=banned if any(banned) else (),
-            **penalties,
+        metadata = self.backend.build_metadata(common)
+        hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
+        last_rows = step.query_start_loc[1:].long() - 1
+        sampled_rows = last_rows[torch.tensor(step.is_sampled)]
+        logits = self.model.compute_logits(hidden.index_select(0, sampled_rows.to(device)))
+        return StepLogits(
+            request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if s),
+            logits=logits,
+            partial_request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if not s),
         )
 
     @torch.inference_mode()
@@ -209,29 +135,25 @@ class ModelRunner:
         sampled: dict[str, tuple[int, ...]] = dict.fromkeys(step.partial_request_ids, ())
         if not step.request_ids:
             return ModelRunnerOutput(sampled_token_ids=sampled)
-        states = [self.requests[r] for r in step.request_ids]
-        tp = self.model.tp
-        if tp.size == 1:
-            result = self.sampler(step.logits, self._sampling_batch(states))
+        rows = self.input_batch.rows_of(step.request_ids)
+        if self.model.tp.size == 1:
+            result = self.sampler(step.logits, self.input_batch.sampling_batch(rows, self.device))
             token_ids, token_logprobs = result.token_ids, result.logprobs
         else:
-            token_ids, token_logprobs = self._sample_on_first_rank(step, states)
-        logprobs = {}
-        for state, token_id, lp in zip(states, token_ids, token_logprobs, strict=True):
-            state.token_ids.append(token_id)
-            if lp is not None:
-                logprobs[state.request_id] = (lp,)
-        sampled.update((s.request_id, (t,)) for s, t in zip(states, token_ids, strict=True))
+            token_ids, token_logprobs = self._sample_on_first_rank(step, rows)
+        self.input_batch.append_sampled(rows, token_ids)
+        logprobs = {r: (lp,) for r, lp in zip(step.request_ids, token_logprobs, strict=True) if lp is not None}
+        sampled.update((r, (t,)) for r, t in zip(step.request_ids, token_ids, strict=True))
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample_on_first_rank(
-        self, step: StepLogits, states: list[CachedRequestState]
+        self, step: StepLogits, rows: np.ndarray
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        tokens = torch.full((len(states),), -1, dtype=torch.int64, device=self.device)
-        token_logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=self.device)
+        token_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         try:
             if self.model.tp.is_first:
-                result = self.sampler(step.logits, self._sampling_batch(states))
+                result = self.sampler(step.logits, self.input_batch.sampling_batch(rows, self.device))
                 tokens.copy_(torch.tensor(result.token_ids, dtype=torch.int64))
                 token_logprobs = list(result.logprobs)
         finally:  # the other ranks wait in this broadcast even when rank 0's sampler failed
@@ -240,3 +162,38 @@ class ModelRunner:
         if min(token_ids) < 0:
             raise RuntimeError("tensor-parallel rank 0 failed to sample this step")
         return token_ids, token_logprobs
+
+    def _compile(self, config: CompileConfig) -> None:
+        """Compile the model step now and run it over representative shapes, so no request pays for it."""
+        if not getattr(self.backend, "supports_compile", False):
+            logger.info("running the model eagerly: the %s attention backend is not compilable", self.backend.name)
+            return
+        start = time.perf_counter()
+        self._forward = CompiledForward(self.model, config.freeze_weights)
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for query_lens in config.warmup_steps():
+            self.forward(_warmup_step(query_lens, self.block_size))
+        self.input_batch.clear()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+        logger.info("compiled the model step in %.1f s (%d graph%s, weights %sfrozen)",
+                    time.perf_counter() - start, graphs, "" if graphs == 1 else "s",
+                    "" if config.freeze_weights else "not ")  # fmt: skip
+
+
+def _warmup_step(query_lens: tuple[int, ...], block_size: int) -> SchedulerOutput:
+    """A step of dummy requests (token 0, every block id 0) with these query lengths, each its whole prompt.
+
+    Its KV writes land in block 0, which holds nothing yet: warm-up runs before the first request."""
+    new = tuple(
+        NewRequestData(
+            request_id=f"warmup-{i}",
+            token_ids=(0,) * n,
+            num_prompt_tokens=n,
+            sampling_params=SamplingParams(temperature=0.0),
+            block_ids=(0,) * -(-n // block_size),
+            num_computed_tokens=0,
+        )
+        for i, n in enumerate(query_lens)
+    )
+    scheduled = {r.request_id: n for r, n in zip(new, query_lens, strict=True)}
+    return SchedulerOutput(new, (), scheduled, sum(query_lens))

@@ -3,6 +3,7 @@ batch attends exactly as each request attending its own context alone would."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -148,3 +149,77 @@ def test_bucketed_decodes_match_each_request_alone(context_lens, query_lens) -> 
         torch.testing.assert_close(
             out.double(), expected, atol=2e-6, rtol=1e-5, msg=lambda m, g=max_groups: f"max_decode_groups={g}: {m}"
         )
+
+
+# -- the hpi::paged_attention op (what the compiled model calls) --------------------------------------------
+
+
+def _kernel_params():
+    from hpi_runtime.model.attention_op import cpu_kernel_usable
+
+    kernel = pytest.param(True, id="cpu-kernel")
+    if not cpu_kernel_usable(HEAD_DIM, torch.float32, torch.device("cpu")):
+        kernel = pytest.param(True, id="cpu-kernel", marks=pytest.mark.skip(reason="C++ CPU attention not built"))
+    return [kernel, pytest.param(False, id="reference")]
+
+
+def _call_op(common: AttentionMetadata, q, k, v, k_cache, v_cache, prefer_cpu_kernel: bool) -> torch.Tensor:
+    from hpi_runtime.model.attention_op import PagedAttentionOpBackend
+
+    backend = PagedAttentionOpBackend(q.dtype, prefer_cpu_kernel=prefer_cpu_kernel)
+    return backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(common), HEAD_DIM**-0.5)
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens"),
+    [
+        pytest.param([1], [1], id="one-token"),
+        pytest.param([37, 1500, 50, 900, 33], [1] * 5, id="decodes"),
+        pytest.param([300, 17, 64, 48], [1, 1, 20, 48], id="decodes-then-prefills"),
+        pytest.param([40, 33], [40, 33], id="prefills"),
+    ],
+)
+def test_op_matches_each_request_alone(context_lens, query_lens, prefer_cpu_kernel) -> None:
+    common, q, k, v, k_cache, v_cache = _paged_step(context_lens, query_lens)
+    expected = _reference(common, q, k, v, k_cache, v_cache)
+    caches = k_cache.clone(), v_cache.clone()
+    out = _call_op(common, q, k, v, *caches, prefer_cpu_kernel)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    written = caches[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[common.slot_mapping]
+    torch.testing.assert_close(written, k)  # the new tokens' keys are in their slots
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+def test_op_pad_rows_are_zero_and_write_nothing(prefer_cpu_kernel) -> None:
+    """The compiled step pads a 1-token step to 2 rows: slot_mapping covers the real token only."""
+    common, q, k, v, k_cache, v_cache = _paged_step([30, 20], [1, 1])
+    single = dataclasses.replace(common, slot_mapping=common.slot_mapping[:1], block_tables=common.block_tables[:1],
+                                 query_start_loc=common.query_start_loc[:2], context_lens=common.context_lens[:1],
+                                 num_decode_reqs=1)  # fmt: skip
+    caches = k_cache.clone(), v_cache.clone()
+    out = _call_op(single, q, k, v, *caches, prefer_cpu_kernel)
+    expected = _reference(single, q[:1], k[:1], v[:1], k_cache, v_cache)
+    torch.testing.assert_close(out[:1].double(), expected, atol=2e-5, rtol=1e-4)
+    assert out.shape == q.shape and not out[1:].any()
+    changed = (caches[0] != k_cache).any(-1).any(-1).flatten().nonzero().flatten()
+    assert changed.tolist() == common.slot_mapping[:1].tolist()
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+def test_op_bf16_is_close_to_fp32(prefer_cpu_kernel) -> None:
+    common, q, k, v, k_cache, v_cache = _paged_step([300, 17, 64, 48], [1, 1, 20, 48])
+    expected = _reference(common, q, k, v, k_cache, v_cache)
+    bf16 = [t.bfloat16() for t in (q, k, v, k_cache, v_cache)]
+    out = _call_op(common, *bf16, prefer_cpu_kernel)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+def test_op_registration_is_consistent(prefer_cpu_kernel) -> None:
+    """torch.library's own checks: the fake impl, the declared mutations and the schema match the op."""
+    common, q, k, v, k_cache, v_cache = _paged_step([30, 20, 9], [1, 1, 9])
+    args = (q, k, v, k_cache, v_cache, common.slot_mapping, common.block_tables, common.query_start_loc,
+            common.context_lens, HEAD_DIM**-0.5, prefer_cpu_kernel)  # fmt: skip
+    torch.library.opcheck(torch.ops.hpi.paged_attention.default, args)

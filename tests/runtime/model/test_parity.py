@@ -31,7 +31,7 @@ def _run_and_compare(runner, hf_model, scheduler: HandScheduler, num_steps: int,
             events[step](scheduler)
         logits = runner.forward(scheduler.schedule())
         for row, request_id in enumerate(logits.request_ids):
-            ids = torch.tensor([runner.requests[request_id].token_ids])
+            ids = torch.tensor([runner.input_batch.request_token_ids(request_id)])
             with torch.no_grad():
                 expected = hf_model(ids).logits[0, -1]
             torch.testing.assert_close(
@@ -108,4 +108,4 @@ def test_prefix_hits_preemption_and_dirty_blocks(tiny_model_dir, make_runner) ->
     events = {3: prefix_hit, 5: preempt_other, 8: finish_a}
     checked = _run_and_compare(runner, hf_model, scheduler, num_steps=14, events=events)
     assert checked >= 25
-    assert "a" not in runner.requests
+    assert "a" not in runner.input_batch

@@ -1,0 +1,182 @@
+"""Where one decode step's time goes: linears, attention, element-wise ops, host-side preparation.
+
+Drives one LocalExecutor per mode (eager, compiled, or compiled with frozen weights) on the embedded
+SmolLM2 directly with hand-made scheduler deltas: N requests with P-token prompts are prefilled one by one, then
+decode together. The modes take turns step by step; the median of S decode steps is timed per mode, and
+the medians of a few more steps profiled with torch.profiler give the components (ms):
+- linears: self time of the matmul ops inside the model forward (the LM head is counted under logits);
+- attention: the attention op (hpi::paged_attention) or, eagerly, everything under Attention.forward;
+- elementwise: the rest of the model forward (norms, activations, rotary, residuals, dispatch);
+- logits + sampling: the LM head over the sampled rows and the sampler;
+- host prep: the rest of the step (scheduler deltas, flat inputs, attention metadata, sampling settings).
+
+    .venv/bin/python bench/profile_model_step.py --dtype float32 --batch 32   # eager, compiled, frozen
+    .venv/bin/python bench/profile_model_step.py --modes eager               # an engine without compilation
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
+from hpi_runtime.embedded import ensure_embedded_model
+from hpi_runtime.model.config import load_model_config
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+from hpi_runtime.worker.sampler import Sampler
+
+LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_mkl_linear"}  # fmt: skip
+BLOCK_SIZE = 16
+
+
+def _traced(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class Driver:
+    """A scheduler stand-in: N requests, each prefilled alone, then every step decodes all of them."""
+
+    def __init__(self, executor: LocalExecutor, num_reqs: int, prompt_len: int) -> None:
+        self.executor = executor
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = {f"r{i}": torch.randint(10, 40000, (prompt_len,), generator=generator).tolist()
+                       for i in range(num_reqs)}  # fmt: skip
+        self.blocks: dict[str, list[int]] = {}
+        self.next_block = 0
+        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+    def _new_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks.setdefault(request_id, []))
+        added = tuple(range(self.next_block, self.next_block + needed))
+        self.next_block += needed
+        self.blocks[request_id].extend(added)
+        return added
+
+    def _run(self, output: SchedulerOutput) -> None:
+        result = self.executor.execute_model(output)
+        for request_id, token_ids in result.sampled_token_ids.items():
+            self.tokens[request_id].extend(token_ids)
+
+    def prefill(self) -> None:
+        for request_id, tokens in self.tokens.items():
+            self._new_blocks(request_id, len(tokens))
+            new = NewRequestData(request_id, tuple(tokens), len(tokens), self.params, tuple(self.blocks[request_id]), 0)
+            self._run(SchedulerOutput((new,), (), {request_id: len(tokens)}, len(tokens)))
+
+    def decode(self) -> None:
+        cached = tuple(
+            CachedRequestData(r, self._new_blocks(r, len(t)), len(t) - 1) for r, t in self.tokens.items()
+        )
+        self._run(SchedulerOutput((), cached, dict.fromkeys(self.tokens, 1), len(self.tokens)))
+
+
+def _components(prof, step_ms: float) -> dict[str, float]:
+    events = prof.events()
+    totals: dict[str, float] = {}
+    linear_ms = attention_op_ms = 0.0
+    for event in events:
+        if event.name in ("model", "attention", "logits", "sampler"):
+            totals[event.name] = totals.get(event.name, 0.0) + event.cpu_time_total / 1e3
+        ancestors, parent = [], event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        if "model" not in ancestors:
+            continue
+        if event.name in LINEAR_OPS:
+            linear_ms += event.self_cpu_time_total / 1e3
+        if event.name == "hpi::paged_attention" and "attention" not in ancestors:
+            attention_op_ms += event.cpu_time_total / 1e3
+    model_ms = totals.get("model", 0.0)
+    attention_ms = totals.get("attention", 0.0) + attention_op_ms
+    logits_ms = totals.get("logits", 0.0) + totals.get("sampler", 0.0)
+    return {
+        "linears": linear_ms,
+        "attention": attention_ms,
+        "elementwise": model_ms - linear_ms - attention_ms,
+        "logits + sampling": logits_ms,
+        "host prep": step_ms - model_ms - logits_ms,
+        "step": step_ms,
+    }
+
+
+MODES = {  # ExecutorConfig settings of each mode
+    "eager": {"enforce_eager": True},
+    "compiled": {"enforce_eager": False, "freeze_weights": False},
+    "frozen": {"enforce_eager": False, "freeze_weights": True},
+}
+
+
+def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
+    settings = dict(model_config=load_model_config(ensure_embedded_model()), dtype=dtype, device=torch.device("cpu"),
+                    block_size=BLOCK_SIZE, max_model_len=2048, kv_cache_memory_bytes=512 << 20)  # fmt: skip
+    if "enforce_eager" in {f.name for f in dataclasses.fields(ExecutorConfig)}:
+        settings.update(MODES[mode])
+    elif mode != "eager":
+        raise SystemExit("this engine predates compilation: --modes eager only")
+    start = time.perf_counter()
+    executor = LocalExecutor(ExecutorConfig(**settings))
+    print(f"{mode}: executor ready in {time.perf_counter() - start:.1f} s", flush=True)
+    runner = executor.runner
+    if getattr(runner, "is_compiled", False):  # wrap outside the compiled region: Dynamo never sees it
+        runner._forward = _traced("model", runner._forward)
+    else:  # instances only: a patched class could change what a compiled model in this process traces
+        runner.model.forward = _traced("model", runner.model.forward)
+        for attn in runner.model.attention_layers():
+            attn.forward = _traced("attention", attn.forward)
+    runner.model.compute_logits = _traced("logits", runner.model.compute_logits)
+    return executor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per mode")
+    parser.add_argument("--profiled-steps", type=int, default=5, help="profiled decode steps per mode")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(MODES))
+    args = parser.parse_args()
+    Sampler.__call__ = _traced("sampler", Sampler.__call__)
+    drivers = {}
+    for mode in args.modes:
+        drivers[mode] = Driver(_executor(mode, getattr(torch, args.dtype)), args.batch, args.prompt_len)
+        drivers[mode].prefill()
+    # Modes take turns step by step, so whatever else the machine does lands on all of them alike.
+    times: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    for _ in range(args.steps):
+        for mode, driver in drivers.items():
+            start = time.perf_counter()
+            driver.decode()
+            times[mode].append((time.perf_counter() - start) * 1e3)
+    parts: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+    for _ in range(args.profiled_steps):
+        for mode, driver in drivers.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                driver.decode()
+                step_ms = (time.perf_counter() - start) * 1e3
+            parts[mode].append(_components(prof, step_ms))
+    print(f"{args.dtype}, batch {args.batch}, context {args.prompt_len}..{args.prompt_len + args.steps}")
+    for mode in args.modes:
+        median_ms = statistics.median(times[mode])
+        components = {k: statistics.median(p[k] for p in parts[mode]) for k in parts[mode][0]}
+        print(f"{mode:>8}: decode step {median_ms:.1f} ms ({args.batch * 1e3 / median_ms:.0f} tok/s); profiled (ms) "
+              + ", ".join(f"{k} {v:.1f}" for k, v in components.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
