@@ -129,7 +129,7 @@ def run_hpi_offline(plan: ServingPlan, tokenizer, progress) -> dict:
     for concurrency in plan.concurrencies:
         requests = build_requests(tokenizer, workload(plan, num_requests_for(plan, concurrency, None), concurrency))
         prompt_ids = [tokenizer(r.prompt).input_ids for r in requests]
-        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
         with LLM(kv_cache_memory_bytes=parse_bytes(plan.kv_cache_memory), max_num_seqs=concurrency) as llm:
             llm.generate([prompt_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))  # first-call costs
             start = time.perf_counter()
