@@ -54,6 +54,7 @@ def register_autoscaler(
         patch: kopf.Patch,
         runtime_pods: kopf.Index,
         logger: kopf.Logger,
+        memo: kopf.Memo,
         **_: Any,
     ) -> None:
         if meta.get("deletionTimestamp"):
@@ -70,6 +71,9 @@ def register_autoscaler(
         scraper = functools.partial(scrape_pods, timeout_s=scrape_timeout_s)
         result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper)
         decision = result.decision
+        if "metrics" in memo:
+            scaled = decision.reason if result.scale_to is not None else None
+            memo.metrics.record_decision(namespace, name, decision.desired_replicas, decision.kv_utilization, scaled)
         if result.scale_to is not None:
             patch.spec["replicas"] = result.scale_to
             kopf.event(body, type="Normal", reason=decision.reason, message=decision.message)

@@ -44,7 +44,7 @@ def render(cr_path: str, nodes_path: str, out: Any = None, err: Any = None) -> i
     for cr in crs:
         name = (cr.get("metadata") or {}).get("name", "?")
         try:
-            plan = make_plan(cr, nodes)
+            plan = make_plan(cr, nodes, assume_cached=True)
         except SpecError as e:
             print(f"error: {KIND} {name}: {e}", file=err)
             failed = True
@@ -57,6 +57,8 @@ def render(cr_path: str, nodes_path: str, out: Any = None, err: Any = None) -> i
             failed = True
             continue
         manifests.extend(plan.children)
+        if plan.cache:
+            manifests.append(plan.cache.fill_job)
     yaml.safe_dump_all(manifests, out, sort_keys=False)
     return 2 if failed else 0
 

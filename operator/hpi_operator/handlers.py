@@ -20,12 +20,14 @@ from typing import Any
 import kopf
 
 from .autoscale_handlers import register_autoscaler
+from .cache import RETRY_BASE_DELAY_S
+from .cache_sync import MODEL_CACHED
 from .kube import KubeClient, load_api_client
 from .manifests import short_name
 from .names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, OPERATOR_NAME, PLURAL, VERSION
 from .nodes import NodeInfo, node_info
 from .op_metrics import OperatorMetrics
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .reconcile import Outcome, reconcile
 from .spec import SpecError
 from .status import ChildState, build_status, conditions_equal
@@ -36,6 +38,7 @@ class OperatorConfig:
     resync_interval_s: float = 10.0  # how often each InferenceDeployment compares its plan with the inventory
     metrics_port: int | None = None  # the operator's own /metrics; None: not served
     autoscale_tick_s: float = 1.0  # how often a builtin-autoscaled resource checks whether a poll is due
+    cache_retry_base_s: float = RETRY_BASE_DELAY_S  # backoff after the first failed model-cache download
 
 
 def utc_now() -> str:
@@ -53,6 +56,16 @@ def _finish(outcome: Outcome, body: kopf.Body, patch: kopf.Patch, memo: kopf.Mem
     memo.metrics.count_reconcile(outcome.result)
     if outcome.error is not None:
         raise outcome.error
+
+
+def cache_unsettled(plan: Plan, status: Mapping[str, Any]) -> bool:
+    """The model cache still has work: a download running or failed, pods to move, an old revision to remove.
+    Each resync then runs the whole reconcile, which reads the cache Jobs (nothing watches them)."""
+    if plan.cache is None:
+        return False
+    entry = status.get("modelCache") or {}
+    cached = any(c.get("type") == MODEL_CACHED and c.get("status") == "True" for c in status.get("conditions") or [])
+    return not cached or entry.get("servedPath") != plan.cache.path or bool(entry.get("previousPath"))
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
@@ -101,7 +114,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         nodes = inventory_nodes(node_inventory)
         memo.metrics.set_nodes("gpu", sum(1 for n in nodes if n.gpu_product))
         memo.metrics.set_nodes("cpu", sum(1 for n in nodes if not n.gpu_product))
-        _finish(reconcile(body, nodes, memo.kube, utc_now()), body, patch, memo)
+        _finish(reconcile(body, nodes, memo.kube, utc_now(), config.cache_retry_base_s), body, patch, memo)
 
     @kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=config.resync_interval_s, registry=registry)
     def resync(
@@ -128,15 +141,19 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         owner_key = (plan.owner.namespace, short_name(plan.owner.name))
         states = {s.name: s for s in runtime_deployments.get(owner_key, [])}
         wanted = {d["metadata"]["name"] for d in plan.deployments}
-        if plan.fingerprint != status.get("appliedHash") or not wanted <= set(states):
+        if plan.fingerprint != status.get("appliedHash") or not wanted <= set(states) or cache_unsettled(plan, status):
             try:
-                _finish(reconcile(body, nodes, memo.kube, utc_now()), body, patch, memo)
+                _finish(reconcile(body, nodes, memo.kube, utc_now(), config.cache_retry_base_s), body, patch, memo)
             except (kopf.PermanentError, kopf.TemporaryError) as e:
                 logger.info(f"resync could not converge yet: {e}")  # status and Events already say why
             return
         if not plan.placeable:
             return
-        fresh = build_status(plan, states, int(generation or 0), status, utc_now())
+        cache = None
+        if plan.cache is not None:  # settled: carried over as the last reconcile wrote it
+            cached = next(c for c in status.get("conditions") or [] if c.get("type") == MODEL_CACHED)
+            cache = (status.get("modelCache") or {}, {k: v for k, v in cached.items() if k != "lastTransitionTime"})
+        fresh = build_status(plan, states, int(generation or 0), status, utc_now(), cache)
         changed = {k: v for k, v in fresh.items() if k != "conditions" and status.get(k) != v}
         if changed or not conditions_equal(status.get("conditions") or [], fresh["conditions"]):
             patch.status.update(fresh)

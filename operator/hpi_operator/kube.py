@@ -27,6 +27,8 @@ _PATHS = {
     "Deployment": "/apis/apps/v1/namespaces/{namespace}/deployments",
     "Service": "/api/v1/namespaces/{namespace}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{namespace}/persistentvolumeclaims",
+    "Job": "/apis/batch/v1/namespaces/{namespace}/jobs",
     **AUTOSCALER_PATHS,  # HorizontalPodAutoscaler, ScaledObject
 }
 
@@ -75,6 +77,10 @@ class KubeClient:
             if e.status == 404:
                 return None
             raise
+
+
+def collection_path(kind: str, namespace: str) -> str:
+    return _PATHS[kind].format(namespace=namespace)
 
 
 def _collection(obj: Mapping[str, Any]) -> str:
@@ -144,6 +150,8 @@ def apply_plan(kube: KubeClient, plan: Plan, owner_uid: str | None) -> ApplyResu
         actions[f"{child['kind']}/{child['metadata']['name']}"] = action
         if child["kind"] == "Deployment":
             states[child["metadata"]["name"]] = ChildState.from_deployment(live)
+    if plan.waiting_for_cache:
+        return ApplyResult(states=states, actions=actions)  # running pods (cache just enabled) stay for now
     for name in prune_deployments(kube, plan, owner_uid):
         actions[f"Deployment/{name}"] = "deleted"
     return ApplyResult(states=states, actions=actions)

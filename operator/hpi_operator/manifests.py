@@ -35,6 +35,7 @@ from .spec import InferenceSpec
 
 MODEL_MOUNT = "/models"
 CACHE_MOUNT = "/cache"
+CACHE_VOLUME_MOUNT = "/model-cache"  # spec.model.cache: the shared (or node-local) model cache volume
 PRESTOP_SLEEP_S = 5  # lets endpoints controllers drop the pod before the runtime stops accepting work
 API_KEY_ENV = "HPI_API_KEY"
 GPU_HOST_MEMORY_BYTES = 8 * GIB  # host RAM for a GPU replica: tokenizer, loader staging, HTTP server
@@ -101,20 +102,37 @@ def stamp_hash(manifest: dict[str, Any]) -> dict[str, Any]:
 RUNTIME_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # `hpi serve --dtype` spellings
 
 
-def model_dir(spec: InferenceSpec) -> str | None:
-    """Where the runtime finds the model directory; None for the embedded model (the runtime's default)."""
+def cache_model_dir(spec: InferenceSpec) -> str:
+    """The wanted revision's directory on the model cache volume: one directory per revision."""
+    return f"{CACHE_VOLUME_MOUNT}/models/{spec.model.hf_id}/{spec.model.hf_revision.replace('/', '--')}"
+
+
+def uses_cache(spec: InferenceSpec, volume: str) -> bool:
+    cache = spec.model.cache
+    return spec.model.source == "huggingface" and cache.enabled and cache.volume == volume
+
+
+def model_dir(spec: InferenceSpec, cached_dir: str | None = None) -> str | None:
+    """Where the runtime finds the model directory; None for the embedded model (the runtime's default).
+
+    With a shared cache, `cached_dir` is the revision the cache holds complete (it may lag the spec while
+    a new revision downloads)."""
     if spec.model.source == "pvc":
         return "/".join(p for p in (MODEL_MOUNT, spec.model.pvc_path) if p)
+    if uses_cache(spec, "persistentVolumeClaim"):
+        return cached_dir or cache_model_dir(spec)
+    if uses_cache(spec, "hostPath"):
+        return cache_model_dir(spec)
     if spec.model.source == "huggingface" and spec.model.hf_id:
         return f"{CACHE_MOUNT}/models/{spec.model.hf_id}"
     return None
 
 
-def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile) -> list[str]:
+def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None) -> list[str]:
     """Arguments of `hpi serve` (runtime/hpi_runtime/cli.py) for one profile."""
     engine = spec.engine
     args = ["serve", "--host", "0.0.0.0", "--port", str(RUNTIME_PORT)]
-    directory = model_dir(spec)
+    directory = model_dir(spec, cached_dir)
     if directory:
         args += ["--model", directory]
     args += [
@@ -137,25 +155,37 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile) -> list
     return args + list(spec.runtime.extra_args)
 
 
-# The runtime's own downloader (same image): configs first, then only the shards its loader reads.
-FETCH_SCRIPT = (
-    "import sys\n"
-    "from pathlib import Path\n"
-    "from hpi_runtime.llm import download_from_hub\n"
-    "download_from_hub(sys.argv[1], Path(sys.argv[2]))\n"
-)
+# The runtime's own downloader (same image, runtime/hpi_runtime/download.py): configs first, then only the
+# shards its loader reads, each verified by size and hash; resumable; a completion marker written last.
+DOWNLOADER = ["python", "-m", "hpi_runtime.download"]
 
 
 def _fetch_container(spec: InferenceSpec, container: dict[str, Any]) -> dict[str, Any]:
-    """An init container (same image) that downloads a Hugging Face model into the cache volume."""
+    """An init container (same image) that downloads a Hugging Face model into the pod's (or node's) cache."""
+    mounts = [{k: v for k, v in m.items() if k != "readOnly"} for m in container["volumeMounts"]]
     return {
         "name": "fetch-model",
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
-        "command": ["python", "-c", FETCH_SCRIPT, spec.model.hf_id or "", model_dir(spec) or ""],
+        "command": DOWNLOADER,
+        "args": ["fetch", spec.model.hf_id or "", model_dir(spec) or "", "--revision", spec.model.hf_revision],
         "env": container["env"],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
-        "volumeMounts": container["volumeMounts"],
+        "volumeMounts": mounts,
+        "securityContext": container["securityContext"],
+    }
+
+
+def _check_cache_container(container: dict[str, Any], directory: str) -> dict[str, Any]:
+    """An init container that keeps the runtime from starting on a partial cache (no completion marker)."""
+    return {
+        "name": "check-model-cache",
+        "image": container["image"],
+        "imagePullPolicy": container["imagePullPolicy"],
+        "command": DOWNLOADER,
+        "args": ["check", directory],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [m for m in container["volumeMounts"] if m["mountPath"] in (CACHE_VOLUME_MOUNT, "/tmp")],
         "securityContext": container["securityContext"],
     }
 
@@ -184,12 +214,19 @@ def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
         ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
     token = spec.model.hf_token_secret
-    if spec.model.source == "huggingface" and token:
+    if spec.model.source == "huggingface" and token and not uses_cache(spec, "persistentVolumeClaim"):
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
     return env + [dict(e) for e in spec.runtime.env]
 
 
-def _volumes(spec: InferenceSpec, profile: Profile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def cache_claim_name(owner_name: str, spec: InferenceSpec) -> str:
+    """The model cache's claim: the one spec.model.cache names, else the one the operator creates."""
+    return spec.model.cache.claim_name or short_name(f"{owner_name}-model-cache")
+
+
+def _volumes(
+    owner_name: str, spec: InferenceSpec, profile: Profile
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": "/tmp"},
@@ -203,6 +240,14 @@ def _volumes(spec: InferenceSpec, profile: Profile) -> tuple[list[dict[str, Any]
         claim = {"claimName": spec.model.pvc_claim_name, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if uses_cache(spec, "persistentVolumeClaim"):
+        claim = {"claimName": cache_claim_name(owner_name, spec), "readOnly": True}
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model-cache", "mountPath": CACHE_VOLUME_MOUNT, "readOnly": True})
+    if uses_cache(spec, "hostPath"):
+        host = {"path": spec.model.cache.host_path, "type": "DirectoryOrCreate"}
+        volumes.append({"name": "model-cache", "hostPath": host})
+        mounts.append({"name": "model-cache", "mountPath": CACHE_VOLUME_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
@@ -223,18 +268,19 @@ def _affinity(pool: Pool) -> dict[str, Any] | None:
 
 
 def build_deployment(
-    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int
+    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None
 ) -> dict[str, Any]:
-    """The Deployment that runs `replicas` runtime pods with `profile` on `pool`."""
+    """The Deployment that runs `replicas` runtime pods with `profile` on `pool` (from `cached_dir`, the complete
+    revision on the shared model cache, when there is one)."""
     labels = {**common_labels(owner.name), LABEL_POOL: short_name(pool.name)}
     pod_selector = {**selector_labels(owner.name), LABEL_POOL: short_name(pool.name)}
-    volumes, mounts = _volumes(spec, profile)
+    volumes, mounts = _volumes(owner.name, spec, profile)
     container = {
         "name": "runtime",
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["hpi"],
-        "args": runtime_args(owner.name, spec, profile),
+        "args": runtime_args(owner.name, spec, profile, cached_dir),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec, profile),
@@ -276,7 +322,9 @@ def build_deployment(
             }
         ],
     }
-    if spec.model.source == "huggingface":
+    if uses_cache(spec, "persistentVolumeClaim"):
+        pod_spec["initContainers"] = [_check_cache_container(container, model_dir(spec, cached_dir) or "")]
+    elif spec.model.source == "huggingface":  # node-local cache, or a download into the pod's own volume
         pod_spec["initContainers"] = [_fetch_container(spec, container)]
     affinity = _affinity(pool)
     if affinity:

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 
 from .autoscale_manifests import autoscaler_child
+from .cache import CachePlan, plan_cache
 from .manifests import Owner, build_deployment, build_pdb, build_service, selector_labels, stamp_hash
 from .names import ANNOTATION_SPEC_HASH
 from .nodes import NodeInfo, group_pools
@@ -34,14 +35,24 @@ class Plan:
     pdb: dict[str, Any]
     num_unplaced: int  # replicas beyond the serving pools' capacity (they wait Pending)
     autoscaler: dict[str, Any] | None = None  # the HPA (mode hpa) or ScaledObject (mode keda), if any
+    cache: CachePlan | None = None  # spec.model.cache with a claim: the claim and the Job that fills it
+    cached_dir: str | None = None  # the complete revision on the cache that pods run from (None: none yet)
 
     @property
     def placeable(self) -> bool:
-        return bool(self.deployments)
+        return bool(self.replicas_by_pool)
+
+    @property
+    def waiting_for_cache(self) -> bool:
+        """No revision of the model is complete on the cache yet: no runtime pod may start."""
+        return self.cache is not None and not self.cached_dir
 
     @property
     def children(self) -> tuple[dict[str, Any], ...]:
-        return (*self.deployments, self.service, self.pdb, *([self.autoscaler] if self.autoscaler else []))
+        """What kube.apply_plan writes (the cache's Jobs are created and retried by cache_sync.py instead)."""
+        claim = [self.cache.pvc] if self.cache and self.cache.pvc else []
+        autoscaler = [self.autoscaler] if self.autoscaler else []
+        return (*claim, *self.deployments, self.service, self.pdb, *autoscaler)
 
     @property
     def selector(self) -> str:
@@ -52,14 +63,17 @@ class Plan:
         """Changes whenever any child's desired manifest or any pool's verdict changes."""
         hashes = sorted(c["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for c in self.children)
         verdicts = sorted(f"{c.pool.name}:{c.reason}" for c in self.choices)
-        return hashlib.sha256("\n".join(hashes + verdicts).encode()).hexdigest()[:16]
+        cache = [self.cache.fill_job["metadata"]["name"], self.cached_dir or ""] if self.cache else []
+        return hashlib.sha256("\n".join(hashes + verdicts + cache).encode()).hexdigest()[:16]
 
     def choice(self, pool_name: str) -> PoolChoice:
         return next(c for c in self.choices if c.pool.name == pool_name)
 
 
-def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> Plan:
-    """Decide everything for `body` (an InferenceDeployment as a dict); raises SpecError on a bad spec."""
+def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached: bool = False) -> Plan:
+    """Decide everything for `body` (an InferenceDeployment as a dict); raises SpecError on a bad spec.
+
+    `assume_cached`: plan the Deployments as if the model cache held the wanted revision (offline renders)."""
     metadata = body.get("metadata") or {}
     owner = Owner(name=metadata["name"], namespace=metadata.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
@@ -69,14 +83,21 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> Plan:
     serving = rank_choices(eligible_choices(choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     slots = [Slot(c.pool.name, c.capacity) for c in serving]
     replicas_by_pool = spread_replicas(spec.replicas, slots)
+    cache = plan_cache(owner, spec, shape)
+    # The revision complete on the cache (cache_sync.py records it in status when the fill Job completes).
+    cached_dir = ((body.get("status") or {}).get("modelCache") or {}).get("servedPath") if cache else None
+    if cache and assume_cached:
+        cached_dir = cache.path
     deployments = []
     for choice in serving:
         assert choice.profile is not None  # eligible_choices keeps pools with a profile only
-        deployments.append(
-            build_deployment(owner, spec, choice.pool, choice.profile, replicas_by_pool[choice.pool.name])
-        )
+        if cache is None or cached_dir:  # never a pod on a partial cache
+            replicas = replicas_by_pool[choice.pool.name]
+            deployments.append(build_deployment(owner, spec, choice.pool, choice.profile, replicas, cached_dir))
     service, pdb = build_service(owner), build_pdb(owner)
-    children = [*deployments, service, pdb]
+    children = [*deployments, service, pdb, *([cache.pvc] if cache and cache.pvc else [])]
+    if cache is not None:
+        children.append(cache.fill_job)
     if metadata.get("uid"):  # offline renders of a CR that was never created have no owner to point at
         kopf.adopt(children, owner=dict(body))
     for child in children:
@@ -91,4 +112,6 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> Plan:
         pdb=pdb,
         num_unplaced=max(0, spec.replicas - sum(s.capacity for s in slots)),
         autoscaler=autoscaler_child(body, owner, spec),
+        cache=cache,
+        cached_dir=cached_dir,
     )

@@ -36,6 +36,9 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"), "one per node pool"),
     Rule("", "services", ("get", "create", "patch"), "one per InferenceDeployment"),
     Rule("policy", "poddisruptionbudgets", ("get", "create", "patch"), "one per InferenceDeployment"),
+    # spec.model.cache (cache_sync.py): the claim it creates, the Jobs that fill it and remove old revisions.
+    Rule("", "persistentvolumeclaims", ("get", "create", "patch"), "the model cache claim, unless one is named"),
+    Rule("batch", "jobs", ("get", "list", "create", "delete"), "model cache downloads and old-revision removal"),
     # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.
     Rule("autoscaling", "horizontalpodautoscalers", ("get", "list", "create", "patch", "delete"), "mode hpa"),
     Rule("keda.sh", "scaledobjects", ("get", "list", "create", "patch", "delete"), "mode keda"),

@@ -13,6 +13,8 @@ from typing import Any
 import kopf
 
 from .autoscale_children import prune_autoscalers
+from .cache import RETRY_BASE_DELAY_S
+from .cache_sync import MODEL_CACHED, CacheReport, cache_status, collect_old_revision, sync_cache
 from .kube import KubeClient, KubeError, apply_plan
 from .nodes import NodeInfo
 from .plan import Plan, make_plan
@@ -44,6 +46,12 @@ def _condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
 
 def _transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
     events = []
+    failure = (new.get("modelCache") or {}).get("lastFailure")
+    if failure and failure != (old.get("modelCache") or {}).get("lastFailure"):
+        events.append(Event("Warning", "DownloadFailed", failure))  # once per failed attempt
+    before, after = _condition(old, MODEL_CACHED), _condition(new, MODEL_CACHED)
+    if after.get("status") == "True" and before.get("status") != "True":
+        events.append(Event("Normal", "ModelCached", after["message"]))
     before, after = _condition(old, READY), _condition(new, READY)
     if after and after.get("status") != before.get("status"):
         events.append(Event("Normal" if after["status"] == "True" else "Warning", after["reason"], after["message"]))
@@ -60,8 +68,18 @@ def unplaceable_message(plan: Plan) -> str:
     return f"no node pool can serve this model: {reasons}"
 
 
+def _with_served_path(body: Mapping[str, Any], path: str | None) -> dict[str, Any]:
+    status = dict(body.get("status") or {})
+    status["modelCache"] = {**(status.get("modelCache") or {}), "servedPath": path}
+    return {**body, "status": status}
+
+
 def reconcile(
-    body: Mapping[str, Any], nodes: Iterable[NodeInfo], kube: KubeClient, now: str
+    body: Mapping[str, Any],
+    nodes: Iterable[NodeInfo],
+    kube: KubeClient,
+    now: str,
+    cache_retry_base_s: float = RETRY_BASE_DELAY_S,
 ) -> Outcome:
     """Bring the children of `body` to the plan for the current inventory; never raises for bad input."""
     metadata = body.get("metadata") or {}
@@ -80,9 +98,17 @@ def reconcile(
         already = _condition(old_status, DEGRADED).get("message") == message
         events = () if already else (Event("Warning", "NoFittingPool", message),)
         return Outcome(status, events, kopf.PermanentError(message), "unplaceable")
+    report: CacheReport | None = None
     try:
+        if plan.cache is not None:
+            old_cache = old_status.get("modelCache") or {}
+            report = sync_cache(kube, plan, metadata.get("uid"), old_cache, now, cache_retry_base_s)
+            if report.served_path != plan.cached_dir:  # the fill Job just completed: pods move to it
+                plan = make_plan(_with_served_path(body, report.served_path), nodes)
         applied = apply_plan(kube, plan, metadata.get("uid"))
         applied.actions.update(dict.fromkeys(prune_autoscalers(kube, plan, metadata.get("uid")), "deleted"))
+        if report is not None:
+            report = collect_old_revision(kube, plan, applied.states, report)
     except KubeError as e:
         transient = e.status in (409, 429) or e.status >= 500
         message = f"applying children failed: {e}"
@@ -90,7 +116,8 @@ def reconcile(
         delay = RETRY_DELAY_S if transient else FORBIDDEN_RETRY_DELAY_S
         events = () if transient else (Event("Warning", "ApplyFailed", message),)
         return Outcome(status, events, kopf.TemporaryError(message, delay=delay), "error")
-    status = build_status(plan, applied.states, generation, old_status, now)
+    cache = cache_status(plan, report) if report is not None else None
+    status = build_status(plan, applied.states, generation, old_status, now, cache)
     changes = [f"{action} {name}" for name, action in applied.actions.items() if action != "unchanged"]
     events = [Event("Normal", "Applied", "; ".join(changes))] if changes else []
     events += _transition_events(old_status, status)

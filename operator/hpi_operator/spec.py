@@ -12,12 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .quantities import parse_quantity
+
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/hetero-paged-infer/runtime:0.1.0"
 MODEL_SOURCES = ("embedded", "pvc", "huggingface")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 AUTOSCALING_MODES = ("builtin", "hpa", "keda")
+CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
+CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 _PARAM_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -47,14 +51,29 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """spec.model.cache: where a Hugging Face model is downloaded once instead of in every pod."""
+
+    enabled: bool = False
+    volume: str = "persistentVolumeClaim"  # or hostPath: node-local, each node fills its own copy
+    claim_name: str | None = None  # an existing claim; None: the operator creates <name>-model-cache
+    size: str | None = None  # None: computed from the checkpoint
+    storage_class: str | None = None
+    access_mode: str = "ReadWriteMany"
+    host_path: str = "/var/lib/hpi/model-cache"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: str = "embedded"
     served_name: str | None = None
     pvc_claim_name: str | None = None
     pvc_path: str = ""
     hf_id: str | None = None
+    hf_revision: str = "main"
     hf_token_secret: SecretKeyRef | None = None
     size: ModelSize = field(default_factory=ModelSize)
+    cache: CacheSpec = field(default_factory=CacheSpec)
 
 
 @dataclass(frozen=True)
@@ -189,15 +208,54 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     pvc_path = str(_get(pvc, "path", "")).strip("/")
     if ".." in pvc_path.split("/"):
         raise SpecError(f"spec.model.pvc.path must stay inside the volume; got {pvc_path!r}")
+    revision = str(_get(hf, "revision", "main"))
+    if not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", revision) or ".." in revision.split("/"):
+        raise SpecError(f"spec.model.huggingface.revision must be a branch, tag or commit; got {revision!r}")
+    cache = _parse_cache(_get(raw, "cache", {}))
+    if cache.enabled and source != "huggingface":
+        raise SpecError(f"spec.model.cache is for source huggingface (a download to cache); source is {source}")
     return ModelSpec(
         source=source,
         served_name=raw.get("servedName"),
         pvc_claim_name=pvc.get("claimName"),
         pvc_path=pvc_path,
         hf_id=hf.get("id"),
+        hf_revision=revision,
         hf_token_secret=_secret_ref(hf.get("tokenSecretRef"), "HF_TOKEN", "spec.model.huggingface.tokenSecretRef"),
         size=size,
+        cache=cache,
     )
+
+
+def _positive_quantity(value: str) -> bool:
+    try:
+        return parse_quantity(value) > 0
+    except ValueError:
+        return False
+
+
+def _parse_cache(raw: Mapping[str, Any]) -> CacheSpec:
+    defaults = CacheSpec()
+    cache = CacheSpec(
+        enabled=bool(_get(raw, "enabled", defaults.enabled)),
+        volume=_get(raw, "volume", defaults.volume),
+        claim_name=raw.get("claimName") or None,
+        size=str(raw["size"]) if raw.get("size") is not None else None,
+        storage_class=raw.get("storageClassName") or None,
+        access_mode=_get(raw, "accessMode", defaults.access_mode),
+        host_path=_get(raw, "hostPath", defaults.host_path),
+    )
+    if cache.volume not in CACHE_VOLUMES:
+        raise SpecError(f"spec.model.cache.volume must be one of {', '.join(CACHE_VOLUMES)}; got {cache.volume!r}")
+    if cache.access_mode not in CACHE_ACCESS_MODES:
+        raise SpecError(f"spec.model.cache.accessMode must be one of {', '.join(CACHE_ACCESS_MODES)}")
+    if cache.volume == "hostPath" and (not cache.host_path.startswith("/") or ".." in cache.host_path.split("/")):
+        raise SpecError(f"spec.model.cache.hostPath must be an absolute path; got {cache.host_path!r}")
+    if cache.volume == "hostPath" and (cache.claim_name or cache.size or cache.storage_class):
+        raise SpecError("spec.model.cache: claimName, size and storageClassName are for volume persistentVolumeClaim")
+    if cache.size is not None and not _positive_quantity(cache.size):
+        raise SpecError(f"spec.model.cache.size must be a positive quantity like 40Gi; got {cache.size!r}")
+    return cache
 
 
 def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:

@@ -1,7 +1,8 @@
 """The InferenceDeployment's status, computed purely from a Plan and the observed children.
 
 Conditions follow the Kubernetes API conventions (type/status/reason/message/lastTransitionTime, and
-lastTransitionTime only moves when status flips): Ready, Progressing, Degraded.
+lastTransitionTime only moves when status flips): Ready, Progressing, Degraded, and ModelCached with a
+shared model cache (its entry and condition come from cache_sync.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .manifests import served_model_name
+from .manifests import deployment_name, served_model_name
 from .plan import Plan
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
@@ -89,7 +90,7 @@ def pool_statuses(plan: Plan, states: Mapping[str, ChildState]) -> list[dict[str
                 capacity=choice.capacity,
             )
         if pool.name in plan.replicas_by_pool:
-            deployment = plan.deployments[list(plan.replicas_by_pool).index(pool.name)]["metadata"]["name"]
+            deployment = deployment_name(plan.owner.name, pool.name)
             state = states.get(deployment)
             entry.update(
                 deployment=deployment,
@@ -118,8 +119,9 @@ def build_status(
     generation: int,
     old_status: Mapping[str, Any],
     now: str,
+    cache: tuple[Mapping[str, Any], Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful apply (or a resync) of `plan`."""
+    """Status after a successful apply (or a resync) of `plan`; `cache`: status.modelCache and ModelCached."""
     desired = plan.spec.replicas
     wanted = [d["metadata"]["name"] for d in plan.deployments]
     present = [states[name] for name in wanted if name in states]
@@ -135,7 +137,11 @@ def build_status(
         ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
     else:
         ready_cond = condition(READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
-    if rolling:
+    if plan.waiting_for_cache and desired:
+        ready_cond = condition(READY, False, "WaitingForModelCache", "no runtime pod starts before the model is cached")
+    if plan.waiting_for_cache:
+        progressing = condition(PROGRESSING, True, "CachingModel", "the model cache Job fills the claim first")
+    elif rolling:
         progressing = condition(PROGRESSING, True, "RollingOut", f"{len(present)}/{len(wanted)} Deployments "
                                 f"present, {ready}/{desired} replicas ready")
     else:
@@ -149,7 +155,13 @@ def build_status(
     else:
         note = f"; pools without a fitting profile: {', '.join(unused)}" if unused else ""
         degraded = condition(DEGRADED, False, "AsExpected", f"placed on {len(wanted)} pool(s){note}")
+    conditions: list[Mapping[str, str]] = [ready_cond, progressing, degraded]
+    extra: dict[str, Any] = {}
+    if cache is not None:
+        extra["modelCache"] = dict(cache[0])
+        conditions.append(cache[1])
     return {
+        **extra,
         "observedGeneration": generation,
         "replicas": current,
         "readyReplicas": ready,
@@ -158,7 +170,7 @@ def build_status(
         "profile": profile_summary(plan),
         "pools": pool_statuses(plan, states),
         "appliedHash": plan.fingerprint,
-        "conditions": merge_conditions(old_status.get("conditions") or [], [ready_cond, progressing, degraded], now),
+        "conditions": merge_conditions(old_status.get("conditions") or [], conditions, now),
     }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.model.config import ModelConfig, load_model_config
-from hpi_runtime.model.loader import INDEX_FILE, weight_file_patterns
 from hpi_runtime.model.parallel import split_heads
 from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
@@ -30,8 +28,6 @@ from hpi_runtime.worker.factory import make_executor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
-# Everything but the weights that a Hub download needs: configs (and the shard index), tokenizer, template.
-HUB_METADATA_PATTERNS = ("*.json", "tokenizer*", "*.jinja")
 
 Message = dict[str, str]
 
@@ -74,19 +70,16 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
 
 
-def download_from_hub(model_id: str, local_dir: Path | None = None) -> Path:
-    """Fetch a Hub model's configs and tokenizer, then only the weight files the loader will read, into the
-    Hugging Face cache or `local_dir` (the operator's fetch-model init container). HF_TOKEN is honoured.
+def download_from_hub(model_id: str, local_dir: Path | None = None, revision: str = "main") -> Path:
+    """Fetch a Hub model's configs and tokenizer, then only the weight files the loader will read, verified
+    and resumable (hpi_runtime/download.py), into `local_dir` or `$HF_HOME/hpi-models/<id>/<revision>`.
+    HF_TOKEN and HF_ENDPOINT are honoured."""
+    from huggingface_hub import constants
 
-    Two passes because which shards to fetch is written in the index, which comes with the configs; one
-    `*.safetensors` pass would also pull e.g. Mistral's consolidated.safetensors, a second full copy.
-    """
-    from huggingface_hub import snapshot_download
+    from hpi_runtime.download import download_model
 
-    model_dir = Path(snapshot_download(model_id, allow_patterns=list(HUB_METADATA_PATTERNS), local_dir=local_dir))
-    index_path = model_dir / INDEX_FILE
-    index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    return Path(snapshot_download(model_id, allow_patterns=weight_file_patterns(index), local_dir=local_dir))
+    target = local_dir if local_dir is not None else Path(constants.HF_HOME) / "hpi-models" / model_id / revision
+    return download_model(model_id, target, revision).local_dir
 
 
 def _cpu_has_fast_bf16() -> bool:

@@ -28,8 +28,9 @@ NAMESPACE = "hpi-system"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 
-# Every optional feature on at once: the ServiceMonitor, the default InferenceDeployment, a single watched
-# namespace (Role + RoleBinding), pull secrets, scheduling knobs and extra args/env.
+# Every optional feature on at once: the ServiceMonitor, the runtime PodMonitor, the dashboard, the default
+# InferenceDeployment, a single watched namespace (Role + RoleBinding), pull secrets, scheduling knobs, extra
+# args/env.
 ALL_FEATURES: dict[str, Any] = {
     "imagePullSecrets": [{"name": "regcred"}],
     "operator": {
@@ -52,6 +53,8 @@ ALL_FEATURES: dict[str, Any] = {
         }
     },
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "runtimeMetrics": {"podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "dashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM serving"}},
     "defaultInferenceDeployment": {
         "enabled": True,
         "replicas": 2,

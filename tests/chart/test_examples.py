@@ -12,6 +12,7 @@ import yaml
 EXAMPLES = {
     "embedded-cpu.yaml": "cpu-nodes.yaml",
     "gpu-autoscaling.yaml": "gpu-nodes.yaml",
+    "huggingface-cache.yaml": "gpu-nodes.yaml",
     "mixed-gpu-cpu.yaml": "mixed-nodes.yaml",
 }
 

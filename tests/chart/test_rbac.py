@@ -41,6 +41,7 @@ MODES = [{}, {"operator": {"watchNamespace": "team-a"}}]
 EXAMPLES = {
     "embedded-cpu.yaml": "cpu-nodes.yaml",
     "gpu-autoscaling.yaml": "gpu-nodes.yaml",
+    "huggingface-cache.yaml": "gpu-nodes.yaml",
     "mixed-gpu-cpu.yaml": "mixed-nodes.yaml",
 }
 
@@ -192,6 +193,7 @@ def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
 def reconciler_rules(repo: Path) -> set[Rule]:
     """Run the real reconcile on every example against a recording client, on an empty and a stale cluster."""
     from hpi_operator import kube, reconcile
+    from hpi_operator.cache import LABEL_CACHE_JOB
     from hpi_operator.manifests import selector_labels
 
     @dataclass(frozen=True)
@@ -218,9 +220,9 @@ def reconciler_rules(repo: Path) -> set[Rule]:
     for body, nodes in _with_autoscaler_modes(_example_inputs(repo)):
         for exists in (False, True):
             meta = body["metadata"]
-            client = RecordingClient(
-                api=None, exists=exists, owner_uid=meta["uid"], labels=selector_labels(meta["name"])
-            )
+            # The stale listed object is also a model-cache fill Job of a revision no longer wanted.
+            labels = {**selector_labels(meta["name"]), LABEL_CACHE_JOB: "fill"}
+            client = RecordingClient(api=None, exists=exists, owner_uid=meta["uid"], labels=labels)
             reconcile.reconcile(body, nodes, client, "2026-01-01T00:00:00Z")
             calls += client.calls
     assert calls, "the reconciler made no API call: the derivation scenario is broken"

@@ -1,6 +1,6 @@
 """`helm template` renders manifests that pass `kubernetes-validate --strict`; custom resources are checked
-against their own schemas (the InferenceDeployment against the CRD, the ServiceMonitor against the subset
-of prometheus-operator's schema the chart uses)."""
+against their own schemas (the InferenceDeployment against the CRD, the ServiceMonitor and PodMonitor against
+the subset of prometheus-operator's schema the chart uses)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,69 @@ SERVICE_MONITOR_SCHEMA = {
     },
 }
 
+# The PodMonitor fields the chart renders, typed as in prometheus-operator's monitoring.coreos.com/v1 CRD;
+# unknown fields are rejected so a typo cannot slip through.
+POD_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": _DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": _DURATION},
+                            "relabelings": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "sourceLabels": {
+                                            "type": "array",
+                                            "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"},
+                                        },
+                                        "targetLabel": {"type": "string"},
+                                        "action": {"type": "string"},
+                                        "regex": {"type": "string"},
+                                        "replacement": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 SCENARIOS = ["defaults", "all-features", "no-rbac-existing-account", "long-release-name"]
 
 
@@ -83,6 +146,8 @@ def validate(manifest, kube_version, idp_validator, env):
         assert not errors, f"InferenceDeployment does not match the CRD: {errors}"
     elif kind == "ServiceMonitor":
         jsonschema.validate(manifest, SERVICE_MONITOR_SCHEMA)
+    elif kind == "PodMonitor":
+        jsonschema.validate(manifest, POD_MONITOR_SCHEMA)
     else:
         try:
             kubernetes_validate.validate(manifest, kube_version, strict=True)
@@ -107,9 +172,10 @@ def test_default_render_has_exactly_the_operator_objects(render, env):
 
 def test_optional_objects_appear_only_when_enabled(render, env):
     kinds = [m["kind"] for m in render(env.all_features)]
-    for kind in ("ServiceMonitor", "InferenceDeployment", "Role", "RoleBinding"):
+    optional = ("ServiceMonitor", "PodMonitor", "ConfigMap", "InferenceDeployment", "Role", "RoleBinding")
+    for kind in optional:
         assert kinds.count(kind) == 1, kind
-    assert not {"ServiceMonitor", "InferenceDeployment", "Role", "RoleBinding"} & {m["kind"] for m in render()}
+    assert not set(optional) & {m["kind"] for m in render()}
 
 
 def test_no_rbac_and_an_existing_service_account(render, env):

@@ -140,6 +140,8 @@ RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
     ("v1/services", True, "Service", ("status",)),
     ("v1/pods", True, "Pod", ("status",)),
     ("v1/secrets", True, "Secret", ()),
+    ("v1/persistentvolumeclaims", True, "PersistentVolumeClaim", ("status",)),
+    ("batch/v1/jobs", True, "Job", ("status",)),
     ("apps/v1/deployments", True, "Deployment", ("status", "scale")),
     ("policy/v1/poddisruptionbudgets", True, "PodDisruptionBudget", ("status",)),
     ("autoscaling/v2/horizontalpodautoscalers", True, "HorizontalPodAutoscaler", ("status",)),

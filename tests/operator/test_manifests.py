@@ -160,7 +160,8 @@ def test_huggingface_model_is_fetched_by_an_init_container_into_the_cache() -> N
     pod = dep["spec"]["template"]["spec"]
     [fetch] = pod["initContainers"]
     model_id = "meta-llama/Llama-3.1-70B-Instruct"
-    assert fetch["command"][-2:] == [model_id, f"/cache/models/{model_id}"]
+    assert fetch["command"] == ["python", "-m", "hpi_runtime.download"]
+    assert fetch["args"] == ["fetch", model_id, f"/cache/models/{model_id}", "--revision", "main"]
     args = container(dep)["args"]
     assert args[args.index("--model") + 1] == "/cache/models/meta-llama/Llama-3.1-70B-Instruct"
     env = {e["name"]: e for e in fetch["env"]}

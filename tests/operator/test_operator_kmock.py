@@ -310,6 +310,17 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
         await eventually(check)
     await api.call("DELETE", "/api/v1/nodes/gpu-0")
     await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
+    # spec.model.cache: a claim and a fill Job; a revision change replaces the Job, a size change patches the claim.
+    jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"
+    pvc = f"/api/v1/namespaces/{NS}/persistentvolumeclaims/audit-model-cache"
+    hub_model = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    model = {"source": "huggingface", "huggingface": hub_model, "cache": {"enabled": True}}
+    await api.patch(f"{CRS}/audit", {"spec": {"model": model}})
+    await eventually(lambda: kube.request("GET", jobs)["items"])
+    await api.patch(f"{CRS}/audit", {"spec": {"model": {"huggingface": {"revision": "v2"}, "cache": {"size": "3Gi"}}}})
+    await eventually(lambda: [j["spec"]["template"]["spec"]["containers"][0]["args"][2].rsplit("/", 1)[-1]
+                              for j in kube.request("GET", jobs)["items"]] == ["v2"])  # fmt: skip
+    await eventually(lambda: kube.get(pvc)["spec"]["resources"]["requests"]["storage"] == "3Gi")
     await api.patch(f"{CRS}/audit", {"spec": {"model": {"source": "pvc"}}})  # an Event for the bad spec
     await eventually(lambda: condition(kube.get(f"{CRS}/audit"), "Degraded").get("reason") == "InvalidSpec")
     await api.call("DELETE", f"{CRS}/audit")

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.llm import LLM, LoadConfig, create_engine, resolve_model_dir
+from hpi_runtime.llm import LLM, LoadConfig, create_engine
 from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.model.quant_linear import QuantizedLinear
 from hpi_runtime.model.quantization import QuantizedLMHead
@@ -210,56 +207,6 @@ def test_chat_template_from_tokenizer_config_is_used(tiny_model_dir: Path, tmp_p
         conversation, chat_template=tiny_model_dir.joinpath("chat_template.jinja").read_text(), **options
     )
     assert tuple(chatml) != output.prompt_token_ids
-
-
-@pytest.fixture
-def fake_hub(tmp_path: Path, monkeypatch) -> dict[str, Any]:
-    """A Mistral-style Hub repo behind a fake snapshot_download (no network): an index over two shards plus
-    consolidated.safetensors, the same weights again."""
-    import huggingface_hub
-
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    index = {"weight_map": {"a.weight": shards[0], "b.weight": shards[1], "c.weight": shards[1]}}
-    for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "params.json", "consolidated.safetensors"]:
-        (repo / name).write_text("{}")
-    for name in shards:
-        (repo / name).write_text("weights")
-    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
-    hub = {"shards": shards, "fetched": [], "cache": tmp_path / "snapshot"}
-
-    def fake_snapshot_download(repo_id: str, allow_patterns: list[str], local_dir: Path | None = None) -> str:
-        assert repo_id == "org/mistral-like"
-        target = Path(local_dir) if local_dir is not None else hub["cache"]
-        target.mkdir(parents=True, exist_ok=True)
-        for path in repo.iterdir():
-            if any(fnmatch(path.name, pattern) for pattern in allow_patterns):
-                hub["fetched"].append(path.name)
-                shutil.copy(path, target / path.name)
-        return str(target)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    return hub
-
-
-def test_hub_download_fetches_only_the_indexed_shards(fake_hub: dict[str, Any]) -> None:
-    assert resolve_model_dir("org/mistral-like") == (fake_hub["cache"], "org/mistral-like")
-    assert set(fake_hub["shards"]) <= set(fake_hub["fetched"]) and "consolidated.safetensors" not in fake_hub["fetched"]
-    assert "model.safetensors.index.json" in fake_hub["fetched"]
-
-
-def test_operator_fetch_script_runs_this_downloader_into_its_volume(
-    fake_hub: dict[str, Any], tmp_path: Path, monkeypatch
-) -> None:
-    """The operator's fetch-model init container (same image) runs FETCH_SCRIPT with (model id, directory)."""
-    from hpi_operator.manifests import FETCH_SCRIPT
-
-    target = tmp_path / "volume" / "models" / "org" / "mistral-like"
-    monkeypatch.setattr(sys, "argv", ["-c", "org/mistral-like", str(target)])
-    exec(compile(FETCH_SCRIPT, "<fetch-model>", "exec"), {"__name__": "__main__"})
-    assert sorted(p.name for p in target.glob("*.safetensors")) == fake_hub["shards"]
-    assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
 
 
 def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir: Path) -> None:
