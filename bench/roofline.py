@@ -1,8 +1,13 @@
-"""The compute roofline: this machine's measured matmul peak and the model's FLOPs per token.
+"""The compute roofline: this machine's measured matmul peak and the model's FLOPs per token; and the
+batch-1 floor: the time one decode step needs just to stream every weight matrix through the CPU once.
 
 Peak is the best GFLOP/s torch reaches on the model's own GEMM shapes (M tokens x hidden -> intermediate and
 back, plus the LM head) at M = 64..256, per dtype, measured in the same run as the serving numbers (the
 machine is shared and clocks vary, so a datasheet figure would flatter or blame the wrong thing).
+
+A single request's decode multiplies one row through every weight: memory-bound, so its floor is the
+model's own linears (each layer's weights as separate tensors, as in the model, so caches do not help) at
+M = 1, timed as one pass, best of several. No engine can decode one stream faster than that.
 """
 
 from __future__ import annotations
@@ -65,6 +70,36 @@ def matmul_peak(model_dir: Path, dtypes=(torch.float32, torch.bfloat16), min_tim
     return out
 
 
+def _weight_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """(out, in) of every linear one token passes through, the LM head last."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    layer = [(q_dim + 2 * kv_dim, hidden), (hidden, q_dim), (2 * inter, hidden), (hidden, inter)]
+    return layer * c["num_hidden_layers"] + [(c["vocab_size"], hidden)]
+
+
+def batch1_floor(model_dir: Path, dtypes=(torch.float32, torch.bfloat16), repeats: int = 7) -> dict:
+    """{dtype: {"weight_mb", "step_ms", "tok_s", "gb_s"}}: one row through all the model's linears."""
+    out = {}
+    for dtype in dtypes:
+        weights = [torch.randn(n, k, dtype=dtype) for n, k in _weight_shapes(model_dir)]
+        rows = {k: torch.randn(1, k, dtype=dtype) for _, k in _weight_shapes(model_dir)}
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first pass warms up
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(rows[w.shape[1]], w)
+            best = min(best, time.perf_counter() - t0)
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        out[str(dtype).removeprefix("torch.")] = {
+            "weight_mb": nbytes / 1e6, "step_ms": best * 1e3, "tok_s": 1 / best, "gb_s": nbytes / best / 1e9,
+        }
+        del weights
+    return out
+
+
 if __name__ == "__main__":
     from hpi_runtime.llm import resolve_model_dir
 
@@ -72,3 +107,6 @@ if __name__ == "__main__":
     print(model_flops_per_token(model_dir))
     for dtype, result in matmul_peak(model_dir).items():
         print(dtype, f"{result['peak_gflops']:.1f} GFLOP/s")
+    for dtype, r in batch1_floor(model_dir).items():
+        print(f"{dtype} batch-1 floor: {r['weight_mb']:.0f} MB of weights in {r['step_ms']:.1f} ms "
+              f"({r['gb_s']:.1f} GB/s) = {r['tok_s']:.1f} tok/s at most")

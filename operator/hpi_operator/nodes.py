@@ -104,7 +104,8 @@ class Pool:
     gpus_per_node: tuple[int, ...] = ()  # per node, same order as node_names
     gpu_bf16: bool = False
     arch: str = "amd64"
-    cpu_bf16: bool = False
+    cpu_bf16: bool = False  # AVX512-BF16 or AMX: bf16 runs natively (pinned bf16 is allowed)
+    cpu_amx: bool = False  # AMX: bf16 is also the fast choice (without it, fp32 GEMMs are faster)
     memory_bytes_per_node: tuple[int, ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     match_expressions: tuple[Mapping[str, Any], ...] = ()
@@ -125,7 +126,7 @@ class Pool:
     def describe(self) -> str:
         if self.device == "cuda":
             return f"{self.num_nodes} node(s) x {self.max_gpus_per_node} {self.gpu_product} ({self.gpu_memory_mib} MiB)"
-        bf16 = "bf16" if self.cpu_bf16 else "no bf16"
+        bf16 = "AMX bf16" if self.cpu_amx else "AVX512-BF16, no AMX" if self.cpu_bf16 else "no bf16"
         return f"{self.num_nodes} {self.arch} CPU node(s), {bf16}, {self.min_memory_bytes // 2**30} GiB"
 
 
@@ -230,6 +231,7 @@ def group_pools(
                 gpu_bf16=all(n.gpu_bf16 for n in members),
                 arch=first.arch,
                 cpu_bf16=all(n.cpu_bf16 for n in members),
+                cpu_amx=all(n.cpu_amx for n in members),
                 memory_bytes_per_node=tuple(n.memory_bytes for n in members),
                 node_selector={**selector, **node_selector},
                 match_expressions=expressions,

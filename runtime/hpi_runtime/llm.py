@@ -82,23 +82,35 @@ def download_from_hub(model_id: str, local_dir: Path | None = None, revision: st
     return download_model(model_id, target, revision).local_dir
 
 
-def _cpu_has_fast_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+        return set()
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """bf16 arithmetic in hardware (AVX512-BF16 dot products or AMX tiles), not emulated."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpu_has_amx() -> bool:
+    return "amx_bf16" in _cpu_flags()
 
 
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """dtype "auto": bf16 on CPUs with native bf16 (AVX512-BF16/AMX) else fp32; on CUDA the checkpoint's 16-bit
-    dtype, else bf16 (fp16 on GPUs without bf16)."""
+    """dtype "auto": on CPU, bf16 where the CPU has AMX, else fp32; on CUDA the checkpoint's 16-bit dtype, else
+    bf16 (fp16 on GPUs without bf16).
+
+    AVX512-BF16 without AMX is not enough: there torch's bf16 GEMMs run at half the speed of fp32 (183 vs 356
+    GFLOP/s on the model's shapes, and a slower decode step at every batch size; bench/results/hot_path.md),
+    so fp32 serves faster at twice the memory. With AMX, bf16 is 3-5x faster than fp32 (DESIGN.md)."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}; got {dtype!r}")
         return DTYPES[dtype]
     if device.type == "cpu":
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if _cpu_has_amx() else torch.float32
     if checkpoint_dtype in ("bfloat16", "float16"):
         return DTYPES[checkpoint_dtype]
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
