@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="larger request bodies get HTTP 413")
     http.add_argument("--drain-timeout", type=float, default=30.0,
                       help="seconds to let in-flight requests finish after SIGTERM")
+    http.add_argument("--allowed-origins", default=None,
+                      help="CORS: comma-separated origins browsers may call from, or '*'; default: no CORS headers")
+    openai_api = serve.add_argument_group("openai api")
+    openai_api.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                            help="parse the model's tool calls (tool_choice 'auto') in this family's format: hermes "
+                            "for Hermes/Qwen, llama3_json for Llama 3.1+, mistral for Mistral; 'required' and a "
+                            "named function work without it (the grammar enforces them)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -127,7 +134,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"hpi serve: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings(served_model_name=name, api_key=api_key(args, os.environ),
-                              max_request_body_bytes=args.max_request_body, drain_timeout_s=args.drain_timeout)
+                              max_request_body_bytes=args.max_request_body, drain_timeout_s=args.drain_timeout,
+                              tool_call_parser=args.tool_call_parser,
+                              allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",")
+                                                    if o.strip()))
 
     def load():
         import torch

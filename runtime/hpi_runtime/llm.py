@@ -273,7 +273,8 @@ def create_engine(
     """
     prepared = prepare_engine(model, engine_config, load)
     executor = make_executor(prepared.executor_config)
-    engine = LLMEngine(prepared.engine_config, executor, prepared.tokenizer, prepared.eos_token_ids)
+    engine = LLMEngine(prepared.engine_config, executor, prepared.tokenizer, prepared.eos_token_ids,
+                       vocab_size=prepared.vocab_size)
     return EngineBundle(
         engine=engine,
         tokenizer=prepared.tokenizer,

@@ -38,3 +38,5 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0  # time.monotonic() when the engine received the request
     first_scheduled_time: float | None = None  # time.monotonic() when it was first scheduled (queue time)
+    # Logprobs of prompt tokens 1.. (token 0 has none) when asked for; on every output that carries the whole
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

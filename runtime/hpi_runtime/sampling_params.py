@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from hpi_runtime.structured.params import StructuredOutputsParams
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bounds
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -14,6 +20,9 @@ class SamplingParams:
     `stop` strings are matched on detokenized text and never appear in the output text.
     `logprobs` is the number of top alternatives to return per token (0: only the chosen token's logprob,
     None: no logprobs).
+    `logit_bias` maps token ids to a bias added to their logits before sampling (OpenAI: -100..100, at most
+    300 entries; -100 bans a token in practice, 100 all but forces it). `structured_outputs` constrains the
+    output to a grammar (JSON schema, regex, choice, EBNF), enforced with a token mask at every step.
     """
 
     max_tokens: int = 16
@@ -30,7 +39,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens, with this many alternatives
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +51,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         checks = (
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -51,8 +65,14 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+             f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens"),
+            (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias keys must be non-negative token ids"),
         )
         for ok, message in checks:
             if not ok:

@@ -157,7 +157,8 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
 
     try:
         executor = make_executor(spec.executor_config)
-        core = EngineCore(spec.engine_config, executor, spec.eos_token_ids)
+        core = EngineCore(spec.engine_config, executor, spec.eos_token_ids,
+                          grammar_compiler=_grammar_compiler(spec))
     except BaseException as exc:
         logger.exception("loading the model in the engine core failed")
         conn.send(CoreDead(f"loading failed: {type(exc).__name__}: {exc}"))
@@ -182,6 +183,20 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
     threading.Thread(target=read, name="hpi-core-reader", daemon=True).start()
     run_core_loop(core, inbox, conn.send)
     core.shutdown()
+
+
+def _grammar_compiler(spec: CoreProcessSpec):
+    """Structured outputs in the core: the tokenizer is read from the model directory when first needed."""
+    from hpi_runtime.structured.compiler import GrammarCompiler
+
+    model_config = spec.executor_config.model_config
+
+    def load_tokenizer():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_config.model_dir)
+
+    return GrammarCompiler(load_tokenizer, model_config.vocab_size, spec.eos_token_ids)
 
 
 class ProcessCoreClient:

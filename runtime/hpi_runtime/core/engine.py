@@ -18,6 +18,7 @@ from hpi_runtime.core.interface import ModelExecutor
 from hpi_runtime.core.output_processor import OutputProcessor, make_core_request
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.structured.compiler import GrammarCompiler
 
 __all__ = ["EngineError", "EngineStats", "LLMEngine", "QueueFullError"]
 
@@ -32,8 +33,12 @@ class LLMEngine:
         *,
         hash_fn: HashFn = sha256_hash,
         root_hash: BlockHash = b"",
+        vocab_size: int | None = None,
     ) -> None:
-        self.core = EngineCore(config, executor, eos_token_ids, hash_fn=hash_fn, root_hash=root_hash)
+        """`vocab_size`: the width of the model's logits (for grammar bitmasks; None: the tokenizer's length)."""
+        grammar_compiler = GrammarCompiler(lambda: tokenizer, vocab_size, frozenset(eos_token_ids))
+        self.core = EngineCore(config, executor, eos_token_ids, hash_fn=hash_fn, root_hash=root_hash,
+                               grammar_compiler=grammar_compiler)
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._pending_outputs: list[RequestOutput] = []  # abort outputs, returned by the next step()

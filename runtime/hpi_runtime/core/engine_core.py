@@ -18,6 +18,7 @@ from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request, RequestStatus
 from hpi_runtime.core.scheduler import Scheduler
+from hpi_runtime.structured.compiler import GrammarCompiler
 
 
 class QueueFullError(ValueError):
@@ -41,7 +42,9 @@ class EngineCore:
         *,
         hash_fn: HashFn = sha256_hash,
         root_hash: BlockHash = b"",
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
+        """`grammar_compiler` serves requests with structured outputs; without one they are refused."""
         if executor.block_size != config.block_size:
             raise ValueError(f"executor block_size {executor.block_size} != config block_size {config.block_size}")
         num_blocks = executor.num_kv_blocks
@@ -56,6 +59,7 @@ class EngineCore:
         self._hasher = BlockHasher(config.block_size, hash_fn, root_hash) if config.enable_prefix_caching else None
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.grammar_compiler = grammar_compiler
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -65,6 +69,11 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} requests are waiting (max_num_waiting="
                 f"{self.config.max_num_waiting}); retry later"
             )
+        grammar = None
+        if (structured := request.sampling_params.structured_outputs) is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("this engine serves no structured outputs (it has no grammar compiler)")
+            grammar = self.grammar_compiler.matcher(structured)  # compiled once per grammar, then cached
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -75,6 +84,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 hasher=self._hasher,
+                grammar=grammar,
             )
         )
 

@@ -40,6 +40,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False):
     stop_reason: int | None = None  # the requested stop token id that ended it; None for EOS or length
     num_cached_prompt_tokens: int = 0
     first_scheduled_time: float | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # on the first output, when asked for
 
     @property
     def finished(self) -> bool:

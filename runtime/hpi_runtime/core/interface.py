@@ -14,15 +14,20 @@ so a step sends only what changed, as in vLLM v1:
 - A request is sampled when its scheduled chunk reaches the end of its known tokens; the executor appends
   the sampled token to its own copy of the token ids (the scheduler appends it to the Request too).
 - `finished_request_ids` / `preempted_request_ids`: drop the state of these before running this step.
+- `grammar_request_ids` / `grammar_bitmask`: the requests sampled this step under a grammar (structured
+  outputs) and, row for row, the tokens each may take next; every other row is sampled unconstrained.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hpi_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
+    grammar_request_ids: tuple[str, ...] = ()
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +70,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,8 @@ class ModelRunnerOutput:
     # request id -> sampled token ids this step (one per sampled request; empty for partial prefill chunks)
     sampled_token_ids: Mapping[str, tuple[int, ...]]
     logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    # request id -> (index of the first prompt token covered, logprobs of the prompt tokens this step covered)
+    prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
 
 
 class ExecutorDeadError(RuntimeError):

@@ -50,7 +50,7 @@ class _RequestState:
     """One unfinished request as the frontend sees it (owned by the OutputProcessor)."""
 
     __slots__ = ("request", "kind", "detokenizer", "output_token_ids", "first_scheduled_time",
-                 "num_cached_prompt_tokens")  # fmt: skip
+                 "num_cached_prompt_tokens", "prompt_logprobs")  # fmt: skip
 
     def __init__(self, request: EngineCoreRequest, kind: RequestOutputKind, tokenizer) -> None:
         self.request = request
@@ -59,6 +59,7 @@ class _RequestState:
         self.output_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def make_output(
         self,
@@ -85,6 +86,7 @@ class _RequestState:
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             arrival_time=self.request.arrival_time,
             first_scheduled_time=self.first_scheduled_time,
+            prompt_logprobs=self.prompt_logprobs if whole else None,
         )
 
 
@@ -137,6 +139,8 @@ class OutputProcessor:
         if core_output.first_scheduled_time is not None:
             state.first_scheduled_time = core_output.first_scheduled_time
             state.num_cached_prompt_tokens = core_output.num_cached_prompt_tokens
+        if core_output.prompt_logprobs is not None:
+            state.prompt_logprobs = core_output.prompt_logprobs
         params = state.request.sampling_params
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
         token_ids = core_output.new_token_ids

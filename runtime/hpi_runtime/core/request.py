@@ -8,13 +8,20 @@ stop strings) is the frontend's business: a request here is token ids only.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hpi_runtime.core.block_pool import BlockHash, HashFn, hash_block_tokens
 from hpi_runtime.core.engine_io import EngineCoreOutput
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from hpi_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hpi_runtime.structured.compiler import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(str, enum.Enum):  # str first: C-level hashing, these are checked per token
@@ -47,7 +54,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "priority", "token_ids",
         "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
         "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
-        "_hasher", "_num_sent_tokens", "_new_logprobs",
+        "grammar", "prompt_logprobs", "_hasher", "_num_sent_tokens", "_new_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -61,6 +68,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         hasher: BlockHasher | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -80,6 +88,8 @@ class Request:
             frozenset() if sampling_params.ignore_eos else eos_token_ids
         )
         self.block_hashes: list[BlockHash] = []
+        self.grammar = grammar  # structured outputs: advanced with every token, masks the next one
+        self.prompt_logprobs: list[TokenLogprobs] = []  # of prompt tokens 1.. (sent with the first output)
         self._hasher = hasher
         self._num_sent_tokens = 0
         self._new_logprobs: list[TokenLogprobs] = []
@@ -105,6 +115,8 @@ class Request:
             self._new_logprobs.append(logprobs)
         if self._hasher is not None and len(self.token_ids) % self._hasher.block_size == 0:
             self._update_block_hashes()
+        if self.grammar is not None and self._grammar_ends(token_id):
+            return self._finish(RequestStatus.FINISHED_STOPPED, None)
         checks_stops = len(self.output_token_ids) >= self.sampling_params.min_tokens
         if checks_stops and token_id in self.stop_token_ids:
             # vLLM's convention: stop_reason names a stop the user asked for; EOS itself reports None.
@@ -113,6 +125,21 @@ class Request:
         if len(self.output_token_ids) >= self.max_tokens:
             return self._finish(RequestStatus.FINISHED_LENGTH, None)
         return False
+
+    def add_prompt_logprobs(self, first_index: int, logprobs: tuple[TokenLogprobs, ...]) -> None:
+        """Logprobs of prompt tokens first_index.. (index 0 has none); a chunk computed again after a
+        preemption adds nothing new."""
+        known = len(self.prompt_logprobs) + 1  # the index of the next prompt token without logprobs
+        if first_index <= known < first_index + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[known - first_index :])
+
+    def _grammar_ends(self, token_id: int) -> bool:
+        """Advance the grammar; True when nothing may follow (its stop token was accepted) or, against the
+        mask (a banned stop token left no allowed one), the token broke it."""
+        if not self.grammar.accept_token(token_id):
+            logger.warning("request %s: token %d is outside its grammar; stopping it", self.request_id, token_id)
+            return True
+        return self.grammar.is_terminated
 
     def _finish(self, status: RequestStatus, stop_reason: int | None) -> bool:
         self.status, self.stop_reason = status, stop_reason
@@ -136,6 +163,9 @@ class Request:
         new_logprobs = ()
         if self._new_logprobs:
             new_logprobs, self._new_logprobs = tuple(self._new_logprobs), []
+        prompt_logprobs = None
+        if self._num_sent_tokens == len(new_token_ids) and self.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = tuple(self.prompt_logprobs)  # the first output: the whole prompt has run
         return EngineCoreOutput(
             request_id=self.request_id,
             new_token_ids=new_token_ids,
@@ -144,4 +174,5 @@ class Request:
             stop_reason=self.stop_reason,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             first_scheduled_time=self.first_scheduled_time,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -12,6 +12,11 @@ prompt larger than the headroom is never starved.
 The waiting queue holds the preempted requests first (each one requeued at the very front), then the others by
 (priority, arrival): FCFS when every priority is the default 0. Priority orders admission only: a running
 request is never preempted for a higher-priority waiting one, and the victim is still the newest running.
+
+Requests under a grammar (structured outputs) that are sampled this step get a row of the step's token bitmask,
+filled from their matcher here and applied by the sampler; `update_from_output` advances the matcher with
+each accepted token (Request.append_token). A request that asked for prompt logprobs is never served from the
+prefix cache: every prompt token has to run through the model.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hpi_runtime.core.interface import (
 )
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import Request, RequestStatus
+from hpi_runtime.structured.compiler import grammar_bitmask
 
 
 class Scheduler:
@@ -88,7 +94,8 @@ class Scheduler:
         # After a preemption the pool is known to be short; admitting now would just thrash.
         while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks = kv.get_computed_blocks(request)
+            # Prompt logprobs need every prompt token to run through the model: no prefix-cache hit.
+            hit_blocks = kv.get_computed_blocks(request) if request.sampling_params.prompt_logprobs is None else []
             num_hit_tokens = len(hit_blocks) * kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if running and kv.num_free_blocks_after_admission(request, hit_blocks) < self.num_watermark_blocks:
@@ -111,6 +118,7 @@ class Scheduler:
 
     def _make_output(self, scheduled: list[tuple[Request, int, list[KVBlock]]]) -> SchedulerOutput:
         new_requests, cached_requests, num_scheduled = [], [], {}
+        constrained: list[Request] = []
         for request, num_new, new_blocks in scheduled:
             request_id = request.request_id
             if request_id in self._in_executor:
@@ -130,6 +138,8 @@ class Scheduler:
                 )
             num_scheduled[request_id] = num_new
             request.num_computed_tokens += num_new
+            if request.grammar is not None and request.num_computed_tokens == len(request.token_ids):
+                constrained.append(request)  # sampled this step, under its grammar
         total = sum(num_scheduled.values())
         output = SchedulerOutput(
             new_requests=tuple(new_requests),
@@ -138,6 +148,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_request_ids=frozenset(self._finished_ids),
             preempted_request_ids=frozenset(self._preempted_ids),
+            grammar_request_ids=tuple(request.request_id for request in constrained),
+            grammar_bitmask=grammar_bitmask([request.grammar for request in constrained]) if constrained else None,
         )
         if total:  # an empty batch is not sent to the executor, so these wait for the next one
             self._finished_ids.clear()
@@ -164,7 +176,10 @@ class Scheduler:
         scheduled, self._scheduled = self._scheduled, {}
         sampled, all_logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
         any_finished = False
+        prompt_logprobs = model_runner_output.prompt_logprobs
         for request_id, request in scheduled.items():
+            if prompt_logprobs and request_id in prompt_logprobs:
+                request.add_prompt_logprobs(*prompt_logprobs[request_id])
             token_ids = sampled.get(request_id)
             # Skip partial prefill chunks (nothing sampled) and requests aborted while the step ran.
             if not token_ids or request.is_finished or request.num_computed_tokens < len(request.token_ids):

@@ -16,6 +16,7 @@ from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
 from hpi_runtime.server.errors import ApiError
 from hpi_runtime.server.state import STATE_KEY, ServerState
+from hpi_runtime.server.tokenize import detokenize, tokenize, version
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,48 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception as exc:  # a bug or an engine failure: fail this request only, with its id in the log
         logger.exception("request %s failed", request["request_id"])
         return ApiError(500, f"internal error ({type(exc).__name__}); request id {request['request_id']}").response()
+
+
+CORS_ALLOW_METHODS = "GET, POST, OPTIONS"
+CORS_MAX_AGE_S = 600
+
+
+def _allowed_origin(request: web.Request) -> str | None:
+    """The Access-Control-Allow-Origin value for this request, or None (no CORS configured, or not allowed)."""
+    origin = request.headers.get("Origin")
+    allowed = request.app[STATE_KEY].settings.allowed_origins
+    if origin is None or not allowed:
+        return None
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Answers CORS preflights (before authentication: browsers send no credentials on them)."""
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        origin = _allowed_origin(request)
+        if origin is None:
+            raise ApiError(403, "this origin is not allowed (see --allowed-origins)")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": CORS_ALLOW_METHODS,
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+            "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+        })
+    return await handler(request)
+
+
+async def _add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """X-Request-Id (the client's, else ours) on every response, streams included; CORS headers if allowed."""
+    if "request_id" in request:
+        response.headers["X-Request-Id"] = request["request_id"]
+    origin = _allowed_origin(request)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        if origin != "*":
+            response.headers["Vary"] = "Origin"
 
 
 @web.middleware
@@ -106,14 +149,18 @@ async def list_models(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, inflight_middleware],
+        middlewares=[error_middleware, cors_middleware, auth_middleware, inflight_middleware],
         client_max_size=state.settings.max_request_body_bytes,
     )
     app[STATE_KEY] = state
+    app.on_response_prepare.append(_add_response_headers)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     return app

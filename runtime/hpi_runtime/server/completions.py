@@ -6,8 +6,14 @@ import time
 
 from aiohttp import web
 
-from hpi_runtime.server.generation import collect_choices, new_id, plan_choices, stream_choices
-from hpi_runtime.server.logprobs import completion_logprobs
+from hpi_runtime.server.generation import (
+    check_structured,
+    collect_choices,
+    new_id,
+    plan_choices,
+    stream_choices,
+)
+from hpi_runtime.server.logprobs import completion_logprobs, prompt_logprobs
 from hpi_runtime.server.protocol import parse_completion
 from hpi_runtime.server.request_io import check_model, read_json, tokenize_off_loop, usage
 from hpi_runtime.server.sse import serve_stream
@@ -19,6 +25,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = parse_completion(await read_json(request))
     model = state.admit()
     check_model(model, body.model)
+    await check_structured(body.sampling)
     tokenizer = model.tokenizer
     num_chars = sum(len(p) for p in body.prompts if isinstance(p, str))
     prompt_ids = await tokenize_off_loop(
@@ -39,7 +46,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             prefix = echo[choice.prompt_index]
             logprobs = completion_logprobs(tokenizer, out.new_logprobs, len(prefix)) if want_logprobs else None
             rendered.append({"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
-                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                             "prompt_logprobs": prompt_logprobs(tokenizer, out.prompt_logprobs)})
         return web.json_response({**head, "choices": rendered, "usage": usage(num_prompt_tokens, completion_tokens)})
 
     counts = {"completion_tokens": 0}

@@ -18,6 +18,7 @@ from hpi_runtime.server.errors import ApiError, bad_request
 from hpi_runtime.server.metrics import RequestTiming, ServingMetrics
 from hpi_runtime.server.protocol import SamplingFields
 from hpi_runtime.server.state import ServedModel
+from hpi_runtime.structured.params import check
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ def plan_choices(
         raise bad_request(
             f"token id {max(fields.stop_token_ids)} is outside the vocabulary of {vocab_size}", "stop_token_ids"
         )
+    if fields.logit_bias and fields.logit_bias[-1][0] >= vocab_size:
+        raise bad_request(f"token id {fields.logit_bias[-1][0]} is outside the vocabulary of {vocab_size}",
+                          "logit_bias")
     choices = []
     for p, prompt_ids in enumerate(prompts):
         if not prompt_ids:
@@ -91,12 +95,29 @@ def plan_choices(
                     presence_penalty=fields.presence_penalty,
                     frequency_penalty=fields.frequency_penalty,
                     logprobs=fields.logprobs,
+                    logit_bias=fields.logit_bias,
+                    structured_outputs=fields.structured,
+                    skip_special_tokens=fields.skip_special_tokens,
+                    prompt_logprobs=fields.prompt_logprobs,
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from exc
             index = len(choices)
             choices.append(Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority))
     return choices
+
+
+async def check_structured(fields: SamplingFields) -> None:
+    """A 400 naming the problem if the request's grammar cannot be compiled; parsed in a thread, so a large
+    schema never stalls the event loop. (The engine core compiles it for real, once per grammar.)"""
+    if fields.structured is None:
+        return
+    try:
+        await asyncio.to_thread(check, fields.structured)
+    except ValueError as exc:
+        param = {"json": "response_format", "json_object": "response_format"}.get(fields.structured.kind,
+                                                                                f"guided_{fields.structured.kind}")
+        raise bad_request(str(exc), param) from exc
 
 
 class _Timer:

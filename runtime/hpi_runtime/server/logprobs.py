@@ -40,3 +40,19 @@ def chat_logprobs(tokenizer, logprobs: Sequence[TokenLogprobs]) -> dict:
             }
         )
     return {"content": content}
+
+
+def prompt_logprobs(tokenizer, logprobs: Sequence[TokenLogprobs] | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token itself and its top-n alternatives."""
+    if logprobs is None:
+        return None
+    rendered: list = [None]
+    for lp in logprobs:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": token_text(tokenizer, lp.token_id)}}
+        for rank, (token_id, value) in enumerate(lp.top, start=1):
+            entry.setdefault(str(token_id), {"logprob": value, "rank": rank,
+                                             "decoded_token": token_text(tokenizer, token_id)})
+        rendered.append(entry)
+    return rendered

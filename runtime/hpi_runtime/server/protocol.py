@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpi_runtime.server.errors import bad_request
+from hpi_runtime.server.structured_fields import parse_logit_bias, parse_structured
+from hpi_runtime.server.tool_fields import ToolChoice, parse_tool_calls, parse_tool_choice, parse_tools
+from hpi_runtime.structured.params import StructuredOutputsParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -18,7 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_INT64 = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_PRIORITY = 2**31 - 1  # any top_k at or above the vocabulary size already means "off"
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class SamplingFields:
     min_tokens: int
     logprobs: int | None  # None: no logprobs; k: chosen token plus top-k alternatives
     priority: int = 0  # vLLM's extra parameter: lower is admitted first (scheduling; rides with the settings)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutputsParams | None = None  # response_format or vLLM's guided_* fields
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extra: logprobs of the prompt tokens, top-n alternatives
 
 
 @dataclass(frozen=True)
@@ -58,12 +65,15 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     sampling: SamplingFields
     n: int
     stream: bool
     include_usage: bool
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI's {"type": "function", "function": {...}} entries
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
 
 
 class _Body:
@@ -157,9 +167,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max_tokens") -> SamplingFields:
-    for unsupported in ("logit_bias", "suffix", "tools", "functions", "response_format"):
+    for unsupported in ("suffix", "functions", "function_call"):
         value = body.get(unsupported)
-        if value not in (None, {}, [], "") and not (unsupported == "response_format" and _is_text(value)):
+        if value not in (None, {}, [], ""):
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
     max_tokens = body.integer(max_tokens_field, None, 1, MAX_INT64)
     if max_tokens is None and max_tokens_field != "max_tokens":
@@ -180,11 +190,11 @@ def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max
         min_tokens=body.integer("min_tokens", 0, 0, MAX_INT64),
         logprobs=logprobs,
         priority=body.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY),
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
+        structured=parse_structured(body),
+        skip_special_tokens=body.boolean("skip_special_tokens", True),
+        prompt_logprobs=body.integer("prompt_logprobs", None, 0, 20),
     )
-
-
-def _is_text(response_format: Any) -> bool:
-    return isinstance(response_format, dict) and response_format.get("type") == "text"
 
 
 def parse_completion(raw: Any) -> CompletionRequest:
@@ -240,6 +250,7 @@ def parse_chat(raw: Any) -> ChatRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    tools = parse_tools(body.get("tools"))
     return ChatRequest(
         model=body.string("model"),
         messages=parsed,
@@ -250,16 +261,28 @@ def parse_chat(raw: Any) -> ChatRequest:
         stream=stream,
         include_usage=body.stream_options(stream),
         chat_template_kwargs=template_kwargs,
+        tools=tools,
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=body.boolean("parallel_tool_calls", True),
     )
 
 
-def _message(message: Any, index: int) -> dict[str, str]:
+def _message(message: Any, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", param)
+    extra: dict[str, Any] = {}
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str) or not message["tool_call_id"]:
+            raise bad_request(f"{param}: a 'tool' message needs a 'tool_call_id'", param)
+        extra["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            extra["name"] = message["name"]
+    if role == "assistant" and message.get("tool_calls"):
+        extra["tool_calls"] = parse_tool_calls(message["tool_calls"], param)
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -272,4 +295,4 @@ def _message(message: Any, index: int) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise bad_request(f"{param}.content must be a string or a list of text parts", param)
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if role == "developer" else role, "content": content, **extra}

@@ -32,6 +32,8 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral: enables tool_choice "auto"
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); empty: no CORS
 
 
 class ServerState:

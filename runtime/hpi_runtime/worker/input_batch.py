@@ -70,6 +70,8 @@ class InputBatch:
         self.top_k = np.zeros(max_reqs, dtype=np.int64)
         self.min_tokens = np.zeros(max_reqs, dtype=np.int64)
         self.uses_penalties = np.zeros(max_reqs, dtype=bool)
+        self.uses_logit_bias = np.zeros(max_reqs, dtype=bool)
+        self.prompt_logprob_ids: set[str] = set()  # requests that asked for prompt logprobs
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.row_of
@@ -122,9 +124,13 @@ class InputBatch:
         self.uses_penalties[row] = bool(
             params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         )
+        self.uses_logit_bias[row] = bool(params.logit_bias)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprob_ids.add(new.request_id)
 
     def remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
+        self.prompt_logprob_ids.discard(request_id)
         if row is not None:
             self.params[row] = None
             self.free_rows.append(row)
@@ -154,7 +160,7 @@ class InputBatch:
             array = getattr(self, name)
             setattr(self, name, _grown(array, rows, array.shape[1]))
         for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks", "top_k",
-                     "min_tokens", "uses_penalties"):  # fmt: skip
+                     "min_tokens", "uses_penalties", "uses_logit_bias"):  # fmt: skip
             setattr(self, name, _grown(getattr(self, name), rows))
         self.float_columns = {name: _grown(column, rows) for name, column in self.float_columns.items()}
         old = len(self.params)
@@ -222,6 +228,24 @@ class InputBatch:
             i = int(short[0])
             raise ValueError(f"request {request_ids[i]} needs {needed[i]} blocks, has {self.num_blocks[rows[i]]}")
 
+    def prompt_logprob_chunks(self, step: StepInputs) -> list[tuple[str, int, int, int, list[int], int]]:
+        """For the step's requests that want prompt logprobs: (id, first row of its chunk, first position, rows
+        that predict a prompt token, those tokens, top-n), as worker/prompt_logprobs.py takes them."""
+        chunks = []
+        query_start_loc = step.query_start_loc.tolist()
+        for i, request_id in enumerate(step.request_ids):
+            if request_id not in self.prompt_logprob_ids:
+                continue
+            row = self.row_of[request_id]
+            end = int(step.context_lens[i])
+            start = end - (query_start_loc[i + 1] - query_start_loc[i])
+            stop = min(end, int(self.num_prompt_tokens[row]) - 1)  # the last prompt token predicts an output
+            if stop > start:
+                targets = self.token_ids[row, start + 1 : stop + 1].tolist()
+                chunks.append((request_id, query_start_loc[i], start, stop - start, targets,
+                               self.params[row].prompt_logprobs))
+        return chunks
+
     def sampling_batch(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
         """Sampling settings of `rows` ([S] int64), in that order."""
 
@@ -246,6 +270,7 @@ class InputBatch:
                 tuple(self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist())
                 for row in rows.tolist()
             )
+        logit_bias = tuple(p.logit_bias for p in params) if bool(self.uses_logit_bias[rows].any()) else ()
         return SamplingBatch(
             temperature=column(self.float_columns["temperature"]),
             top_k=column(self.top_k),
@@ -257,5 +282,6 @@ class InputBatch:
             ),
             num_logprobs=tuple(p.logprobs for p in params),
             banned_token_ids=banned,
+            logit_bias=logit_bias,
             **penalties,
         )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
-from hpi_runtime.worker.sampler import Sampler
+from hpi_runtime.worker.prompt_logprobs import compute_prompt_logprobs
+from hpi_runtime.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class StepLogits:
     request_ids: tuple[str, ...]
     logits: torch.Tensor | None  # [num_sampled, vocab_size] float32; None on tensor-parallel ranks other than 0
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
+    grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: row i of grammar_bitmask
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
+    prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,16 @@ class ModelRunner:
         last_rows = step.query_start_loc[1:].long() - 1
         sampled_rows = last_rows[torch.tensor(step.is_sampled)]
         logits = self.model.compute_logits(hidden.index_select(0, sampled_rows.to(device)))
+        prompt_logprobs = {}
+        if self.input_batch.prompt_logprob_ids and (chunks := self.input_batch.prompt_logprob_chunks(step)):
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, chunks)
         return StepLogits(
             request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if s),
             logits=logits,
             partial_request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if not s),
+            grammar_request_ids=scheduler_output.grammar_request_ids,
+            grammar_bitmask=scheduler_output.grammar_bitmask,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @torch.inference_mode()
@@ -134,17 +144,26 @@ class ModelRunner:
         ids, so every rank's copy of the requests stays identical whatever the sampler does."""
         sampled: dict[str, tuple[int, ...]] = dict.fromkeys(step.partial_request_ids, ())
         if not step.request_ids:
-            return ModelRunnerOutput(sampled_token_ids=sampled)
+            return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=step.prompt_logprobs)
         rows = self.input_batch.rows_of(step.request_ids)
         if self.model.tp.size == 1:
-            result = self.sampler(step.logits, self.input_batch.sampling_batch(rows, self.device))
+            result = self.sampler(step.logits, self._sampling_batch(step, rows))
             token_ids, token_logprobs = result.token_ids, result.logprobs
         else:
             token_ids, token_logprobs = self._sample_on_first_rank(step, rows)
         self.input_batch.append_sampled(rows, token_ids)
         logprobs = {r: (lp,) for r, lp in zip(step.request_ids, token_logprobs, strict=True) if lp is not None}
         sampled.update((r, (t,)) for r, t in zip(step.request_ids, token_ids, strict=True))
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)
+
+    def _sampling_batch(self, step: StepLogits, rows: np.ndarray) -> SamplingBatch:
+        """The rows' sampling settings, plus the grammar bitmask of the constrained ones (if any)."""
+        batch = self.input_batch.sampling_batch(rows, self.device)
+        if step.grammar_bitmask is None:
+            return batch
+        position = {request_id: i for i, request_id in enumerate(step.request_ids)}
+        grammar_rows = torch.tensor([position[r] for r in step.grammar_request_ids], dtype=torch.int64)
+        return replace(batch, grammar_rows=grammar_rows, grammar_bitmask=step.grammar_bitmask)
 
     def _sample_on_first_rank(
         self, step: StepLogits, rows: np.ndarray
@@ -153,7 +172,7 @@ class ModelRunner:
         token_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         try:
             if self.model.tp.is_first:
-                result = self.sampler(step.logits, self.input_batch.sampling_batch(rows, self.device))
+                result = self.sampler(step.logits, self._sampling_batch(step, rows))
                 tokens.copy_(torch.tensor(result.token_ids, dtype=torch.int64))
                 token_logprobs = list(result.logprobs)
         finally:  # the other ranks wait in this broadcast even when rank 0's sampler failed

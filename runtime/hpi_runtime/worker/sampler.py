@@ -1,4 +1,8 @@
-"""Sampling from logits: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Sampling from logits: logit bias, grammar masks, penalties, temperature, top-k / top-p / min-p, seeded
+draws, logprobs.
+
+Rows under a grammar (structured outputs) get its token bitmask applied, and only they: a step without one
+pays a single None check.
 
 Every row is processed with vectorised ops; only seeded rows draw their noise one by one, from their own
 generator re-seeded per output position, so a seeded request's tokens depend only on its seed and its
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.structured.compiler import apply_bitmask_
 
 _MASK64 = (1 << 64) - 1
 
@@ -33,6 +38,9 @@ class SamplingBatch:
     prompt_token_ids: tuple[tuple[int, ...], ...] = ()
     output_token_ids: tuple[tuple[int, ...], ...] = ()
     banned_token_ids: tuple[tuple[int, ...], ...] = ()  # per row, e.g. EOS before min_tokens
+    logit_bias: tuple[tuple[tuple[int, float], ...], ...] = ()  # per row (token id, bias); () when no row has any
+    grammar_rows: torch.Tensor | None = None  # [R] int64: the rows under a grammar
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: allowed next tokens of those rows
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,18 @@ def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: Sampling
     return results
 
 
+def _apply_logit_bias(logits: torch.Tensor, biases: tuple[tuple[tuple[int, float], ...], ...]) -> torch.Tensor:
+    """logits: [S, V] -> a copy with each row's (token id, bias) pairs added (ids past V are ignored)."""
+    vocab_size = logits.shape[1]
+    entries = [(row, t, b) for row, pairs in enumerate(biases) for t, b in pairs if t < vocab_size]
+    if not entries:
+        return logits
+    rows, token_ids, values = zip(*entries, strict=True)
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
+    return logits.index_put(index, torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         # Draws for unseeded requests: reproducible per engine seed, but they depend on batch order.
@@ -130,10 +150,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [S, V] float32 -> one token per row."""
         raw_logits = logits
+        if batch.logit_bias:
+            logits = _apply_logit_bias(logits, batch.logit_bias)
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits = logits.clone() if logits is raw_logits else logits
                 logits[row, list(banned)] = float("-inf")
+        if batch.grammar_bitmask is not None:
+            if logits is raw_logits and any(n is not None for n in batch.num_logprobs):
+                logits = logits.clone()  # logprobs are of the model's own distribution
+            apply_bitmask_(logits, batch.grammar_rows.to(logits.device), batch.grammar_bitmask)
         if batch.output_token_ids:
             logits = apply_penalties(logits, batch)
         greedy_ids = logits.argmax(dim=-1)

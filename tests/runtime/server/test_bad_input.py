@@ -9,6 +9,7 @@ from hpi_testing.server import post_json as post
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 OK_CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 CASES = [
@@ -45,7 +46,21 @@ CASES = [
     ("stream_options without stream", CHAT, {**OK_CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream"),
     ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
-    ("logit_bias unsupported", CHAT, {**OK_CHAT, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    ("logit_bias outside the vocabulary", CHAT, {**OK_CHAT, "logit_bias": {"10000000": 5}}, 400, "logit_bias",
+     "vocabulary"),
+    ("logit_bias key not a token id", CHAT, {**OK_CHAT, "logit_bias": {"Paris": 5}}, 400, "logit_bias", "token ids"),
+    ("response_format unknown type", CHAT, {**OK_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format",
+     "json_schema"),
+    ("tools not a list", CHAT, {**OK_CHAT, "tools": {"name": "f"}}, 400, "tools", "list"),
+    ("tool_choice required without tools", CHAT, {**OK_CHAT, "tool_choice": "required"}, 400, "tool_choice",
+     "needs 'tools'"),
+    ("tool_choice auto without a parser", CHAT, {**OK_CHAT, "tools": [TOOL]}, 400, "tool_choice",
+     "--tool-call-parser"),
+    ("tool message without tool_call_id", CHAT, {**OK_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages[0]", "tool_call_id"),
+    ("tool call arguments not JSON", CHAT, {**OK_CHAT, "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400, "messages[0]",
+     "not valid JSON"),
     ("unknown model", CHAT, {**OK_CHAT, "model": "gpt-9"}, 404, "model", "gpt-9"),
     ("prompt missing", COMPLETIONS, {"model": "tiny-llama"}, 400, "prompt", "prompt"),
     ("prompt ids out of vocabulary", COMPLETIONS, {"prompt": [1, 2, 10**7]}, 400, "prompt", "vocabulary"),
