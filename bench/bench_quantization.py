@@ -5,7 +5,10 @@ weight bytes are what the engine reports (`hpi:model_weight_bytes`); tokens/s is
 wall time for N concurrent short prompts (~6 tokens) decoding `--max-tokens` greedy tokens each (EOS
 ignored), all variants loaded at once and timed in alternation (median of `--rounds`); perplexity is over
 the fixed text the tests ship (tests/runtime/quant/data/ppl_text.txt), one prefill. Ratios are against
-`none` at the same dtype, same machine, same run. Prints a Markdown table.
+`none` at the same dtype, same machine, same run. int4 variants are named by scheme
+(`int4-g<group>-<fit>-<policy>`): `--int4-schemes minmax-uniform mse-mixed` compares the min/max rounding of
+before issue 17 with the MSE fit and the mixed-precision policy. The answer column is the greedy answer to
+the bare "What is the capital of France?". The CPU's bf16 ISA is recorded with the results.
 
     .venv/bin/python bench/bench_quantization.py                           # fp32, N = 1 and 32
     .venv/bin/python bench/bench_quantization.py --dtypes float32 bfloat16 --group-sizes 32 64
@@ -36,6 +39,7 @@ class Result:
     dtype: str
     method: str
     group_size: int | None
+    scheme: str  # e.g. int4-g32-mse-mixed (QuantizationConfig.scheme)
     weight_bytes: int
     load_s: float
     tokens_per_s: dict[int, float]  # concurrency -> generated tokens/s (median over rounds)
@@ -48,12 +52,24 @@ class Variant:
     dtype: str
     method: str
     group_size: int
+    int4_fit: str = "mse"
+    int4_policy: str = "mixed"
+
+
+def cpu_isa() -> str:
+    """The CPU's bf16 support as the runtime sees it: amx_bf16 / avx512_bf16 / none (emulated)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), "none (bf16 emulated)")
 
 
 def _load(variant: Variant) -> tuple[LLM, float]:
     start = time.perf_counter()
     llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
-              kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+              int4_fit=variant.int4_fit, int4_policy=variant.int4_policy, kv_cache_memory_bytes=256 << 20,
+              max_model_len=1024)  # fmt: skip
     return llm, time.perf_counter() - start
 
 
@@ -87,7 +103,9 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         ppl = perplexity(executor.model, executor.runner.backend, ids)
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
-                              llm.bundle.weight_bytes, load_s, tokens_per_s, ppl, answer))
+                              llm.bundle.quantization_scheme, llm.bundle.weight_bytes, load_s, tokens_per_s, ppl,
+                              answer))  # fmt: skip
+        llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
     return results
 
@@ -101,7 +119,7 @@ def table(results: list[Result], concurrency: list[int]) -> str:
     base = {r.dtype: r for r in results if r.method == "none"}
     for r in results:
         b = base.get(r.dtype, r)
-        name = r.method + (f" (g{r.group_size})" if r.group_size else "")
+        name = r.scheme
         row = [r.dtype, name, f"{r.weight_bytes / 2**20:.1f}", f"{r.weight_bytes / b.weight_bytes:.2f}"]
         for n in concurrency:
             row += [f"{r.tokens_per_s[n]:.1f}", f"{r.tokens_per_s[n] / b.tokens_per_s[n]:.2f}"]
@@ -116,22 +134,27 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[DEFAULT_INT4_GROUP_SIZE],
                         help="int4 group sizes to try")
+    parser.add_argument("--int4-schemes", nargs="+", default=["mse-mixed"],
+                        help="int4 <fit>-<policy> pairs to try, e.g. minmax-uniform mse-uniform mse-mixed")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="alternating timing rounds; the median is kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU bf16: {cpu_isa()}", flush=True)
     variants = [
-        Variant(dtype, method, group_size)
+        Variant(dtype, method, group_size, *scheme.split("-"))
         for dtype in args.dtypes
         for method in args.methods
         for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
+        for scheme in (args.int4_schemes if method == "int4" else ["mse-mixed"])
     ]
     results = measure_all(variants, args.concurrency, args.max_tokens, args.rounds)
     print(table(results, args.concurrency))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        payload = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_bf16": cpu_isa(),
+                   "results": [asdict(r) for r in results]}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "int4 group-wise); embeddings and LM head stay in --dtype")
     model.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                        help="int4 only: weights per scale/zero along K (must divide every layer's K)")
+    model.add_argument("--int4-fit", default="mse", choices=["mse", "minmax"],
+                       help="int4 only: choose each group's scale/zero by a data-free error-minimising search "
+                       "(mse) or by the group's min/max")
+    model.add_argument("--int4-policy", default="mixed", choices=["mixed", "uniform"],
+                       help="int4 only: mixed keeps the q/k/v projections at int8 (the layers int4 hurts most, "
+                       "docs/quantization.md); uniform makes every linear int4")
     model.add_argument("--quantize-lm-head", action="store_true",
                        help="also quantize an untied LM head (a tied one shares the float embedding); "
                        "saves its memory at some cost in logit precision")
@@ -157,6 +163,8 @@ def serve(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             quantize_lm_head=args.quantize_lm_head,
+            int4_fit=args.int4_fit,
+            int4_policy=args.int4_policy,
             tensor_parallel_size=args.tensor_parallel_size,
             enforce_eager=args.enforce_eager,
         )

@@ -20,7 +20,8 @@ from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.model.config import ModelConfig, load_model_config
 from hpi_runtime.model.parallel import split_heads
-from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, check_model_supported
+from hpi_runtime.model.quant_policy import DEFAULT_INT4_POLICY
+from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, resolve_quantization
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig
@@ -51,6 +52,7 @@ class EngineBundle:
     vocab_size: int = 0  # rows of the model's embedding: token ids at or above it cannot be looked up
     # generation_config.json's sampling settings, the defaults for requests that leave them out
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    quantization_scheme: str = "none"  # see PreparedEngine
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
@@ -178,6 +180,8 @@ class LoadConfig:
     # Also quantize an untied LM head: off by default, its error lands directly on the logits (a tied head is
     # the embedding, which stays in float).
     quantize_lm_head: bool = False
+    int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales/zeros are chosen (model/int4_fit.py)
+    int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at int8 (model/quant_policy.py)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # vLLM's name: run the model step without torch.compile
 
@@ -196,6 +200,8 @@ class PreparedEngine:
     quantization: str
     vocab_size: int  # rows of the model's embedding
     sampling_defaults: Mapping[str, Any]
+    quantization_scheme: str = "none"  # hpi:quantization_info's label, e.g. "int4-g32-mse-mixed", "awq-int4-g128"
+    quantization_detail: str = "none"  # the start-up log's line (which linears a mixed policy keeps at int8)
 
     @property
     def dtype(self) -> str:
@@ -218,10 +224,11 @@ def prepare_engine(
     tensor_parallel_size = load.tensor_parallel_size
     model_dir, model_name = resolve_model_dir(model)
     model_config = load_model_config(model_dir)
-    quantization_config = QuantizationConfig(quantization, load.quantization_group_size, load.quantize_lm_head)
+    quantization_config = QuantizationConfig(quantization, load.quantization_group_size, load.quantize_lm_head,
+                                             load.int4_fit, load.int4_policy)  # fmt: skip
     _check_lm_head_quantization(model_config, quantization_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
-    check_model_supported(model_config, quantization_config, tensor_parallel_size)
+    resolved = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)
     engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
     _check_engine_config(engine_config, model_config)
     torch_device = torch.device(device)
@@ -244,7 +251,7 @@ def prepare_engine(
         attention_backend=_resolve_attention_backend(load.attention_backend, torch_device),
         seed=load.seed,
         eos_token_ids=frozenset(eos_token_ids),
-        quantization=quantization_config,
+        quantization=resolved.config,
         tensor_parallel_size=tensor_parallel_size,
         enforce_eager=load.enforce_eager,
     )
@@ -255,9 +262,11 @@ def prepare_engine(
         model_name=model_name,
         model_dir=model_dir,
         eos_token_ids=frozenset(eos_token_ids),
-        quantization=quantization,
+        quantization=resolved.method,
         vocab_size=model_config.vocab_size,
         sampling_defaults=dict(model_config.sampling_defaults),
+        quantization_scheme=resolved.scheme,
+        quantization_detail=resolved.detail,
     )
 
 
@@ -288,6 +297,7 @@ def create_engine(
         kv_cache_bytes=executor.kv_cache_bytes,
         num_kv_blocks=executor.num_kv_blocks,
         quantization=prepared.quantization,
+        quantization_scheme=prepared.quantization_scheme,
         vocab_size=prepared.vocab_size,
         sampling_defaults=prepared.sampling_defaults,
     )
@@ -319,6 +329,8 @@ class LLM:
         quantization: str = "none",
         quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE,
         quantize_lm_head: bool = False,
+        int4_fit: str = "mse",
+        int4_policy: str = DEFAULT_INT4_POLICY,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
     ) -> None:
@@ -342,6 +354,8 @@ class LLM:
             quantization=quantization,
             quantization_group_size=quantization_group_size,
             quantize_lm_head=quantize_lm_head,
+            int4_fit=int4_fit,
+            int4_policy=int4_policy,
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager,
         )

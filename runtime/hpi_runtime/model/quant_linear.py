@@ -96,6 +96,7 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype,  # activation dtype
         device: torch.device,
+        input_perm: torch.Tensor | None = None,  # [K] int64: the weight's columns are x's in this order
     ) -> None:
         super().__init__()
         self.activation_dtype = dtype
@@ -120,10 +121,14 @@ class QuantizedLinear(nn.Module):
             self.scales = frozen(weight.scales.to(scale_dtype))  # [N, K // g]
             self.zeros = frozen(weight.zeros.to(scale_dtype))  # [N, K // g]
         self.bias = None if bias is None else frozen(bias.to(self.activation_dtype))
+        # GPTQ act-order checkpoints: groups are contiguous only after permuting the input channels, so the
+        # layer gathers x's columns into that order (one [M, K] index_select) and the kernels stay as they are.
+        self.register_buffer("input_perm", None if input_perm is None else input_perm.to(device, torch.int64))
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method == "int4" else ""
-        return f"{self.in_features}, {self.out_features}, {self.method}{group}, {self.device_type}"
+        perm = ", input_perm" if self.input_perm is not None else ""
+        return f"{self.in_features}, {self.out_features}, {self.method}{group}{perm}, {self.device_type}"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] contiguous -> [M, N]
         if x.device.type != self.device_type:
@@ -143,6 +148,8 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         compute_dtype = self.compute_dtype
         rows = x.reshape(-1, self.in_features)
+        if self.input_perm is not None:
+            rows = rows.index_select(1, self.input_perm)
         if self._dequantize_for(rows):
             weight = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]  # one layer, transient
             out = torch.nn.functional.linear(rows, weight, self.bias)

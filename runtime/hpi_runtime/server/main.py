@@ -92,6 +92,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         return
     state.metrics.set_footprint(ModelFootprint(info.weight_bytes, info.kv_cache_bytes, info.num_kv_blocks,
                                                prepared.engine_config.block_size))
+    state.metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
     vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)
     max_model_len = prepared.engine_config.max_model_len
@@ -107,7 +108,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     gc.freeze()
     logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB in %d blocks, "
                 "max_model_len %d; engine core in its own process", state.settings.served_model_name,
-                prepared.dtype, prepared.quantization, prepared.device, info.weight_bytes / 2**20,
+                prepared.dtype, prepared.quantization_detail, prepared.device, info.weight_bytes / 2**20,
                 info.kv_cache_bytes / 2**20, info.num_kv_blocks, max_model_len)
 
 

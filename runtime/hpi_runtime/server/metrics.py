@@ -60,6 +60,9 @@ class ServingMetrics:
         self._block_size = Gauge("hpi:kv_cache_block_size_tokens", "Tokens per KV-cache block.", labels,
                                  registry=reg)
         self._ready = Gauge("hpi:ready", "1 when the server accepts requests.", labels, registry=reg)
+        self._quantization = Gauge("hpi:quantization_info", "1, labelled with the weights' quantization: method "
+                                   "(none|int8|int4) and scheme (e.g. int4-g32-mse-mixed, gptq-int4-g128).",
+                                   labels + ["method", "scheme"], registry=reg)  # fmt: skip
         self._model = model_name
         self._last: dict[str, int] = {}
         for counter in (self._prompt_tokens, self._generation_tokens, self._preemptions, self._prefix_queries,
@@ -77,6 +80,9 @@ class ServingMetrics:
         self._kv_bytes.labels(self._model).set(footprint.kv_cache_bytes)
         self._kv_blocks.labels(self._model).set(footprint.num_kv_blocks)
         self._block_size.labels(self._model).set(footprint.block_size)
+
+    def set_quantization(self, method: str, scheme: str) -> None:
+        self._quantization.labels(self._model, method, scheme).set(1)
 
     def set_ready(self, ready: bool) -> None:
         self._ready.labels(self._model).set(1 if ready else 0)

@@ -1,12 +1,20 @@
-"""The embedded SmolLM2-135M-Instruct quantized at load time: it still answers, and perplexity stays bounded.
+"""The embedded SmolLM2-135M-Instruct quantized at load time, in fp32 and bf16: it still answers, and
+perplexity stays bounded.
 
-Perplexity bounds come from measurements on the fixed text in data/ppl_text.txt (443 tokens, fp32
-activations, CPU; see docs/quantization.md): none 26.15, int8 26.07 (x0.997), int4 g32 (the default)
-26.23 (x1.003), int4 g64 37.65 (x1.44). The embedded checkpoint was converted from a Q4_1 GGUF (a group-32
-int4 grid), which is why int4 g32 costs almost nothing here; the int4 bound (x1.10) therefore leaves room
-for that luck to run out with a differently converted checkpoint, and int8's (x1.02) for summation-order
-noise, while both still catch a broken scale, a wrong nibble order or a mis-packed group (each sends
-perplexity into the hundreds or more).
+Perplexity bounds come from measurements on the fixed text in data/ppl_text.txt (443 tokens, CPU; see
+docs/quantization.md): fp32 none 26.15, int8 26.07 (x0.997), int4 g32 (MSE fit, mixed policy) 26.10; bf16
+none 26.23, int8 26.06, int4 26.10. The embedded checkpoint was converted from a Q4_1 GGUF (a group-32 int4
+grid), which is why int4 g32 costs almost nothing here; the int4 bound (x1.10) leaves room for that luck to
+run out with a differently converted checkpoint, and int8's (x1.02) for summation-order noise, while both
+still catch a broken scale, a wrong nibble order or a mis-packed group (each sends perplexity into the
+hundreds or more).
+
+Issue 17's regression: the bare "What is the capital of France?" in bf16 with int4 answered "L'Étoile, la
+Marseillaise, ...". The float model itself nearly ties there (first token "The" against "L": 0.08 nats in
+fp32, 0.14 in bf16, where logits come out of the bf16 LM head at a resolution of 0.125 and an exact tie goes
+to "L", the lower token id); min/max int4 made it a tie, the MSE fit and the mixed policy give "The" a lead
+of 0.125-0.27 (docs/quantization.md). This asserts the answer the way the issue asked it, in both dtypes,
+and the one-word variant (a 1.5-nat lead) as the margin-safe check.
 """
 
 from __future__ import annotations
@@ -25,15 +33,21 @@ from hpi_runtime.sampling_params import SamplingParams
 
 TEXT = (Path(__file__).parent / "data" / "ppl_text.txt").read_text()
 MAX_PPL_RATIO = {"int8": 1.02, "int4": 1.10}  # quantized / unquantized perplexity, see the module docstring
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference_perplexity(embedded_model_dir: Path) -> float:
-    backend = get_attention_backend("torch", torch.float32)
-    model = load_model(load_model_config(embedded_model_dir), torch.float32, torch.device("cpu"), backend)
-    return perplexity(model, backend, _text_ids(embedded_model_dir))
+def reference_perplexity(embedded_model_dir: Path) -> dict[str, float]:
+    """The unquantized model's perplexity per activation dtype (bf16 runs emulated on CPUs without it)."""
+    ids = _text_ids(embedded_model_dir)
+    values = {}
+    for name, dtype in DTYPES.items():
+        backend = get_attention_backend("torch", dtype, torch.device("cpu"))
+        model = load_model(load_model_config(embedded_model_dir), dtype, torch.device("cpu"), backend)
+        values[name] = perplexity(model, backend, ids)
+    return values
 
 
 def _text_ids(model_dir: Path) -> list[int]:
@@ -44,25 +58,26 @@ def _text_ids(model_dir: Path) -> list[int]:
     return ids
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_embedded_model_answers_paris_and_keeps_perplexity(
-    method: str, reference_perplexity: float, embedded_model_dir: Path
+    method: str, dtype: str, reference_perplexity: dict[str, float], embedded_model_dir: Path
 ) -> None:
-    llm = LLM(None, dtype="float32", quantization=method, kv_cache_memory_bytes=16 << 20, max_model_len=256)
-    assert llm.bundle.quantization == method
-    # "Answer in one word." because the bare question's first token is a near-tie ("The" against "L'": 0.08 nats
-    # apart unquantized, 0.001 in int4, whose bf16 matmul rounds activations): any change of summation order,
-    # such as the C++ attention kernel's, flips int4's answer to "L'Étoile, ..." (issue 17 is int4 quality).
-    # Here the first token leads by 1.5 nats and the answer is Paris with either attention path.
-    chat = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    answer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].text
-    assert "Paris" in answer
+    llm = LLM(None, dtype=dtype, quantization=method, kv_cache_memory_bytes=16 << 20, max_model_len=256,
+              enforce_eager=True)  # fmt: skip
+    assert llm.bundle.quantization == method and llm.bundle.dtype == dtype
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    for question in ("What is the capital of France?", "What is the capital of France? Answer in one word."):
+        answer = llm.chat([{"role": "user", "content": question}], greedy)[0].text
+        assert "Paris" in answer, f"{dtype} {method}: {question!r} -> {answer!r}"
     # Last: perplexity() gives the model a private KV cache, so the engine is done with it from here on.
     executor = llm.engine.executor
-    assert 10 < reference_perplexity < 50  # the float model reads plain English fluently
-    ratio = perplexity(executor.model, executor.runner.backend, _text_ids(embedded_model_dir)) / reference_perplexity
+    reference = reference_perplexity[dtype]
+    assert 10 < reference < 50  # the float model reads plain English fluently
+    ratio = perplexity(executor.model, executor.runner.backend, _text_ids(embedded_model_dir)) / reference
     bound = MAX_PPL_RATIO[method]
-    assert ratio < bound, f"{method}: perplexity x{ratio:.3f} of unquantized, bound x{bound}"
+    assert ratio < bound, f"{dtype} {method}: perplexity x{ratio:.3f} of unquantized, bound x{bound}"
+    llm.shutdown()
 
 
 @pytest.mark.gpu

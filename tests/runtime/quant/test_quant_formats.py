@@ -30,9 +30,9 @@ def test_int8_round_trip_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_round_trip_within_half_a_step(group_size: int) -> None:
+def test_int4_minmax_round_trip_within_half_a_step(group_size: int) -> None:
     weight = _weight()
-    qw = quantize_weight(weight, QuantizationConfig("int4", group_size))
+    qw = quantize_weight(weight, QuantizationConfig("int4", group_size, int4_fit="minmax"))
     assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (48, 128)  # two values per byte
     assert qw.scales.shape == qw.zeros.shape == (48, 256 // group_size)
     error = (qw.dequantize() - weight).abs()
@@ -64,6 +64,8 @@ def test_cpu_int4_repacking_pads_n_to_16_with_zero_rows() -> None:
     [
         (lambda: QuantizationConfig("fp8"), "quantization must be one of"),
         (lambda: QuantizationConfig("int4", 48), "group size must be one of"),
+        (lambda: QuantizationConfig("int4", int4_fit="hqq"), "int4_fit must be one of"),
+        (lambda: QuantizationConfig("int4", int4_policy="q4km"), "int4_policy must be one of"),
         (lambda: quantize_weight(torch.randn(16, 96), QuantizationConfig("int4", 64)), "does not divide"),
         (lambda: quantize_weight(torch.randn(16, 64), QuantizationConfig("none")), "not 'none'"),
         (lambda: quantize_weight(torch.randn(16), QuantizationConfig("int8")), r"\[N, K\]"),

@@ -114,7 +114,7 @@ def test_lm_head_quantized_only_when_asked_and_untied(qwen_untied_dir: Path, tin
 
 def test_quantized_state_dict_names(tiny_model_dir: Path) -> None:
     model = _tiny_model(tiny_model_dir)
-    state = quantized_state_dict(model, QuantizationConfig("int4", 32))
+    state = quantized_state_dict(model, QuantizationConfig("int4", 32, int4_policy="uniform"))
     prefix = "model.layers.0.mlp.down_proj"
     assert state[f"{prefix}.qweight"].dtype == torch.uint8
     assert {f"{prefix}.scales", f"{prefix}.zeros"} <= state.keys()
