@@ -1,0 +1,117 @@
+"""The router's aiohttp application: the proxied OpenAI routes, /v1/models from the backends, and its own
+/health, /ready and /metrics. Errors have OpenAI's shape (the runtime's ApiError)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from hpi_runtime.router.proxy import proxy
+from hpi_runtime.router.state import REQUEST_ID, STATE_KEY, RouterState
+from hpi_runtime.server.errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+MODELS_TIMEOUT_S = 5.0
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason or exc.text or "error").response()
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # a bug: fail this request only, with its id in the log
+        logger.exception("request %s failed", request[REQUEST_ID])
+        return ApiError(500, f"internal error ({type(exc).__name__}); request id {request[REQUEST_ID]}").response()
+
+
+@web.middleware
+async def inflight_middleware(request: web.Request, handler) -> web.StreamResponse:
+    state: RouterState = request.app[STATE_KEY]
+    if request.method != "POST":
+        return await handler(request)
+    state.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        state.in_flight -= 1
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state: RouterState = request.app[STATE_KEY]
+    num_ready = len(state.pool.ready())
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if num_ready == 0:
+        return web.json_response({"status": "no ready backend", "backends": len(state.pool.all())}, status=503)
+    return web.json_response({"status": "ready", "ready_backends": num_ready, "backends": len(state.pool.all())})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: RouterState = request.app[STATE_KEY]
+    state.metrics.refresh(state.pool.all())
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The union of the ready backends' /v1/models, by model id (the client's credentials go along)."""
+    state: RouterState = request.app[STATE_KEY]
+    headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+
+    async def fetch(url: str) -> tuple[int, dict | None]:
+        try:
+            async with state.session.get(f"{url}/v1/models", headers=headers, timeout=timeout) as response:
+                return response.status, (await response.json() if response.status == 200 else None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+            return 0, None
+
+    answers = await asyncio.gather(*(fetch(b.url) for b in state.pool.ready()))
+    cards: dict[str, dict] = {}
+    for _status, body in answers:
+        for card in (body or {}).get("data") or ():
+            if isinstance(card, dict) and "id" in card:
+                cards.setdefault(card["id"], card)
+    if not cards:
+        if any(status == 401 for status, _ in answers):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        raise ApiError(503, "no ready backend answered /v1/models", code="no_backend")
+    return web.json_response({"object": "list", "data": list(cards.values())})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise ApiError(404, f"no route {request.method} {request.path} (the router serves /v1/completions, "
+                   "/v1/chat/completions, /v1/models, /health, /ready, /metrics)")
+
+
+def build_app(state: RouterState) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, inflight_middleware],
+                          client_max_size=state.settings.max_request_body_bytes)
+    app[STATE_KEY] = state
+    app.on_startup.append(state.open)
+    app.on_cleanup.append(state.close)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", proxy)
+    app.router.add_post("/v1/chat/completions", proxy)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app

@@ -1,0 +1,64 @@
+"""The router's own Prometheus metrics (`hpi:router_*`), in a registry of its own (no process-global state).
+
+Per-backend series carry the label `backend` (its URL); a backend that leaves the set has its series
+removed, so a fleet that churns (pods come and go) does not grow the page without bound.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hpi_runtime.router.backends import Backend
+from hpi_runtime.server.metrics import LATENCY_BUCKETS_S
+
+
+class RouterMetrics:
+    def __init__(self):
+        reg = self.registry = CollectorRegistry()
+        backend = ["backend"]
+        self.requests = Counter("hpi:router_requests", "Requests forwarded, by backend and upstream status.",
+                                backend + ["code"], registry=reg)
+        self.picks = Counter("hpi:router_picks", "Backend picks, by reason (affinity, load).",
+                             backend + ["reason"], registry=reg)
+        self.retries = Counter("hpi:router_retries", "Attempts that failed before the first byte and were retried "
+                               "elsewhere, by the backend that failed and why.", backend + ["reason"], registry=reg)
+        self.ejections = Counter("hpi:router_ejections", "Times a backend was taken out of rotation.", backend,
+                                 registry=reg)
+        self.stream_failures = Counter("hpi:router_stream_failures", "Responses cut off after the first byte "
+                                       "because the backend failed.", backend, registry=reg)
+        self.unrouted = Counter("hpi:router_unrouted_requests", "Requests answered by the router itself with an "
+                                "error (no ready backend, all attempts failed).", ["reason"], registry=reg)
+        self.latency = Histogram("hpi:router_request_latency_seconds", "Time from pick to the last byte.", backend,
+                                 buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.first_byte = Histogram("hpi:router_time_to_first_byte_seconds", "Time from pick to the first "
+                                    "byte from the backend.", backend, buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._in_flight = Gauge("hpi:router_backend_in_flight", "Requests in flight through this router.",
+                                backend, registry=reg)
+        self._ready = Gauge("hpi:router_backend_ready", "1 while the backend takes traffic.", backend, registry=reg)
+        self._speed = Gauge("hpi:router_backend_decode_speed", "Measured tokens/s per busy request.", backend,
+                            registry=reg)
+        self._score_inputs = (self._in_flight, self._ready, self._speed)
+        self._known: set[str] = set()
+
+    def refresh(self, backends: list[Backend]) -> None:
+        """Bring the per-backend gauges up to date and drop the series of backends that are gone."""
+        current = {b.url for b in backends}
+        for url in self._known - current:
+            for metric in (self.requests, self.picks, self.retries, self.ejections, self.stream_failures,
+                           self.latency, self.first_byte, *self._score_inputs):
+                for labels in list(_label_sets(metric)):
+                    if labels and labels[0] == url:
+                        metric.remove(*labels)
+        self._known = current
+        for b in backends:
+            self._in_flight.labels(b.url).set(b.in_flight)
+            self._ready.labels(b.url).set(1 if b.ready else 0)
+            self._speed.labels(b.url).set(b.decode_speed or 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _label_sets(metric) -> list[tuple[str, ...]]:
+    with metric._lock:  # prometheus_client has no public way to list a metric's children
+        return list(metric._metrics)

@@ -1,0 +1,158 @@
+"""Forward one OpenAI request to a backend and stream its answer back, retrying elsewhere before the first byte.
+
+An attempt fails over to another backend (up to `max_attempts` in all) while nothing has been sent to the
+client: connection errors and a backend that dies before its first byte eject it; 503 (draining, loading)
+ejects it too; 429 (its queue is full) and 502/504 only move on. Non-streamed answers are read whole before
+they are sent, so they fail over even when the backend dies mid-generation. A streamed answer goes out as
+the backend's first bytes arrive (hpi holds its headers until the first token, so a refusal at admission
+is still a plain HTTP error here) and every chunk is written as it arrives; a backend failure after that
+cuts the client's connection (a clean end would pass a truncated answer off as complete). A client that
+goes away cancels the handler, which closes the upstream request, which aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from hpi_runtime.router.affinity import prefix_key
+from hpi_runtime.router.backends import Backend
+from hpi_runtime.router.monitor import eject
+from hpi_runtime.router.state import REQUEST_ID, STATE_KEY, RouterState
+from hpi_runtime.server.errors import ApiError, bad_request
+
+logger = logging.getLogger(__name__)
+
+FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Organization", "OpenAI-Project")
+FORWARDED_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id", "WWW-Authenticate", "Retry-After")
+RETRY_STATUSES = {429: False, 502: False, 503: True, 504: False}  # status -> eject the backend?
+
+
+class AttemptFailed(Exception):
+    """This attempt sent nothing to the client; another backend may take the request."""
+
+    def __init__(self, reason: str, detail: str, eject: bool, status: int = 502):
+        super().__init__(detail)
+        self.reason, self.detail, self.eject, self.status = reason, detail, eject, status
+
+
+def _parse_body(raw: bytes) -> dict:
+    if not raw:
+        raise bad_request("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _request_headers(request: web.Request) -> dict[str, str]:
+    headers = {name: request.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in request.headers}
+    headers["X-Request-Id"] = request[REQUEST_ID]
+    return headers
+
+
+def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {name: upstream.headers[name] for name in FORWARDED_RESPONSE_HEADERS if name in upstream.headers}
+
+
+async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes) -> web.StreamResponse:
+    """One try on `backend`; raises AttemptFailed while the client has been sent nothing."""
+    metrics = state.metrics
+    start = time.perf_counter()
+    try:
+        upstream = await state.session.post(f"{backend.url}{request.path_qs}", data=raw,
+                                            headers=_request_headers(request))
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}", eject=True) from None
+    try:
+        if upstream.status in RETRY_STATUSES:
+            detail = (await upstream.text(errors="replace"))[:300]
+            raise AttemptFailed(f"http_{upstream.status}", f"HTTP {upstream.status}: {detail}",
+                                eject=RETRY_STATUSES[upstream.status], status=upstream.status)
+        streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        try:
+            first = await (upstream.content.readany() if streamed else upstream.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise AttemptFailed("before_first_byte", f"{type(exc).__name__}: {exc}", eject=True) from None
+        if streamed and not first:
+            raise AttemptFailed("before_first_byte", "the backend closed the stream before its first byte",
+                                eject=True)
+        metrics.first_byte.labels(backend.url).observe(time.perf_counter() - start)
+        metrics.requests.labels(backend.url, str(upstream.status)).inc()
+        if not streamed:
+            response = web.Response(status=upstream.status, body=first, headers=_response_headers(upstream))
+            metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
+            return response
+        response = web.StreamResponse(status=upstream.status, headers={**_response_headers(upstream),
+                                                                       "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        await response.write(first)
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                # Past the first byte nothing can be retried: cut the client off rather than end cleanly. (Only
+                # the upstream read is guarded: a client that goes away must not eject the backend.)
+                metrics.stream_failures.labels(backend.url).inc()
+                eject(backend, f"failed mid-stream: {type(exc).__name__}", metrics)
+                logger.warning("request %s: %s failed mid-stream (%s); closing the client connection",
+                               request[REQUEST_ID], backend.url, exc)
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            if not chunk:
+                break
+            await response.write(chunk)
+        await response.write_eof()
+        metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
+        return response
+    finally:
+        upstream.close()  # returns nothing to the pool unless fully read; an early exit drops the connection
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    state: RouterState = request.app[STATE_KEY]
+    if state.draining:
+        raise ApiError(503, "the router is shutting down", code="draining")
+    raw = await request.read()
+    body = _parse_body(raw)
+    key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
+    tried: set[str] = set()
+    last: AttemptFailed | None = None
+    for _ in range(state.settings.max_attempts):
+        choice = state.choose(key, exclude=tried)
+        if choice is None:
+            break
+        backend, pick = choice
+        tried.add(backend.url)
+        state.metrics.picks.labels(backend.url, pick.reason).inc()
+        backend.in_flight += 1
+        backend.num_picks += 1
+        try:
+            return await _attempt(request, state, backend, raw)
+        except AttemptFailed as exc:
+            last = exc
+            state.metrics.retries.labels(backend.url, exc.reason).inc()
+            if exc.eject:
+                eject(backend, exc.detail, state.metrics)
+            logger.info("request %s: %s failed before the first byte (%s); trying another backend",
+                        request[REQUEST_ID], backend.url, exc.detail)
+        finally:
+            backend.in_flight -= 1
+    if last is None:
+        state.metrics.unrouted.labels("no_ready_backend").inc()
+        raise ApiError(503, "no backend is ready to take the request", code="no_backend")
+    state.metrics.unrouted.labels("attempts_failed").inc()
+    status = 429 if last.status == 429 else 503
+    raise ApiError(status, f"{len(tried)} backend(s) failed the request; last: {last.detail}",
+                   code="backends_failed")
+
+

@@ -1,0 +1,50 @@
+"""The router's state, one object per app: settings, the backend pool, its hash ring, metrics, HTTP client."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from hpi_runtime.router.affinity import HashRing
+from hpi_runtime.router.backends import Backend, BackendPool
+from hpi_runtime.router.config import RouterSettings
+from hpi_runtime.router.metrics import RouterMetrics
+from hpi_runtime.router.policy import Pick, pick
+
+
+class RouterState:
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.pool = BackendPool(on_change=self._rebuild_ring)
+        self.ring = HashRing(())
+        self.session: aiohttp.ClientSession | None = None  # opened on app startup, in the serving loop
+        self.draining = False
+        self.in_flight = 0
+
+    def _rebuild_ring(self) -> None:
+        self.ring = HashRing(self.pool.urls())
+        self.metrics.refresh(self.pool.all())
+
+    def choose(self, affinity_key: str | None, exclude: set[str]) -> tuple[Backend, Pick] | None:
+        ready = self.pool.ready()
+        order = self.ring.order(affinity_key) if affinity_key is not None else None
+        choice = pick([b.view() for b in ready], order, self.settings.policy, exclude)
+        if choice is None:
+            return None
+        return self.pool.get(choice.url), choice
+
+    async def open(self, _app: web.Application | None = None) -> None:
+        # No total timeout: a generation may run for minutes; connecting is bounded, and a backend that
+        # dies mid-request resets the connection.
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             auto_decompress=False)
+
+    async def close(self, _app: web.Application | None = None) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+STATE_KEY = web.AppKey("router_state", RouterState)
+REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, else ours; sent upstream

@@ -1,0 +1,173 @@
+"""Router fixtures: fake backends and an in-process router on loopback (the same event loop as the test).
+
+`FakeBackend` is a small real aiohttp server that speaks what the router reads from an `hpi serve`
+backend: /ready, /metrics (vLLM's names, rendered by the runtime's own ServingMetrics), /v1/models, and
+/v1/completions + /v1/chat/completions (JSON or SSE) that "decode" one token per `token_delay_s` per request.
+
+Used where only the routing (policy, failover, streaming plumbing) is under test: it starts in
+milliseconds and its speed is exact, where real tiny-model servers take seconds each to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from hpi_runtime.router.config import RouterSettings
+from hpi_runtime.router.main import running_router
+from hpi_runtime.router.sources import StaticSource
+from hpi_runtime.router.state import RouterState
+from hpi_runtime.server.metrics import ServingMetrics
+
+
+@dataclass
+class EngineStats:  # the fields ServingMetrics.refresh reads
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class FakeBackend:
+    def __init__(self, token_delay_s: float = 0.002, name: str = "fake-model"):
+        self.token_delay_s = token_delay_s
+        self.name = name
+        self.ready = True
+        self.fail_status: int | None = None  # answer every generation request with this status
+        self.die_after_tokens: int | None = None  # drop the connection after this many streamed tokens
+        self.stats = EngineStats()
+        self.metrics = ServingMetrics(name)
+        self.num_requests = 0
+        self.num_cancelled = 0
+        self.prompts: list[str] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> FakeBackend:
+        app = web.Application()
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/health", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready" if self.ready else "loading"}, status=200 if self.ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics.refresh(self.stats)
+        self.metrics.set_ready(self.ready)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.name, "object": "model"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": "refused", "type": "x", "param": None, "code": None}},
+                                     status=self.fail_status)
+        self.num_requests += 1
+        self.prompts.append(json.dumps(body.get("prompt", body.get("messages"))))
+        num_tokens = int(body.get("max_tokens") or 8)
+        chat = request.path.endswith("/chat/completions")
+        self.stats.num_running += 1
+        try:
+            if not body.get("stream"):
+                for _ in range(num_tokens):
+                    await self._decode_one()
+                return web.json_response(_completion(self.name, chat, "tok " * num_tokens, num_tokens))
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            for i in range(num_tokens):
+                await self._decode_one()
+                if i == 0:
+                    await response.prepare(request)
+                if self.die_after_tokens is not None and i >= self.die_after_tokens:
+                    request.transport.abort()
+                    return response
+                await response.write(b"data: " + json.dumps(_chunk(self.name, chat, "tok ")).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+        finally:
+            self.stats.num_running -= 1
+
+    async def _decode_one(self) -> None:
+        await asyncio.sleep(self.token_delay_s)
+        self.stats.num_generation_tokens += 1
+
+
+def _completion(model: str, chat: bool, text: str, num_tokens: int) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
+              else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
+    return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}}
+
+
+def _chunk(model: str, chat: bool, text: str) -> dict:
+    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": None} if chat
+              else {"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+    return {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+
+@contextlib.asynccontextmanager
+async def router_for(urls, wait_ready: bool = True, **settings):
+    """A router over `urls`, serving on a free port; waits until every backend has been probed ready."""
+    state = RouterState(RouterSettings(backend_urls=tuple(urls), **{"scrape_interval_s": 0.05,
+                                                                     "probe_interval_s": 0.1, **settings}))
+    async with running_router(state, [StaticSource(urls)], "127.0.0.1", 0) as port:
+        state.url = f"http://127.0.0.1:{port}"
+        for _ in range(200 if wait_ready else 0):
+            if len(state.pool.ready()) == len(urls):
+                break
+            await asyncio.sleep(0.02)
+        yield state
+
+
+@pytest.fixture()
+def router():
+    """`async with router(urls, **settings) as state:` a router over urls; `state.url` is its base URL."""
+    return router_for
+
+
+@pytest.fixture()
+async def fake_backends():
+    """A factory of started FakeBackends, all stopped at the end of the test."""
+    started: list[FakeBackend] = []
+
+    async def make(**kwargs) -> FakeBackend:
+        backend = await FakeBackend(**kwargs).start()
+        started.append(backend)
+        return backend
+
+    yield make
+    for backend in started:
+        await backend.stop()
