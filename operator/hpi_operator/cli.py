@@ -52,6 +52,7 @@ def render(cr_path: str, nodes_path: str, out: Any = None, err: Any = None) -> i
         for pool in pool_statuses(plan, {}):
             replicas = f"{pool['replicas']} replica(s)" if "replicas" in pool else "unused"
             print(f"# {name} pool {pool['name']}: {replicas}; {pool['reason']}", file=err)
+        print(f"# {name} routing: {plan.routing_mode}", file=err)
         if not plan.placeable:
             print(f"error: {KIND} {name}: {unplaceable_message(plan)}", file=err)
             failed = True

@@ -68,6 +68,19 @@ def cache_unsettled(plan: Plan, status: Mapping[str, Any]) -> bool:
     return not cached or entry.get("servedPath") != plan.cache.path or bool(entry.get("previousPath"))
 
 
+def diff_base_storage() -> kopf.AnnotationsDiffBaseStorage:
+    """Where kopf keeps the last configuration its change handlers finished (an annotation under our group)."""
+    return kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+
+
+def change_pending(body: kopf.Body) -> bool:
+    """A change the create/update handlers have not finished yet, including one to labels or annotations (they
+    reach the children but leave metadata.generation alone). A resync must leave it to them: run at the same
+    time on the older body, it would prune what they just created (an HPA, the router's objects)."""
+    storage = diff_base_storage()
+    return storage.fetch(body=body) != storage.build(body=body)
+
+
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
@@ -81,9 +94,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         # Progress and diff-base in annotations under our group: status keeps only what the CRD declares
         # (a real API server prunes unknown status fields of a structural schema).
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=GROUP, key="last-handled-configuration"
-        )
+        settings.persistence.diffbase_storage = diff_base_storage()
         settings.persistence.finalizer = f"{GROUP}/finalizer"
         settings.posting.level = logging.WARNING  # handler chatter stays in logs; Events are ours
         settings.watching.server_timeout = 300
@@ -131,8 +142,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         generation = meta.get("generation")
         if meta.get("deletionTimestamp"):
             return  # going away: garbage collection takes the children, nothing to converge
-        if status.get("observedGeneration") != generation:
-            return  # the change handlers have not finished this generation: theirs to do
+        if status.get("observedGeneration") != generation or change_pending(body):
+            return  # the change handlers have not finished this change: theirs to do
         nodes = inventory_nodes(node_inventory)
         try:
             plan = make_plan(body, nodes)

@@ -17,6 +17,7 @@ from kubernetes import client, config
 
 from . import __version__
 from .autoscale_manifests import AUTOSCALER_PATHS
+from .manifests import selector_labels
 from .names import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
 from .plan import Plan
 from .status import ChildState
@@ -29,8 +30,17 @@ _PATHS = {
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
     "PersistentVolumeClaim": "/api/v1/namespaces/{namespace}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{namespace}/jobs",
+    # The routing objects (routing_manifests.py).
+    "ServiceAccount": "/api/v1/namespaces/{namespace}/serviceaccounts",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
     **AUTOSCALER_PATHS,  # HorizontalPodAutoscaler, ScaledObject
 }
+# The kinds one generic prune removes when the plan no longer wants them: Deployments of pools that went away,
+# and the routing objects of a mode the spec left (the autoscalers and the model cache prune their own).
+PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
+                "InferencePool")  # fmt: skip
 
 
 class KubeError(Exception):
@@ -97,6 +107,10 @@ def _merge_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[st
             patch_pod.setdefault("nodeSelector", {}).setdefault(key, None)
         if "affinity" in live_pod and "affinity" not in patch_pod:
             patch_pod["affinity"] = None
+    if desired.get("kind") == "Service":  # a routing mode change moves the user-facing Service to other pods
+        live_selector = (live.get("spec") or {}).get("selector") or {}
+        for key in live_selector:
+            patch.setdefault("spec", {}).setdefault("selector", {}).setdefault(key, None)
     return patch
 
 
@@ -118,20 +132,28 @@ def apply_object(kube: KubeClient, desired: Mapping[str, Any]) -> tuple[dict[str
     return kube.request("PATCH", path, _merge_patch(live, desired), MERGE_PATCH), "patched"
 
 
-def prune_deployments(kube: KubeClient, plan: Plan, owner_uid: str | None) -> list[str]:
-    """Delete Deployments this InferenceDeployment owns that the plan no longer wants; returns their names."""
-    wanted = {d["metadata"]["name"] for d in plan.deployments}
-    selector = f"{LABEL_DEPLOYMENT}={plan.service['spec']['selector'][LABEL_DEPLOYMENT]}"
-    path = _PATHS["Deployment"].format(namespace=plan.owner.namespace)
-    listing = kube.request("GET", f"{path}?labelSelector={selector}")
+def prune_children(kube: KubeClient, plan: Plan, owner_uid: str | None) -> list[str]:
+    """Delete children of PRUNED_KINDS this InferenceDeployment owns that the plan no longer wants (a dropped
+    pool's Deployment, the router's objects after a switch to another mode); returns "Kind/name" of each.
+
+    A kind the cluster does not serve (no InferencePool CRD) answers 404: nothing of it to prune."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in plan.children}
+    selector = f"{LABEL_DEPLOYMENT}={selector_labels(plan.owner.name)[LABEL_DEPLOYMENT]}"
     deleted = []
-    for item in listing.get("items") or []:
-        meta = item.get("metadata") or {}
-        ours = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT) == plan.service["spec"]["selector"][LABEL_DEPLOYMENT]
-        owned = owner_uid is None or any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or [])
-        if ours and owned and meta.get("name") not in wanted:
-            kube.request("DELETE", f"{path}/{meta['name']}", {"propagationPolicy": "Background"})
-            deleted.append(meta["name"])
+    for kind in PRUNED_KINDS:
+        path = collection_path(kind, plan.owner.namespace)
+        try:
+            listing = kube.request("GET", f"{path}?labelSelector={selector}")
+        except KubeError as e:
+            if e.status == 404:
+                continue
+            raise
+        for item in listing.get("items") or []:
+            meta = item.get("metadata") or {}
+            owned = owner_uid is None or any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or [])
+            if owned and (kind, meta.get("name")) not in wanted:
+                kube.request("DELETE", f"{path}/{meta['name']}", {"propagationPolicy": "Background"})
+                deleted.append(f"{kind}/{meta['name']}")
     return deleted
 
 
@@ -142,7 +164,7 @@ class ApplyResult:
 
 
 def apply_plan(kube: KubeClient, plan: Plan, owner_uid: str | None) -> ApplyResult:
-    """Make the cluster match `plan`: create or patch every child, delete Deployments of dropped pools."""
+    """Make the cluster match `plan`: create or patch every child, delete the children it no longer wants."""
     states: dict[str, ChildState] = {}
     actions: dict[str, str] = {}
     for child in plan.children:
@@ -152,6 +174,5 @@ def apply_plan(kube: KubeClient, plan: Plan, owner_uid: str | None) -> ApplyResu
             states[child["metadata"]["name"]] = ChildState.from_deployment(live)
     if plan.waiting_for_cache:
         return ApplyResult(states=states, actions=actions)  # running pods (cache just enabled) stay for now
-    for name in prune_deployments(kube, plan, owner_uid):
-        actions[f"Deployment/{name}"] = "deleted"
+    actions.update(dict.fromkeys(prune_children(kube, plan, owner_uid), "deleted"))
     return ApplyResult(states=states, actions=actions)

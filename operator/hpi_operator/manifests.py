@@ -1,4 +1,5 @@
-"""Pure builders of the child objects: one Deployment per pool, one Service, one PodDisruptionBudget.
+"""Pure builders of the child objects: one Deployment per pool and one PodDisruptionBudget (the Services and
+the rest of what routes requests to the pods: routing_manifests.py).
 
 The runtime container's command line is the contract with `hpi serve` (runtime/hpi_runtime/cli.py): every
 flag below is one it accepts (a test parses the rendered args with the runtime's own parser when available).
@@ -359,27 +360,6 @@ def build_deployment(
                 },
                 "spec": pod_spec,
             },
-        },
-    }
-
-
-def build_service(owner: Owner) -> dict[str, Any]:
-    """One ClusterIP Service over the runtime pods of every pool."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": short_name(owner.name),
-            "namespace": owner.namespace,
-            "labels": common_labels(owner.name),
-            "annotations": {},
-        },
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
-            "ports": [
-                {"name": RUNTIME_PORT_NAME, "port": RUNTIME_PORT, "targetPort": RUNTIME_PORT_NAME, "protocol": "TCP"}
-            ],
         },
     }
 

@@ -1,6 +1,7 @@
 """The whole decision for one InferenceDeployment, as a pure function of its body and the node inventory.
 
-CR body + nodes -> spec -> pools -> a profile per pool -> replicas per pool -> child manifests (adopted,
+CR body + nodes -> spec -> pools -> a profile per pool -> replicas per pool -> child manifests: the runtime
+Deployments, their PodDisruptionBudget and the routing objects of the effective spec.routing.mode (adopted,
 hash-stamped). The reconciler applies a Plan; `hpi-operator render` prints one.
 """
 
@@ -15,13 +16,14 @@ import kopf
 
 from .autoscale_manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
-from .manifests import Owner, build_deployment, build_pdb, build_service, selector_labels, stamp_hash
+from .manifests import Owner, build_deployment, build_pdb, selector_labels, short_name, stamp_hash
 from .names import ANNOTATION_SPEC_HASH
 from .nodes import NodeInfo, group_pools
 from .placement import Slot, eligible_choices, rank_choices, spread_replicas
 from .profiles import PoolChoice, choose_profile
+from .routing_manifests import routing_children
 from .sizing import model_shape
-from .spec import InferenceSpec, parse_spec
+from .spec import InferenceSpec, SpecError, effective_routing_mode, parse_spec
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class Plan:
     choices: tuple[PoolChoice, ...]  # every usable pool, with or without a profile
     replicas_by_pool: Mapping[str, int]  # pools that serve, most wanted first
     deployments: tuple[dict[str, Any], ...]  # in the order of replicas_by_pool
-    service: dict[str, Any]
+    routing: tuple[dict[str, Any], ...]  # the routing objects of `routing_mode`, the user-facing Service among them
+    routing_mode: str  # router | inferencePool | service: spec.routing.mode, or the default for this plan
     pdb: dict[str, Any]
     num_unplaced: int  # replicas beyond the serving pools' capacity (they wait Pending)
     autoscaler: dict[str, Any] | None = None  # the HPA (mode hpa) or ScaledObject (mode keda), if any
@@ -52,7 +55,13 @@ class Plan:
         """What kube.apply_plan writes (the cache's Jobs are created and retried by cache_sync.py instead)."""
         claim = [self.cache.pvc] if self.cache and self.cache.pvc else []
         autoscaler = [self.autoscaler] if self.autoscaler else []
-        return (*claim, *self.deployments, self.service, self.pdb, *autoscaler)
+        return (*claim, *self.deployments, *self.routing, self.pdb, *autoscaler)
+
+    @property
+    def service(self) -> dict[str, Any]:
+        """The Service clients call (`<name>`), whatever sits behind it."""
+        name = short_name(self.owner.name)
+        return next(c for c in self.routing if c["kind"] == "Service" and c["metadata"]["name"] == name)
 
     @property
     def selector(self) -> str:
@@ -94,8 +103,16 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         if cache is None or cached_dir:  # never a pod on a partial cache
             replicas = replicas_by_pool[choice.pool.name]
             deployments.append(build_deployment(owner, spec, choice.pool, choice.profile, replicas, cached_dir))
-    service, pdb = build_service(owner), build_pdb(owner)
-    children = [*deployments, service, pdb, *([cache.pvc] if cache and cache.pvc else [])]
+    routing_mode = effective_routing_mode(spec, len(replicas_by_pool))
+    routing = routing_children(owner, spec, routing_mode)
+    runtime_names = {d["metadata"]["name"] for d in deployments}
+    clash = [c["metadata"]["name"] for c in routing if (c["kind"], c["metadata"]["name"]) in
+             {("Deployment", n) for n in runtime_names}]  # fmt: skip
+    if clash:
+        raise SpecError(f"node pool Deployment {clash[0]} collides with the {routing_mode}'s; rename the pool "
+                        "(node label serving.hpi.dev/pool) or set spec.routing.mode: service")
+    pdb = build_pdb(owner)
+    children = [*deployments, *routing, pdb, *([cache.pvc] if cache and cache.pvc else [])]
     if cache is not None:
         children.append(cache.fill_job)
     if metadata.get("uid"):  # offline renders of a CR that was never created have no owner to point at
@@ -108,7 +125,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         choices=choices,
         replicas_by_pool=replicas_by_pool,
         deployments=tuple(deployments),
-        service=service,
+        routing=tuple(routing),
+        routing_mode=routing_mode,
         pdb=pdb,
         num_unplaced=max(0, spec.replicas - sum(s.capacity for s in slots)),
         autoscaler=autoscaler_child(body, owner, spec),

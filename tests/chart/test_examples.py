@@ -31,6 +31,12 @@ def render_example(env, example):
     return [d for d in yaml.safe_load_all(out.getvalue()) if d]
 
 
+def runtime_deployments(manifests):
+    """The runtime Deployments (one per pool), not the router's or the endpoint picker's."""
+    return [m for m in manifests if m["kind"] == "Deployment"
+            and m["metadata"]["labels"]["app.kubernetes.io/component"] == "inference"]  # fmt: skip
+
+
 def test_every_example_is_covered(env):
     on_disk = {p.name for p in (env.repo / "examples").glob("*.yaml")}
     assert on_disk == set(EXAMPLES)
@@ -74,7 +80,7 @@ def test_sample_node_lists_are_valid_nodes(env, nodes):
 def test_embedded_example_runs_on_cpu_without_network(env):
     spec = load(env, "embedded-cpu.yaml")["spec"]
     assert spec["model"]["source"] == "embedded" and spec["placement"]["profile"]["device"] == "cpu"
-    for deployment in (m for m in render_example(env, "embedded-cpu.yaml") if m["kind"] == "Deployment"):
+    for deployment in runtime_deployments(render_example(env, "embedded-cpu.yaml")):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert "--model" not in container["args"]  # the runtime's baked-in default model
         assert "nvidia.com/gpu" not in container["resources"]["limits"]
@@ -83,7 +89,7 @@ def test_embedded_example_runs_on_cpu_without_network(env):
 def test_gpu_example_autoscales_on_gpus(env):
     spec = load(env, "gpu-autoscaling.yaml")["spec"]
     assert spec["autoscaling"]["enabled"] is True and spec["placement"]["profile"]["device"] == "cuda"
-    deployments = [m for m in render_example(env, "gpu-autoscaling.yaml") if m["kind"] == "Deployment"]
+    deployments = runtime_deployments(render_example(env, "gpu-autoscaling.yaml"))
     assert deployments
     for deployment in deployments:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -91,8 +97,14 @@ def test_gpu_example_autoscales_on_gpus(env):
 
 
 def test_mixed_example_spans_gpu_and_cpu_pools(env):
-    deployments = [m for m in render_example(env, "mixed-gpu-cpu.yaml") if m["kind"] == "Deployment"]
+    manifests = render_example(env, "mixed-gpu-cpu.yaml")
+    deployments = runtime_deployments(manifests)
     limits = [d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] for d in deployments]
     on_gpu = [limit for limit in limits if "nvidia.com/gpu" in limit]
     assert on_gpu and len(on_gpu) < len(deployments), "expected replicas on both a GPU pool and a CPU pool"
     assert sum(d["spec"]["replicas"] for d in deployments) == load(env, "mixed-gpu-cpu.yaml")["spec"]["replicas"]
+    # Traffic follows capacity: the Service clients call reaches the router, the router finds the pools' pods.
+    services = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Service"}
+    name = load(env, "mixed-gpu-cpu.yaml")["metadata"]["name"]
+    assert services[name]["spec"]["selector"] == {"serving.hpi.dev/router": name}
+    assert services[f"{name}-backends"]["spec"]["clusterIP"] == "None"

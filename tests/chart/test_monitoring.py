@@ -116,19 +116,40 @@ def test_contract_check_catches_a_wrong_name(generator):
         promql_parser.parse("sum by (pool (rate(x[5m]))")
 
 
-def test_pod_monitor_scrapes_the_runtime_pods_the_operator_builds(render, env):
-    from hpi_operator.manifests import common_labels
-    from hpi_operator.names import LABEL_DEPLOYMENT, LABEL_POOL, RUNTIME_PORT_NAME
+def selects(selector, labels) -> bool:
+    """A LabelSelector's matchLabels and In/NotIn/Exists matchExpressions, as the API server reads them."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[operator]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
+def test_pod_monitor_scrapes_the_runtime_and_router_pods_the_operator_builds(render, env):
+    from hpi_operator.manifests import Owner, common_labels
+    from hpi_operator.names import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_POOL, RUNTIME_PORT_NAME
+    from hpi_operator.routing_manifests import build_endpoint_picker, build_router_deployment, router_pod_labels
+    from hpi_operator.spec import parse_spec
 
     (monitor,) = env.by_kind(render(MONITORING), "PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= common_labels("any").items()
+    selector = monitor["spec"]["selector"]
+    assert selects(selector, common_labels("any")) and selects(selector, router_pod_labels(Owner("any", "ns")))
+    router = build_router_deployment(Owner("any", "ns"), parse_spec({}))
+    assert [p["name"] for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]] == [RUNTIME_PORT_NAME]
+    picker = build_endpoint_picker(Owner("any", "ns"), parse_spec({}))  # not ours: no `http` /metrics to scrape
+    assert not selects(selector, picker["spec"]["template"]["metadata"]["labels"])
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == RUNTIME_PORT_NAME and endpoint["path"] == "/metrics"
     # Prometheus' pod-label meta labels: the key with every character outside [a-zA-Z0-9_] as "_".
     meta = {f"__meta_kubernetes_pod_label_{re.sub('[^a-zA-Z0-9_]', '_', key)}": target
-            for key, target in ((LABEL_DEPLOYMENT, "inference_deployment"), (LABEL_POOL, "pool"))}  # fmt: skip
+            for key, target in ((LABEL_INSTANCE, "inference_deployment"), (LABEL_POOL, "pool"),
+                                (LABEL_COMPONENT, "component"))}  # fmt: skip
     assert {r["sourceLabels"][0]: r["targetLabel"] for r in endpoint["relabelings"]} == meta
     watched = render({**MONITORING, "operator": {"watchNamespace": "team-a"}})
     (monitor,) = env.by_kind(watched, "PodMonitor")

@@ -182,12 +182,15 @@ def _example_inputs(repo: Path) -> Iterable[tuple[dict[str, Any], list[Any]]]:
 
 
 def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
-    """Each example as written, and with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child)."""
+    """Each example as written, with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child), and
+    with each spec.routing.mode (the router's or the endpoint picker's objects, an InferencePool)."""
     for body, nodes in inputs:
         yield body, nodes
         for mode in ("hpa", "keda"):
             autoscaling = {**(body["spec"].get("autoscaling") or {}), "enabled": True, "mode": mode}
             yield {**body, "spec": {**body["spec"], "autoscaling": autoscaling}}, nodes
+        for mode in ("router", "inferencePool", "service"):
+            yield {**body, "spec": {**body["spec"], "routing": {"mode": mode}}}, nodes
 
 
 def reconciler_rules(repo: Path) -> set[Rule]:
@@ -203,10 +206,10 @@ def reconciler_rules(repo: Path) -> set[Rule]:
         exists: bool = False
         owner_uid: str = ""
         labels: dict[str, str] = field(default_factory=dict)
-        calls: list[tuple[str, str]] = field(default_factory=list)
+        calls: list[tuple[str, str, Any]] = field(default_factory=list)
 
         def request(self, method, path, body=None, content_type="application/json"):
-            self.calls.append((method, path))
+            self.calls.append((method, path, body))
             if method == "GET" and "?" in path:
                 owner = [{"uid": self.owner_uid}]
                 return {"items": [{"metadata": {"name": "stale", "labels": self.labels, "ownerReferences": owner}}]}
@@ -216,7 +219,7 @@ def reconciler_rules(repo: Path) -> set[Rule]:
                 return {"metadata": {"name": path.rsplit("/", 1)[-1], "annotations": {}}, "spec": {}, "status": {}}
             return dict(body or {})
 
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, Any]] = []
     for body, nodes in _with_autoscaler_modes(_example_inputs(repo)):
         for exists in (False, True):
             meta = body["metadata"]
@@ -226,7 +229,18 @@ def reconciler_rules(repo: Path) -> set[Rule]:
             reconcile.reconcile(body, nodes, client, "2026-01-01T00:00:00Z")
             calls += client.calls
     assert calls, "the reconciler made no API call: the derivation scenario is broken"
-    return {rule_for(method, path) for method, path in calls}
+    return {rule_for(method, path) for method, path, _ in calls} | delegated_rules(calls)
+
+
+def delegated_rules(calls: Iterable[tuple[str, str, Any]]) -> set[Rule]:
+    """What the Roles the operator writes grant: the API server lets it write a Role only when it holds every
+    verb that Role grants (RBAC escalation prevention), though it never calls them itself."""
+    rules: set[Rule] = set()
+    for method, _, body in calls:
+        if method in ("POST", "PATCH") and isinstance(body, dict) and body.get("kind") == "Role":
+            for rule in body["rules"]:
+                rules |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return rules
 
 
 def static_api_resources(modules) -> set[tuple[str, str]]:
@@ -317,7 +331,9 @@ def test_no_wildcards_and_nothing_dangerous(render, values):
     verbs = {v for _, _, v in rules}
     resources = {r for _, r, _ in rules}
     assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
-    assert not resources & {"secrets", "pods/exec", "serviceaccounts/token", "roles", "clusterroles", "rolebindings"}
+    # Roles and RoleBindings, yes (the router's and the endpoint picker's, in their namespace); cluster-wide ones
+    # never. Escalation prevention bounds those Roles by what the operator holds, which the tests above pin.
+    assert not resources & {"secrets", "pods/exec", "serviceaccounts/token", "clusterroles", "clusterrolebindings"}
     assert ("apiextensions.k8s.io", "customresourcedefinitions") not in {
         (g, r) for g, r, v in rules if v not in ("get", "list", "watch")
     }, "the operator must not be able to change CRDs"

@@ -27,7 +27,22 @@ SERVICE_MONITOR_SCHEMA = {
                 "selector": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {  # a metav1.LabelSelectorRequirement each
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["key", "operator"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "key": {"type": "string"},
+                                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                    "values": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
                 },
                 "namespaceSelector": {
                     "type": "object",
@@ -74,7 +89,22 @@ POD_MONITOR_SCHEMA = {
                 "selector": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {  # a metav1.LabelSelectorRequirement each
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["key", "operator"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "key": {"type": "string"},
+                                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                    "values": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
                 },
                 "namespaceSelector": {
                     "type": "object",

@@ -141,7 +141,8 @@ def autoscaling_status(kube: KubeClient, name: str) -> dict[str, Any]:
 
 
 def deployment_replicas(kube: KubeClient, name: str) -> int:
-    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment={name}")
+    runtime = f"serving.hpi.dev/inference-deployment={name},app.kubernetes.io/component=inference"  # not the router
+    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector={runtime}")
     return sum(d["spec"]["replicas"] for d in listing["items"])
 
 

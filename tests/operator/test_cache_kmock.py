@@ -63,7 +63,8 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 
 def deployments_of(kube: KubeClient, name: str) -> dict[str, dict[str, Any]]:
-    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment={name}")
+    runtime = f"serving.hpi.dev/inference-deployment={name},app.kubernetes.io/component=inference"  # not the router
+    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector={runtime}")
     return {d["metadata"]["name"]: d for d in listing["items"]}
 
 

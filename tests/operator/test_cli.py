@@ -33,13 +33,16 @@ def test_render_prints_valid_manifests_for_a_mixed_cluster(tmp_path: Path) -> No
     assert code == 0, err.getvalue()
     docs = list(yaml.safe_load_all(out.getvalue()))
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("Deployment") == 4 and kinds[-2:] == ["Service", "PodDisruptionBudget"]
+    assert kinds.count("Deployment") == 5 and kinds[-2:] == ["Service", "PodDisruptionBudget"]
     names = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
-    assert names == {"demo-gpu-l4", "demo-gpu-t4", "demo-cpu-amd64-bf16", "demo-cpu-amd64"}  # NotReady etc. skipped
+    pools = {"demo-gpu-l4", "demo-gpu-t4", "demo-cpu-amd64-bf16", "demo-cpu-amd64"}  # NotReady etc. skipped
+    assert names == pools | {"demo-router"}  # several pools: the router is the default routing
+    assert {"ServiceAccount", "Role", "RoleBinding"} <= set(kinds)
     for doc in docs:
         assert doc["metadata"]["namespace"] == "default"
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     assert "pool gpu-l4: 2 replica(s)" in err.getvalue()
+    assert "# demo routing: router" in err.getvalue()
 
 
 def test_render_reports_a_model_that_fits_nowhere(tmp_path: Path) -> None:

@@ -63,8 +63,13 @@ def test_every_child_passes_kubernetes_validate_strict(key: str, version: str) -
         kubernetes_validate.validate(child, version, strict=True)
 
 
+def service_mode(key: str) -> Plan:
+    """A spec of SPECS with spec.routing.mode service: the children as they were before routing modes."""
+    return make_plan(cr({**copy.deepcopy(SPECS[key]), "routing": {"mode": "service"}}), NODES)
+
+
 def test_one_deployment_per_serving_pool_plus_service_and_pdb() -> None:
-    plan = plan_for("embedded")
+    plan = service_mode("embedded")
     kinds = [c["kind"] for c in plan.children]
     assert kinds.count("Deployment") == len(plan.choices) == 5
     assert kinds[-2:] == ["Service", "PodDisruptionBudget"]
@@ -262,7 +267,7 @@ def test_runtime_parser_accepts_the_rendered_args() -> None:
 
 
 def test_service_and_pdb_select_every_pool() -> None:
-    plan = plan_for("embedded")
+    plan = service_mode("embedded")
     selector = {"serving.hpi.dev/inference-deployment": "demo"}
     assert plan.service["spec"]["selector"] == selector
     assert plan.pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}

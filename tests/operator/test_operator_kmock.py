@@ -52,7 +52,9 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 
 def deployments_of(kube: KubeClient, name: str) -> dict[str, dict[str, Any]]:
-    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment={name}")
+    """The runtime Deployments (one per pool) of `name`; the router's or endpoint picker's are other components."""
+    selector = f"serving.hpi.dev/inference-deployment={name},app.kubernetes.io/component=inference"
+    listing = kube.request("GET", f"{DEPLOYMENTS}?labelSelector={selector}")
     return {d["metadata"]["name"]: d for d in listing["items"]}
 
 
@@ -114,7 +116,8 @@ async def test_create_builds_children_per_pool_and_reports_status(kube: KubeClie
 async def test_update_replicas_patches_only_what_changed(kube: KubeClient, operator: Any) -> None:
     api = Api(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-h100-0", gpu=H100))
-    await api.call("POST", CRS, cr("demo", {"replicas": 1}))
+    # Routing pinned to a plain Service: the default would switch to the router at 4 replicas (test_routing_kmock).
+    await api.call("POST", CRS, cr("demo", {"replicas": 1, "routing": {"mode": "service"}}))
     first = await eventually(lambda: deployments_of(kube, "demo").get("demo-gpu-h100-80gb-hbm3"))
     assert first["spec"]["replicas"] == 1
     await eventually(lambda: (kube.get(f"{CRS}/demo").get("status") or {}).get("observedGeneration") == 1)
@@ -308,6 +311,17 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
     ):
         await api.patch(f"{CRS}/audit", {"spec": {"autoscaling": change}})
         await eventually(check)
+    # Routing: the default router (2 replicas), then an InferencePool (the router's objects pruned), then a Service.
+    pool = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/audit"
+    router_role = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/audit-router"
+    for routing, check in (
+        ({"mode": "inferencePool"}, lambda: kube.get(pool) and kube.get(router_role) is None),
+        ({"inferencePool": {"failureMode": "FailClose"}},
+         lambda: kube.get(pool)["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"),
+        ({"mode": "service"}, lambda: kube.get(pool) is None and kube.get(f"{DEPLOYMENTS}/audit-epp") is None),
+    ):
+        await api.patch(f"{CRS}/audit", {"spec": {"routing": routing}})
+        await eventually(check)
     await api.call("DELETE", "/api/v1/nodes/gpu-0")
     await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
     # spec.model.cache: a claim and a fill Job; a revision change replaces the Job, a size change patches the claim.
@@ -330,7 +344,8 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
     operator_calls = {c[1:] for c in calls if c[0].startswith(("hpi-operator/", "kopf/"))}
     uncovered = sorted(c for c in operator_calls if not rbac.allowed(*c))
     assert not uncovered, f"API calls outside rbac.RULES: {uncovered}"
-    granted = {(r.api_group, r.resource, verb) for r in rbac.RULES if not r.only_when for verb in r.verbs}
+    granted = {(r.api_group, r.resource, verb) for r in rbac.RULES if not (r.only_when or r.delegated)
+               for verb in r.verbs}  # fmt: skip
     assert not granted - operator_calls, f"rules granting calls the operator never made: {granted - operator_calls}"
     assert {c[0].split("/")[0] for c in calls} >= {"hpi-operator", "kopf"}
 
