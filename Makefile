@@ -62,8 +62,8 @@ lint: $(TEST_STAMP) ## ruff
 test: $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
 	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Bench-only installs, kept out of the test requirements: matplotlib and llguidance (bench/bench_grammar.py
-# compares it with xgrammar) in the venv, and llama-cpp-python (the
+# Bench-only installs, kept out of the test requirements: matplotlib, psutil (bench_served_cpu.py) and llguidance
+# (bench/bench_grammar.py compares it with xgrammar) in the venv, and llama-cpp-python (the
 # llama.cpp baseline; it compiles llama.cpp from source, ~5 min on 2 cores) in its own venv in the cache,
 # its wheel kept in $(CACHE)/wheels so a rebuilt venv does not compile again.
 BENCH_STAMP := $(VENV)/.stamp-bench
@@ -71,7 +71,7 @@ LLAMA_VENV := $(CACHE)/bench-venv
 LLAMA_CPP_VERSION := 0.3.36
 
 $(BENCH_STAMP): $(TEST_STAMP)
-	$(BIN)/pip install -q matplotlib llguidance==1.9.1
+	$(BIN)/pip install -q matplotlib psutil llguidance==1.9.1
 	touch $@
 
 $(LLAMA_VENV)/.stamp:
