@@ -147,7 +147,9 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_
         "--kv-cache-memory", str(profile.kv_cache_bytes_per_gpu),
         "--drain-timeout", str(spec.runtime.drain_timeout_s),
     ]  # fmt: skip
-    if profile.quantization != "none":  # weight-only int8/int4, applied by the runtime at load time
+    # Weight-only int8/int4 applied by the runtime at load time; a pre-quantized checkpoint is detected by the
+    # runtime from its config.json and needs (and takes) no flag.
+    if profile.quantization != "none" and not profile.prequantized:
         args += ["--quantization", profile.quantization]
     if engine.max_num_batched_tokens:
         args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]

@@ -41,6 +41,7 @@ class Profile:
     kv_cache_bytes: int  # over all the replica's GPUs; the runtime gets kv_cache_bytes_per_gpu
     overhead_bytes: int
     memory_budget_bytes: int  # the part of the device memory the runtime may fill
+    prequantized: bool = False  # the checkpoint's own int8/int4: the runtime loads it as is (no --quantization)
 
     @property
     def needed_bytes(self) -> int:
@@ -124,7 +125,7 @@ def _attempt(
     pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: str, quantization: str, num_gpus: int
 ) -> _Attempt:
     engine = spec.engine
-    weights = weight_bytes(shape, dtype, quantization)
+    weights = weight_bytes(shape, dtype, quantization, prequantized=spec.model.checkpoint_quantization != "none")
     budget = int(_device_memory_bytes(pool, spec, max(num_gpus, 1)) * engine.kv_cache_memory_fraction)
     return _Attempt(
         quantization=quantization,
@@ -173,12 +174,23 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
     dtype, why_not = _dtype_for(pool, pins.dtype)
     if dtype is None:
         return PoolChoice(pool, None, why_not)
+    stored = spec.model.checkpoint_quantization
+    if stored != "none":  # pre-quantized: loaded as it is, so its precision is the only one on offer
+        if pins.quantization not in ("auto", stored):
+            return PoolChoice(pool, None, f"the checkpoint is already {stored} (pre-quantized) and is loaded as it "
+                              f"is; spec.placement.profile.quantization pins {pins.quantization}")  # fmt: skip
+        if stored in spec.placement.forbidden_quantizations:
+            return PoolChoice(pool, None, f"the checkpoint is already {stored} (pre-quantized), which "
+                              "spec.placement.forbiddenQuantizations forbids")  # fmt: skip
     quantizations = [
         q
         for q in QUANTIZATION_ORDER
         if (pins.quantization in ("auto", q)) and q not in spec.placement.forbidden_quantizations
+        and (stored == "none" or q == stored)
     ]
     gpu_counts, unsplittable = _gpu_counts(pool, spec, shape)
+    if stored != "none":  # the runtime loads pre-quantized checkpoints on one device per replica
+        gpu_counts = [n for n in gpu_counts if n <= 1]
     if not gpu_counts:
         return PoolChoice(pool, None, "no allocatable nvidia.com/gpu on these nodes")
     engine = spec.engine
@@ -202,6 +214,7 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
                                    attempt.max_kv_bytes),
                 overhead_bytes=attempt.overhead_bytes,
                 memory_budget_bytes=attempt.budget_bytes,
+                prequantized=stored != "none",
             )  # fmt: skip
             reason = (
                 f"{profile.label()}{_tensor_parallel_note(pool, attempt, too_small)}: weights "
@@ -209,6 +222,8 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
                 f"{kv_bytes_per_token(shape, dtype, num_gpus)} B) + overhead {gib(attempt.overhead_bytes)} fit "
                 f"{gib(attempt.budget_bytes)} of {pool.describe()}"
             )
+            if stored != "none":
+                reason += " (a pre-quantized checkpoint, loaded as it is)"
             skipped = quantizations[: quantizations.index(quantization)]
             if skipped:
                 reason += f"; {', '.join(skipped)} did not fit"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .spec import ModelSize, ModelSpec, SpecError
+from .spec import ModelSize, ModelSpec, SpecError, base_model_name
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -25,6 +25,9 @@ INT4_GROUP_SIZE = 32  # the runtime's default --quantization-group-size
 # Bytes per quantized weight, scales included (int8 scales are per output channel: negligible).
 # int4 keeps a 16-bit scale and a 16-bit zero per group (hpi_kernels.quant's asymmetric format).
 QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
+# A pre-quantized GPTQ/AWQ/compressed-tensors checkpoint keeps its own groups (128 almost always), repacked as is.
+CHECKPOINT_INT4_GROUP_SIZE = 128
+CHECKPOINT_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / CHECKPOINT_INT4_GROUP_SIZE}
 CUDA_CONTEXT_BYTES = 1 * GIB  # per GPU
 CPU_RUNTIME_BYTES = GIB // 2  # interpreter, tokenizer, HTTP server
 OVERHEAD_FRACTION_OF_WEIGHTS = 0.10  # activations and allocator fragmentation grow with the model
@@ -69,7 +72,7 @@ def model_shape(model: ModelSpec) -> ModelShape:
     if model.source == "embedded":
         known = KNOWN_SHAPES["smollm2-135m-instruct"]
     elif model.source == "huggingface" and model.hf_id:
-        known = KNOWN_SHAPES.get(model.hf_id.rsplit("/", 1)[-1].lower())
+        known = KNOWN_SHAPES.get(base_model_name(model.hf_id))
     else:
         known = None
     hints: ModelSize = model.size
@@ -131,13 +134,16 @@ def max_kv_heads_per_rank(shape: ModelShape, num_gpus: int) -> int:
     return -(-shape.num_kv_heads // num_gpus) if num_gpus <= shape.num_kv_heads else 1
 
 
-def weight_bytes(shape: ModelShape, dtype: str, quantization: str) -> int:
+def weight_bytes(shape: ModelShape, dtype: str, quantization: str, prequantized: bool = False) -> int:
+    """Bytes of the weights in memory: linears at `quantization` (with the runtime's int4 groups, or the
+    checkpoint's own when `prequantized`), embeddings in `dtype`."""
     dense = DTYPE_BYTES[dtype]
     if quantization == "none":
         return shape.num_parameters * dense
     embeddings = min(shape.num_embedding_parameters, shape.num_parameters)
     linear = shape.num_parameters - embeddings
-    return math.ceil(linear * QUANTIZED_WEIGHT_BYTES[quantization]) + embeddings * dense
+    per_weight = (CHECKPOINT_WEIGHT_BYTES if prequantized else QUANTIZED_WEIGHT_BYTES)[quantization]
+    return math.ceil(linear * per_weight) + embeddings * dense
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1) -> int:

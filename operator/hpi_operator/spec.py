@@ -78,6 +78,9 @@ class ModelSpec:
     hf_token_secret: SecretKeyRef | None = None
     size: ModelSize = field(default_factory=ModelSize)
     cache: CacheSpec = field(default_factory=CacheSpec)
+    # The weights as stored: int8/int4 for a pre-quantized GPTQ, AWQ or compressed-tensors checkpoint, which the
+    # runtime loads as it is (sized by its real bytes, never given another quantization profile).
+    checkpoint_quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,12 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     revision = str(_get(hf, "revision", "main"))
     if not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", revision) or ".." in revision.split("/"):
         raise SpecError(f"spec.model.huggingface.revision must be a branch, tag or commit; got {revision!r}")
+    checkpoint_quantization = str(_get(raw, "checkpointQuantization", "auto"))
+    if checkpoint_quantization not in CHECKPOINT_QUANTIZATIONS:
+        raise SpecError(f"spec.model.checkpointQuantization must be one of {', '.join(CHECKPOINT_QUANTIZATIONS)}; "
+                        f"got {checkpoint_quantization!r}")  # fmt: skip
+    if checkpoint_quantization == "auto":
+        checkpoint_quantization = detect_checkpoint_quantization(hf.get("id") if source == "huggingface" else None)
     cache = _parse_cache(_get(raw, "cache", {}))
     if cache.enabled and source != "huggingface":
         raise SpecError(f"spec.model.cache is for source huggingface (a download to cache); source is {source}")
@@ -252,7 +261,33 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
         hf_token_secret=_secret_ref(hf.get("tokenSecretRef"), "HF_TOKEN", "spec.model.huggingface.tokenSecretRef"),
         size=size,
         cache=cache,
+        checkpoint_quantization=checkpoint_quantization,
     )
+
+
+CHECKPOINT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# How the Hub names pre-quantized checkpoints (e.g. Qwen2.5-7B-Instruct-AWQ, ...-GPTQ-Int8,
+# Meta-Llama-3.1-8B-Instruct-quantized.w4a16): the method, then optionally the bits.
+_PREQUANTIZED_NAME = re.compile(r"[-_.](awq|gptq|w4a16|w8a16)([-_.].*)?$", re.IGNORECASE)
+
+
+def detect_checkpoint_quantization(hf_id: str | None) -> str:
+    """int8/int4 when a Hugging Face id names a GPTQ, AWQ or compressed-tensors W4A16/W8A16 checkpoint."""
+    if not hf_id:
+        return "none"
+    match = _PREQUANTIZED_NAME.search(hf_id.rsplit("/", 1)[-1])
+    if match is None:
+        return "none"
+    method, rest = match.group(1).lower(), (match.group(2) or "").lower()
+    if method == "w8a16" or (method == "gptq" and re.search(r"int8|8bit|8-bit", rest)):
+        return "int8"
+    return "int4"
+
+
+def base_model_name(hf_id: str) -> str:
+    """The lower-case model name without the org and without a pre-quantized suffix (for the known shapes)."""
+    name = hf_id.rsplit("/", 1)[-1]
+    return _PREQUANTIZED_NAME.sub("", name).removesuffix("-quantized").lower()
 
 
 def _positive_quantity(value: str) -> bool:

@@ -187,6 +187,12 @@ def test_runtime_args_match_the_profile() -> None:
     assert arg(h100, "--max-num-batched-tokens") == "4096"
     assert int(arg(h100, "--kv-cache-memory")) == plan.choice("gpu-h100-80gb-hbm3").profile.kv_cache_bytes  # type: ignore[union-attr]
     assert arg(h100, "--port") == "8000" and arg(h100, "--host") == "0.0.0.0"
+    # A pre-quantized checkpoint: the runtime detects its format, so no --quantization flag (it would be refused).
+    awq = {"replicas": 1, "model": {"source": "huggingface",
+                                    "huggingface": {"id": "hugging-quants/Llama-3.1-70B-Instruct-AWQ"}}}  # fmt: skip
+    awq_plan = make_plan(cr(awq), NODES)
+    awq_args = container(deployment(awq_plan, "gpu-h100-80gb-hbm3"))["args"]
+    assert "--quantization" not in awq_args and awq_plan.choice("gpu-h100-80gb-hbm3").profile.quantization == "int4"  # type: ignore[union-attr]
     embedded = container(deployment(plan_for("embedded"), "cpu-amd64"))["args"]
     assert "--model" not in embedded  # the runtime's default: the embedded model baked into the image
     assert (arg(embedded, "--dtype"), arg(embedded, "--device")) == ("float32", "cpu")

@@ -282,3 +282,74 @@ def test_more_memory_never_means_lower_precision(
         return choice.profile.quantization if choice.profile else None
 
     assert order.index(quantization(memory_mib + extra_mib)) <= order.index(quantization(memory_mib))
+
+
+@pytest.mark.parametrize(
+    ("hf_id", "stored"),
+    [
+        ("Qwen/Qwen2.5-7B-Instruct-AWQ", "int4"),
+        ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "int4"),
+        ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int8", "int8"),
+        ("neuralmagic/Meta-Llama-3.1-8B-Instruct-quantized.w4a16", "int4"),
+        ("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a16", "int8"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "none"),
+        ("someone/awq-explained-7b", "none"),  # the method must end the name, not start it
+    ],
+)
+def test_checkpoint_quantization_is_detected_from_the_hub_name(hf_id: str, stored: str) -> None:
+    spec = parse_spec({"model": {"source": "huggingface", "huggingface": {"id": hf_id}}})
+    assert spec.model.checkpoint_quantization == stored
+    declared = parse_spec({"model": {"source": "huggingface", "huggingface": {"id": hf_id},
+                                     "checkpointQuantization": "none"}})  # fmt: skip
+    assert declared.model.checkpoint_quantization == "none"  # an explicit value wins
+
+
+def test_checkpoint_quantization_must_be_known() -> None:
+    with pytest.raises(SpecError, match="checkpointQuantization must be one of auto, none, int8, int4"):
+        parse_spec({"model": {"source": "embedded", "checkpointQuantization": "q4_k_m"}})
+
+
+AWQ_8B = {"source": "huggingface", "huggingface": {"id": "hugging-quants/Llama-3.1-8B-Instruct-AWQ"}}
+
+
+def choose_model(node: str, model: dict[str, Any], **spec: Any) -> PoolChoice:
+    [pool] = group_pools([node_info(make_node("n", **NODES[node]))])
+    parsed = parse_spec({"model": model, **spec})
+    return choose_profile(pool, parsed, model_shape(parsed.model))
+
+
+def test_a_prequantized_checkpoint_is_sized_by_its_real_bytes_and_keeps_its_precision() -> None:
+    # The base model's shape is found through the pre-quantized name.
+    shape = model_shape(parse_spec({"model": AWQ_8B}).model)
+    assert shape == model_shape(parse_spec({"model": MODELS["8b"]}).model)
+    choice = choose_model("L4", AWQ_8B)
+    assert choice.profile is not None and choice.profile.label() == "cuda:bf16/int4"
+    assert choice.profile.prequantized and "pre-quantized" in choice.reason
+    # Group-128 int4 plus bf16 embeddings: less than the runtime's own group-32 int4 of the same model.
+    assert choice.profile.weight_bytes == weight_bytes(shape, "bf16", "int4", prequantized=True)
+    assert choice.profile.weight_bytes < weight_bytes(shape, "bf16", "int4")
+    # An H200 would run the float 8B unquantized; a pre-quantized checkpoint stays int4 there too.
+    assert choose_model("H200", AWQ_8B).profile.label() == "cuda:bf16/int4"  # type: ignore[union-attr]
+    # And on CPU: the checkpoint's int4, not a float profile.
+    assert choose_model("cpu", AWQ_8B).profile.label() == "cpu:fp32/int4"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        {"profile": {"quantization": "int8"}},
+        {"profile": {"quantization": "none"}},
+        {"forbiddenQuantizations": ["int4"]},
+    ],
+)
+def test_a_prequantized_checkpoint_cannot_be_given_another_precision(placement: dict[str, Any]) -> None:
+    choice = choose_model("H100", AWQ_8B, placement=placement)
+    assert choice.profile is None and "already int4 (pre-quantized)" in choice.reason
+
+
+def test_a_prequantized_checkpoint_is_not_split_over_gpus() -> None:
+    # 70B in AWQ int4 (~37 GiB) does not fit one L4: the float model would be split, this one cannot be.
+    awq_70b = {"source": "huggingface", "huggingface": {"id": "hugging-quants/Llama-3.1-70B-Instruct-AWQ"}}
+    choice = choose_model("L4", awq_70b, placement={"maxGpusPerReplica": 8})
+    assert choice.profile is None and "does not fit" in choice.reason
+    assert choose_model("H100", awq_70b).profile.num_gpus == 1  # type: ignore[union-attr]
