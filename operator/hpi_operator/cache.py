@@ -27,6 +27,8 @@ from .manifests import (
     cache_claim_name,
     cache_model_dir,
     common_labels,
+    container_security_context,
+    pod_security_context,
     short_name,
     stamp_hash,
 )
@@ -90,12 +92,7 @@ def _pod_template(owner: Owner, spec: InferenceSpec, claim: str, args: list[str]
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_VOLUME_MOUNT}],
         # The downloader's JSON summary (commit, bytes, or the error) becomes the pod's termination message.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # each retry is a new pod, so the Job controller's backoff applies
@@ -103,8 +100,7 @@ def _pod_template(owner: Owner, spec: InferenceSpec, claim: str, args: list[str]
         "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "persistentVolumeClaim": {"claimName": claim}}],
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},  # fmt: skip
+        "securityContext": pod_security_context(),
     }
     if spec.runtime.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.runtime.image_pull_secrets]

@@ -51,6 +51,18 @@ class Owner:
     namespace: str
 
 
+
+def container_security_context() -> dict[str, Any]:
+    """Every container the operator runs: the restricted Pod Security Standard, read-only root."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Every pod the operator runs: non-root (the images' uid 1000), RuntimeDefault seccomp."""
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+
 def short_name(text: str, limit: int = 63) -> str:
     """`text` cut to `limit` characters, with a hash suffix when cut, so distinct inputs stay distinct."""
     if len(text) <= limit:
@@ -293,12 +305,7 @@ def build_deployment(
         "readinessProbe": _probe("/ready", 5, 2),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "volumeMounts": mounts,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -309,13 +316,7 @@ def build_deployment(
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.runtime.drain_timeout_s + 10,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "topologySpreadConstraints": [
             {
                 "maxSkew": 1,

@@ -20,7 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifests import Owner, common_labels, selector_labels, short_name
+from .manifests import (
+    Owner,
+    common_labels,
+    container_security_context,
+    pod_security_context,
+    selector_labels,
+    short_name,
+)
 from .names import (
     GROUP,
     LABEL_COMPONENT,
@@ -119,14 +126,6 @@ ENDPOINT_PICKER_RULES = [
 ]  # fmt: skip
 
 
-def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}  # fmt: skip
-
-
-def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
 
 
 def _http_probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
@@ -142,7 +141,7 @@ def _deployment(owner: Owner, name: str, component: str, pod_labels: dict[str, s
         "serviceAccountName": name,
         "automountServiceAccountToken": True,  # both read the API: the router its slices, the picker its pods
         "enableServiceLinks": False,
-        "securityContext": _pod_security(),
+        "securityContext": pod_security_context(),
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                        "whenUnsatisfiable": "ScheduleAnyway",
                                        "labelSelector": {"matchLabels": dict(selector)}}],
@@ -186,7 +185,7 @@ def build_router_deployment(owner: Owner, spec: InferenceSpec) -> dict[str, Any]
         # Endpoints controllers drop the pod before the router stops taking requests, then it drains.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -256,7 +255,7 @@ def build_endpoint_picker(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
         "resources": EPP_RESOURCES,
         "readinessProbe": {**grpc_health, "periodSeconds": 5},
         "livenessProbe": {**grpc_health, "initialDelaySeconds": 5, "periodSeconds": 10},
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
     }
     labels = _pod_labels(owner, ENDPOINT_PICKER_NAME, "endpoint-picker", LABEL_ENDPOINT_PICKER)
     # One replica: the upstream picker keeps per-pod state in memory and runs active-passive at best.
