@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="bytes for the paged KV cache per tensor-parallel rank, e.g. 2GiB; default: 1GiB "
                         "on cpu, 85%% of what the weights leave free on cuda")
+    engine.add_argument("--kv-offload-bytes", type=parse_bytes, default=0,
+                        help="bytes of host memory per tensor-parallel rank for a second KV tier, e.g. 4GiB: "
+                        "prefix blocks evicted from the KV cache are kept there and loaded back instead of "
+                        "recomputed, and preempted requests are swapped there (docs/kv-offload.md); default 0: off")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -161,6 +165,7 @@ def serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=device,
             kv_cache_memory_bytes=args.kv_cache_memory,
+            kv_offload_bytes=args.kv_offload_bytes,
             attention_backend=args.attention_backend,
             seed=args.seed,
             quantization=args.quantization,

@@ -173,6 +173,7 @@ class LoadConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16" (see resolve_dtype)
     device: str = "cpu"
     kv_cache_memory_bytes: int | None = None  # per rank; None: 1 GiB on CPU, 85% of what weights leave on CUDA
+    kv_offload_bytes: int = 0  # per rank: the host-memory KV tier behind the device cache; 0 turns it off
     seed: int = 0
     attention_backend: str = "auto"  # the Triton kernels on CUDA, the torch backend (the reference) on CPU
     quantization: str = "none"  # "none" | "int8" | "int4" weight-only (hpi_runtime.model.quantization)
@@ -248,6 +249,7 @@ def prepare_engine(
         block_size=engine_config.block_size,
         max_model_len=engine_config.max_model_len,
         kv_cache_memory_bytes=load.kv_cache_memory_bytes,
+        kv_offload_bytes=load.kv_offload_bytes,
         attention_backend=_resolve_attention_backend(load.attention_backend, torch_device),
         seed=load.seed,
         eos_token_ids=frozenset(eos_token_ids),
@@ -319,6 +321,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         kv_cache_memory_bytes: int | None = None,
+        kv_offload_bytes: int = 0,
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -349,6 +352,7 @@ class LLM:
             dtype=dtype,
             device=device,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_offload_bytes=kv_offload_bytes,
             seed=seed,
             attention_backend=attention_backend,
             quantization=quantization,

@@ -4,6 +4,10 @@ Every KV block is always in exactly one of two states: owned (ref_cnt > 0, not i
 (ref_cnt == 0, in the free queue). A free block may still carry a block hash: its KV stays reusable by a
 later request with the same prefix until the block is popped from the head of the queue for reuse, which
 evicts it from the hash map. Freed blocks join the tail, so eviction is least-recently-freed first.
+
+The same class holds both KV tiers: the device pool and the host-memory pool (core/host_tier.py). The
+device pool tells its owner about each cached block it is about to evict (`on_evict`), so that block's
+KV can be copied to the host tier before the block is reused.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 BlockHash = bytes
 HashFn = Callable[[Any], BlockHash]
+EvictionHook = Callable[["KVBlock"], None]  # called with a cached block just before its hash is dropped
 
 
 def sha256_hash(obj: Any) -> BlockHash:
@@ -87,11 +92,12 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns all KV blocks: hands them out, takes them back, and remembers cached full blocks by hash."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, on_evict: EvictionHook | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
@@ -115,6 +121,8 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

@@ -163,7 +163,8 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
         logger.exception("loading the model in the engine core failed")
         conn.send(CoreDead(f"loading failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(CoreInfo(executor.weight_bytes, executor.kv_cache_bytes, executor.num_kv_blocks))
+    conn.send(CoreInfo(executor.weight_bytes, executor.kv_cache_bytes, executor.num_kv_blocks,
+                       executor.host_kv_cache_bytes, executor.num_host_kv_blocks))  # fmt: skip
     # The model and everything loaded so far live as long as the process: keep them out of the GC's way.
     gc.collect()
     gc.freeze()

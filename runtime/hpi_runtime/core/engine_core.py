@@ -57,7 +57,9 @@ class EngineCore:
         self.executor = executor
         self.eos_token_ids = frozenset(eos_token_ids)
         self._hasher = BlockHasher(config.block_size, hash_fn, root_hash) if config.enable_prefix_caching else None
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, executor.num_host_kv_blocks
+        )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.grammar_compiler = grammar_compiler
 
@@ -114,6 +116,7 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager
+        host = kv.host
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -123,6 +126,13 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
+            num_swapped_preemptions=scheduler.num_swapped_preemptions,
+            num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
+            prefix_cache_host_hits=kv.prefix_cache_host_hits,
+            kv_host_usage=host.usage if host is not None else 0.0,
+            kv_host_cached_blocks=host.num_cached_blocks if host is not None else 0,
+            kv_blocks_to_host=host.num_blocks_to_host if host is not None else 0,
+            kv_blocks_to_device=host.num_blocks_to_device if host is not None else 0,
         )
 
     def shutdown(self) -> None:

@@ -56,6 +56,14 @@ class EngineStats(msgspec.Struct, frozen=True, gc=False):
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # The host KV tier (all 0 without one) and what it saves.
+    num_swapped_preemptions: int = 0  # preemptions resumed from the host tier rather than recomputed
+    num_prefill_tokens_computed: int = 0  # cumulative: KV built for known tokens (prompts, recomputes)
+    prefix_cache_host_hits: int = 0  # cumulative tokens, part of prefix_cache_hits, found in the host tier
+    kv_host_usage: float = 0.0  # 0..1, host blocks held by swapped requests or copies in flight
+    kv_host_cached_blocks: int = 0  # host blocks holding offloaded prefix KV
+    kv_blocks_to_host: int = 0  # cumulative block copies device -> host (offloads and swaps)
+    kv_blocks_to_device: int = 0  # cumulative block copies host -> device (loads)
 
 
 # Frontend -> core messages.
@@ -82,6 +90,8 @@ class CoreInfo:
     weight_bytes: int
     kv_cache_bytes: int
     num_kv_blocks: int
+    host_kv_cache_bytes: int = 0  # the host-memory KV tier, 0 when off
+    num_host_kv_blocks: int = 0
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, gc=False):

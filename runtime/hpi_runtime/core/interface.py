@@ -16,6 +16,9 @@ so a step sends only what changed, as in vLLM v1:
 - `finished_request_ids` / `preempted_request_ids`: drop the state of these before running this step.
 - `grammar_request_ids` / `grammar_bitmask`: the requests sampled this step under a grammar (structured
   outputs) and, row for row, the tokens each may take next; every other row is sampled unconstrained.
+- `kv_transfers`: block copies between the device KV cache and the host-memory tier (core/host_tier.py),
+  run before the forward: all device -> host copies first, then all host -> device ones. A step may
+  carry transfers and no tokens (a request swapped out with nothing else to run).
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class KVTransfers:
+    """One step's copies between the KV tiers, as block ids; every block appears in at most one pair."""
+
+    to_host: tuple[tuple[int, int], ...] = ()  # (device block id, host block id): offloads and swaps, run first
+    to_device: tuple[tuple[int, int], ...] = ()  # (host block id, device block id): loads, run second
+
+    def __bool__(self) -> bool:
+        return bool(self.to_host or self.to_device)
+
+
+NO_TRANSFERS = KVTransfers()
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
@@ -57,10 +74,12 @@ class SchedulerOutput:
     preempted_request_ids: frozenset[str] = frozenset()
     grammar_request_ids: tuple[str, ...] = ()
     grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
+    kv_transfers: KVTransfers = NO_TRANSFERS
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the executor to do: no token to compute and no block to copy."""
+        return self.total_num_scheduled_tokens == 0 and not self.kv_transfers
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,11 @@ class ModelExecutor(Protocol):
 
     @property
     def block_size(self) -> int: ...
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Blocks of the host-memory KV tier (0: no tier); the same ids on every rank."""
+        ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 

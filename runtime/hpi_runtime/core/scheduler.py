@@ -4,7 +4,9 @@ Running requests go first, in admission order, then waiting ones, under the per-
 (`max_num_batched_tokens`) and `max_num_seqs`. That single rule covers chunked prefill (a prompt longer than
 the budget catches up over several steps), decode (one token behind) and prefix-cache hits (admitted with
 some tokens already computed). When the pool runs out of blocks the newest running request is preempted by
-recompute: its blocks are freed and it goes back to the front of the waiting queue. To keep that rare, a
+recompute: its blocks are freed and it goes back to the front of the waiting queue; with a host KV tier
+(`num_host_blocks`) its computed KV is first swapped out there, when there is room, and loaded back when it
+is admitted again, so nothing is recomputed. To keep preemption rare, a
 waiting request is admitted only if its whole prompt fits with `kv_admission_watermark` of the pool left free
 for the running requests' decode growth; a request admitted into an empty batch needs only to fit, so a
 prompt larger than the headroom is never starved.
@@ -51,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_watermark_blocks = int(config.kv_admission_watermark * kv_cache_manager.num_blocks)
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # of those, resumed from the host tier instead of recomputed
+        self.num_prefill_tokens_computed = 0  # tokens run through the model to build KV of known tokens
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._in_executor: set[str] = set()  # requests whose state the executor holds
@@ -95,12 +99,12 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # Prompt logprobs need every prompt token to run through the model: no prefix-cache hit.
-            hit_blocks = kv.get_computed_blocks(request) if request.sampling_params.prompt_logprobs is None else []
-            num_hit_tokens = len(hit_blocks) * kv.block_size
+            computed = kv.get_computed_blocks(request, request.sampling_params.prompt_logprobs is None)
+            num_hit_tokens = computed.num_tokens
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if running and kv.num_free_blocks_after_admission(request, hit_blocks) < self.num_watermark_blocks:
+            if running and kv.num_free_blocks_after_admission(request, computed) < self.num_watermark_blocks:
                 break
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
@@ -137,6 +141,9 @@ class Scheduler:
                     )
                 )
             num_scheduled[request_id] = num_new
+            # All but a newly sampled token (the last one, past the prompt) is KV of a known token.
+            is_fresh = request.num_computed_tokens + num_new == request.num_tokens > request.num_prompt_tokens
+            self.num_prefill_tokens_computed += num_new - int(is_fresh)
             request.num_computed_tokens += num_new
             if request.grammar is not None and request.num_computed_tokens == len(request.token_ids):
                 constrained.append(request)  # sampled this step, under its grammar
@@ -150,17 +157,19 @@ class Scheduler:
             preempted_request_ids=frozenset(self._preempted_ids),
             grammar_request_ids=tuple(request.request_id for request in constrained),
             grammar_bitmask=grammar_bitmask([request.grammar for request in constrained]) if constrained else None,
+            kv_transfers=self.kv.take_transfers(),
         )
-        if total:  # an empty batch is not sent to the executor, so these wait for the next one
+        if not output.is_empty:  # an empty batch is not sent to the executor, so these wait for the next one
             self._finished_ids.clear()
             self._preempted_ids.clear()
         self._scheduled = {request.request_id: request for request, _, _ in scheduled}
         return output
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        if self.kv.preempt(request):
+            self.num_swapped_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = 0  # admission sets it again, from what was swapped out or cached
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._in_executor:

@@ -91,7 +91,8 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
             await engine.shutdown()
         return
     state.metrics.set_footprint(ModelFootprint(info.weight_bytes, info.kv_cache_bytes, info.num_kv_blocks,
-                                               prepared.engine_config.block_size))
+                                               prepared.engine_config.block_size, info.host_kv_cache_bytes,
+                                               info.num_host_kv_blocks))
     state.metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
     vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)
@@ -110,6 +111,9 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
                 "max_model_len %d; engine core in its own process", state.settings.served_model_name,
                 prepared.dtype, prepared.quantization_detail, prepared.device, info.weight_bytes / 2**20,
                 info.kv_cache_bytes / 2**20, info.num_kv_blocks, max_model_len)
+    if info.num_host_kv_blocks:
+        logger.info("host KV tier: %.1f MiB of host memory in %d blocks (offloaded prefix blocks, swapped-out "
+                    "requests)", info.host_kv_cache_bytes / 2**20, info.num_host_kv_blocks)
 
 
 async def _warm_up(engine, tokenizer) -> None:

@@ -23,6 +23,8 @@ class ModelFootprint:
     kv_cache_bytes: int
     num_kv_blocks: int
     block_size: int
+    host_kv_cache_bytes: int = 0
+    num_host_kv_blocks: int = 0
 
 
 class ServingMetrics:
@@ -63,11 +65,40 @@ class ServingMetrics:
         self._quantization = Gauge("hpi:quantization_info", "1, labelled with the weights' quantization: method "
                                    "(none|int8|int4) and scheme (e.g. int4-g32-mse-mixed, gptq-int4-g128).",
                                    labels + ["method", "scheme"], registry=reg)  # fmt: skip
+        self._host_usage = Gauge("hpi:kv_host_cache_usage_perc", "Host KV tier usage, 0 to 1: blocks held by "
+                                 "swapped-out requests or copies in flight (offloaded prefix blocks count as free, "
+                                 "as cached blocks do in vllm:kv_cache_usage_perc).", labels, registry=reg)
+        self._host_cached = Gauge("hpi:kv_host_cache_cached_blocks", "Host KV tier blocks holding offloaded "
+                                  "prefix KV, reusable by hash.", labels, registry=reg)
+        self._host_bytes = Gauge("hpi:kv_host_cache_bytes", "Bytes of host memory reserved for the host KV tier "
+                                 "(0: off).", labels, registry=reg)
+        self._host_blocks = Gauge("hpi:kv_host_cache_blocks", "Blocks in the host KV tier.", labels, registry=reg)
+        self._tier_hits = Counter("hpi:prefix_cache_hits_by_tier", "Prefix-cache hits in tokens, by the tier that "
+                                  "held them (device, host); they add up to vllm:prefix_cache_hits.",
+                                  labels + ["tier"], registry=reg)
+        self._blocks_moved = Counter("hpi:kv_blocks_transferred", "KV blocks copied between the device cache and "
+                                     "the host tier (to_host: offloads and swaps; to_device: loads).",
+                                     labels + ["direction"], registry=reg)
+        self._bytes_moved = Counter("hpi:kv_bytes_transferred", "Bytes copied between the device cache and the "
+                                    "host tier, summed over tensor-parallel ranks.", labels + ["direction"],
+                                    registry=reg)
+        self._preemption_modes = Counter("hpi:preemptions_by_mode", "Preemptions by how the request resumes: swap "
+                                         "(its KV kept in the host tier) or recompute.", labels + ["mode"],
+                                         registry=reg)
+        self._prefill_computed = Counter("hpi:prefill_tokens_computed", "Tokens run through the model to build "
+                                         "the KV of known tokens (prompts, recomputes after preemption): what "
+                                         "prefix caching and the host tier save.", labels, registry=reg)
         self._model = model_name
+        self._block_bytes = 0  # bytes of one KV block over all ranks, once the footprint is known
         self._last: dict[str, int] = {}
         for counter in (self._prompt_tokens, self._generation_tokens, self._preemptions, self._prefix_queries,
-                        self._prefix_hits):
+                        self._prefix_hits, self._prefill_computed):
             counter.labels(model_name)  # exported at 0 from the start
+        for counter, values in ((self._tier_hits, ("device", "host")), (self._blocks_moved, ("to_host", "to_device")),
+                                (self._bytes_moved, ("to_host", "to_device")),
+                                (self._preemption_modes, ("swap", "recompute"))):
+            for value in values:
+                counter.labels(model_name, value)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         for histogram in (self._ttft, self._itl, self._e2e, self._queue):
@@ -80,6 +111,9 @@ class ServingMetrics:
         self._kv_bytes.labels(self._model).set(footprint.kv_cache_bytes)
         self._kv_blocks.labels(self._model).set(footprint.num_kv_blocks)
         self._block_size.labels(self._model).set(footprint.block_size)
+        self._host_bytes.labels(self._model).set(footprint.host_kv_cache_bytes)
+        self._host_blocks.labels(self._model).set(footprint.num_host_kv_blocks)
+        self._block_bytes = footprint.kv_cache_bytes // max(footprint.num_kv_blocks, 1)
 
     def set_quantization(self, method: str, scheme: str) -> None:
         self._quantization.labels(self._model, method, scheme).set(1)
@@ -100,11 +134,31 @@ class ServingMetrics:
             ("prefix_cache_queries", self._prefix_queries),
             ("prefix_cache_hits", self._prefix_hits),
         ):
-            total = int(getattr(stats, name))
-            delta = total - self._last.get(name, 0)
-            if delta > 0:
-                counter.labels(model).inc(delta)
-            self._last[name] = total
+            self._advance(name, int(getattr(stats, name)), counter.labels(model))
+        self._host_usage.labels(model).set(stats.kv_host_usage)
+        self._host_cached.labels(model).set(stats.kv_host_cached_blocks)
+        block_bytes = self._block_bytes
+        for key, total, child in (
+            ("prefill", stats.num_prefill_tokens_computed, self._prefill_computed.labels(model)),
+            ("hits_device", stats.prefix_cache_hits - stats.prefix_cache_host_hits,
+             self._tier_hits.labels(model, "device")),
+            ("hits_host", stats.prefix_cache_host_hits, self._tier_hits.labels(model, "host")),
+            ("to_host", stats.kv_blocks_to_host, self._blocks_moved.labels(model, "to_host")),
+            ("to_device", stats.kv_blocks_to_device, self._blocks_moved.labels(model, "to_device")),
+            ("bytes_to_host", stats.kv_blocks_to_host * block_bytes, self._bytes_moved.labels(model, "to_host")),
+            ("bytes_to_device", stats.kv_blocks_to_device * block_bytes, self._bytes_moved.labels(model, "to_device")),
+            ("swap", stats.num_swapped_preemptions, self._preemption_modes.labels(model, "swap")),
+            ("recompute", stats.num_preemptions - stats.num_swapped_preemptions,
+             self._preemption_modes.labels(model, "recompute")),
+        ):  # fmt: skip
+            self._advance(key, total, child)
+
+    def _advance(self, key: str, total: int, child) -> None:
+        """Bring one counter up to the engine's cumulative total."""
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            child.inc(delta)
+        self._last[key] = total
 
     def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
         model = self._model

@@ -20,6 +20,7 @@ from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.model.loader import load_model, weight_bytes
 from hpi_runtime.model.parallel import SINGLE, TensorParallel
 from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
+from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -36,6 +37,7 @@ class ExecutorConfig:
     # Per rank: the KV cache gets as many blocks as fit in this. None: 1 GiB on CPU, on CUDA a share of
     # what the loaded weights leave free (measured after loading, so it holds for quantized weights too).
     kv_cache_memory_bytes: int | None = None
+    kv_offload_bytes: int = 0  # per rank: the host-memory KV tier (host_kv_cache.py); 0 turns it off
     attention_backend: str = "torch"
     seed: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # banned before a request's min_tokens
@@ -96,6 +98,13 @@ class LocalExecutor:
         self.kv_cache_bytes = allocate_kv_caches(
             self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), device
         )
+        block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.block_size
+        self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.kv_offload_bytes, block_bytes))
+        self.host_kv_cache = None
+        self.host_kv_cache_bytes = 0
+        if self._num_host_kv_blocks:
+            self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
+            self.host_kv_cache_bytes = self.host_kv_cache.num_bytes
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         self.runner = ModelRunner(
             self.model, backend, config.block_size, eos_token_ids, config.seed, compile_config(config, device)
@@ -109,7 +118,15 @@ class LocalExecutor:
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self._num_host_kv_blocks
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.kv_transfers:
+            self.host_kv_cache.apply(scheduler_output.kv_transfers)
+            if scheduler_output.total_num_scheduled_tokens == 0:  # a swap with nothing else to run
+                return ModelRunnerOutput({})
         return self.runner.execute_model(scheduler_output)
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
@@ -118,4 +135,5 @@ class LocalExecutor:
     def shutdown(self) -> None:
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
+        self.host_kv_cache = None
         self.runner.input_batch.clear()

@@ -93,6 +93,8 @@ class MultiprocExecutor:
         self._num_kv_blocks = infos[0].num_kv_blocks
         self.weight_bytes = sum(info.weight_bytes for info in infos)
         self.kv_cache_bytes = sum(info.kv_cache_bytes for info in infos)
+        self._num_host_kv_blocks = infos[0].num_host_kv_blocks
+        self.host_kv_cache_bytes = sum(info.host_kv_cache_bytes for info in infos)
         self._monitor = threading.Thread(target=self._watch, name="hpi-tp-monitor", daemon=True)
         self._monitor.start()
         logger.info("tensor parallel: %d worker processes ready (%s), pids %s", size,
@@ -105,6 +107,10 @@ class MultiprocExecutor:
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self._num_host_kv_blocks
 
     @property
     def worker_pids(self) -> list[int]:

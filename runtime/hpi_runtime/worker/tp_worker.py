@@ -40,6 +40,8 @@ class WorkerInfo:
     num_kv_blocks: int  # already the minimum over ranks
     weight_bytes: int
     kv_cache_bytes: int
+    num_host_kv_blocks: int = 0  # the host KV tier's, also the minimum over ranks
+    host_kv_cache_bytes: int = 0
 
 
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
@@ -53,7 +55,9 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         logger.error("tensor-parallel rank %d failed to start:\n%s", spec.rank, traceback.format_exc())
         _send(conn, (FAILED, _portable(exc, f"tensor-parallel rank {spec.rank} failed to start")))
         raise SystemExit(1) from None
-    _send(conn, (READY, WorkerInfo(executor.num_kv_blocks, executor.weight_bytes, executor.kv_cache_bytes)))
+    info = WorkerInfo(executor.num_kv_blocks, executor.weight_bytes, executor.kv_cache_bytes,
+                      executor.num_host_kv_blocks, executor.host_kv_cache_bytes)  # fmt: skip
+    _send(conn, (READY, info))
     try:
         _serve(executor, conn, spec.rank)
     finally:

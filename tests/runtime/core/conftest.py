@@ -30,10 +30,13 @@ class FakeExecutor:
     executor would (its own copy of token ids and block tables), and keeps a fake KV cache holding the token
     id written at each slot. Before "sampling" it reads back every position through its block table, as
     attention would, and asserts the cache holds the right token there: paging, sharing of prefix-cache
-    blocks and recompute after preemption are all checked against what the model would really see."""
+    blocks and recompute after preemption are all checked against what the model would really see. With
+    `num_host_kv_blocks` it also keeps a fake host tier and runs the step's block copies first, so a block
+    offloaded, swapped or loaded wrongly shows up as a position holding the wrong token."""
 
     num_kv_blocks: int
     block_size: int
+    num_host_kv_blocks: int = 0
     vocab_size: int = 1000
     verify: bool = True
     token_fn: object = None  # (request_id, position) -> token id; default fake_token
@@ -44,12 +47,20 @@ class FakeExecutor:
 
     def __post_init__(self) -> None:
         self.kv_slots = [-1] * (self.num_kv_blocks * self.block_size)
+        self.host_slots = [-1] * (self.num_host_kv_blocks * self.block_size)
+        self.num_copied_blocks = 0
 
     def register_failure_callback(self, callback) -> None:
         pass  # runs in this process: nothing can fail under it between steps
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.batches.append(so)
+        size = self.block_size
+        for device_id, host_id in so.kv_transfers.to_host:
+            self.host_slots[host_id * size : (host_id + 1) * size] = self.kv_slots[device_id * size :][:size]
+        for host_id, device_id in so.kv_transfers.to_device:
+            self.kv_slots[device_id * size : (device_id + 1) * size] = self.host_slots[host_id * size :][:size]
+        self.num_copied_blocks += len(so.kv_transfers.to_host) + len(so.kv_transfers.to_device)
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             self.states.pop(request_id, None)
         for new in so.new_requests:
@@ -109,6 +120,27 @@ def check_pool_invariants(kv_cache_manager) -> None:
             assert block.block_hash is not None, f"{block} is shared but not a cached block"
     for block_hash, block in pool.cached_blocks.items():
         assert block.block_hash == block_hash
+    if kv_cache_manager.host is not None:
+        check_host_tier_invariants(kv_cache_manager)
+
+
+def check_host_tier_invariants(kv_cache_manager) -> None:
+    """The host pool obeys the same rules; its owners are swapped-out requests and the copies of the step in
+    flight, so a block leaks if neither accounts for its references."""
+    host = kv_cache_manager.host
+    pool = host.pool
+    owners = Counter(block.block_id for swapped in kv_cache_manager._swapped.values() for block in swapped.host_blocks)
+    owners.update(block.block_id for block in host._held)
+    free_ids = pool.free_queue.block_ids()
+    assert len(free_ids) == len(set(free_ids)) == pool.num_free
+    free = set(free_ids)
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], f"host {block} has {owners[block.block_id]} owners"
+        assert (block.block_id in free) == (block.ref_cnt == 0)
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    for swapped in kv_cache_manager._swapped.values():
+        assert len(swapped.host_blocks) == -(-swapped.num_tokens // kv_cache_manager.block_size)
 
 
 @pytest.fixture(scope="session")

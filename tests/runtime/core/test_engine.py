@@ -130,6 +130,7 @@ _PREFIXES = ([7] * 20, [8] * 16 + [9] * 10, [8] * 16 + [5] * 3, [1, 2, 3])
     budget=st.integers(8, 64),
     caching=st.sampled_from([True, True, True, False]),
     watermark=st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5]),  # 0 preempts most; 0.5 defers most admissions
+    host_blocks=st.sampled_from([0, 0, 1, 3, 8, 32]),  # the host KV tier: off, too small to swap, roomy
 )
 def test_random_workloads_keep_every_invariant(
     fake_executor_cls,
@@ -142,6 +143,7 @@ def test_random_workloads_keep_every_invariant(
     budget,
     caching,
     watermark,
+    host_blocks,
 ):
     max_model_len = 48
     num_blocks = -(-max_model_len // block_size) + spare_blocks
@@ -153,7 +155,7 @@ def test_random_workloads_keep_every_invariant(
         enable_prefix_caching=caching,
         kv_admission_watermark=watermark,
     )
-    executor = fake_executor_cls(num_blocks, block_size, vocab_size=40)
+    executor = fake_executor_cls(num_blocks, block_size, vocab_size=40, num_host_kv_blocks=host_blocks)
     engine = LLMEngine(config, executor, None, frozenset({0}))
     prompts = {
         f"r{i}": (_PREFIXES[p] + list(range(10, 10 + tail)))[: max_model_len - 1]
@@ -196,8 +198,10 @@ def test_random_workloads_keep_every_invariant(
     assert set(finals) == set(prompts), "every request finishes"
     assert engine.kv_cache_manager.pool.num_free == num_blocks, "no block leaked"
     assert all(block.ref_cnt == 0 for block in engine.kv_cache_manager.pool.blocks)
+    assert not engine.kv_cache_manager._swapped, "a swap outlived its request"
     for batch in executor.batches:
-        assert 0 < batch.total_num_scheduled_tokens <= budget and len(batch.num_scheduled_tokens) <= max_num_seqs
+        assert batch.total_num_scheduled_tokens <= budget and len(batch.num_scheduled_tokens) <= max_num_seqs
+        assert batch.total_num_scheduled_tokens > 0 or batch.kv_transfers, "an empty batch reached the executor"
     for rid, output in finals.items():
         prompt_len = len(prompts[rid])
         _, _, _, max_tokens, abort = workload[int(rid[1:])]

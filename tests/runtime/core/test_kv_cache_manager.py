@@ -6,7 +6,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpi_runtime.core.block_pool import sha256_hash
-from hpi_runtime.core.kv_cache_manager import KVCacheManager
+from hpi_runtime.core.kv_cache_manager import NO_COMPUTED_KV, KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -27,9 +27,9 @@ def make_request(request_id: str, token_ids: list[int], hasher=BlockHasher(BLOCK
 
 def admit(kv: KVCacheManager, request: Request) -> list[int]:
     hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens - len(hit) * BLOCK, hit) is not None
+    assert kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit) is not None
     request.num_computed_tokens = request.num_tokens
-    return [block.block_id for block in hit]
+    return [block.block_id for block in hit.device_blocks]
 
 
 def test_identical_prefix_gets_identical_blocks_and_hit_is_capped_below_the_last_token():
@@ -83,12 +83,12 @@ def test_free_is_tail_first_so_tail_blocks_are_evicted_first():
 def test_free_blocks_after_admission_counts_the_whole_prompt_and_evictable_hits():
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK)
     first = make_request("a", list(range(12)))
-    assert kv.num_free_blocks_after_admission(first, []) == 10 - 3
+    assert kv.num_free_blocks_after_admission(first, NO_COMPUTED_KV) == 10 - 3
     admit(kv, first)
     kv.free(first)  # its 3 blocks stay cached but free: a hit on them takes them out of the free count too
     again = make_request("b", list(range(12)) + [5] * 6)  # 18 tokens: 5 blocks, the first 3 a hit
     hit = kv.get_computed_blocks(again)
-    assert len(hit) == 3 and kv.num_free_blocks_after_admission(again, hit) == 10 - 5
+    assert hit.num_shared == 3 and kv.num_free_blocks_after_admission(again, hit) == 10 - 5
     admit(kv, again)
     assert kv.pool.num_free == 10 - 5
     shared = make_request("c", list(range(12)) + [6] * 9)  # 21 tokens: 6 blocks, 3 held by "b": 3 new
@@ -98,7 +98,8 @@ def test_free_blocks_after_admission_counts_the_whole_prompt_and_evictable_hits(
     # Only the first chunk is allocated here; the prediction is for the whole prompt, chunks included.
     assert kv.allocate_slots(shared, 4, hit) is not None and kv.pool.num_free == predicted + 2
     too_long = make_request("d", [9] * 40)
-    assert kv.pool.num_free == 4 and kv.num_free_blocks_after_admission(too_long, []) == 4 - 10  # does not fit
+    assert kv.pool.num_free == 4
+    assert kv.num_free_blocks_after_admission(too_long, NO_COMPUTED_KV) == 4 - 10  # does not fit
 
 
 @settings(max_examples=60, deadline=None)
