@@ -17,6 +17,9 @@ class EngineConfig:
     # growth (vLLM v0's `watermark`). 0 admits until the pool is full; then the next block boundary preempts
     # the newest request and recomputes it (bench/bench_engine_core.py compares values).
     kv_admission_watermark: float = 0.02
+    # Set from the model when every layer attends only its last N tokens (Mistral, Gemma 2/3 without global
+    # layers never qualify): blocks before that window are freed as a request grows. None: keep them all.
+    kv_sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -26,3 +29,5 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.kv_admission_watermark < 1.0:  # also refuses NaN
             raise ValueError(f"kv_admission_watermark must be in [0, 1), got {self.kv_admission_watermark}")
+        if self.kv_sliding_window is not None and self.kv_sliding_window < 1:
+            raise ValueError(f"kv_sliding_window must be at least 1, got {self.kv_sliding_window}")

@@ -15,6 +15,7 @@ from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import BlockHash, HashFn, sha256_hash
 from hpi_runtime.core.engine_io import EngineCoreOutput, EngineCoreRequest, EngineStats
 from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor
+from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request, RequestStatus
 from hpi_runtime.core.scheduler import Scheduler
@@ -48,17 +49,24 @@ class EngineCore:
         if executor.block_size != config.block_size:
             raise ValueError(f"executor block_size {executor.block_size} != config block_size {config.block_size}")
         num_blocks = executor.num_kv_blocks
-        if num_blocks * config.block_size < config.max_model_len:
+        num_tokens_needed = kv_tokens_per_request(
+            config.max_model_len, config.block_size, config.kv_sliding_window, config.max_num_batched_tokens
+        )
+        if num_blocks * config.block_size < num_tokens_needed:
             raise ValueError(
                 f"{num_blocks} KV blocks of {config.block_size} tokens hold {num_blocks * config.block_size} "
-                f"tokens, less than one request of max_model_len={config.max_model_len}"
+                f"tokens, less than one request of max_model_len={config.max_model_len} needs ({num_tokens_needed})"
             )
         self.config = config
         self.executor = executor
         self.eos_token_ids = frozenset(eos_token_ids)
         self._hasher = BlockHasher(config.block_size, hash_fn, root_hash) if config.enable_prefix_caching else None
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, executor.num_host_kv_blocks
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            executor.num_host_kv_blocks,
+            config.kv_sliding_window,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.grammar_compiler = grammar_compiler

@@ -59,11 +59,16 @@ class HostKVTier:
         self._copy_to_host(device_block, host_block)
         self._held.append(host_block)  # the allocation's reference, dropped when the step ends
 
-    def swap_out(self, device_blocks: Sequence[KVBlock]) -> list[KVBlock] | None:
-        """Hold host copies of `device_blocks` (a preempted request's computed blocks, in order): shared when
-        a block's hash is already here, copied otherwise. None, and nothing changed, if they do not fit."""
-        found = [self.pool.get_cached_block(b.block_hash) if b.block_hash is not None else None for b in device_blocks]
-        num_new = sum(1 for block in found if block is None)
+    def swap_out(self, device_blocks: Sequence[KVBlock | None]) -> list[KVBlock | None] | None:
+        """Hold host copies of `device_blocks` (a preempted request's computed blocks, in order; None for one
+        outside its sliding window, kept as None): shared when a block's hash is already here, copied
+        otherwise. None, and nothing changed, if they do not fit."""
+        found = [
+            self.pool.get_cached_block(b.block_hash) if b is not None and b.block_hash is not None else None
+            for b in device_blocks
+        ]
+        num_new = sum(1 for block, device_block in zip(found, device_blocks, strict=True)
+                      if block is None and device_block is not None)  # fmt: skip
         num_evictable_found = sum(1 for block in found if block is not None and block.ref_cnt == 0)
         if num_new > self.pool.num_free - num_evictable_found:
             return None
@@ -71,7 +76,7 @@ class HostKVTier:
         new_blocks = iter(self.pool.get_new_blocks(num_new))
         host_blocks = []
         for device_block, host_block in zip(device_blocks, found, strict=True):
-            if host_block is None:
+            if host_block is None and device_block is not None:
                 host_block = next(new_blocks)
                 if device_block.block_hash is not None:
                     self.pool.cache_block(host_block, device_block.block_hash)
@@ -89,9 +94,9 @@ class HostKVTier:
         self.pool.touch(host_blocks)
         self._held.extend(host_blocks)
 
-    def release(self, host_blocks: Sequence[KVBlock]) -> None:
+    def release(self, host_blocks: Sequence[KVBlock | None]) -> None:
         """Drop a swap's references: hashed blocks stay cached (free, evictable), the others are just free."""
-        self.pool.free_blocks(host_blocks)
+        self.pool.free_blocks(block for block in host_blocks if block is not None)
 
     def take_transfers(self) -> KVTransfers:
         """This step's copies, in the order they must run; the lists start empty for the next step."""

@@ -29,3 +29,14 @@ def num_blocks_for_budget(kv_cache_memory_bytes: int, bytes_per_token: int, bloc
             f"({num_blocks_needed * bytes_per_block} bytes); raise the KV memory budget or lower max_model_len"
         )
     return num_blocks
+
+
+def kv_tokens_per_request(
+    max_model_len: int, block_size: int, sliding_window: int | None = None, max_num_batched_tokens: int = 0
+) -> int:
+    """Token slots one request can hold at once: max_model_len, or under a sliding window on every layer
+    (blocks behind it are freed) the window plus one step's chunk, plus the block boundaries on both sides
+    and the manager's placeholder block."""
+    if sliding_window is None:
+        return max_model_len
+    return min(max_model_len, sliding_window + max_num_batched_tokens + 2 * block_size) + block_size

@@ -1,6 +1,11 @@
 """Per-request block tables on top of the BlockPool: prefix-cache lookup, slot allocation, freeing, and the
 optional host-memory tier behind the device pool (core/host_tier.py): offload on eviction, loads on a host
-prefix hit, swap on preemption."""
+prefix hit, swap on preemption.
+
+With a sliding window on every layer (`sliding_window`: a query at position p reads keys p - window + 1 .. p),
+blocks wholly before the window of a request's next token are freed as it grows and their table entries
+point at one shared placeholder block that no kernel reads (vLLM's sliding-window manager), so a long
+request holds about window / block_size blocks, not its whole length."""
 
 from __future__ import annotations
 
@@ -40,19 +45,31 @@ NO_COMPUTED_KV = ComputedKV((), (), 0)
 
 @dataclass(frozen=True)
 class SwappedKV:
-    """A preempted request's computed KV, held in the host tier until it resumes."""
+    """A preempted request's computed KV, held in the host tier until it resumes (None: a block outside the
+    sliding window, which no later token reads)."""
 
-    host_blocks: tuple[KVBlock, ...]
+    host_blocks: tuple[KVBlock | None, ...]
     num_tokens: int
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.host = HostKVTier(num_host_blocks) if num_host_blocks > 0 else None
         on_evict = self.host.offload if self.host is not None and enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self.sliding_window = sliding_window
+        # The placeholder behind every freed out-of-window entry: owned by the manager for good, never hashed.
+        self.null_block = self.pool.get_new_blocks(1)[0] if sliding_window is not None else None
+        self._num_window_freed: dict[str, int] = {}  # leading blocks already replaced by the placeholder
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks are registered by hash
         self._blocks_cached_this_step: list[KVBlock] = []  # their KV is written by the step in flight
@@ -73,8 +90,11 @@ class KVCacheManager:
     def num_free_blocks_after_admission(self, request: Request, computed: ComputedKV) -> int:
         """Free device blocks left once all of a waiting request's tokens hold blocks, its shared hits
         counted once; negative if they do not fit. Counts the whole prompt, not just the first chunk: the
-        later chunks need it too."""
-        num_needed = -(-request.num_tokens // self.block_size) - computed.num_shared
+        later chunks need it too (under a sliding window, only the window's blocks are ever held at once)."""
+        num_blocks = -(-request.num_tokens // self.block_size)
+        if self.sliding_window is not None:
+            num_blocks = min(num_blocks, -(-self.sliding_window // self.block_size) + 2)
+        num_needed = num_blocks - computed.num_shared
         return self.pool.num_free - computed.num_evictable_shared - num_needed
 
     def get_computed_blocks(self, request: Request, use_prefix_cache: bool = True) -> ComputedKV:
@@ -101,11 +121,12 @@ class KVCacheManager:
         return ComputedKV(tuple(device_blocks), tuple(host_blocks), len(device_blocks) * self.block_size)
 
     def _swapped_kv(self, request: Request, swapped: SwappedKV) -> ComputedKV:
-        # A full block still cached on device is shared rather than loaded.
+        # A full block still cached on device is shared rather than loaded; one the window had already
+        # dropped (no host copy) comes back as the placeholder.
         device_blocks, host_blocks = [], []
         for i, host_block in enumerate(swapped.host_blocks):
-            block = None
-            if self.enable_caching and i < len(request.block_hashes):
+            block = self.null_block if host_block is None else None
+            if block is None and self.enable_caching and i < len(request.block_hashes):
                 block = self.pool.get_cached_block(request.block_hashes[i])
             device_blocks.append(block)
             host_blocks.append(None if block is not None else host_block)
@@ -124,6 +145,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
+        elif self.sliding_window is not None:
+            self._free_outside_window(request, blocks)
         num_tokens = request.num_computed_tokens + num_new_tokens
         if computed is not None:  # admission: share or load the computed KV, count the hit
             assert not blocks, "admitting a request that still holds blocks"
@@ -149,7 +172,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if self.enable_caching and num_full > num_cached:
             for i in range(num_cached, num_full):
-                if self.pool.cache_block(blocks[i], request.block_hashes[i]):
+                if blocks[i] is not self.null_block and self.pool.cache_block(blocks[i], request.block_hashes[i]):
                     self._blocks_cached_this_step.append(blocks[i])
             self._num_cached_blocks[request.request_id] = num_full
         return new_blocks
@@ -158,7 +181,8 @@ class KVCacheManager:
         host_blocks = [block for block in computed.host_blocks if block is not None]
         if host_blocks:  # held first: the device allocations below may offload into the host pool
             self.host.hold(host_blocks)
-        self.pool.touch(block for block in computed.device_blocks if block is not None)
+        null = self.null_block
+        self.pool.touch(block for block in computed.device_blocks if block is not None and block is not null)
         loaded = iter(self.pool.get_new_blocks(len(host_blocks)))
         for device_block, host_block in zip(computed.device_blocks, computed.host_blocks, strict=True):
             if device_block is None:
@@ -175,7 +199,8 @@ class KVCacheManager:
         swapped = False
         num_blocks = -(-request.num_computed_tokens // self.block_size)
         if self.host is not None and num_blocks:
-            blocks = self.req_to_blocks[request.request_id][:num_blocks]
+            null = self.null_block
+            blocks = [None if b is null else b for b in self.req_to_blocks[request.request_id][:num_blocks]]
             host_blocks = self.host.swap_out(blocks)
             if host_blocks is not None:
                 self._swapped[request.request_id] = SwappedKV(tuple(host_blocks), request.num_computed_tokens)
@@ -223,4 +248,18 @@ class KVCacheManager:
         # Tail first, so the request's last blocks are the first to be evicted.
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self._num_window_freed.pop(request.request_id, None)
+        self.pool.free_blocks(block for block in reversed(blocks) if block is not self.null_block)
+
+    def _free_outside_window(self, request: Request, blocks: list[KVBlock]) -> None:
+        """Free the blocks no query from the next token on can read. The window's start is taken one token
+        early, so an off-by-one between here and a kernel can only keep a block, never drop a live one."""
+        num_outside = max(0, request.num_computed_tokens - self.sliding_window) // self.block_size
+        start = self._num_window_freed.get(request.request_id, 0)
+        if num_outside <= start:
+            return
+        for i in range(start, num_outside):
+            if blocks[i] is not self.null_block:
+                self.pool.free_blocks((blocks[i],))
+                blocks[i] = self.null_block
+        self._num_window_freed[request.request_id] = num_outside

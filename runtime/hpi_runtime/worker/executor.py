@@ -34,6 +34,9 @@ class ExecutorConfig:
     device: torch.device  # the device type; tensor-parallel rank r uses CUDA device r
     block_size: int
     max_model_len: int
+    # KV token slots one request needs at once (less than max_model_len when blocks behind a sliding window
+    # are freed: kv_budget.kv_tokens_per_request); None: max_model_len.
+    kv_tokens_per_request: int | None = None
     # Per rank: the KV cache gets as many blocks as fit in this. None: 1 GiB on CPU, on CUDA a share of
     # what the loaded weights leave free (measured after loading, so it holds for quantized weights too).
     kv_cache_memory_bytes: int | None = None
@@ -92,7 +95,7 @@ class LocalExecutor:
                 kv_budget_bytes(config, device),
                 rank_kv_bytes_per_token(self.model, config.dtype),
                 config.block_size,
-                config.max_model_len,
+                config.kv_tokens_per_request or config.max_model_len,
             )
         )
         self.kv_cache_bytes = allocate_kv_caches(

@@ -37,6 +37,7 @@ class FakeExecutor:
     num_kv_blocks: int
     block_size: int
     num_host_kv_blocks: int = 0
+    sliding_window: int | None = None  # read back only each new token's window, as a windowed kernel does
     vocab_size: int = 1000
     verify: bool = True
     token_fn: object = None  # (request_id, position) -> token id; default fake_token
@@ -86,8 +87,9 @@ class FakeExecutor:
             for pos in range(start, end):
                 self.kv_slots[self._slot(state, pos)] = state.token_ids[pos]
             if self.verify:
-                seen = [self.kv_slots[self._slot(state, pos)] for pos in range(end)]
-                assert seen == state.token_ids[:end], f"{request_id}: KV cache does not hold its tokens"
+                first = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+                seen = [self.kv_slots[self._slot(state, pos)] for pos in range(first, end)]
+                assert seen == state.token_ids[first:end], f"{request_id}: KV cache does not hold its tokens"
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 token = token_fn(request_id, end)
@@ -106,8 +108,13 @@ def check_pool_invariants(kv_cache_manager) -> None:
     """Every block is owned (ref == number of owners) or free (in the LRU queue), never both; only
     cached full blocks are shared; the hash map points only at blocks carrying that hash."""
     pool = kv_cache_manager.pool
-    owners = Counter(block.block_id for blocks in kv_cache_manager.req_to_blocks.values() for block in blocks)
-    for blocks in kv_cache_manager.req_to_blocks.values():
+    null = kv_cache_manager.null_block  # the sliding window's placeholder: the manager's own, shared by all
+    tables = [[block for block in blocks if block is not null] for blocks in kv_cache_manager.req_to_blocks.values()]
+    owners = Counter(block.block_id for blocks in tables for block in blocks)
+    if null is not None:
+        owners[null.block_id] = 1
+        assert null.block_hash is None, "the placeholder was registered as a cached block"
+    for blocks in tables:
         assert len({block.block_id for block in blocks}) == len(blocks), "a request holds a block twice"
     free_ids = pool.free_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)) == pool.num_free
@@ -129,7 +136,12 @@ def check_host_tier_invariants(kv_cache_manager) -> None:
     flight, so a block leaks if neither accounts for its references."""
     host = kv_cache_manager.host
     pool = host.pool
-    owners = Counter(block.block_id for swapped in kv_cache_manager._swapped.values() for block in swapped.host_blocks)
+    owners = Counter(
+        block.block_id
+        for swapped in kv_cache_manager._swapped.values()
+        for block in swapped.host_blocks
+        if block is not None  # a block behind the sliding window: not kept
+    )
     owners.update(block.block_id for block in host._held)
     free_ids = pool.free_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)) == pool.num_free

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import EngineError, EngineStats, LLMEngine, QueueFullError
+from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -131,6 +132,7 @@ _PREFIXES = ([7] * 20, [8] * 16 + [9] * 10, [8] * 16 + [5] * 3, [1, 2, 3])
     caching=st.sampled_from([True, True, True, False]),
     watermark=st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5]),  # 0 preempts most; 0.5 defers most admissions
     host_blocks=st.sampled_from([0, 0, 1, 3, 8, 32]),  # the host KV tier: off, too small to swap, roomy
+    window=st.sampled_from([None, None, None, 8, 13]),  # blocks behind a sliding window are freed
 )
 def test_random_workloads_keep_every_invariant(
     fake_executor_cls,
@@ -144,9 +146,11 @@ def test_random_workloads_keep_every_invariant(
     caching,
     watermark,
     host_blocks,
+    window,
 ):
     max_model_len = 48
-    num_blocks = -(-max_model_len // block_size) + spare_blocks
+    num_tokens_needed = kv_tokens_per_request(max_model_len, block_size, window, budget)
+    num_blocks = -(-num_tokens_needed // block_size) + spare_blocks
     config = EngineConfig(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -154,8 +158,11 @@ def test_random_workloads_keep_every_invariant(
         max_model_len=max_model_len,
         enable_prefix_caching=caching,
         kv_admission_watermark=watermark,
+        kv_sliding_window=window,
     )
-    executor = fake_executor_cls(num_blocks, block_size, vocab_size=40, num_host_kv_blocks=host_blocks)
+    executor = fake_executor_cls(
+        num_blocks, block_size, vocab_size=40, num_host_kv_blocks=host_blocks, sliding_window=window
+    )
     engine = LLMEngine(config, executor, None, frozenset({0}))
     prompts = {
         f"r{i}": (_PREFIXES[p] + list(range(10, 10 + tail)))[: max_model_len - 1]
@@ -196,8 +203,10 @@ def test_random_workloads_keep_every_invariant(
         if step > 13 + 31 and not engine.has_unfinished_requests():
             break
     assert set(finals) == set(prompts), "every request finishes"
-    assert engine.kv_cache_manager.pool.num_free == num_blocks, "no block leaked"
-    assert all(block.ref_cnt == 0 for block in engine.kv_cache_manager.pool.blocks)
+    kv = engine.kv_cache_manager
+    num_held = 0 if kv.null_block is None else 1  # the window's placeholder, the manager's for good
+    assert kv.pool.num_free == num_blocks - num_held, "no block leaked"
+    assert sum(block.ref_cnt for block in kv.pool.blocks) == num_held
     assert not engine.kv_cache_manager._swapped, "a swap outlived its request"
     for batch in executor.batches:
         assert batch.total_num_scheduled_tokens <= budget and len(batch.num_scheduled_tokens) <= max_num_seqs
