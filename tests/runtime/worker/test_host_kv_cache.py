@@ -96,3 +96,19 @@ def test_same_greedy_tokens_with_the_tier_and_far_less_prefill(tiny_model_dir: P
     assert stats_on.kv_blocks_to_host > 0
     assert stats_off.num_preemptions > 0 and stats_on.num_swapped_preemptions > 0
     assert stats_on.num_prefill_tokens_computed < stats_off.num_prefill_tokens_computed / 2
+
+
+def test_tensor_parallel_ranks_copy_their_own_shards(tiny_model_dir: Path) -> None:
+    """Every rank holds its KV heads' share of each block, on device and on host: the same block ids move on
+    all ranks at once, and the answers match one process."""
+    options = dict(dtype="float32", block_size=BLOCK, max_model_len=128, max_num_seqs=6,
+                   kv_cache_memory_bytes=24 * BLOCK * TOKEN_BYTES // 2, enforce_eager=True)  # fmt: skip
+    single = LLM(tiny_model_dir, **{**options, "kv_cache_memory_bytes": 24 * BLOCK * TOKEN_BYTES})
+    answers_single, _ = _conversations(single, num_turns=2)
+    single.shutdown()
+    sharded = LLM(tiny_model_dir, tensor_parallel_size=2, kv_offload_bytes=128 * BLOCK * TOKEN_BYTES // 2, **options)
+    answers_sharded, stats = _conversations(sharded, num_turns=2)
+    sharded.shutdown()
+    assert sharded.bundle.num_kv_blocks == 24
+    assert answers_sharded == answers_single
+    assert stats.kv_blocks_to_device > 0 and stats.prefix_cache_host_hits > 0
