@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from hpi_operator.autoscale import History, Observation, PodLoad, decide
+from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
 from hpi_operator.spec import AutoscalingSpec
 
 STARTUP_S = 90

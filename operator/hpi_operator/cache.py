@@ -70,8 +70,12 @@ def build_cache_pvc(owner: Owner, spec: InferenceSpec, shape: ModelShape) -> dic
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": cache_claim_name(owner.name, spec), "namespace": owner.namespace, "labels": _labels(owner),
-                     "annotations": {}},  # fmt: skip
+        "metadata": {
+            "name": cache_claim_name(owner.name, spec),
+            "namespace": owner.namespace,
+            "labels": _labels(owner),
+            "annotations": {},
+        },  # fmt: skip
         "spec": pvc_spec,
     }
 

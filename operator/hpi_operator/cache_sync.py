@@ -28,8 +28,9 @@ from .cache import (
     progress,
     retry_delay_s,
 )
-from .kube import KubeClient, apply_object, collection_path
-from .manifests import selector_labels, stamp_hash
+from .children import apply_object
+from .kube import KubeClient, collection_path, with_query
+from .manifests import label_selector, stamp_hash
 from .names import LABEL_COMPONENT
 from .plan import Plan
 from .status import ChildState, condition
@@ -59,9 +60,8 @@ class CacheReport:
 
 
 def _owned_jobs(kube: KubeClient, plan: Plan, owner_uid: str | None) -> list[dict[str, Any]]:
-    labels = {**selector_labels(plan.owner.name), LABEL_COMPONENT: "model-cache"}
-    selector = ",".join(f"{k}={v}" for k, v in labels.items())
-    listing = kube.request("GET", f"{collection_path('Job', plan.owner.namespace)}?labelSelector={selector}")
+    selector = label_selector(plan.owner.name, **{LABEL_COMPONENT: "model-cache"})
+    listing = kube.request("GET", with_query(collection_path("Job", plan.owner.namespace), labelSelector=selector))
     return [
         item for item in listing.get("items") or []
         if owner_uid is None or any(r.get("uid") == owner_uid for r in item["metadata"].get("ownerReferences") or [])

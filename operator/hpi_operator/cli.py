@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument("--metrics-port", type=int, default=9090, help="the operator's /metrics (0 disables)")
     run_parser.add_argument(
         "--resync-interval", type=float, default=10.0,
-        help="seconds between each InferenceDeployment's check of the node inventory and its Deployments",
+        help="the longest an InferenceDeployment waits for its next reconcile without an event of its own or of a "
+        "child (node inventory changes are picked up then)",
     )  # fmt: skip
     run_parser.add_argument("-v", "--verbose", action="store_true")
     run_parser.add_argument("--debug", action="store_true")

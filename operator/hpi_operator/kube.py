@@ -1,30 +1,22 @@
-"""Kubernetes I/O for the reconciler: a thin JSON client and the apply/prune of a Plan's children.
-
-Plain dicts in and out (the generated `kubernetes` models are not needed for objects the operator builds
-itself). Writes are JSON merge patches (RFC 7386) so lists the operator owns (containers, tolerations,
-args) are replaced whole; a child is written only when its spec-hash annotation differs (no churn; server-side
-defaults never look like drift), or when a Deployment's replicas were changed by hand.
+"""The operator's Kubernetes client: raw JSON calls through the kubernetes client's transport, and the REST
+paths of every kind it writes (plain dicts in and out: the generated models are not needed for objects the
+operator builds itself). What it writes and how: children.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
+import urllib3
 from kubernetes import client, config
 
 from . import __version__
-from .autoscale_manifests import AUTOSCALER_PATHS
-from .manifests import selector_labels
-from .names import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
-from .plan import Plan
-from .status import ChildState
-
-MERGE_PATCH = "application/merge-patch+json"
 
 _PATHS = {
+    "InferenceDeployment": "/apis/serving.hpi.dev/v1alpha1/namespaces/{namespace}/inferencedeployments",
     "Deployment": "/apis/apps/v1/namespaces/{namespace}/deployments",
     "Service": "/api/v1/namespaces/{namespace}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
@@ -35,12 +27,10 @@ _PATHS = {
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
     "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
-    **AUTOSCALER_PATHS,  # HorizontalPodAutoscaler, ScaledObject
+    # The external autoscalers (autoscaling/manifests.py).
+    "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers",
+    "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects",
 }
-# The kinds one generic prune removes when the plan no longer wants them: Deployments of pools that went away,
-# and the routing objects of a mode the spec left (the autoscalers and the model cache prune their own).
-PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool")  # fmt: skip
 
 
 class KubeError(Exception):
@@ -74,8 +64,11 @@ class KubeClient:
             method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
         )
         headers["User-Agent"] = self.user_agent  # after the client's defaults: audit logs say who wrote
-        response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
-        data = response.read()
+        try:
+            response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
+            data = response.read()
+        except urllib3.exceptions.HTTPError as e:  # no answer (timeout, connection refused): retried like a 503
+            raise KubeError(503, f"{method} {path}: {e}") from e
         if not 200 <= response.status < 300:
             raise KubeError(response.status, data.decode(errors="replace") if data else "")
         return json.loads(data) if data else {}
@@ -93,86 +86,9 @@ def collection_path(kind: str, namespace: str) -> str:
     return _PATHS[kind].format(namespace=namespace)
 
 
-def _collection(obj: Mapping[str, Any]) -> str:
-    return _PATHS[obj["kind"]].format(namespace=obj["metadata"]["namespace"])
+def object_path(kind: str, namespace: str, name: str) -> str:
+    return f"{collection_path(kind, namespace)}/{name}"
 
 
-def _merge_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """`desired` as a merge patch, with nulls for map keys the operator owns that it no longer wants."""
-    patch = json.loads(json.dumps(desired))
-    live_pod = ((live.get("spec") or {}).get("template") or {}).get("spec") or {}
-    patch_pod = ((patch.get("spec") or {}).get("template") or {}).get("spec")
-    if patch_pod is not None:
-        for key in live_pod.get("nodeSelector") or {}:
-            patch_pod.setdefault("nodeSelector", {}).setdefault(key, None)
-        if "affinity" in live_pod and "affinity" not in patch_pod:
-            patch_pod["affinity"] = None
-    if desired.get("kind") == "Service":  # a routing mode change moves the user-facing Service to other pods
-        live_selector = (live.get("spec") or {}).get("selector") or {}
-        for key in live_selector:
-            patch.setdefault("spec", {}).setdefault("selector", {}).setdefault(key, None)
-    return patch
-
-
-def apply_object(kube: KubeClient, desired: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """Create `desired` or bring the live object to it; returns the live object and what was done."""
-    path = f"{_collection(desired)}/{desired['metadata']['name']}"
-    live = kube.get(path)
-    if live is None:
-        return kube.request("POST", _collection(desired), dict(desired)), "created"
-    if (live.get("metadata") or {}).get("deletionTimestamp"):
-        # A child of a pool that was dropped a moment ago and is back: wait until it is gone (409 -> retry).
-        raise KubeError(409, f"{desired['kind']} {desired['metadata']['name']} is still terminating")
-    live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
-    # Replicas are the one field people edit by hand (`kubectl scale deployment`): undo that drift too.
-    live_replicas = (live.get("spec") or {}).get("replicas")
-    replicas_drifted = desired["kind"] == "Deployment" and live_replicas != desired["spec"]["replicas"]
-    if live_hash == desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH] and not replicas_drifted:
-        return live, "unchanged"
-    return kube.request("PATCH", path, _merge_patch(live, desired), MERGE_PATCH), "patched"
-
-
-def prune_children(kube: KubeClient, plan: Plan, owner_uid: str | None) -> list[str]:
-    """Delete children of PRUNED_KINDS this InferenceDeployment owns that the plan no longer wants (a dropped
-    pool's Deployment, the router's objects after a switch to another mode); returns "Kind/name" of each.
-
-    A kind the cluster does not serve (no InferencePool CRD) answers 404: nothing of it to prune."""
-    wanted = {(c["kind"], c["metadata"]["name"]) for c in plan.children}
-    selector = f"{LABEL_DEPLOYMENT}={selector_labels(plan.owner.name)[LABEL_DEPLOYMENT]}"
-    deleted = []
-    for kind in PRUNED_KINDS:
-        path = collection_path(kind, plan.owner.namespace)
-        try:
-            listing = kube.request("GET", f"{path}?labelSelector={selector}")
-        except KubeError as e:
-            if e.status == 404:
-                continue
-            raise
-        for item in listing.get("items") or []:
-            meta = item.get("metadata") or {}
-            owned = owner_uid is None or any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or [])
-            if owned and (kind, meta.get("name")) not in wanted:
-                kube.request("DELETE", f"{path}/{meta['name']}", {"propagationPolicy": "Background"})
-                deleted.append(f"{kind}/{meta['name']}")
-    return deleted
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    states: dict[str, ChildState]  # by Deployment name
-    actions: dict[str, str]  # "Kind/name" -> created | patched | unchanged | deleted
-
-
-def apply_plan(kube: KubeClient, plan: Plan, owner_uid: str | None) -> ApplyResult:
-    """Make the cluster match `plan`: create or patch every child, delete the children it no longer wants."""
-    states: dict[str, ChildState] = {}
-    actions: dict[str, str] = {}
-    for child in plan.children:
-        live, action = apply_object(kube, child)
-        actions[f"{child['kind']}/{child['metadata']['name']}"] = action
-        if child["kind"] == "Deployment":
-            states[child["metadata"]["name"]] = ChildState.from_deployment(live)
-    if plan.waiting_for_cache:
-        return ApplyResult(states=states, actions=actions)  # running pods (cache just enabled) stay for now
-    actions.update(dict.fromkeys(prune_children(kube, plan, owner_uid), "deleted"))
-    return ApplyResult(states=states, actions=actions)
+def with_query(path: str, **params: str) -> str:
+    return path + "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in params.items())

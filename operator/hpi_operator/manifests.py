@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,6 @@ from .names import (
 )
 from .nodes import GPU_RESOURCE, Pool
 from .profiles import Profile
-from .quantities import bytes_to_quantity
 from .sizing import EMBEDDED_MODEL_NAME, GIB
 from .spec import InferenceSpec
 
@@ -51,7 +51,6 @@ class Owner:
     namespace: str
 
 
-
 def container_security_context() -> dict[str, Any]:
     """Every container the operator runs: the restricted Pod Security Standard, read-only root."""
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
@@ -62,6 +61,7 @@ def pod_security_context() -> dict[str, Any]:
     """Every pod the operator runs: non-root (the images' uid 1000), RuntimeDefault seccomp."""
     return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
             "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+
 
 def short_name(text: str, limit: int = 63) -> str:
     """`text` cut to `limit` characters, with a hash suffix when cut, so distinct inputs stay distinct."""
@@ -74,6 +74,12 @@ def short_name(text: str, limit: int = 63) -> str:
 def selector_labels(owner_name: str) -> dict[str, str]:
     """The labels that select every runtime pod of one InferenceDeployment (Service, PDB, scale selector)."""
     return {LABEL_DEPLOYMENT: short_name(owner_name)}
+
+
+def label_selector(owner_name: str, **extra: str) -> str:
+    """The one label selector string of this InferenceDeployment's objects (`extra`: more equality terms):
+    status.selector for the scale subresource, the prune's and the cache Jobs' lists."""
+    return ",".join(f"{k}={v}" for k, v in {**selector_labels(owner_name), **extra}.items())
 
 
 def common_labels(owner_name: str) -> dict[str, str]:
@@ -110,6 +116,11 @@ def spec_hash(manifest: Mapping[str, Any]) -> str:
 def stamp_hash(manifest: dict[str, Any]) -> dict[str, Any]:
     manifest.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(manifest)
     return manifest
+
+
+def bytes_to_quantity(num_bytes: int) -> str:
+    """Bytes rounded up to whole MiB, written the way kubectl users read them ("17408Mi")."""
+    return f"{max(1, math.ceil(num_bytes / 2**20))}Mi"
 
 
 RUNTIME_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # `hpi serve --dtype` spellings

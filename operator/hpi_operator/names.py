@@ -9,6 +9,11 @@ KIND = "InferenceDeployment"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 OPERATOR_NAME = "hpi-operator"
+# The field manager of every server-side apply of a child (children.py): the fields the operator owns.
+FIELD_MANAGER = OPERATOR_NAME
+# The builtin autoscaler's field manager: it writes the InferenceDeployment's spec.replicas through the scale
+# subresource, as an HPA does, and nothing else.
+AUTOSCALER_FIELD_MANAGER = "hpi-autoscaler"
 RUNTIME_NAME = "hpi-runtime"
 RUNTIME_PORT = 8000
 RUNTIME_PORT_NAME = "http"
@@ -22,7 +27,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_DEPLOYMENT = f"{GROUP}/inference-deployment"
 LABEL_POOL = f"{GROUP}/pool"
 
-# Set on every child: the hash of the desired manifest, so an unchanged child is never written again.
+# Set on every child: the hash of its declaration, so a resync that finds it in sync writes nothing (drift.py).
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 
 # A node label that names its pool explicitly, overriding the grouping by accelerator/CPU features.

@@ -11,8 +11,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from .names import NODE_POOL_LABEL
-from .quantities import parse_quantity
 
 GPU_PRODUCT = "nvidia.com/gpu.product"
 GPU_MEMORY_MIB = "nvidia.com/gpu.memory"

@@ -14,9 +14,9 @@ from typing import Any
 
 import kopf
 
-from .autoscale_manifests import autoscaler_child
+from .autoscaling.manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
-from .manifests import Owner, build_deployment, build_pdb, selector_labels, short_name, stamp_hash
+from .manifests import Owner, build_deployment, build_pdb, label_selector, short_name, stamp_hash
 from .names import ANNOTATION_SPEC_HASH
 from .nodes import NodeInfo, group_pools
 from .placement import Slot, eligible_choices, rank_choices, spread_replicas
@@ -52,7 +52,7 @@ class Plan:
 
     @property
     def children(self) -> tuple[dict[str, Any], ...]:
-        """What kube.apply_plan writes (the cache's Jobs are created and retried by cache_sync.py instead)."""
+        """What children.apply_plan writes (the cache's Jobs are created and retried by cache_sync.py instead)."""
         claim = [self.cache.pvc] if self.cache and self.cache.pvc else []
         autoscaler = [self.autoscaler] if self.autoscaler else []
         return (*claim, *self.deployments, *self.routing, self.pdb, *autoscaler)
@@ -65,7 +65,7 @@ class Plan:
 
     @property
     def selector(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in selector_labels(self.owner.name).items())
+        return label_selector(self.owner.name)
 
     @property
     def fingerprint(self) -> str:
@@ -109,8 +109,10 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
     clash = [c["metadata"]["name"] for c in routing if (c["kind"], c["metadata"]["name"]) in
              {("Deployment", n) for n in runtime_names}]  # fmt: skip
     if clash:
-        raise SpecError(f"node pool Deployment {clash[0]} collides with the {routing_mode}'s; rename the pool "
-                        "(node label serving.hpi.dev/pool) or set spec.routing.mode: service")
+        raise SpecError(
+            f"node pool Deployment {clash[0]} collides with the {routing_mode}'s; rename the pool "
+            "(node label serving.hpi.dev/pool) or set spec.routing.mode: service"
+        )
     pdb = build_pdb(owner)
     children = [*deployments, *routing, pdb, *([cache.pvc] if cache and cache.pvc else [])]
     if cache is not None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kubernetes.utils import parse_quantity
+
 from .nodes import Pool
-from .quantities import parse_quantity
 from .sizing import (
     ModelShape,
     gib,
@@ -185,7 +186,8 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
     quantizations = [
         q
         for q in QUANTIZATION_ORDER
-        if (pins.quantization in ("auto", q)) and q not in spec.placement.forbidden_quantizations
+        if (pins.quantization in ("auto", q))
+        and q not in spec.placement.forbidden_quantizations
         and (stored == "none" or q == stored)
     ]
     gpu_counts, unsplittable = _gpu_counts(pool, spec, shape)

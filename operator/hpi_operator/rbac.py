@@ -28,36 +28,50 @@ class Rule:
         return (self.api_group, self.resource) == (api_group, resource) and verb in self.verbs
 
 
+# Server-side apply is a PATCH; when it creates the object the API server also authorizes it as `create`.
+# Every child kind is watched (list/watch): its events wake the owning InferenceDeployment's reconcile.
+_CHILD = ("get", "list", "watch", "create", "patch", "delete")
+
 RULES: tuple[Rule, ...] = (
-    # kopf: watch InferenceDeployments, keep its annotations and finalizer on them, write status.
-    Rule(GROUP, PLURAL, ("list", "watch", "patch"), "watch the resource; kopf annotations and finalizer"),
+    # kopf: watch InferenceDeployments, keep its finalizer (the reconcile and autoscaler timers) on them, write
+    # status; the builtin autoscaler scales them through the scale subresource.
+    Rule(GROUP, PLURAL, ("list", "watch", "patch"), "watch the resource; kopf's finalizer"),
     Rule(GROUP, f"{PLURAL}/status", ("patch",), "conditions, replicas, pools"),
+    Rule(GROUP, f"{PLURAL}/scale", ("patch",), "the builtin autoscaler's spec.replicas, as an HPA writes it"),
     # The node inventory (a kopf index fed by a watch).
     Rule("", "nodes", ("list", "watch"), "node pools from GFD/NFD labels"),
-    # The builtin autoscaler's index of ready runtime pods to scrape (autoscale_handlers.py).
+    # The builtin autoscaler's index of ready runtime pods to scrape (autoscaling/handlers.py).
     Rule("", "pods", ("list", "watch"), "scrape targets of the builtin KV-cache autoscaler"),
-    # Children (kube.py): read, create, patch when the spec-hash differs, prune dropped pools.
-    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"), "one per node pool"),
-    # Routing children (routing_manifests.py): listed and deleted when a mode change leaves them behind.
-    Rule("", "services", ("get", "list", "create", "patch", "delete"), "user-facing, headless, endpoint picker"),
-    Rule("policy", "poddisruptionbudgets", ("get", "list", "create", "patch", "delete"), "runtime pods, router"),
-    Rule("", "serviceaccounts", ("get", "list", "create", "patch", "delete"), "router, endpoint picker"),
-    Rule("rbac.authorization.k8s.io", "roles", ("get", "list", "create", "patch", "delete"), "their Roles"),
-    Rule("rbac.authorization.k8s.io", "rolebindings", ("get", "list", "create", "patch", "delete"), "their bindings"),
-    Rule("inference.networking.k8s.io", "inferencepools", ("get", "list", "create", "patch", "delete"),
-         "routing mode inferencePool"),
-    # What those Roles grant (routing_manifests.ROUTER_RULES, ENDPOINT_PICKER_RULES).
+    # Children (children.py): read, applied when they drift, pruned when the plan drops them, watched.
+    Rule("apps", "deployments", _CHILD, "one per node pool; the router's or endpoint picker's"),
+    Rule("", "services", _CHILD, "user-facing, headless, endpoint picker"),
+    Rule("policy", "poddisruptionbudgets", _CHILD, "runtime pods, router"),
+    Rule("", "serviceaccounts", _CHILD, "router, endpoint picker"),
+    Rule("rbac.authorization.k8s.io", "roles", _CHILD, "their Roles"),
+    Rule("rbac.authorization.k8s.io", "rolebindings", _CHILD, "their bindings"),
+    Rule("inference.networking.k8s.io", "inferencepools", _CHILD, "routing mode inferencePool"),
+    # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.
+    Rule("autoscaling", "horizontalpodautoscalers", _CHILD, "mode hpa"),
+    Rule("keda.sh", "scaledobjects", _CHILD, "mode keda"),
+    # What the routing Roles grant (routing_manifests.ROUTER_RULES, ENDPOINT_PICKER_RULES).
     Rule("discovery.k8s.io", "endpointslices", ("get", "list", "watch"), "the router's Role", delegated=True),
     Rule("", "pods", ("get",), "the endpoint picker's Role", delegated=True),
-    Rule("inference.networking.k8s.io", "inferencepools", ("watch",), "the endpoint picker's Role", delegated=True),
-    Rule("inference.networking.x-k8s.io", "inferenceobjectives", ("get", "list", "watch"),
-         "the endpoint picker's Role", delegated=True),
-    # spec.model.cache (cache_sync.py): the claim it creates, the Jobs that fill it and remove old revisions.
-    Rule("", "persistentvolumeclaims", ("get", "create", "patch"), "the model cache claim, unless one is named"),
-    Rule("batch", "jobs", ("get", "list", "create", "delete"), "model cache downloads and old-revision removal"),
-    # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.
-    Rule("autoscaling", "horizontalpodautoscalers", ("get", "list", "create", "patch", "delete"), "mode hpa"),
-    Rule("keda.sh", "scaledobjects", ("get", "list", "create", "patch", "delete"), "mode keda"),
+    Rule(
+        "inference.networking.x-k8s.io",
+        "inferenceobjectives",
+        ("get", "list", "watch"),
+        "the endpoint picker's Role",
+        delegated=True,
+    ),
+    # spec.model.cache (cache_sync.py): the claim it creates (never pruned: it holds the weights), the Jobs that
+    # fill it and remove old revisions.
+    Rule(
+        "",
+        "persistentvolumeclaims",
+        ("get", "list", "watch", "create", "patch"),
+        "the model cache claim, unless one is named",
+    ),
+    Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"), "model cache downloads, old-revision removal"),
     # Events: ours (kopf.event) and kopf's own.
     Rule("", "events", ("create",), "Events on InferenceDeployments"),
     # kopf resolves its resources at start-up and watches for new ones; it lists and watches namespaces whenever

@@ -1,6 +1,6 @@
 """One idempotent reconcile: create, update, resume and inventory changes all come through here.
 
-It decides (plan.py, pure), applies (kube.py) and reports: the status to write, the Events to post and the
+It decides (plan.py, pure), applies (children.py) and reports: the status to write, the Events to post and the
 kopf error to raise, if any. The kopf handlers (handlers.py) only carry these out.
 """
 
@@ -12,17 +12,14 @@ from typing import Any
 
 import kopf
 
-from .autoscale_children import prune_autoscalers
 from .cache import RETRY_BASE_DELAY_S
 from .cache_sync import MODEL_CACHED, CacheReport, cache_status, collect_old_revision, sync_cache
-from .kube import KubeClient, KubeError, apply_plan
+from .children import apply_plan
+from .kube import KubeClient, KubeError
 from .nodes import NodeInfo
 from .plan import Plan, make_plan
 from .spec import SpecError
 from .status import DEGRADED, READY, build_status, failed_status, pool_statuses
-
-RETRY_DELAY_S = 15  # after a transient API failure (conflict, throttling, server error)
-FORBIDDEN_RETRY_DELAY_S = 60  # after a 4xx the operator cannot fix itself (RBAC, admission webhooks)
 
 
 @dataclass(frozen=True)
@@ -36,12 +33,19 @@ class Event:
 class Outcome:
     status: dict[str, Any]
     events: tuple[Event, ...] = ()
-    error: Exception | None = None  # a kopf.PermanentError or kopf.TemporaryError to raise after writing status
+    error: Exception | None = None  # why the pass did not converge (kopf.PermanentError: only a new spec helps)
     result: str = "applied"  # for the operator's metrics: applied | unchanged | invalid | unplaceable | error
 
 
 def _condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})
+
+
+def _reported(old_status: Mapping[str, Any], message: str) -> bool:
+    """The Degraded condition already says `message`: its Event was posted when it first did (one per cause,
+    not one per resync)."""
+    degraded = _condition(old_status, DEGRADED)
+    return degraded.get("status") == "True" and degraded.get("message") == message
 
 
 def _transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
@@ -88,15 +92,16 @@ def reconcile(
     try:
         plan = make_plan(body, nodes)
     except SpecError as e:
+        # No child is touched: a typo in the spec must not take a working service down.
         status = failed_status(generation, old_status, now, "InvalidSpec", str(e))
-        return Outcome(status, (Event("Warning", "InvalidSpec", str(e)),), kopf.PermanentError(str(e)), "invalid")
+        events = () if _reported(old_status, str(e)) else (Event("Warning", "InvalidSpec", str(e)),)
+        return Outcome(status, events, kopf.PermanentError(str(e)), "invalid")
     if not plan.placeable:
         # Running children are left alone: a typo in the spec must not take a working service down.
         message = unplaceable_message(plan)
         status = failed_status(generation, old_status, now, "NoFittingPool", message)
         status.update(pools=pool_statuses(plan, {}), appliedHash=plan.fingerprint, profile="-")
-        already = _condition(old_status, DEGRADED).get("message") == message
-        events = () if already else (Event("Warning", "NoFittingPool", message),)
+        events = () if _reported(old_status, message) else (Event("Warning", "NoFittingPool", message),)
         return Outcome(status, events, kopf.PermanentError(message), "unplaceable")
     report: CacheReport | None = None
     try:
@@ -106,16 +111,14 @@ def reconcile(
             if report.served_path != plan.cached_dir:  # the fill Job just completed: pods move to it
                 plan = make_plan(_with_served_path(body, report.served_path), nodes)
         applied = apply_plan(kube, plan, metadata.get("uid"))
-        applied.actions.update(dict.fromkeys(prune_autoscalers(kube, plan, metadata.get("uid")), "deleted"))
         if report is not None:
             report = collect_old_revision(kube, plan, applied.states, report)
     except KubeError as e:
         transient = e.status in (409, 429) or e.status >= 500
         message = f"applying children failed: {e}"
         status = failed_status(generation, old_status, now, "ApplyFailed", message)
-        delay = RETRY_DELAY_S if transient else FORBIDDEN_RETRY_DELAY_S
-        events = () if transient else (Event("Warning", "ApplyFailed", message),)
-        return Outcome(status, events, kopf.TemporaryError(message, delay=delay), "error")
+        events = () if transient or _reported(old_status, message) else (Event("Warning", "ApplyFailed", message),)
+        return Outcome(status, events, kopf.TemporaryError(message), "error")
     cache = cache_status(plan, report) if report is not None else None
     status = build_status(plan, applied.states, generation, old_status, now, cache)
     changes = [f"{action} {name}" for name, action in applied.actions.items() if action != "unchanged"]

@@ -11,7 +11,7 @@
   the runtime pods, with the upstream endpoint picker (EPP) it needs; a Gateway's HTTPRoute points at the pool
   (docs/cluster-guide.md). The user-facing Service stays a plain ClusterIP Service for in-cluster clients.
 
-Every routing child carries the InferenceDeployment's labels (kube.prune_children finds them by those) and no
+Every routing child carries the InferenceDeployment's labels (children.prune finds them by those) and no
 owner reference here; plan.py adopts them. Router and picker pods carry their own labels, never the runtime
 selector: they must not count as runtime replicas (scale selector, PDB, autoscaler scrape targets).
 """
@@ -126,8 +126,6 @@ ENDPOINT_PICKER_RULES = [
 ]  # fmt: skip
 
 
-
-
 def _http_probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": RUNTIME_PORT_NAME}, "periodSeconds": period_s, "timeoutSeconds": 3,
             "failureThreshold": failures}  # fmt: skip
@@ -232,8 +230,12 @@ def build_inference_pool(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
             "targetPorts": [{"number": RUNTIME_PORT}],
-            "endpointPickerRef": {"kind": "Service", "name": endpoint_picker_name(owner.name),
-                                  "port": {"number": EPP_GRPC_PORT}, "failureMode": spec.routing.failure_mode},
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": endpoint_picker_name(owner.name),
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": spec.routing.failure_mode,
+            },
         },
     }
 
@@ -246,12 +248,25 @@ def build_endpoint_picker(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
         "name": "epp",
         "image": spec.routing.endpoint_picker_image,
         "imagePullPolicy": "IfNotPresent",
-        "args": ["--pool-name", short_name(owner.name), "--pool-namespace", owner.namespace,
-                 "--grpc-port", str(EPP_GRPC_PORT), "--grpc-health-port", str(EPP_HEALTH_PORT),
-                 "--metrics-port", str(EPP_METRICS_PORT), "--zap-encoder", "json"],  # fmt: skip
-        "ports": [{"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
-                  {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],  # fmt: skip
+        "args": [
+            "--pool-name",
+            short_name(owner.name),
+            "--pool-namespace",
+            owner.namespace,
+            "--grpc-port",
+            str(EPP_GRPC_PORT),
+            "--grpc-health-port",
+            str(EPP_HEALTH_PORT),
+            "--metrics-port",
+            str(EPP_METRICS_PORT),
+            "--zap-encoder",
+            "json",
+        ],  # fmt: skip
+        "ports": [
+            {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+        ],  # fmt: skip
         "resources": EPP_RESOURCES,
         "readinessProbe": {**grpc_health, "periodSeconds": 5},
         "livenessProbe": {**grpc_health, "initialDelaySeconds": 5, "periodSeconds": 10},

@@ -1,7 +1,8 @@
 """The InferenceDeployment spec as frozen dataclasses: parsed once, defaults applied, checked beyond the schema.
 
-The CRD's openAPIV3Schema catches types, enums and bounds on a real API server; `hpi-operator render`
-reads YAML that no server has defaulted, so the defaults live here too (a test keeps both in step).
+The CRD's openAPIV3Schema catches types, enums and bounds on a real API server, and declares every default:
+the API server fills them in, `parse_spec` fills them in the same way for a spec no server has seen
+(crd_defaults.py), and the dataclasses take their field defaults from the CRD too. No default is restated here.
 Rules the schema cannot express raise `SpecError`, which the reconciler turns into a Degraded condition.
 """
 
@@ -12,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .quantities import parse_quantity
+from kubernetes.utils import parse_quantity
 
-DEFAULT_RUNTIME_IMAGE = "ghcr.io/hetero-paged-infer/runtime:0.1.0"
+from .crd_defaults import crd_default, with_defaults
+
 MODEL_SOURCES = ("embedded", "pvc", "huggingface")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -22,8 +24,6 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 AUTOSCALING_MODES = ("builtin", "hpa", "keda")
 ROUTING_MODES = ("router", "inferencePool", "service")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
-# The Gateway API inference extension's reference endpoint picker (EPP), the release matching InferencePool v1.
-DEFAULT_ENDPOINT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.0"
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -58,23 +58,23 @@ class SecretKeyRef:
 class CacheSpec:
     """spec.model.cache: where a Hugging Face model is downloaded once instead of in every pod."""
 
-    enabled: bool = False
-    volume: str = "persistentVolumeClaim"  # or hostPath: node-local, each node fills its own copy
+    enabled: bool = crd_default("model.cache.enabled")
+    volume: str = crd_default("model.cache.volume")  # or hostPath: node-local, each node fills its own copy
     claim_name: str | None = None  # an existing claim; None: the operator creates <name>-model-cache
     size: str | None = None  # None: computed from the checkpoint
     storage_class: str | None = None
-    access_mode: str = "ReadWriteMany"
-    host_path: str = "/var/lib/hpi/model-cache"
+    access_mode: str = crd_default("model.cache.accessMode")
+    host_path: str = crd_default("model.cache.hostPath")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    source: str = "embedded"
+    source: str = crd_default("model.source")
     served_name: str | None = None
     pvc_claim_name: str | None = None
-    pvc_path: str = ""
+    pvc_path: str = crd_default("model.pvc.path")
     hf_id: str | None = None
-    hf_revision: str = "main"
+    hf_revision: str = crd_default("model.huggingface.revision")
     hf_token_secret: SecretKeyRef | None = None
     size: ModelSize = field(default_factory=ModelSize)
     cache: CacheSpec = field(default_factory=CacheSpec)
@@ -85,28 +85,28 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    image: str = DEFAULT_RUNTIME_IMAGE
-    image_pull_policy: str = "IfNotPresent"
+    image: str = crd_default("runtime.image")
+    image_pull_policy: str = crd_default("runtime.imagePullPolicy")
     image_pull_secrets: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
-    drain_timeout_s: int = 30
+    drain_timeout_s: int = crd_default("runtime.drainTimeoutSeconds")
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
+    max_model_len: int = crd_default("engine.maxModelLen")
+    max_num_seqs: int = crd_default("engine.maxNumSeqs")
     max_num_batched_tokens: int | None = None
-    kv_cache_memory_fraction: float = 0.9
-    block_size: int = 16
+    kv_cache_memory_fraction: float = crd_default("engine.kvCacheMemoryFraction")
+    block_size: int = crd_default("engine.blockSize")
 
 
 @dataclass(frozen=True)
 class ProfilePins:
-    device: str = "auto"
-    dtype: str = "auto"
-    quantization: str = "auto"
+    device: str = crd_default("placement.profile.device")
+    dtype: str = crd_default("placement.profile.dtype")
+    quantization: str = crd_default("placement.profile.quantization")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class PlacementSpec:
     preferred_pools: tuple[str, ...] = ()  # filled first, in this order
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
-    max_gpus_per_replica: int = 8
+    max_gpus_per_replica: int = crd_default("placement.maxGpusPerReplica")
     pins: ProfilePins = field(default_factory=ProfilePins)
     forbidden_quantizations: tuple[str, ...] = ()
 
@@ -124,18 +124,18 @@ class PlacementSpec:
 class AutoscalingSpec:
     """Read by the autoscaler (builtin timer, or rendered HPA/KEDA objects); the reconciler only validates it."""
 
-    enabled: bool = False
-    mode: str = "builtin"
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_kv_utilization: float = 0.7
+    enabled: bool = crd_default("autoscaling.enabled")
+    mode: str = crd_default("autoscaling.mode")
+    min_replicas: int = crd_default("autoscaling.minReplicas")
+    max_replicas: int = crd_default("autoscaling.maxReplicas")
+    target_kv_utilization: float = crd_default("autoscaling.targetKVUtilization")
     target_waiting_requests: int | None = None
-    scale_up_stabilization_s: int = 0
-    scale_down_stabilization_s: int = 300
-    max_scale_step: int = 2
-    poll_interval_s: int = 15
-    scale_to_zero: bool = False
-    scale_to_zero_idle_s: int = 600
+    scale_up_stabilization_s: int = crd_default("autoscaling.scaleUpStabilizationSeconds")
+    scale_down_stabilization_s: int = crd_default("autoscaling.scaleDownStabilizationSeconds")
+    max_scale_step: int = crd_default("autoscaling.maxScaleStep")
+    poll_interval_s: int = crd_default("autoscaling.pollIntervalSeconds")
+    scale_to_zero: bool = crd_default("autoscaling.scaleToZero.enabled")
+    scale_to_zero_idle_s: int = crd_default("autoscaling.scaleToZero.idleSeconds")
 
 
 @dataclass(frozen=True)
@@ -143,16 +143,17 @@ class RoutingSpec:
     """spec.routing: what stands between clients and the runtime pods (routing_manifests.py builds it)."""
 
     mode: str | None = None  # None: not set, `effective_mode` decides
-    router_replicas: int = 2
+    router_replicas: int = crd_default("routing.router.replicas")
     router_resources: Mapping[str, Any] = field(default_factory=dict)  # empty: the builder's defaults
-    endpoint_picker_image: str = DEFAULT_ENDPOINT_PICKER_IMAGE
-    failure_mode: str = "FailOpen"  # the gateway's behaviour when the endpoint picker does not answer
+    endpoint_picker_image: str = crd_default("routing.inferencePool.endpointPickerImage")
+    # The gateway's behaviour when the endpoint picker does not answer.
+    failure_mode: str = crd_default("routing.inferencePool.failureMode")
 
 
 @dataclass(frozen=True)
 class InferenceSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
-    replicas: int = 1
+    replicas: int = crd_default("replicas")
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     placement: PlacementSpec = field(default_factory=PlacementSpec)
@@ -217,16 +218,16 @@ def _parse_size(raw: Mapping[str, Any]) -> ModelSize:
     return size
 
 
-def _secret_ref(raw: Mapping[str, Any] | None, default_key: str, where: str) -> SecretKeyRef | None:
+def _secret_ref(raw: Mapping[str, Any] | None, schema_path: str) -> SecretKeyRef | None:
     if not raw:
         return None
     if not raw.get("name"):
-        raise SpecError(f"{where}.name is required")
-    return SecretKeyRef(name=raw["name"], key=_get(raw, "key", default_key))
+        raise SpecError(f"spec.{schema_path}.name is required")
+    return SecretKeyRef(name=raw["name"], key=_get(raw, "key", crd_default(f"{schema_path}.key")))
 
 
 def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
-    source = _get(raw, "source", "embedded")
+    source = _get(raw, "source", ModelSpec.source)
     if source not in MODEL_SOURCES:
         raise SpecError(f"spec.model.source must be one of {', '.join(MODEL_SOURCES)}; got {source!r}")
     size = _parse_size(_get(raw, "size", {}))
@@ -236,13 +237,13 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
         raise SpecError("spec.model.source is pvc but spec.model.pvc.claimName is missing")
     if source == "huggingface" and not hf.get("id"):
         raise SpecError("spec.model.source is huggingface but spec.model.huggingface.id is missing")
-    pvc_path = str(_get(pvc, "path", "")).strip("/")
+    pvc_path = str(_get(pvc, "path", ModelSpec.pvc_path)).strip("/")
     if ".." in pvc_path.split("/"):
         raise SpecError(f"spec.model.pvc.path must stay inside the volume; got {pvc_path!r}")
-    revision = str(_get(hf, "revision", "main"))
+    revision = str(_get(hf, "revision", ModelSpec.hf_revision))
     if not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", revision) or ".." in revision.split("/"):
         raise SpecError(f"spec.model.huggingface.revision must be a branch, tag or commit; got {revision!r}")
-    checkpoint_quantization = str(_get(raw, "checkpointQuantization", "auto"))
+    checkpoint_quantization = str(_get(raw, "checkpointQuantization", crd_default("model.checkpointQuantization")))
     if checkpoint_quantization not in CHECKPOINT_QUANTIZATIONS:
         raise SpecError(f"spec.model.checkpointQuantization must be one of {', '.join(CHECKPOINT_QUANTIZATIONS)}; "
                         f"got {checkpoint_quantization!r}")  # fmt: skip
@@ -258,7 +259,7 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
         pvc_path=pvc_path,
         hf_id=hf.get("id"),
         hf_revision=revision,
-        hf_token_secret=_secret_ref(hf.get("tokenSecretRef"), "HF_TOKEN", "spec.model.huggingface.tokenSecretRef"),
+        hf_token_secret=_secret_ref(hf.get("tokenSecretRef"), "model.huggingface.tokenSecretRef"),
         size=size,
         cache=cache,
         checkpoint_quantization=checkpoint_quantization,
@@ -341,9 +342,9 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
 def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
     pins_raw = _get(raw, "profile", {})
     pins = ProfilePins(
-        device=_get(pins_raw, "device", "auto"),
-        dtype=_get(pins_raw, "dtype", "auto"),
-        quantization=_get(pins_raw, "quantization", "auto"),
+        device=_get(pins_raw, "device", ProfilePins.device),
+        dtype=_get(pins_raw, "dtype", ProfilePins.dtype),
+        quantization=_get(pins_raw, "quantization", ProfilePins.quantization),
     )
     for name, value, allowed in (
         ("device", pins.device, DEVICES),
@@ -370,7 +371,7 @@ def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
     if allowed and not set(preferred) <= set(allowed):
         outside = sorted(set(preferred) - set(allowed))
         raise SpecError(f"spec.placement.preferredPools names pools outside allowedPools: {', '.join(outside)}")
-    max_gpus = int(_get(raw, "maxGpusPerReplica", 8))
+    max_gpus = int(_get(raw, "maxGpusPerReplica", PlacementSpec.max_gpus_per_replica))
     if max_gpus not in (1, 2, 4, 8):
         raise SpecError(f"spec.placement.maxGpusPerReplica must be 1, 2, 4 or 8; got {max_gpus}")
     return PlacementSpec(
@@ -395,9 +396,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         target_kv_utilization=float(_get(raw, "targetKVUtilization", defaults.target_kv_utilization)),
         target_waiting_requests=raw.get("targetWaitingRequests"),
         scale_up_stabilization_s=int(_get(raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_s)),
-        scale_down_stabilization_s=int(
-            _get(raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_s)
-        ),
+        scale_down_stabilization_s=int(_get(raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_s)),
         max_scale_step=int(_get(raw, "maxScaleStep", defaults.max_scale_step)),
         poll_interval_s=int(_get(raw, "pollIntervalSeconds", defaults.poll_interval_s)),
         scale_to_zero=bool(_get(scale_to_zero, "enabled", defaults.scale_to_zero)),
@@ -406,9 +405,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     if spec.mode not in AUTOSCALING_MODES:
         raise SpecError(f"spec.autoscaling.mode must be one of {', '.join(AUTOSCALING_MODES)}; got {spec.mode!r}")
     if spec.min_replicas > spec.max_replicas:
-        raise SpecError(
-            f"spec.autoscaling.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})"
-        )
+        raise SpecError(f"spec.autoscaling.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})")
     if spec.min_replicas == 0 and not spec.scale_to_zero:
         raise SpecError("spec.autoscaling.minReplicas is 0 but spec.autoscaling.scaleToZero.enabled is false")
     if not 0.0 < spec.target_kv_utilization <= 1.0:
@@ -443,27 +440,27 @@ def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
 
 
 def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
-    """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not)."""
-    raw = raw or {}
+    """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not: the same result)."""
+    raw = with_defaults(raw)
     runtime_raw = _get(raw, "runtime", {})
-    replicas = int(_get(raw, "replicas", 1))
+    replicas = int(_get(raw, "replicas", InferenceSpec.replicas))
     if replicas < 0:
         raise SpecError(f"spec.replicas must not be negative; got {replicas}")
     spec = InferenceSpec(
         model=_parse_model(_get(raw, "model", {})),
         replicas=replicas,
         runtime=RuntimeSpec(
-            image=_get(runtime_raw, "image", DEFAULT_RUNTIME_IMAGE),
-            image_pull_policy=_get(runtime_raw, "imagePullPolicy", "IfNotPresent"),
+            image=_get(runtime_raw, "image", RuntimeSpec.image),
+            image_pull_policy=_get(runtime_raw, "imagePullPolicy", RuntimeSpec.image_pull_policy),
             image_pull_secrets=tuple(s["name"] for s in _get(runtime_raw, "imagePullSecrets", ())),
             extra_args=tuple(str(a) for a in _get(runtime_raw, "extraArgs", ())),
             env=tuple(_get(runtime_raw, "env", ())),
-            drain_timeout_s=int(_get(runtime_raw, "drainTimeoutSeconds", 30)),
+            drain_timeout_s=int(_get(runtime_raw, "drainTimeoutSeconds", RuntimeSpec.drain_timeout_s)),
         ),
         engine=_parse_engine(_get(raw, "engine", {})),
         placement=_parse_placement(_get(raw, "placement", {})),
         resources=dict(_get(raw, "resources", {})),
-        api_key_secret=_secret_ref(raw.get("apiKeySecretRef"), "api-key", "spec.apiKeySecretRef"),
+        api_key_secret=_secret_ref(raw.get("apiKeySecretRef"), "apiKeySecretRef"),
         autoscaling=_parse_autoscaling(_get(raw, "autoscaling", {})),
         routing=_parse_routing(_get(raw, "routing", {})),
     )

@@ -67,6 +67,23 @@ def conditions_equal(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, An
     return strip(a) == strip(b)
 
 
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of `new` that say something `old` does not (a null and a missing key say the same; conditions
+    compare without lastTransitionTime): the status patch of a pass, empty when nothing moved."""
+    changed = {k: v for k, v in new.items() if k != "conditions" and _without_nulls(old.get(k)) != _without_nulls(v)}
+    if "conditions" in new and not conditions_equal(old.get("conditions") or [], new["conditions"]):
+        changed["conditions"] = new["conditions"]
+    return changed
+
+
 def pool_statuses(plan: Plan, states: Mapping[str, ChildState]) -> list[dict[str, Any]]:
     """One entry per usable pool: its profile (or why none) and its replicas."""
     entries = []
@@ -142,8 +159,12 @@ def build_status(
     if plan.waiting_for_cache:
         progressing = condition(PROGRESSING, True, "CachingModel", "the model cache Job fills the claim first")
     elif rolling:
-        progressing = condition(PROGRESSING, True, "RollingOut", f"{len(present)}/{len(wanted)} Deployments "
-                                f"present, {ready}/{desired} replicas ready")
+        progressing = condition(
+            PROGRESSING,
+            True,
+            "RollingOut",
+            f"{len(present)}/{len(wanted)} Deployments present, {ready}/{desired} replicas ready",
+        )
     else:
         progressing = condition(PROGRESSING, False, "RolloutComplete", "every Deployment is rolled out")
     unused = [c.pool.name for c in plan.choices if c.profile is None]

@@ -64,9 +64,27 @@ def _dotted(node: ast.AST) -> str:
     return node.id if isinstance(node, ast.Name) else "?"
 
 
-def _evaluate(node: ast.AST, module: Any) -> Any:
-    """A decorator or call argument evaluated in its module's namespace (constants, names, f-strings)."""
-    return eval(compile(ast.Expression(node), module.__file__, "eval"), vars(module))
+def _evaluate(node: ast.AST, module: Any, names: dict[str, Any] | None = None) -> Any:
+    """A decorator or call argument evaluated in its module's namespace (constants, names, f-strings), with
+    `names` bound on top (a loop variable)."""
+    return eval(compile(ast.Expression(node), module.__file__, "eval"), {**vars(module), **(names or {})})
+
+
+def _loop_bindings(tree: ast.Module, module: Any) -> dict[int, list[dict[str, Any]]]:
+    """For each call inside a `for` loop over a module constant (handlers registered per resource in a loop):
+    the loop variables of every iteration, by id() of the call node."""
+    bindings: dict[int, list[dict[str, Any]]] = {}
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
+        try:
+            values = list(_evaluate(loop.iter, module))
+        except NameError:
+            continue
+        targets = [t.id for t in loop.target.elts] if isinstance(loop.target, ast.Tuple) else [loop.target.id]
+        iterations = [dict(zip(targets, v if len(targets) > 1 else (v,), strict=True)) for v in values]
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call):
+                bindings[id(node)] = iterations
+    return bindings
 
 
 def rule_for(method: str, path: str) -> Rule:
@@ -99,6 +117,7 @@ def kopf_handler_rules(modules, repo: Path) -> set[Rule]:
         writes_status = any(
             isinstance(n, ast.Attribute) and n.attr == "status" and _dotted(n.value) == "patch" for n in ast.walk(tree)
         )
+        loops = _loop_bindings(tree, module)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or not _dotted(node.func).startswith("kopf."):
                 continue
@@ -108,21 +127,30 @@ def kopf_handler_rules(modules, repo: Path) -> set[Rule]:
                 continue
             if kind not in CHANGE_HANDLERS | WATCH_HANDLERS:
                 continue
-            args = [_evaluate(a, module) for a in node.args]
-            if len(args) == 3:
-                group, _, plural = args
-            elif len(args) == 2 and "/" in args[0]:
-                group, plural = args[0].rsplit("/", 1)[0], args[1]
-            else:
-                pytest.fail(f"{module.__name__}: cannot tell the resource of kopf.{kind}{tuple(args)}")
-            group = "" if group == "v1" else group
-            rules |= {(group, plural, "list"), (group, plural, "watch")}
-            if kind in CHANGE_HANDLERS:
-                # Progress, diff-base and finalizers are patches on the object itself.
-                rules.add((group, plural, "patch"))
-                if writes_status and _crd_has_status(group, plural, repo):
-                    rules.add((group, f"{plural}/status", "patch"))
-                rules.add(_kopf_events_rule())  # kopf posts Events on handler failures
+            for names in loops.get(id(node), [{}]):
+                rules |= _handler_rules(module, node, kind, names, writes_status, repo)
+    return rules
+
+
+def _handler_rules(module: Any, node: ast.Call, kind: str, names: dict[str, Any], writes_status: bool,
+                   repo: Path) -> set[Rule]:  # fmt: skip
+    """What one kopf handler decorator makes kopf do."""
+    rules: set[Rule] = set()
+    args = [_evaluate(a, module, names) for a in node.args]
+    if len(args) == 3:
+        group, _, plural = args
+    elif len(args) == 2 and "/" in args[0]:
+        group, plural = args[0].rsplit("/", 1)[0], args[1]
+    else:
+        pytest.fail(f"{module.__name__}: cannot tell the resource of kopf.{kind}{tuple(args)}")
+    group = "" if group == "v1" else group
+    rules |= {(group, plural, "list"), (group, plural, "watch")}
+    if kind in CHANGE_HANDLERS:
+        # Progress, diff-base and finalizers are patches on the object itself.
+        rules.add((group, plural, "patch"))
+        if writes_status and _crd_has_status(group, plural, repo):
+            rules.add((group, f"{plural}/status", "patch"))
+        rules.add(_kopf_events_rule())  # kopf posts Events on handler failures
     return rules
 
 
@@ -194,7 +222,8 @@ def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
 
 
 def reconciler_rules(repo: Path) -> set[Rule]:
-    """Run the real reconcile on every example against a recording client, on an empty and a stale cluster."""
+    """Run the real reconcile on every example against a recording client, on an empty and a stale cluster,
+    and the builtin autoscaler's write of spec.replicas."""
     from hpi_operator import kube, reconcile
     from hpi_operator.cache import LABEL_CACHE_JOB
     from hpi_operator.manifests import selector_labels
@@ -210,6 +239,8 @@ def reconciler_rules(repo: Path) -> set[Rule]:
 
         def request(self, method, path, body=None, content_type="application/json"):
             self.calls.append((method, path, body))
+            if "apply-patch" in content_type:  # server-side apply also creates: authorized as `create` then
+                self.calls.append(("POST", path.split("?", 1)[0].rsplit("/", 1)[0], body))
             if method == "GET" and "?" in path:
                 owner = [{"uid": self.owner_uid}]
                 return {"items": [{"metadata": {"name": "stale", "labels": self.labels, "ownerReferences": owner}}]}
@@ -228,6 +259,11 @@ def reconciler_rules(repo: Path) -> set[Rule]:
             client = RecordingClient(api=None, exists=exists, owner_uid=meta["uid"], labels=labels)
             reconcile.reconcile(body, nodes, client, "2026-01-01T00:00:00Z")
             calls += client.calls
+    from hpi_operator.autoscaling.handlers import write_replicas
+
+    scaler = RecordingClient(api=None)
+    write_replicas(scaler, "team-a", "example", 3)  # the builtin autoscaler's one write of its own
+    calls += scaler.calls
     assert calls, "the reconciler made no API call: the derivation scenario is broken"
     return {rule_for(method, path) for method, path, _ in calls} | delegated_rules(calls)
 

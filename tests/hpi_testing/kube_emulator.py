@@ -8,10 +8,17 @@ What stock kmock lacks, and this subclass adds:
 - PATCH as the API server does it: JSON patch (RFC 6902, a failed `test` is 422), merge patch (RFC 7386,
   also used for strategic merge patches: list merge keys are not emulated), resourceVersion preconditions
   (409), the `status` subresource isolated from the main endpoint where declared; PUT replaces;
+- server-side apply (`application/apply-patch+yaml`, `?fieldManager=`, `?force=`): managed fields per manager,
+  conflicts as 409, an apply that creates (field_manager.py); every write records its manager's fields;
+- a write that changes nothing is not stored: no new resourceVersion, no watch event (as the API server);
+- custom resources of a CRD created here get its structural schema on every write: nulls dropped, unknown
+  fields pruned, defaults filled, validation failures answered 422 (crd_schema.py); pruned fields are logged
+  in `pruned` so tests can fail on a field a real cluster would silently drop;
 - label selectors (equality and existence) on lists and watches;
 - DELETE honours finalizers, and a simple foreground-less garbage collector deletes owned objects.
-Not emulated: field selectors, server-side apply, admission, defaulting, schema validation, the scale
-subresource's Scale objects, and controllers (Deployments never create pods: tests patch their status).
+Not emulated: field selectors, admission, CEL validation rules, list merge keys (lists are atomic to field
+managers), the scale subresource's Scale objects, and controllers (Deployments never create pods: tests patch
+their status).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ import attrs
 import kmock
 import yaml
 
+from hpi_testing.crd_schema import apply_schema, crd_schemas
+from hpi_testing.field_manager import ApplyConflict, apply, manager_name, record_update
+
 NOW = "2026-01-01T00:00:00Z"
 
 
@@ -42,6 +52,18 @@ def _now() -> str:
 
 class PatchError(Exception):
     """A JSON patch that cannot apply: the API server answers 422."""
+
+
+class ApiError(Exception):
+    """A request the API server refuses: answered as a v1 Status with this code."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+def _user_agent(request: Any) -> str:
+    return next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
 
 
 def _pointer(path: str) -> list[str]:
@@ -162,6 +184,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     _revisions: Iterator[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_revision: int = attrs.field(default=0, init=False)
+    # "group/version/plural" -> openAPIV3Schema, from the CustomResourceDefinitions created here.
+    schemas: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    # (field manager, "group/version/plural", name, ".path") of every field a write had pruned.
+    pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -191,6 +217,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _publish(self, resource: Any, type_: str, obj: Mapping[str, Any]) -> None:
         await self._buses[resource].put({"type": type_, "object": copy.deepcopy(dict(obj))})
 
+    def _schema(self, resource: Any) -> tuple[str, dict[str, Any]] | None:
+        for name, schema in self.schemas.items():
+            if resource == name:
+                return name, schema
+        return None
+
+    def _structural(self, request: kmock.Request, obj: dict[str, Any], manager: str) -> dict[str, Any]:
+        """Prune, default and validate a custom resource against its CRD's schema (422 when invalid)."""
+        found = self._schema(request.resource)
+        if found is None:
+            return obj
+        name, schema = found
+        result = apply_schema(obj, schema)
+        if result.errors:
+            what = f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')}"
+            raise ApiError(422, "Invalid", f"{what} is invalid: {'; '.join(result.errors)}")
+        self.pruned.extend((manager, name, str((obj.get("metadata") or {}).get("name")), p) for p in result.pruned)
+        return result.obj
+
     def _live(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
         if key not in self.objects or self.objects[key].deleted:
             return None
@@ -206,19 +251,40 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
-        if request.resource is not None:
-            if request.action == kmock.action.CREATE:
-                return await self._create(request)
-            if request.name is not None and method == "PATCH":
-                return await self._patch(request)
-            if request.name is not None and method == "PUT":
-                return await self._replace(request)
-            if request.name is not None and method == "DELETE":
-                return await self._delete(request)
+        try:
+            if request.resource is not None and method == "GET" and request.subresource is None:
+                # Served here rather than through kmock's reactions, which match each request against every
+                # request served before it: a long test would slow down quadratically.
+                if request.action == kmock.action.FETCH and request.name is not None:
+                    return await self._fetch(request)
+                if request.action == kmock.action.LIST and self._kind(request.resource):
+                    return aiohttp.web.json_response(await self._serve_list(request))
+            if request.resource is not None:
+                if request.action == kmock.action.CREATE:
+                    return await self._create(request)
+                if request.name is not None and method == "PATCH":
+                    return await self._patch(request)
+                if request.name is not None and method == "PUT":
+                    return await self._replace(request)
+                if request.name is not None and method == "DELETE":
+                    return await self._delete(request)
+        except ApiError as e:
+            return self._error(e.status, e.reason, e.message)
         return await super()._handle(request)
 
-    async def _create(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        obj = copy.deepcopy(request.data or {})
+    async def _fetch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        async with self._lock:
+            obj = self._live((request.resource, request.namespace, request.name))
+        if obj is None:
+            return self._error(404, "NotFound", f"{request.name} not found")
+        return aiohttp.web.json_response(obj)
+
+    async def _create(
+        self, request: kmock.Request, applied: dict[str, Any] | None = None
+    ) -> aiohttp.web.StreamResponse:
+        """POST, or an apply that finds nothing (`applied`: the object with the applier's managed fields)."""
+        manager = manager_name(request.params, _user_agent(request))
+        obj = copy.deepcopy(applied if applied is not None else request.data or {})
         meta = obj.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
@@ -232,8 +298,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
             kind = self._kind(request.resource)
             if kind and "kind" not in obj:
                 obj["kind"] = kind
+            obj = self._structural(request, obj, manager)
+            if applied is None:
+                obj = record_update(None, obj, manager)
+            meta = obj["metadata"]
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
                         resourceVersion=self._next_revision())  # fmt: skip
+            if request.resource == "apiextensions.k8s.io/v1/customresourcedefinitions":
+                self.schemas.update(crd_schemas(obj))
             if key in self.objects:
                 self.objects[key].create(obj)
             else:
@@ -241,8 +313,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
             await self._publish(request.resource, "ADDED", obj)
         return aiohttp.web.json_response(obj, status=201)
 
-    async def _store(self, request: kmock.Request, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-        """Write `new` over `old` as the API server would (caller holds the lock)."""
+    async def _store(
+        self, request: kmock.Request, old: dict[str, Any], new: dict[str, Any], applied: bool = False
+    ) -> dict[str, Any]:
+        """Write `new` over `old` as the API server would (caller holds the lock); `applied`: `new` came from a
+        server-side apply and carries its managed fields already. A write that changes nothing is not stored."""
+        manager = manager_name(request.params, _user_agent(request))
         subresource = request.subresource
         if subresource == "status":
             new = {**old, "status": new.get("status")}
@@ -257,6 +333,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         for immutable in ("uid", "creationTimestamp", "name", "namespace", "generation", "deletionTimestamp"):
             if immutable in old["metadata"]:
                 meta[immutable] = old["metadata"][immutable]
+        meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        new = self._structural(request, new, manager)
+        if not applied:
+            new = record_update(old, new, manager)
+        meta = new["metadata"]
+        if new == old:
+            return old
         if _essence(new) != _essence(old):
             meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
         meta["resourceVersion"] = self._next_revision()
@@ -274,12 +357,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _patch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         content_type = request.headers.get("Content-Type", "application/merge-patch+json")
         key = (request.resource, request.namespace, request.name)
+        if "apply-patch" in content_type:
+            return await self._apply(request)
         async with self._lock:
             old = self._live(key)
             if old is None:
                 return self._error(404, "NotFound", f"{request.name} not found")
-            if "apply-patch" in content_type:
-                return self._error(415, "UnsupportedMediaType", "server-side apply is not emulated")
             try:
                 if "json-patch" in content_type:
                     new = json_patch(old, request.data or [])
@@ -291,6 +374,32 @@ class KubeEmulator(kmock.KubernetesEmulator):
             except PatchError as e:
                 return self._error(422, "Invalid", str(e))
             stored = await self._store(request, old, new)
+        return aiohttp.web.json_response(stored)
+
+    async def _apply(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Server-side apply: merge the configuration as its field manager, create when nothing is there."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            return self._error(400, "BadRequest", "fieldManager is required for apply requests")
+        config = copy.deepcopy(request.data or {})
+        if not isinstance(config, dict) or not config.get("apiVersion") or not config.get("kind"):
+            return self._error(400, "BadRequest", "an apply configuration needs apiVersion and kind")
+        if (config.get("metadata") or {}).get("name") != request.name:
+            return self._error(400, "BadRequest", "the name in the configuration does not match the URL")
+        key = (request.resource, request.namespace, request.name)
+        force = request.params.get("force") == "true"
+        async with self._lock:
+            old = self._live(key)
+        try:
+            new = apply(old, config, manager, force)
+        except ApplyConflict as e:
+            return self._error(409, "Conflict", str(e))
+        if old is None:
+            return await self._create(request, applied=new)
+        async with self._lock:
+            if self._live(key) != old:
+                return self._error(409, "Conflict", "the object has been modified")
+            stored = await self._store(request, old, new, applied=True)
         return aiohttp.web.json_response(stored)
 
     async def _replace(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
@@ -385,6 +494,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 continue
             if selector_matches(selector, meta.get("labels") or {}):
                 yield event
+
+
+def install_crd(emulator: KubeEmulator, crd: Mapping[str, Any]) -> None:
+    """Put a CustomResourceDefinition in place before serving, as `kubectl apply -f crds/` would."""
+    obj = copy.deepcopy(dict(crd))
+    obj["metadata"] = {**obj.get("metadata", {}), "uid": str(uuid.uuid4()), "resourceVersion": "0", "generation": 1}
+    emulator.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, obj["metadata"]["name"]] = obj
+    emulator.schemas.update(crd_schemas(obj))
 
 
 # -- running things against it -------------------------------------------------------------------------------

@@ -11,14 +11,16 @@ import kmock
 import kopf
 import kubernetes
 import pytest
+import yaml
 
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
 from hpi_operator.op_metrics import OperatorMetrics
-from hpi_testing.kube_emulator import KubeEmulator, operator_thread, write_kubeconfig
+from hpi_testing.kube_emulator import KubeEmulator, install_crd, operator_thread, write_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencedeployments.serving.hpi.dev.yaml"
+OPERATOR_MANAGERS = ("hpi-operator", "kopf")  # field managers of the operator's writes (its and kopf's user agent)
 
 
 @pytest.fixture()
@@ -33,7 +35,12 @@ async def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
             "kind": "Namespace",
             "metadata": {"name": "default", "uid": "ns-default", "resourceVersion": "0"},
         }
+        # The CRD as `kubectl apply -f crds/` installs it: its schema prunes, defaults and validates every write.
+        install_crd(handler, yaml.safe_load(CRD_PATH.read_text()))
         yield handler
+    # A field the CRD does not declare vanishes on a real cluster (pruning): here it fails the test instead.
+    dropped = [entry for entry in handler.pruned if entry[0] in OPERATOR_MANAGERS]
+    assert not dropped, f"the operator wrote fields outside the CRD schema, which an API server drops: {dropped}"
 
 
 @pytest.fixture()

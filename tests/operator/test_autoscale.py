@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpi_operator.autoscale import (
+from hpi_operator.autoscaling.decision import (
     SATURATION_KV,
     Decision,
     History,

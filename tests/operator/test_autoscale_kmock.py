@@ -17,10 +17,13 @@ import kopf
 import kubernetes
 import pytest
 
+from hpi_operator import rbac
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
 from hpi_operator.manifests import common_labels
+from hpi_operator.names import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 from hpi_operator.op_metrics import OperatorMetrics
+from hpi_testing.cluster_state import field_owners, operator_writes
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
 
 pytestmark = pytest.mark.slow
@@ -147,7 +150,7 @@ def deployment_replicas(kube: KubeClient, name: str) -> int:
 
 
 async def test_kv_above_target_scales_up_and_below_target_scales_down(
-    kube: KubeClient, runtime: FakeRuntime, autoscaling_operator: Any
+    kube: KubeClient, runtime: FakeRuntime, autoscaling_operator: Any, emulator: Any
 ) -> None:
     for i in range(4):
         await call(kube, "POST", "/api/v1/nodes", make_node(f"cpu-{i}", bf16=True))
@@ -164,6 +167,13 @@ async def test_kv_above_target_scales_up_and_below_target_scales_down(
     runtime.kv["scaly-0"] = 0.95
     await eventually(lambda: replicas_of(kube, "scaly") == 3)
     await eventually(lambda: deployment_replicas(kube, "scaly") == 3)  # the reconciler spread them
+    # Two writers of replicas that never fight: the autoscaler owns the resource's spec.replicas (through the scale
+    # subresource, as an HPA), the operator each Deployment's (server-side apply); neither writes the other's.
+    assert field_owners(await call(kube, "GET", f"{CRS}/scaly"), "spec", "replicas") == {AUTOSCALER_FIELD_MANAGER}
+    listing = await call(kube, "GET", f"{DEPLOYMENTS}?labelSelector=serving.hpi.dev/inference-deployment=scaly")
+    assert listing["items"] and all(field_owners(d, "spec", "replicas") == {FIELD_MANAGER} for d in listing["items"])
+    scale_writes = [w for w in operator_writes(emulator) if w[1].endswith("/inferencedeployments/scaly/scale")]
+    assert scale_writes and rbac.allowed("serving.hpi.dev", "inferencedeployments/scale", "patch")
     # kopf writes spec and status in two requests: the status of the scaling poll follows shortly.
     auto = await eventually(lambda: (a := autoscaling_status(kube, "scaly")).get("lastScaleTime") and a)
     assert auto["windowMax"] and auto["lastDecision"]["reason"] in ("ScaledUp", "Steady")
@@ -236,8 +246,24 @@ async def test_hpa_mode_renders_an_owned_hpa_and_a_mode_change_removes_it(
 ) -> None:
     hpa_path = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/ext"
     await call(kube, "POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
-    created = await call(kube, "POST", CRS, {**autoscaled_cr("ext"), "spec": {"replicas": 2, "autoscaling": {
-        "enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 5, "targetKVUtilization": 0.6}}})
+    created = await call(
+        kube,
+        "POST",
+        CRS,
+        {
+            **autoscaled_cr("ext"),
+            "spec": {
+                "replicas": 2,
+                "autoscaling": {
+                    "enabled": True,
+                    "mode": "hpa",
+                    "minReplicas": 1,
+                    "maxReplicas": 5,
+                    "targetKVUtilization": 0.6,
+                },
+            },
+        },
+    )
     hpa = await eventually(lambda: kube.get(hpa_path))
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
                                              "name": "ext"}  # fmt: skip

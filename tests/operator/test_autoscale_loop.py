@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from hpi_operator.autoscale import PodLoad
-from hpi_operator.autoscale_loop import (
+from hpi_operator.autoscaling.decision import PodLoad
+from hpi_operator.autoscaling.loop import (
     ANNOTATION_WAITING_REQUESTS,
     builtin_active,
     external_waiting,
@@ -17,7 +17,7 @@ from hpi_operator.autoscale_loop import (
     poll_due,
     rfc3339,
 )
-from hpi_operator.scrape import UNREACHABLE, PodTarget, Scraped, ScrapeFailed, ScrapeResult
+from hpi_operator.autoscaling.scrape import UNREACHABLE, PodTarget, Scraped, ScrapeFailed, ScrapeResult
 from hpi_operator.spec import AutoscalingSpec, parse_spec
 
 SETTINGS = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6, scale_down_stabilization_s=60,
@@ -136,7 +136,7 @@ async def test_wake_from_zero_on_the_annotation() -> None:
 
 
 def test_the_timer_runs_only_for_builtin_specs() -> None:
-    from hpi_operator.autoscale_handlers import wants_builtin
+    from hpi_operator.autoscaling.handlers import wants_builtin
 
     assert wants_builtin({"autoscaling": {"enabled": True}})
     assert not wants_builtin({"autoscaling": {"enabled": True, "mode": "keda"}})

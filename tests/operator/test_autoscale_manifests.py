@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hpi_operator.autoscale_manifests import (
+from hpi_operator.autoscaling.manifests import (
     ANNOTATION_PROMETHEUS_URL,
     HPA_KV_METRIC,
     HPA_WAITING_METRIC,

@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp.web
 import pytest
 
-from hpi_operator.autoscale import PodLoad
-from hpi_operator.metric_names import KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
-from hpi_operator.scrape import (
+from hpi_operator.autoscaling.decision import PodLoad
+from hpi_operator.autoscaling.scrape import (
     UNPARSABLE,
     UNREACHABLE,
     MetricsParseError,
@@ -23,6 +22,7 @@ from hpi_operator.scrape import (
     ready_pod_targets,
     scrape_pods,
 )
+from hpi_operator.metric_names import KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
 
 def vllm_metrics(kv: float, waiting: float = 0, running: float = 0, model: str = "llama") -> str:
@@ -180,13 +180,13 @@ def test_ready_pod_targets() -> None:
 
 def test_parse_the_runtimes_own_exposition() -> None:
     """The operator reads what hpi_runtime's /metrics writes (both sides of the metric_names contract)."""
-    from types import SimpleNamespace
-
     metrics = pytest.importorskip("hpi_runtime.server.metrics", reason="the runtime package is not installed")
+    from hpi_runtime.core.engine_io import EngineStats  # the engine's own stats: new fields keep their defaults
+
     serving = metrics.ServingMetrics("SmolLM2-135M-Instruct")
-    serving.refresh(SimpleNamespace(num_running=5, num_waiting=2, kv_cache_usage=0.625, prefix_cache_queries=0,
-                                    prefix_cache_hits=0, num_preemptions=1, num_prompt_tokens=10,
-                                    num_generation_tokens=20))  # fmt: skip
+    serving.refresh(EngineStats(num_running=5, num_waiting=2, kv_cache_usage=0.625, prefix_cache_queries=0,
+                                prefix_cache_hits=0, num_preemptions=1, num_prompt_tokens=10,
+                                num_generation_tokens=20))  # fmt: skip
     text = serving.render().decode()
     assert parse_load("p", text, model_name="SmolLM2-135M-Instruct") == PodLoad("p", 0.625, 2.0, 5.0)
 
@@ -195,6 +195,6 @@ def test_the_autoscaler_never_imports_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, hpi_operator.autoscale_handlers, hpi_operator.autoscale_manifests, hpi_operator.scrape; "
+    code = ("import sys, hpi_operator.handlers, hpi_operator.autoscaling.handlers, hpi_operator.autoscaling.manifests; "
             "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

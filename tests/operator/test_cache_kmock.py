@@ -145,8 +145,9 @@ async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: Kub
     assert event["type"] == "Warning" and "attempt 1 failed" in event["message"] and "backoff limit" in event["message"]
     body = await eventually(lambda: (b := kube.get(f"{CRS}/cached"))["status"]["modelCache"].get("lastFailure") and b)
     assert "attempt 1 failed" in body["status"]["modelCache"]["lastFailure"]
-    assert condition(body, "ModelCached")["status"] == "False" and "attempt 1 failed" in (
-        condition(body, "ModelCached")["message"]
+    assert (
+        condition(body, "ModelCached")["status"] == "False"
+        and "attempt 1 failed" in (condition(body, "ModelCached")["message"])
     )
     assert await asyncio.to_thread(deployments_of, kube, "cached") == {}
     second = await eventually(lambda: (j := one_job(kube)) and j["metadata"]["uid"] != first["metadata"]["uid"]
@@ -177,9 +178,7 @@ async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: Kub
     assert await asyncio.to_thread(events, kube, "ModelCached")
 
 
-async def test_revision_change_downloads_beside_and_removes_the_old_revision(
-    kube: KubeClient, operator: Any
-) -> None:
+async def test_revision_change_downloads_beside_and_removes_the_old_revision(kube: KubeClient, operator: Any) -> None:
     api = Api(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     model = {"source": "huggingface", "huggingface": {"id": MODEL, "revision": "v1"}, "cache": {"enabled": True}}

@@ -150,8 +150,11 @@ SAMPLE_CRS = [
                 "size": {"parameters": "8B"},
             },
             "replicas": 3,
-            "runtime": {"image": "registry.local/hpi-runtime:1", "extraArgs": ["--seed", "1"],
-                        "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},
+            "runtime": {
+                "image": "registry.local/hpi-runtime:1",
+                "extraArgs": ["--seed", "1"],
+                "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+            },
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 128, "kvCacheMemoryFraction": 0.85, "blockSize": 32},
             "placement": {
                 "allowedPools": ["gpu-l4", "cpu-amd64-bf16"],
@@ -163,8 +166,14 @@ SAMPLE_CRS = [
             },
             "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": 17179869184}},
             "apiKeySecretRef": {"name": "api"},
-            "autoscaling": {"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 6,
-                            "targetKVUtilization": 0.7, "scaleToZero": {"enabled": False}},
+            "autoscaling": {
+                "enabled": True,
+                "mode": "hpa",
+                "minReplicas": 1,
+                "maxReplicas": 6,
+                "targetKVUtilization": 0.7,
+                "scaleToZero": {"enabled": False},
+            },
         },
     },
 ]

@@ -33,16 +33,21 @@ SPECS = {
     "embedded": {"replicas": 2},
     "pvc-8b": {
         "replicas": 4,
-        "model": {"source": "pvc", "pvc": {"claimName": "weights", "path": "llama/8b"},
-                  "size": {"parameters": "8B", "numLayers": 32, "numKVHeads": 8, "headDim": 128}},
+        "model": {
+            "source": "pvc",
+            "pvc": {"claimName": "weights", "path": "llama/8b"},
+            "size": {"parameters": "8B", "numLayers": 32, "numKVHeads": 8, "headDim": 128},
+        },
         "apiKeySecretRef": {"name": "api"},
         "resources": {"requests": {"cpu": "3"}},
         "runtime": {"imagePullSecrets": [{"name": "regcred"}], "env": [{"name": "LOG", "value": "1"}]},
     },
     "hf-70b": {
         "replicas": 2,
-        "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-70B-Instruct",
-                                                           "tokenSecretRef": {"name": "hf"}}},
+        "model": {
+            "source": "huggingface",
+            "huggingface": {"id": "meta-llama/Llama-3.1-70B-Instruct", "tokenSecretRef": {"name": "hf"}},
+        },
         # One GPU per replica: quantize rather than split (the int4 path; splitting is tested below).
         "placement": {"tolerations": [{"key": "spot", "operator": "Exists"}], "maxGpusPerReplica": 1},
         "engine": {"maxNumBatchedTokens": 4096},

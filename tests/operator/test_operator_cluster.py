@@ -1,6 +1,7 @@
 """The same operator against a real cluster (KUBECONFIG): what the emulator cannot show — real garbage
-collection through owner references, server-side defaulting that must not cause write churn, real label
-selectors and the CRD's structural schema (pruning, defaults, the scale subresource).
+collection through owner references, server-side defaulting that must not cause write churn, the real
+server-side apply (managed fields, a deleted child recreated), real label selectors and the CRD's structural
+schema (pruning, defaults, the scale subresource).
 
 Runs only when KUBECONFIG points at a reachable cluster (marker `cluster`); it creates a namespace of its
 own and, if absent, the CRD; it needs at least one Ready, schedulable node.
@@ -67,6 +68,14 @@ async def test_real_cluster_gc_defaults_and_scale(cluster: tuple[KubeClient, str
         await asyncio.sleep(5)  # several resyncs: server-side defaults must not make the operator rewrite
         again = await asyncio.to_thread(children)
         assert {d["metadata"]["name"]: d["metadata"]["resourceVersion"] for d in again} == versions
+
+        # Server-side apply: the operator's fields are its own, and a deleted child comes back on its own event.
+        managers = {e["manager"]: e["operation"] for e in again[0]["metadata"].get("managedFields") or []}
+        assert managers.get("hpi-operator") == "Apply", managers
+        service = f"/api/v1/namespaces/{namespace}/services/smoke"
+        service_uid = (await asyncio.to_thread(kube.get, service))["metadata"]["uid"]
+        await asyncio.to_thread(kube.request, "DELETE", service)
+        await eventually(lambda: (s := kube.get(service)) and s["metadata"]["uid"] != service_uid, timeout_s=30)
 
         # The scale subresource: what `kubectl scale` and an HPA use.
         scale = await asyncio.to_thread(kube.request, "GET", f"{crs}/smoke/scale")

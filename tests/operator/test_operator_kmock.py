@@ -278,12 +278,12 @@ def rbac_requests(emulator: Any) -> list[tuple[str, str, str, str]]:
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
         agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
         calls.append((agent, request.resource.group, resource, verb))
+        if "apply-patch" in request.headers.get("Content-Type", ""):
+            calls.append((agent, request.resource.group, resource, "create"))  # an apply may create: both verbs
     return calls
 
 
-async def test_rbac_rules_cover_every_call_the_operator_makes(
-    emulator: Any, kube: KubeClient, operator: Any
-) -> None:
+async def test_rbac_rules_cover_every_call_the_operator_makes(emulator: Any, kube: KubeClient, operator: Any) -> None:
     from hpi_operator import rbac
 
     api = Api(kube)
@@ -316,8 +316,10 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
     router_role = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/audit-router"
     for routing, check in (
         ({"mode": "inferencePool"}, lambda: kube.get(pool) and kube.get(router_role) is None),
-        ({"inferencePool": {"failureMode": "FailClose"}},
-         lambda: kube.get(pool)["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"),
+        (
+            {"inferencePool": {"failureMode": "FailClose"}},
+            lambda: kube.get(pool)["spec"]["endpointPickerRef"]["failureMode"] == "FailClose",
+        ),
         ({"mode": "service"}, lambda: kube.get(pool) is None and kube.get(f"{DEPLOYMENTS}/audit-epp") is None),
     ):
         await api.patch(f"{CRS}/audit", {"spec": {"routing": routing}})
@@ -344,8 +346,9 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(
     operator_calls = {c[1:] for c in calls if c[0].startswith(("hpi-operator/", "kopf/"))}
     uncovered = sorted(c for c in operator_calls if not rbac.allowed(*c))
     assert not uncovered, f"API calls outside rbac.RULES: {uncovered}"
+    # The builtin autoscaler's scale writes are exercised in test_autoscale_kmock.py, not here.
     granted = {(r.api_group, r.resource, verb) for r in rbac.RULES if not (r.only_when or r.delegated)
-               for verb in r.verbs}  # fmt: skip
+               for verb in r.verbs if not r.resource.endswith("/scale")}  # fmt: skip
     assert not granted - operator_calls, f"rules granting calls the operator never made: {granted - operator_calls}"
     assert {c[0].split("/")[0] for c in calls} >= {"hpi-operator", "kopf"}
 

@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from hpi_operator import spec as spec_module
+from hpi_operator.crd_defaults import with_defaults
 from hpi_operator.spec import AutoscalingSpec, EngineSpec, InferenceSpec, SpecError, parse_parameter_count, parse_spec
+from hpi_testing.crd_schema import apply_schema
 
-CRD = Path(__file__).resolve().parents[2] / "crds" / "inferencedeployments.serving.hpi.dev.yaml"
-
-
-def crd_spec_schema() -> dict[str, Any]:
-    crd = yaml.safe_load(CRD.read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "inferencedeployments.serving.hpi.dev.yaml"
+PACKAGED_CRD = REPO / "operator" / "hpi_operator" / "crds" / CRD.name
 
 
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting as the API server does it (enough for this CRD: objects and scalars)."""
-    if schema.get("type") == "object" and isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = sub["default"]
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-    return value
+def crd_schema() -> dict[str, Any]:
+    return yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def server_defaulted(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` as the API server stores it (the emulator's structural defaulting, crd_schema.py)."""
+    return apply_schema({"spec": spec}, crd_schema()).obj["spec"]
+
+
+HF_MODEL = {"source": "huggingface", "huggingface": {"id": "o/m", "tokenSecretRef": {"name": "t"}},
+            "cache": {"enabled": True}}  # fmt: skip
+SPECS = [{}, {"autoscaling": {"enabled": True}}, {"placement": {"profile": {"dtype": "bf16"}}},
+         {"model": HF_MODEL, "routing": {"router": {}}, "apiKeySecretRef": {"name": "k"}}]  # fmt: skip
 
 
 def test_empty_spec_is_the_embedded_model_with_one_replica() -> None:
@@ -35,26 +40,29 @@ def test_empty_spec_is_the_embedded_model_with_one_replica() -> None:
     assert spec.model.source == "embedded" and spec.replicas == 1
 
 
-def test_server_defaulted_spec_parses_to_the_same_as_the_bare_one() -> None:
-    for raw in ({}, {"autoscaling": {"enabled": True}}, {"placement": {"profile": {"dtype": "bf16"}}}):
-        defaulted = apply_defaults(crd_spec_schema(), yaml.safe_load(yaml.safe_dump(raw)))
-        assert parse_spec(defaulted) == parse_spec(raw), defaulted
+@pytest.mark.parametrize("raw", SPECS)
+def test_server_defaulted_spec_parses_to_the_same_as_the_bare_one(raw: dict[str, Any]) -> None:
+    assert parse_spec(server_defaulted(raw)) == parse_spec(raw)
 
 
-def test_crd_defaults_match_the_dataclass_defaults() -> None:
-    props = crd_spec_schema()["properties"]
-    engine, autoscaling = props["engine"]["properties"], props["autoscaling"]["properties"]
-    assert engine["maxModelLen"]["default"] == EngineSpec.max_model_len
-    assert engine["maxNumSeqs"]["default"] == EngineSpec.max_num_seqs
-    assert engine["kvCacheMemoryFraction"]["default"] == EngineSpec.kv_cache_memory_fraction
-    assert engine["blockSize"]["default"] == EngineSpec.block_size
-    defaults = AutoscalingSpec()
-    assert autoscaling["targetKVUtilization"]["default"] == defaults.target_kv_utilization == 0.7
-    assert autoscaling["minReplicas"]["default"] == defaults.min_replicas
-    assert autoscaling["maxReplicas"]["default"] == defaults.max_replicas
-    assert autoscaling["scaleDownStabilizationSeconds"]["default"] == defaults.scale_down_stabilization_s
-    assert autoscaling["pollIntervalSeconds"]["default"] == defaults.poll_interval_s
-    assert autoscaling["mode"]["enum"] == ["builtin", "hpa", "keda"]
+@pytest.mark.parametrize("raw", SPECS)
+def test_the_operator_defaults_a_spec_as_the_api_server_does(raw: dict[str, Any]) -> None:
+    """`hpi-operator render` sees what the operator on a cluster would: the same defaults, from the same CRD."""
+    assert with_defaults(raw) == server_defaulted(raw)
+
+
+def test_defaults_are_declared_only_in_the_crd() -> None:
+    """The spec dataclasses take their defaults from the CRD (no value restated in Python), and the copy of the
+    CRD the operator package ships is the repository's."""
+    props = crd_schema()["properties"]["spec"]["properties"]
+    assert EngineSpec().max_model_len == props["engine"]["properties"]["maxModelLen"]["default"]
+    autoscaling = props["autoscaling"]["properties"]
+    assert AutoscalingSpec().target_kv_utilization == autoscaling["targetKVUtilization"]["default"]
+    assert PACKAGED_CRD.read_text() == CRD.read_text()
+    source = Path(spec_module.__file__).read_text()
+    restated = re.findall(r"^\s+(\w+): (?:int|float|str|bool) = (?!crd_default)[^N(].*$", source, flags=re.MULTILINE)
+    # checkpoint_quantization holds the parsed form: the CRD's "auto" resolved against the model id.
+    assert restated == ["checkpoint_quantization"], "defaults restated in spec.py instead of read from the CRD"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +106,8 @@ def test_head_counts_parse() -> None:
     size = parse_spec({"model": {"size": {"numHeads": 32, "numKVHeads": 8}}}).model.size
     assert (size.num_heads, size.num_kv_heads) == (32, 8)
     assert parse_spec({}).model.size.num_heads is None
-    assert crd_spec_schema()["properties"]["model"]["properties"]["size"]["properties"]["numHeads"]["minimum"] == 1
+    size_schema = crd_schema()["properties"]["spec"]["properties"]["model"]["properties"]["size"]
+    assert size_schema["properties"]["numHeads"]["minimum"] == 1
 
 
 def test_autoscaling_fields_parse() -> None:

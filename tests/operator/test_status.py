@@ -7,7 +7,8 @@ from typing import Any
 from hpi_operator.nodes import node_info
 from hpi_operator.plan import make_plan
 from hpi_operator.reconcile import reconcile
-from hpi_operator.status import ChildState, build_status, failed_status, merge_conditions
+from hpi_operator.status import ChildState, build_status, failed_status, merge_conditions, status_changes
+from hpi_operator.wakeups import owner_uids
 from hpi_testing.kube_emulator import L4, make_node
 
 NODES = [node_info(make_node("g", gpu=L4)), node_info(make_node("c", bf16=True))]
@@ -106,3 +107,23 @@ def test_unplaceable_outcome_lists_every_pool_reason() -> None:
     assert reconcile(body, NODES, kube=None, now="t").result == "invalid"  # type: ignore[arg-type]
     no_nodes = reconcile(BODY, [], kube=None, now="t")  # type: ignore[arg-type]
     assert no_nodes.result == "unplaceable" and "no usable nodes" in no_nodes.events[0].message
+
+
+def test_status_changes_are_only_what_moved() -> None:
+    """A pass writes status only when it says something new: nulls equal missing keys, and a condition whose
+    lastTransitionTime alone differs is the same condition."""
+    old = {"replicas": 2, "modelCache": {"servedPath": "/p", "previousPath": None},
+           "conditions": [{"type": "Ready", "status": "True", "reason": "R", "lastTransitionTime": "t0"}]}  # fmt: skip
+    same = {"replicas": 2, "modelCache": {"servedPath": "/p"}, "kvCacheUtilization": None,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "R", "lastTransitionTime": "t1"}]}  # fmt: skip
+    assert status_changes(old, same) == {}
+    moved = {**same, "replicas": 3, "conditions": [{"type": "Ready", "status": "False", "reason": "R"}]}
+    assert status_changes(old, moved) == {"replicas": 3, "conditions": moved["conditions"]}
+
+
+def test_child_events_wake_only_the_inference_deployments_that_own_them() -> None:
+    refs = [{"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment", "uid": "a"},
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "uid": "b"},
+            {"apiVersion": "other.io/v1", "kind": "InferenceDeployment", "uid": "c"}]  # fmt: skip
+    assert owner_uids({"ownerReferences": refs}) == ["a"]
+    assert owner_uids({}) == []

@@ -1,5 +1,5 @@
 """The builtin autoscaler's decision: a pure function of the settings, the pods' KV-cache load, the persisted
-history and the time. No I/O; the kopf timer (autoscale_loop.py) reads, calls `decide`, and writes.
+history and the time. No I/O; the kopf timer (loop.py) reads, calls `decide`, and writes.
 
 The algorithm is the HorizontalPodAutoscaler's, on KV-cache utilisation instead of CPU:
 1. raw recommendation: ceil(sum of ready pods' KV utilisation / target), left at the current replicas inside
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .spec import AutoscalingSpec
+from ..spec import AutoscalingSpec
 
 TOLERANCE = 0.1  # the HPA's default: no change while utilisation is within 10% of the target
 SATURATION_KV = 0.95  # a pod this full admits no new sequences: its real demand is unknown (censored)
@@ -173,9 +173,7 @@ def _queue_recommendation(settings: AutoscalingSpec, obs: Observation) -> tuple[
     return replicas, f"{obs.num_waiting:g} request(s) waiting: ~{estimate:.1f} replicas' worth of KV demand"
 
 
-def decide(
-    settings: AutoscalingSpec, current: int, obs: Observation, history: History, now_s: float
-) -> Decision:
+def decide(settings: AutoscalingSpec, current: int, obs: Observation, history: History, now_s: float) -> Decision:
     """The replicas to run now, why, and the history to persist for the next poll."""
     active = (
         history.last_active_s is None  # no memory (first poll): start the idle clock now

@@ -4,13 +4,15 @@
   InferenceDeployment, holding a scrape target for each ready pod;
 - a timer per InferenceDeployment whose spec asks for the builtin scaler (kopf starts and stops it as the
   spec changes): it ticks often, polls every pollIntervalSeconds as recorded on the resource, scrapes,
-  decides (autoscale.py), writes spec.replicas when the decision moves (the reconciler then spreads them over
-  the pools) and status (current KV utilisation, the last decision with its reason, unreachable pods, and the
-  scaler's memory), and posts an Event on every scale.
+  decides (decision.py), writes spec.replicas through the scale subresource when the decision moves (field
+  manager `hpi-autoscaler`; the reconciler then spreads them over the pools) and status (current KV
+  utilisation, the last decision with its reason, unreachable pods, and the scaler's memory), and posts an
+  Event on every scale.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Mapping
@@ -18,13 +20,23 @@ from typing import Any
 
 import kopf
 
-from .autoscale_loop import builtin_active, poll, poll_due
-from .manifests import short_name
-from .names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, OPERATOR_NAME, PLURAL, VERSION
+from ..kube import KubeClient, object_path, with_query
+from ..manifests import short_name
+from ..names import (
+    AUTOSCALER_FIELD_MANAGER,
+    GROUP,
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    OPERATOR_NAME,
+    PLURAL,
+    VERSION,
+)
+from ..spec import SpecError, parse_spec
+from .loop import builtin_active, poll, poll_due
 from .scrape import DEFAULT_TIMEOUT_S, PodTarget, ready_pod_targets, scrape_pods
-from .spec import SpecError, parse_spec
 
 DEFAULT_TICK_S = 1.0
+MERGE_PATCH = "application/merge-patch+json"
 
 
 def wants_builtin(spec: Mapping[str, Any], **_: Any) -> bool:
@@ -33,6 +45,14 @@ def wants_builtin(spec: Mapping[str, Any], **_: Any) -> bool:
         return builtin_active(parse_spec(spec).autoscaling)
     except SpecError:
         return False  # the reconciler reports it; nothing to scale until it is fixed
+
+
+def write_replicas(kube: KubeClient, namespace: str, name: str, replicas: int) -> None:
+    """Set the InferenceDeployment's spec.replicas through its scale subresource, as an HPA does, under the
+    autoscaler's own field manager (so managedFields say who scaled; the reconciler never writes this field)."""
+    path = object_path("InferenceDeployment", namespace, name) + "/scale"
+    kube.request("PATCH", with_query(path, fieldManager=AUTOSCALER_FIELD_MANAGER), {"spec": {"replicas": replicas}},
+                 MERGE_PATCH)  # fmt: skip
 
 
 def register_autoscaler(
@@ -75,7 +95,7 @@ def register_autoscaler(
             scaled = decision.reason if result.scale_to is not None else None
             memo.metrics.record_decision(namespace, name, decision.desired_replicas, decision.kv_utilization, scaled)
         if result.scale_to is not None:
-            patch.spec["replicas"] = result.scale_to
+            await asyncio.to_thread(write_replicas, memo.kube, namespace, name, result.scale_to)
             kopf.event(body, type="Normal", reason=decision.reason, message=decision.message)
         before = (status.get("autoscaling") or {}).get("numUnreachablePods") or 0
         if decision.num_failed and decision.num_failed != before:  # an Event when it changes, not every poll

@@ -13,21 +13,16 @@ from typing import Any
 
 import kopf
 
-from .manifests import Owner, common_labels, served_model_name, short_name, stamp_hash
-from .metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING
-from .names import API_VERSION, GROUP, KIND
-from .spec import AutoscalingSpec, InferenceSpec
+from ..manifests import Owner, common_labels, served_model_name, short_name, stamp_hash
+from ..metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING
+from ..names import API_VERSION, GROUP, KIND
+from ..spec import AutoscalingSpec, InferenceSpec
 
 # The custom-metrics API names prometheus-adapter gives the vLLM gauges (":" is not allowed there, so the
 # adapter rule renames them; see docs/autoscaling.md).
 HPA_KV_METRIC = KV_CACHE_USAGE.replace(":", "_")
 HPA_WAITING_METRIC = NUM_REQUESTS_WAITING.replace(":", "_")
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
-# Where the children of the two external modes live (kube.py applies them like the other children).
-AUTOSCALER_PATHS = {
-    "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers",
-    "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects",
-}
 ANNOTATION_PROMETHEUS_URL = f"{GROUP}/prometheus-url"  # on the InferenceDeployment: overrides the above
 
 
@@ -142,8 +137,12 @@ def build_scaled_object(
         # Zero only with scaleToZero: then KEDA deactivates after cooldownPeriod without activity.
         "minReplicaCount": settings.min_replicas if settings.scale_to_zero else max(settings.min_replicas, 1),
         "maxReplicaCount": settings.max_replicas,
-        "advanced": {"horizontalPodAutoscalerConfig": {"name": short_name(f"keda-hpa-{owner.name}"),
-                                                       "behavior": hpa_behavior(settings)}},  # fmt: skip
+        "advanced": {
+            "horizontalPodAutoscalerConfig": {
+                "name": short_name(f"keda-hpa-{owner.name}"),
+                "behavior": hpa_behavior(settings),
+            }
+        },  # fmt: skip
         "triggers": triggers,
     }
     if settings.scale_to_zero and settings.min_replicas > 0:

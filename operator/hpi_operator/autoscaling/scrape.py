@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .autoscale import Observation, PodLoad
-from .metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
-from .names import RUNTIME_PORT, RUNTIME_PORT_NAME
+from ..metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from ..names import RUNTIME_PORT, RUNTIME_PORT_NAME
+from .decision import Observation, PodLoad
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a runtime's /metrics is tens of KiB; anything huge is not one

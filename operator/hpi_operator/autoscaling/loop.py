@@ -1,4 +1,4 @@
-"""One poll of the builtin autoscaler, between the kopf timer (autoscale_handlers.py) and the pure decision.
+"""One poll of the builtin autoscaler, between the kopf timer (handlers.py) and the pure decision.
 
 scrape the ready pods -> `autoscale.decide` with the history read back from the resource -> the replicas to
 write (or None) and the status to merge. Everything but the scrape is a pure function of its arguments, so
@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .autoscale import Decision, decide, history_from_status, history_to_status
-from .names import GROUP
+from ..names import GROUP
+from ..spec import AutoscalingSpec
+from .decision import Decision, decide, history_from_status, history_to_status
 from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods
-from .spec import AutoscalingSpec
 
 # Demand seen in front of the pods (a gateway or activator holding requests while there are no replicas):
 # an integer annotation on the InferenceDeployment; the builtin scaler wakes from zero when it is positive.
