@@ -30,8 +30,8 @@ from .names import (
     RUNTIME_PORT_NAME,
 )
 from .nodes import GPU_RESOURCE, Pool
-from .profiles import Profile
-from .sizing import EMBEDDED_MODEL_NAME, GIB
+from .profiles import GPU_HOST_MEMORY_BYTES, Profile
+from .sizing import EMBEDDED_MODEL_NAME
 from .spec import InferenceSpec
 
 MODEL_MOUNT = "/models"
@@ -39,7 +39,6 @@ CACHE_MOUNT = "/cache"
 CACHE_VOLUME_MOUNT = "/model-cache"  # spec.model.cache: the shared (or node-local) model cache volume
 PRESTOP_SLEEP_S = 5  # lets endpoints controllers drop the pod before the runtime stops accepting work
 API_KEY_ENV = "HPI_API_KEY"
-GPU_HOST_MEMORY_BYTES = 8 * GIB  # host RAM for a GPU replica: tokenizer, loader staging, HTTP server
 DEFAULT_CPU_REQUEST = {"cuda": "2", "cpu": "4"}
 
 
@@ -170,6 +169,8 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_
         "--kv-cache-memory", str(profile.kv_cache_bytes_per_gpu),
         "--drain-timeout", str(spec.runtime.drain_timeout_s),
     ]  # fmt: skip
+    if profile.kv_offload_bytes:
+        args += ["--kv-offload-bytes", str(profile.kv_offload_bytes_per_gpu)]
     # Weight-only int8/int4 applied by the runtime at load time; a pre-quantized checkpoint is detected by the
     # runtime from its config.json and needs (and takes) no flag.
     if profile.quantization != "none" and not profile.prequantized:
@@ -225,7 +226,8 @@ def _resources(spec: InferenceSpec, profile: Profile) -> dict[str, Any]:
         # The weights, KV cache and overhead the profile was sized for are the pod's memory.
         memory = bytes_to_quantity(profile.needed_bytes)
     else:
-        memory = bytes_to_quantity(GPU_HOST_MEMORY_BYTES)
+        # Host RAM for the process, plus the pinned host KV tier when the profile has one.
+        memory = bytes_to_quantity(GPU_HOST_MEMORY_BYTES + profile.kv_offload_bytes)
     requests.setdefault("memory", limits.get("memory", memory))
     limits.setdefault("memory", requests["memory"])
     if profile.num_gpus:

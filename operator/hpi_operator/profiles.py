@@ -28,6 +28,13 @@ from .spec import InferenceSpec
 
 QUANTIZATION_ORDER = ("none", "int8", "int4")
 GPU_COUNTS = (1, 2, 4, 8)
+GPU_HOST_MEMORY_BYTES = 8 * 2**30  # host RAM for a GPU replica: tokenizer, loader staging, HTTP server
+# kvOffloadMemory "auto": the share of a replica's slice of node memory (after GPU_HOST_MEMORY_BYTES) the host
+# KV tier takes, leaving the rest to the node; at most this many times the replica's GPU KV cache (a bigger
+# host tier mostly holds prefixes no conversation returns to); nothing when it would be under the minimum.
+KV_OFFLOAD_NODE_FRACTION = 0.5
+KV_OFFLOAD_MAX_KV_MULTIPLE = 4
+KV_OFFLOAD_MIN_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,12 @@ class Profile:
     overhead_bytes: int
     memory_budget_bytes: int  # the part of the device memory the runtime may fill
     prequantized: bool = False  # the checkpoint's own int8/int4: the runtime loads it as is (no --quantization)
+    kv_offload_bytes: int = 0  # host memory for the runtime's second KV tier, over the whole replica
+
+    @property
+    def kv_offload_bytes_per_gpu(self) -> int:
+        """What `hpi serve --kv-offload-bytes` means: per tensor-parallel rank."""
+        return self.kv_offload_bytes // max(self.num_gpus, 1)
 
     @property
     def needed_bytes(self) -> int:
@@ -92,6 +105,19 @@ def _device_memory_bytes(pool: Pool, spec: InferenceSpec, num_gpus: int) -> int:
     limit = (spec.resources.get("limits") or {}).get("memory")
     node_memory = pool.min_memory_bytes
     return min(node_memory, int(parse_quantity(limit))) if limit else node_memory
+
+
+def kv_offload_bytes(pool: Pool, spec: InferenceSpec, num_gpus: int, kv_cache_bytes: int) -> int:
+    """The host KV tier of one replica: the spec's kvOffloadMemory, or for "auto" a share of the node memory
+    the replica's slice leaves (GPU pools only)."""
+    if spec.engine.kv_offload_bytes is not None:
+        return spec.engine.kv_offload_bytes
+    if pool.device != "cuda" or num_gpus < 1:
+        return 0
+    replicas_per_node = max(min(pool.gpus_per_node, default=0) // num_gpus, 1)
+    spare = pool.min_memory_bytes // replicas_per_node - GPU_HOST_MEMORY_BYTES
+    offload = min(int(spare * KV_OFFLOAD_NODE_FRACTION), KV_OFFLOAD_MAX_KV_MULTIPLE * kv_cache_bytes)
+    return offload if offload >= KV_OFFLOAD_MIN_BYTES else 0
 
 
 def _capacity(pool: Pool, profile: Profile) -> int:
@@ -206,18 +232,19 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
             if attempt.needed_bytes > attempt.budget_bytes:
                 too_small = attempt
                 continue
+            kv_bytes = min(attempt.budget_bytes - attempt.weight_bytes - attempt.overhead_bytes, attempt.max_kv_bytes)
             profile = Profile(
                 device=pool.device,
                 dtype=dtype,
                 quantization=quantization,
                 num_gpus=num_gpus,
                 weight_bytes=attempt.weight_bytes,
-                kv_cache_bytes=min(attempt.budget_bytes - attempt.weight_bytes - attempt.overhead_bytes,
-                                   attempt.max_kv_bytes),
+                kv_cache_bytes=kv_bytes,
                 overhead_bytes=attempt.overhead_bytes,
                 memory_budget_bytes=attempt.budget_bytes,
                 prequantized=stored != "none",
-            )  # fmt: skip
+                kv_offload_bytes=kv_offload_bytes(pool, spec, num_gpus, kv_bytes),
+            )
             reason = (
                 f"{profile.label()}{_tensor_parallel_note(pool, attempt, too_small)}: weights "
                 f"{gib(attempt.weight_bytes)} + min KV {gib(attempt.min_kv_bytes)} ({engine.max_model_len} tokens x "
@@ -226,6 +253,8 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
             )
             if stored != "none":
                 reason += " (a pre-quantized checkpoint, loaded as it is)"
+            if profile.kv_offload_bytes:
+                reason += f"; host KV tier {gib(profile.kv_offload_bytes)}"
             skipped = quantizations[: quantizations.index(quantization)]
             if skipped:
                 reason += f"; {', '.join(skipped)} did not fit"

@@ -100,6 +100,7 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     kv_cache_memory_fraction: float = crd_default("engine.kvCacheMemoryFraction")
     block_size: int = crd_default("engine.blockSize")
+    kv_offload_bytes: int | None = None  # the host KV tier per replica; None: "auto" (profiles.py decides)
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,18 @@ def _parse_cache(raw: Mapping[str, Any]) -> CacheSpec:
     return cache
 
 
+def _kv_offload_bytes(value: Any) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        num_bytes = parse_quantity(value)
+    except ValueError:
+        num_bytes = -1
+    if num_bytes < 0:
+        raise SpecError(f"spec.engine.kvOffloadMemory must be 'auto' or a quantity like 32Gi (0: off); got {value!r}")
+    return int(num_bytes)
+
+
 def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     engine = EngineSpec(
         max_model_len=int(_get(raw, "maxModelLen", EngineSpec.max_model_len)),
@@ -329,6 +342,7 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         max_num_batched_tokens=raw.get("maxNumBatchedTokens"),
         kv_cache_memory_fraction=float(_get(raw, "kvCacheMemoryFraction", EngineSpec.kv_cache_memory_fraction)),
         block_size=int(_get(raw, "blockSize", EngineSpec.block_size)),
+        kv_offload_bytes=_kv_offload_bytes(raw.get("kvOffloadMemory", "auto")),
     )
     if engine.block_size not in BLOCK_SIZES:
         raise SpecError(f"spec.engine.blockSize must be one of {BLOCK_SIZES}; got {engine.block_size}")
