@@ -22,7 +22,7 @@ from .nodes import NodeInfo, group_pools
 from .placement import Slot, eligible_choices, rank_choices, spread_replicas
 from .profiles import PoolChoice, choose_profile
 from .routing_manifests import routing_children
-from .sizing import model_shape
+from .sizing import ModelShape, model_shape
 from .spec import InferenceSpec, SpecError, effective_routing_mode, parse_spec
 
 
@@ -40,6 +40,7 @@ class Plan:
     autoscaler: dict[str, Any] | None = None  # the HPA (mode hpa) or ScaledObject (mode keda), if any
     cache: CachePlan | None = None  # spec.model.cache with a claim: the claim and the Job that fills it
     cached_dir: str | None = None  # the complete revision on the cache that pods run from (None: none yet)
+    shape: ModelShape | None = None  # what the sizing arithmetic used
 
     @property
     def placeable(self) -> bool:
@@ -133,5 +134,6 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         num_unplaced=max(0, spec.replicas - sum(s.capacity for s in slots)),
         autoscaler=autoscaler_child(body, owner, spec),
         cache=cache,
+        shape=shape,
         cached_dir=cached_dir,
     )

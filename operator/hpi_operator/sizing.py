@@ -5,6 +5,10 @@ and zero per group) for every linear layer; embeddings stay in the activation dt
 activation dtype. The overhead term covers the CUDA context, activations and allocator slack; it is
 deliberately generous so that a profile the operator picks does not OOM at start-up.
 
+Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) hold every expert in memory, so `num_parameters`
+(what the memory arithmetic uses) counts all of them; each token runs only the router's top-k experts, so
+`active_parameters` (the compute per token: about 2 FLOPs per active parameter) is far smaller.
+
 Tensor parallelism follows the runtime's rule (runtime/hpi_runtime/model/parallel.py, `split_heads`; not
 imported: the operator installs without torch): attention is split along KV-head groups, so a replica of N
 GPUs works when N <= num_kv_heads, or when N is a multiple of num_kv_heads whose share divides the query
@@ -44,10 +48,22 @@ class ModelShape:
     hidden_size: int = 0
     vocab_size: int = 0
     num_heads: int = 0  # query heads; 0 = unknown, so no tensor-parallel split beyond num_kv_heads
+    # Mixture-of-Experts: parameters one token runs through (embeddings, attention, router, the top-k and shared
+    # experts); 0 = a dense model, where that is every parameter.
+    num_active_parameters: int = 0
 
     @property
     def num_embedding_parameters(self) -> int:
         return self.vocab_size * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return 0 < self.num_active_parameters < self.num_parameters
+
+
+def active_parameters(shape: ModelShape) -> int:
+    """Parameters each token is computed with: all of a dense model's, the routed subset of an MoE model's."""
+    return shape.num_active_parameters or shape.num_parameters
 
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -64,6 +80,16 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "llama-3.3-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256, num_heads=64),
     "mistral-7b-instruct-v0.3": ModelShape(7_248_023_552, 32, 8, 128, 4096, 32768, num_heads=32),
     "qwen2.5-7b-instruct": ModelShape(7_615_616_512, 28, 4, 128, 3584, 152064, num_heads=28),
+    # Mixture-of-Experts: (all parameters, ..., active parameters), counted from each config.json (untied heads).
+    "mixtral-8x7b-v0.1": ModelShape(46_702_792_704, 32, 8, 128, 4096, 32000, 32, 12_879_925_248),
+    "mixtral-8x7b-instruct-v0.1": ModelShape(46_702_792_704, 32, 8, 128, 4096, 32000, 32, 12_879_925_248),
+    "qwen1.5-moe-a2.7b": ModelShape(14_315_784_192, 24, 16, 128, 2048, 151936, 16, 2_689_173_504),
+    "qwen1.5-moe-a2.7b-chat": ModelShape(14_315_784_192, 24, 16, 128, 2048, 151936, 16, 2_689_173_504),
+    "qwen2-57b-a14b": ModelShape(57_408_658_944, 28, 4, 128, 3584, 151936, 28, 14_249_270_784),
+    "qwen2-57b-a14b-instruct": ModelShape(57_408_658_944, 28, 4, 128, 3584, 151936, 28, 14_249_270_784),
+    "qwen3-30b-a3b": ModelShape(30_532_122_624, 48, 4, 128, 2048, 151936, 32, 3_353_032_704),
+    "qwen3-30b-a3b-instruct-2507": ModelShape(30_532_122_624, 48, 4, 128, 2048, 151936, 32, 3_353_032_704),
+    "qwen3-235b-a22b": ModelShape(235_093_634_560, 94, 4, 128, 4096, 151936, 64, 22_190_763_520),
 }
 
 
@@ -87,6 +113,8 @@ def model_shape(model: ModelSpec) -> ModelShape:
     }
     if known is not None:
         values = {k: v if v is not None else getattr(known, k) for k, v in values.items()}
+        # Known only: a parameters hint for an MoE model counts its experts, which keep the known active share.
+        values["num_active_parameters"] = known.num_active_parameters if known.is_moe else 0
     missing = [k for k in ("num_parameters", "num_layers", "num_kv_heads", "head_dim") if not values[k]]
     if missing:
         hint_names = {

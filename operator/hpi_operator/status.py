@@ -13,6 +13,7 @@ from typing import Any
 
 from .manifests import deployment_name, served_model_name
 from .plan import Plan
+from .sizing import active_parameters
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -181,6 +182,8 @@ def build_status(
     if cache is not None:
         extra["modelCache"] = dict(cache[0])
         conditions.append(cache[1])
+    if plan.shape is not None:
+        extra["modelParameters"] = {"total": plan.shape.num_parameters, "active": active_parameters(plan.shape)}
     return {
         **extra,
         "observedGeneration": generation,

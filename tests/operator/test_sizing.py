@@ -7,10 +7,12 @@ import pytest
 from hpi_operator.sizing import (
     KNOWN_SHAPES,
     ModelShape,
+    active_parameters,
     kv_bytes_per_token,
     max_kv_heads_per_rank,
     model_shape,
     splits_heads,
+    weight_bytes,
     why_heads_do_not_split,
 )
 from hpi_operator.spec import SpecError, parse_spec
@@ -73,7 +75,8 @@ def test_uneven_and_replicated_kv_heads_cost_the_fullest_ranks_share_on_every_ra
 def test_known_shapes_carry_query_heads_that_their_kv_heads_divide() -> None:
     for name, known in KNOWN_SHAPES.items():
         assert known.num_heads > 0 and known.num_heads % known.num_kv_heads == 0, name
-        assert known.num_heads * known.head_dim == known.hidden_size, name
+        if not name.startswith("qwen3"):  # Qwen3 fixes head_dim at 128 whatever the hidden size
+            assert known.num_heads * known.head_dim == known.hidden_size, name
     assert KNOWN_SHAPES["llama-3.1-70b-instruct"].num_heads == 64
     assert KNOWN_SHAPES["smollm2-135m-instruct"].num_heads == 9
 
@@ -93,3 +96,65 @@ def test_a_kv_head_hint_that_does_not_divide_the_known_heads_is_a_spec_error() -
     llama = {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}}
     with pytest.raises(SpecError, match="numKVHeads must divide numHeads"):
         model_shape(parse_spec({"model": {**llama, "size": {"numKVHeads": 3}}}).model)
+
+
+def _moe_parameter_counts(c: dict) -> tuple[int, int]:
+    """(all, active) parameters of a Mixtral / Qwen-MoE config.json (untied embeddings), counted tensor by
+    tensor as the checkpoint stores them."""
+    hidden, head_dim = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden
+    attention += (q + 2 * kv) * c.get("qkv_bias", False) + 2 * head_dim * c.get("qk_norm", False)
+    expert = 3 * hidden * c["moe_intermediate_size"]
+    shared = 3 * hidden * c.get("shared_expert_intermediate_size", 0) + hidden * bool(
+        c.get("shared_expert_intermediate_size")
+    )
+    always = attention + shared + c["num_experts"] * hidden + 2 * hidden  # + router + the two norms
+    embeddings = 2 * c["vocab_size"] * hidden + hidden  # embedding, LM head, final norm
+    layers = c["num_hidden_layers"]
+    total = layers * (always + c["num_experts"] * expert) + embeddings
+    active = layers * (always + c["num_experts_per_tok"] * expert) + embeddings
+    return total, active
+
+
+MOE_CONFIGS = {  # the fields of each model's config.json that set its size
+    "mixtral-8x7b-instruct-v0.1": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                       moe_intermediate_size=14336, num_experts=8, num_experts_per_tok=2,
+                                       num_hidden_layers=32, vocab_size=32000),
+    "qwen1.5-moe-a2.7b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, qkv_bias=True,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                              num_experts_per_tok=4, num_hidden_layers=24, vocab_size=151936),
+    "qwen2-57b-a14b-instruct": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, qkv_bias=True,
+                                    moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
+                                    num_experts=64, num_experts_per_tok=8, num_hidden_layers=28, vocab_size=151936),
+    "qwen3-30b-a3b": dict(hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
+                          qk_norm=True, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          num_hidden_layers=48, vocab_size=151936),
+    "qwen3-235b-a22b": dict(hidden_size=4096, head_dim=128, num_attention_heads=64, num_key_value_heads=4,
+                            qk_norm=True, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                            num_hidden_layers=94, vocab_size=151936),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_moe_shapes_count_every_expert_and_report_the_routed_share_as_active(name: str) -> None:
+    total, active = _moe_parameter_counts(MOE_CONFIGS[name])
+    known = KNOWN_SHAPES[name]
+    assert (known.num_parameters, active_parameters(known)) == (total, active)
+    assert known.is_moe and known.num_layers == MOE_CONFIGS[name]["num_hidden_layers"]
+
+
+def test_moe_memory_counts_all_experts_and_compute_the_active_ones() -> None:
+    mixtral = model_shape(
+        parse_spec(
+            {"model": {"source": "huggingface", "huggingface": {"id": "mistralai/Mixtral-8x7B-Instruct-v0.1"}}}
+        ).model
+    )
+    assert mixtral.num_parameters == 46_702_792_704 and active_parameters(mixtral) == 12_879_925_248
+    assert weight_bytes(mixtral, "bf16", "none") == 2 * 46_702_792_704  # every expert is resident
+    qwen3 = model_shape(
+        parse_spec({"model": {"source": "huggingface", "huggingface": {"id": "Qwen/Qwen3-30B-A3B"}}}).model
+    )
+    assert round(active_parameters(qwen3) / 1e9, 1) == 3.4 and round(qwen3.num_parameters / 1e9, 1) == 30.5
+    dense = KNOWN_SHAPES["llama-3.1-8b-instruct"]
+    assert not dense.is_moe and active_parameters(dense) == dense.num_parameters

@@ -127,3 +127,14 @@ def test_child_events_wake_only_the_inference_deployments_that_own_them() -> Non
             {"apiVersion": "other.io/v1", "kind": "InferenceDeployment", "uid": "c"}]  # fmt: skip
     assert owner_uids({"ownerReferences": refs}) == ["a"]
     assert owner_uids({}) == []
+
+
+def test_status_reports_total_and_active_parameters_of_a_mixture_of_experts() -> None:
+    dense = make_plan(BODY, NODES)
+    status = build_status(dense, states(dense, 2), 2, {}, "t")
+    assert status["modelParameters"]["total"] == status["modelParameters"]["active"] > 100_000_000
+    mixtral = {**BODY, "spec": {"replicas": 1, "model": {"source": "huggingface",
+               "huggingface": {"id": "mistralai/Mixtral-8x7B-Instruct-v0.1"}}}}  # fmt: skip
+    plan = make_plan(mixtral, [node_info(make_node("g", gpu=("NVIDIA-H200", 143771, 8), memory="1Ti"))])
+    params = build_status(plan, states(plan, 1), 2, {}, "t")["modelParameters"]
+    assert params == {"total": 46_702_792_704, "active": 12_879_925_248}
