@@ -1,4 +1,4 @@
-"""hetero-paged-infer kernels: Triton paged attention and weight-only quantized matmul, with references.
+"""hetero-paged-infer kernels: Triton paged attention, weight-only quantized matmul and fused MoE, with references.
 
 Launchers import Triton lazily, on first use: importing hpi_kernels (or hpi_kernels.quant /
 hpi_kernels.reference, which need only torch) works on machines without a GPU or without Triton.
@@ -15,6 +15,7 @@ _LAUNCHERS = {
     "write_kv_cache": "hpi_kernels.kv_cache",
     "paged_decode_attention": "hpi_kernels.paged_attention",
     "paged_prefill_attention": "hpi_kernels.prefill_attention",
+    "fused_experts": "hpi_kernels.fused_moe",
     "int8_weight_only_matmul": "hpi_kernels.quant_matmul",
     "int4_weight_only_matmul": "hpi_kernels.quant_matmul",
     "quantize_int8": "hpi_kernels.quant",

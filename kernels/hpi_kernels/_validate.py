@@ -74,3 +74,10 @@ def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     return out
+
+
+def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if logit_softcap is not None and logit_softcap <= 0:
+        raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")

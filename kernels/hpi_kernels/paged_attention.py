@@ -4,6 +4,8 @@ Each program owns one (request, kv head, split): it loads the whole GQA group of
 power of two, at least 16 rows for tl.dot) so every K/V tile is read from memory once per kv head.
 Long contexts with few requests are cut into `num_splits` token ranges whose partial results (normalised
 output + log-sum-exp) a second kernel merges; with one split the first kernel writes the output directly.
+With a sliding window the splits cover only the window's tokens: keys before it are never read (the KV
+manager may point their blocks at a shared placeholder). Soft-capping (Gemma 2) caps scores before softmax.
 """
 
 from __future__ import annotations
@@ -22,12 +24,21 @@ from hpi_kernels._validate import (
     check_out,
     check_query_heads,
     check_rank,
+    check_window_and_softcap,
     interpreting,
 )
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 512
 _MAX_SPLITS = 64
+NO_WINDOW = 1 << 30  # the window the kernels get for global attention: longer than any context
+
+
+@triton.jit
+def softcap_log2(qk, softcap_log2e):
+    """cap * tanh(score / cap) for scores in the log2 domain (score * log2 e, cap * log2 e), via the
+    sigmoid: tanh(y) = 2 * sigmoid(2 y) - 1."""
+    return softcap_log2e * (2.0 * tl.sigmoid(2.0 * qk / softcap_log2e) - 1.0)
 
 
 @triton.jit
@@ -41,6 +52,8 @@ def _decode_kernel(
     partial_out_ptr,  # [B, Hq, num_splits, BLOCK_D] fp32 (written with SPLIT)
     partial_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
     scale_log2e,
+    sliding_window,  # a query attends its last `sliding_window` positions (NO_WINDOW: all)
+    softcap_log2e,  # soft-cap times log2 e (used with SOFTCAP)
     num_splits,  # a runtime value, so that each split count does not compile a new kernel
     stride_q_b, stride_q_h, stride_q_d,
     stride_cache_block, stride_cache_tok, stride_cache_h, stride_cache_d,
@@ -52,6 +65,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for the reduction
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
@@ -59,8 +73,9 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + req)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    window_start = tl.maximum(context_len - sliding_window, 0)  # the first key the query sees
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len - window_start, num_splits), BLOCK_N) * BLOCK_N
+    start = window_start + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -95,6 +110,8 @@ def _decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            qk = softcap_log2(qk, softcap_log2e)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -174,8 +191,11 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given (any strides)
+    sliding_window: int | None = None,  # attend only the last `sliding_window` positions
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap)
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attention of one new query token per request over its paged K/V (already written)."""
+    check_window_and_softcap(sliding_window, logit_softcap)
     check_kv_cache(k_cache, v_cache)
     check_rank("query", query, 3, "[batch, num_q_heads, head_dim]")
     group_size = check_query_heads(query, k_cache)
@@ -200,6 +220,8 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         max_context_tokens = block_tables.shape[1] * block_size  # an upper bound that needs no host sync
+        if sliding_window is not None:
+            max_context_tokens = min(max_context_tokens, sliding_window)
         num_splits = choose_num_splits(batch * num_kv_heads, max_context_tokens, _num_sms(device))
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
@@ -209,7 +231,7 @@ def paged_decode_attention(
         partial_out = partial_lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens.contiguous(), out, partial_out, partial_lse,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, sliding_window or NO_WINDOW, (logit_softcap or 1.0) * _LOG2E, num_splits,
         *query.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         group_size, head_dim,
         BLOCK_SIZE=block_size,
@@ -217,6 +239,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=64,
         SPLIT=num_splits > 1,
+        SOFTCAP=logit_softcap is not None,
         UPCAST=interpreting() or query.dtype == torch.float32,
     )
     if num_splits > 1:

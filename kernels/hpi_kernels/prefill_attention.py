@@ -4,7 +4,8 @@ One launch covers a mixed batch (new prompts, chunked-prefill continuations, pre
 tokens): request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] and sit at positions
 context_lens[b] - q_len_b .. context_lens[b] - 1. Their own K/V are already in the cache, so every key,
 cached prefix or new, is read through the block table. Each program owns BLOCK_M query rows of one query
-head and runs a flash-attention loop up to its last row's position.
+head and runs a flash-attention loop up to its last row's position, from its first row's window start
+on with a sliding window (keys before it are never read), soft-capping scores when asked (Gemma 2).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from hpi_kernels._validate import (
     check_out,
     check_query_heads,
     check_rank,
+    check_window_and_softcap,
     interpreting,
 )
+from hpi_kernels.paged_attention import NO_WINDOW, softcap_log2
 
 _LOG2E = 1.4426950408889634
 
@@ -37,6 +40,8 @@ def _prefill_kernel(
     context_lens_ptr,  # [B] int32
     out_ptr,  # [T, Hq, D]
     scale_log2e,
+    sliding_window,  # a query attends its last `sliding_window` positions (NO_WINDOW: all)
+    softcap_log2e,  # soft-cap times log2 e (used with SOFTCAP)
     stride_q_t, stride_q_h, stride_q_d,
     stride_cache_block, stride_cache_tok, stride_cache_h, stride_cache_d,
     stride_bt_b, stride_bt_n,
@@ -46,6 +51,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -76,7 +82,8 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kv_end = tl.minimum(context_len, prefix_len + (tile + 1) * BLOCK_M)  # causal: last row's position + 1
-        for tile_start in range(0, kv_end, BLOCK_N):
+        kv_start = tl.maximum(prefix_len + tile * BLOCK_M - sliding_window + 1, 0)  # the first row's window
+        for tile_start in range(kv_start, kv_end, BLOCK_N):
             n = tile_start + tl.arange(0, BLOCK_N)
             n_mask = n < kv_end
             block_ids = tl.load(
@@ -94,12 +101,16 @@ def _prefill_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_M, BLOCK_N]
-            visible = (n[None, :] <= q_positions[:, None]) & n_mask[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            # Every row sees key 0 in the first tile, so m_new is finite from then on.
+            if SOFTCAP:
+                qk = softcap_log2(qk, softcap_log2e)
+            visible = (n[None, :] <= q_positions[:, None]) & (n[None, :] > q_positions[:, None] - sliding_window)
+            qk = tl.where(visible & n_mask[None, :], qk, float("-inf"))
+            # A row that has seen no visible key yet (one before its window, or a pad row) keeps m = -inf:
+            # subtract 0 instead, so that exp2 gives 0 rather than NaN.
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
@@ -122,8 +133,11 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,  # host-side max q_len if the caller has it (saves a device sync)
     out: torch.Tensor | None = None,  # [T, Hq, D], written in place if given (any strides)
+    sliding_window: int | None = None,  # a query attends only its last `sliding_window` positions
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new query tokens over its cached prefix plus themselves."""
+    check_window_and_softcap(sliding_window, logit_softcap)
     check_kv_cache(k_cache, v_cache)
     check_rank("query", query, 3, "[num_tokens, num_q_heads, head_dim]")
     group_size = check_query_heads(query, k_cache)
@@ -155,13 +169,14 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), batch, num_q_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc.contiguous(), context_lens.contiguous(), out,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or NO_WINDOW, (logit_softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         group_size, head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=64,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SOFTCAP=logit_softcap is not None,
         UPCAST=interpreting() or query.dtype == torch.float32,
     )
     return out

@@ -39,13 +39,20 @@ def _attend(
     value: torch.Tensor,  # [S, Hkv, D]
     query_positions: torch.Tensor,  # [Q] position of each query token among the S keys
     scale: float,
+    sliding_window: int | None = None,  # a query at p sees keys p - window + 1 .. p only
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the mask
 ) -> torch.Tensor:  # [Q, Hq, D] fp32
     group_size = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(group_size, dim=1)
     value = value.float().repeat_interleave(group_size, dim=1)
     scores = torch.einsum("qhd,shd->hqs", query.float(), key) * scale
-    causal = torch.arange(key.shape[0], device=key.device)[None, :] > query_positions[:, None]
-    scores = scores.masked_fill(causal[None], float("-inf"))
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    key_positions = torch.arange(key.shape[0], device=key.device)[None, :]
+    hidden = key_positions > query_positions[:, None]
+    if sliding_window is not None:
+        hidden |= key_positions <= query_positions[:, None] - sliding_window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), value)
 
 
@@ -56,13 +63,16 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     out = torch.empty_like(query)
     for b, context_len in enumerate(context_lens.tolist()):
         key = gather_kv(k_cache, block_tables[b], context_len)
         value = gather_kv(v_cache, block_tables[b], context_len)
         positions = torch.tensor([context_len - 1], device=query.device)
-        out[b] = _attend(query[b : b + 1], key, value, positions, scale)[0].to(query.dtype)
+        attended = _attend(query[b : b + 1], key, value, positions, scale, sliding_window, logit_softcap)
+        out[b] = attended[0].to(query.dtype)
     return out
 
 
@@ -74,6 +84,8 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32, total tokens per request including this step's
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
@@ -84,7 +96,8 @@ def paged_prefill_attention_ref(
         key = gather_kv(k_cache, block_tables[b], context_len)
         value = gather_kv(v_cache, block_tables[b], context_len)
         positions = torch.arange(context_len - (q_end - q_start), context_len, device=query.device)
-        out[q_start:q_end] = _attend(query[q_start:q_end], key, value, positions, scale).to(query.dtype)
+        attended = _attend(query[q_start:q_end], key, value, positions, scale, sliding_window, logit_softcap)
+        out[q_start:q_end] = attended.to(query.dtype)
     return out
 
 
@@ -104,3 +117,19 @@ def int4_weight_only_matmul_ref(
     group_size: int,
 ) -> torch.Tensor:  # [M, N]
     return (x.float() @ dequantize_int4(packed, scales, zeros, group_size).T).to(x.dtype)
+
+
+def fused_experts_ref(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, top_k]
+    topk_ids: torch.Tensor,  # [T, top_k]
+) -> torch.Tensor:  # [T, H]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].float()
+        for weight, expert in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
+            gate, up = (w13[expert].float() @ x).chunk(2)
+            out[t] += weight * (w2[expert].float() @ (torch.nn.functional.silu(gate) * up))
+    return out.to(hidden.dtype)

@@ -10,6 +10,8 @@ import re
 import sys
 from collections.abc import Mapping
 
+from hpi_runtime.model.config import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
+
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 API_KEY_ENV = "HPI_API_KEY"
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over the OpenAI API",
         description="Serve a Hugging Face model directory over an OpenAI-compatible HTTP API with a paged KV "
-        "cache and continuous batching. Without --model, serves the embedded SmolLM2-135M-Instruct on CPU.",
+        "cache and continuous batching. Without --model, serves the embedded SmolLM2-135M-Instruct on CPU. "
+        f"Supported architectures (config.json's 'architectures'): {', '.join(SUPPORTED_ARCHITECTURES)}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = serve.add_argument_group("model")

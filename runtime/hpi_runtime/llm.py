@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.model.config import ModelConfig, load_model_config
 from hpi_runtime.model.parallel import split_heads
 from hpi_runtime.model.quant_policy import DEFAULT_INT4_POLICY
@@ -124,12 +125,6 @@ def _check_engine_config(engine_config: EngineConfig, model_config: ModelConfig)
         raise ValueError(
             f"max_model_len {engine_config.max_model_len} exceeds the model's max_position_embeddings {limit}"
         )
-    window = model_config.sliding_window
-    if window is not None and engine_config.max_model_len > window:
-        raise ValueError(
-            f"max_model_len {engine_config.max_model_len} exceeds the model's sliding window {window}; "
-            f"sliding-window attention is not implemented, so set max_model_len <= {window}"
-        )
 
 
 def _check_lm_head_quantization(model_config: ModelConfig, config: QuantizationConfig) -> None:
@@ -151,12 +146,15 @@ def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) 
         split_heads(model_config.num_heads, model_config.num_kv_heads, tensor_parallel_size, rank)
 
 
+def kv_sliding_window(model_config: ModelConfig) -> int | None:
+    """The window the KV manager may free blocks behind: the widest layer's, when every layer has one."""
+    windows = model_config.layer_sliding_windows
+    return None if any(window is None for window in windows) else max(windows)
+
+
 def default_max_model_len(model_config: ModelConfig) -> int:
-    return min(
-        model_config.max_position_embeddings,
-        model_config.sliding_window or DEFAULT_MAX_MODEL_LEN,
-        DEFAULT_MAX_MODEL_LEN,
-    )
+    # Sliding-window layers attend within their window at any length: the model's positions are the limit.
+    return min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
 def _resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -231,6 +229,7 @@ def prepare_engine(
     check_tensor_parallel(model_config, tensor_parallel_size)
     resolved = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)
     engine_config = engine_config or EngineConfig(max_model_len=default_max_model_len(model_config))
+    engine_config = replace(engine_config, kv_sliding_window=kv_sliding_window(model_config))
     _check_engine_config(engine_config, model_config)
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -243,11 +242,17 @@ def prepare_engine(
     if not eos_token_ids:
         raise ValueError(f"{model_dir} defines no EOS token (config, generation_config or tokenizer)")
     executor_config = ExecutorConfig(
-        model_config=model_config,
+        model_config=model_config.for_max_model_len(engine_config.max_model_len),  # LongRoPE picks its factors
         dtype=torch_dtype,
         device=torch_device,
         block_size=engine_config.block_size,
         max_model_len=engine_config.max_model_len,
+        kv_tokens_per_request=kv_tokens_per_request(
+            engine_config.max_model_len,
+            engine_config.block_size,
+            engine_config.kv_sliding_window,
+            engine_config.max_num_batched_tokens,
+        ),
         kv_cache_memory_bytes=load.kv_cache_memory_bytes,
         kv_offload_bytes=load.kv_offload_bytes,
         attention_backend=_resolve_attention_backend(load.attention_backend, torch_device),

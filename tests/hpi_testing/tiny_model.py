@@ -30,7 +30,18 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+
+# Families whose norm weights are randomised too (transformers initialises them all alike, which would hide
+# a norm applied to the wrong tensor or with the wrong offset).
+_RANDOM_NORM_ARCHITECTURES = ("qwen3", "phi3", "gemma2", "gemma3")
 
 
 def build_tokenizer(vocab_size: int = 384, *, add_bos_token: bool = False):
@@ -121,8 +132,10 @@ def build_tiny_model(
     # are not decided by float ties.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # MoE experts are [num_experts, out, in] in transformers 5
                 param.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+            elif "norm" in name and arch in _RANDOM_NORM_ARCHITECTURES:
+                param.add_(torch.randn_like(param) * 0.2)
     model = model.to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

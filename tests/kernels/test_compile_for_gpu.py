@@ -28,7 +28,8 @@ CONFIGS = [
             "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
             "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
         },
-        {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "SPLIT": True, "UPCAST": False}, 4,
+        {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "SPLIT": True, "SOFTCAP": True,
+         "UPCAST": False}, 4,
     ),
     (
         "paged_attention", "_reduce_splits_kernel", {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},
@@ -37,7 +38,7 @@ CONFIGS = [
     (
         "prefill_attention", "_prefill_kernel",
         {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32"},
-        {"BLOCK_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 64, "UPCAST": False}, 4,
+        {"BLOCK_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 64, "SOFTCAP": True, "UPCAST": False}, 4,
     ),
     (
         "quant_matmul", "_int8_matmul_kernel", {"weight_ptr": "*i8"},
@@ -46,6 +47,16 @@ CONFIGS = [
     (
         "quant_matmul", "_int4_matmul_kernel", {"packed_ptr": "*u8"},
         {"GROUP_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "UPCAST": False}, 4,
+    ),
+    (
+        "fused_moe", "_fused_moe_kernel",
+        {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"},
+        {"TOP_K": 2, "MUL_ROUTED_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False}, 4,
+    ),
+    (
+        "fused_moe", "_fused_moe_kernel",
+        {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"},
+        {"TOP_K": 1, "MUL_ROUTED_WEIGHT": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False}, 4,
     ),
 ]
 
@@ -66,7 +77,7 @@ def _compile_all(arch: int) -> None:
             elif arg.endswith("_ptr"):
                 signature[arg] = pointers.get(arg, _BF16)
             else:
-                signature[arg] = "fp32" if arg.startswith("scale") else "i32"
+                signature[arg] = "fp32" if arg.startswith(("scale", "softcap")) else "i32"
         source = ASTSource(
             fn=kernel,
             signature=signature,

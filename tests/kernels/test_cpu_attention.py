@@ -153,6 +153,37 @@ def test_long_chunks(dtype) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+def blocks_outside_windows(batch: Batch, window: int) -> Batch:
+    """`batch` with every block-table entry wholly before the window of a request's first query replaced by
+    an id outside the cache: the KV manager may free those blocks, so the kernel must never read them."""
+    block_size = batch.k_cache.shape[1]
+    tables = batch.block_tables.clone()
+    query_lens = batch.query_start_loc.diff().tolist()
+    for r, (query_len, context_len) in enumerate(zip(query_lens, batch.context_lens.tolist(), strict=True)):
+        first_key = max(0, context_len - max(query_len, 1) - window + 1)
+        tables[r, : first_key // block_size] = PAD_BLOCK_ID
+    return Batch(batch.q, batch.k_cache, batch.v_cache, tables, batch.query_start_loc, batch.context_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-cap", "softcap"])
+def test_sliding_window_and_softcap(dtype, window, softcap) -> None:
+    # Decodes and chunks longer and shorter than the window; tiles whose rows start in different blocks.
+    requests = [*mixed_requests(16), (100, 230), (1, 300)]
+    batch = make_batch(requests, 9, 3, 64, 16, dtype, fused_qkv=True, seed=5)
+    out = torch.full(batch.q.shape, SENTINEL, dtype=dtype)
+    expected = out.clone()
+    paged_attention_cpu(out, *blocks_outside_windows(batch, window).args(), 0.125, window, softcap)
+    paged_attention_ref(expected, *batch.args(), 0.125, window, softcap)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    if window < 37:  # the window changes the result
+        full = torch.full(batch.q.shape, SENTINEL, dtype=dtype)
+        paged_attention_ref(full, *batch.args(), 0.125, None, softcap)
+        assert not torch.allclose(full, expected)
+
+
 def test_thread_count_does_not_change_the_result() -> None:
     batch = make_batch(mixed_requests(16), 9, 3, 64, 16, torch.float32, seed=4)
     outs = []
@@ -228,6 +259,8 @@ def _valid_args() -> dict:
         ({"query_start_loc": torch.tensor([0, 1, 9], dtype=torch.int32)}, "<= num_tokens"),
         ({"query_start_loc": torch.tensor([0, 1], dtype=torch.int32)}, "query_start_loc must be"),
         ({"block_tables": torch.tensor([[0, 1], [99, 0]], dtype=torch.int32)}, "outside the cache"),
+        ({"sliding_window": 0}, "sliding_window must be"),
+        ({"logit_softcap": -1.0}, "logit_softcap must be"),
     ],
 )
 def test_bad_arguments_raise_value_error(overrides, message) -> None:

@@ -67,6 +67,27 @@ def test_prefill_realistic(paged_cache, dtype, num_q_heads, num_kv_heads, head_d
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args, head_dim**-0.5), **ATTENTION_TOL)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(4096, None), (1024, 50.0), (511, None)])
+def test_sliding_window_and_softcap_realistic(paged_cache, window, softcap) -> None:
+    """Gemma 2 / Mistral shapes: decodes (split-KV) and chunks past the window, soft-capped scores."""
+    head_dim, block_size, dtype = 128, 16, torch.bfloat16
+    batch = [(8192, 1), (6000, 1), (300, 1), (5000, 700), (2100, 2100)]  # (context_len, q_len)
+    context_lens = [c for c, _ in batch]
+    cache = paged_cache(context_lens, 8, head_dim, block_size, dtype)
+    decode_args = (torch.randn(3, 16, head_dim, device="cuda", dtype=dtype), cache.k_cache, cache.v_cache,
+                   cache.block_tables[:3], cache.context_lens[:3], head_dim**-0.5)  # fmt: skip
+    window_args = {"sliding_window": window, "logit_softcap": softcap}
+    out = paged_decode_attention(*decode_args, num_splits=4, **window_args)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*decode_args, **window_args), **ATTENTION_TOL)
+    q_lens = torch.tensor([q for _, q in batch[3:]])
+    query = torch.randn(int(q_lens.sum()), 16, head_dim, device="cuda", dtype=dtype)
+    query_start_loc = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to("cuda", torch.int32)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables[3:], query_start_loc, cache.context_lens[3:],
+            head_dim**-0.5)  # fmt: skip
+    out = paged_prefill_attention(*args, **window_args)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*args, **window_args), **ATTENTION_TOL)
+
+
 def test_write_kv_cache_realistic(paged_cache) -> None:
     cache = paged_cache([4096], 8, 128, 16, torch.bfloat16)
     num_slots = cache.k_cache.shape[0] * cache.k_cache.shape[1]

@@ -9,6 +9,7 @@ from hpi_runtime.model.attention import AttentionMetadata, TorchAttentionBackend
 from hpi_runtime.model.triton_backend import TritonAttentionBackend
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, 2.0)], ids=["global", "sliding-window-softcap"])
 @pytest.mark.parametrize(
     "requests",
     [
@@ -17,7 +18,7 @@ from hpi_runtime.model.triton_backend import TritonAttentionBackend
         pytest.param([(33, 33), (50, 18)], id="prefills-only"),
     ],
 )
-def test_triton_backend_matches_torch_backend(paged_cache, device, requests) -> None:
+def test_triton_backend_matches_torch_backend(paged_cache, device, requests, window, softcap) -> None:
     """requests: (context_len, q_len), decodes (q_len 1) first, as the model runner orders them."""
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     context_lens = [c for c, _ in requests]
@@ -46,7 +47,9 @@ def test_triton_backend_matches_torch_backend(paged_cache, device, requests) -> 
     results = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         k_cache, v_cache = cache.k_cache.clone(), cache.v_cache.clone()
-        out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(common), head_dim**-0.5)
+        metadata = backend.build_metadata(common)
+        out = backend.forward(q, k, v, k_cache, v_cache, metadata, head_dim**-0.5, sliding_window=window,
+                              logit_softcap=softcap)  # fmt: skip
         results.append((out, k_cache, v_cache))
     (expected, k_expected, v_expected), (out, k_cache, v_cache) = results
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)

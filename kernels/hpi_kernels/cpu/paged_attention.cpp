@@ -2,7 +2,10 @@
 //
 // One op, hpi_kernels::paged_attention_cpu, covers a mixed batch: request r's query rows are
 // query_start_loc[r]..query_start_loc[r + 1] and sit at the last positions of its context_lens[r]
-// cached tokens (the new tokens' K/V are already in the cache); each query attends causally.
+// cached tokens (the new tokens' K/V are already in the cache); each query attends causally. With a
+// sliding window W > 0, a query at position p attends keys p - W + 1 .. p only, and blocks wholly before
+// every query's window are never read (they may be a shared placeholder); with a soft-cap C > 0, scores
+// become C * tanh(score / C) before the mask and softmax (Gemma 2).
 //
 // Work is cut into items that share one kv head of one request, sorted longest first and claimed by
 // the threads of one at::parallel_for region from an atomic counter, so a few long contexts do not
@@ -89,6 +92,8 @@ struct Problem {
   int64_t block_size;
   int64_t num_blocks;
   float scale;
+  int64_t sliding_window;  // 0: none
+  float logit_softcap;     // 0: none
 
   int64_t cache_token_stride() const { return num_kv_heads * head_dim; }
 
@@ -128,8 +133,10 @@ void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
   float row_max[GB], row_sum[GB], alpha[GB];
   std::fill(row_max, row_max + GB, kNegInf);
   std::fill(row_sum, row_sum + GB, 0.f);
+  // The window's first key; its block is the first one read, and it always holds that (visible) key.
+  const int64_t first_key = p.sliding_window > 0 ? std::max<int64_t>(0, context_len - p.sliding_window) : 0;
 
-  for (int64_t start = 0, b = 0; start < context_len; start += BS, ++b) {
+  for (int64_t b = first_key / BS, start = b * BS; start < context_len; start += BS, ++b) {
     const int64_t n = std::min(BS, context_len - start);
     const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
     const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
@@ -147,6 +154,14 @@ void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
         for (int g = 0; g < GB; ++g) part[g] = at::vec::fmadd(Vec::loadu(q + g * D + c), kv, part[g]);
       }
       for (int g = 0; g < GB; ++g) scores[g * BS + j] = sum_lanes(part[g]);
+    }
+    if (p.logit_softcap > 0.f) {
+      for (int g = 0; g < GB; ++g)
+        for (int64_t j = 0; j < n; ++j)
+          scores[g * BS + j] = p.logit_softcap * std::tanh(scores[g * BS + j] / p.logit_softcap);
+    }
+    for (int64_t j = 0; j < first_key - start; ++j) {  // keys of the first block before the window
+      for (int g = 0; g < GB; ++g) scores[g * BS + j] = kNegInf;
     }
     for (int g = 0; g < GB; ++g) {
       float* s = scores + g * BS;
@@ -265,8 +280,10 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
   }
   const int64_t first_pos = prefix_len + r0 / G;
   const int64_t kv_end = prefix_len + (r0 + num_rows - 1) / G + 1;  // causal: the last row's position + 1
+  const int64_t W = p.sliding_window;
+  const int64_t first_key = W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0;  // the first row's window
 
-  for (int64_t start = 0, b = 0; start < kv_end; start += BS, ++b) {
+  for (int64_t b = first_key / BS, start = b * BS; start < kv_end; start += BS, ++b) {
     const int64_t n = std::min(BS, kv_end - start);
     const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
     const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
@@ -295,27 +312,38 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
       score_keys<kTileUnroll, NV>(qt, kf + j * kv_stride, kv_stride, D, scores + j * RT);
     }
     for (; j < n; ++j) score_keys<1, NV>(qt, kf + j * kv_stride, kv_stride, D, scores + j * RT);
-    if (start + n - 1 > first_pos) {  // the block reaches past some row's position: causal mask
+    if (p.logit_softcap > 0.f) {
+      const Vec cap(p.logit_softcap), inv_cap(1.f / p.logit_softcap);
+      for (int64_t i = 0; i < n * RT; i += kVecSize) (cap * (Vec::loadu(scores + i) * inv_cap).tanh()).store(scores + i);
+    }
+    const bool causal_cut = start + n - 1 > first_pos;  // the block reaches past some row's position
+    const bool window_cut = W > 0 && start + W <= kv_end - 1;  // ... or lies before some row's window
+    if (causal_cut || window_cut) {
       for (int64_t jj = 0; jj < n; ++jj) {
-        const Vec key_pos(static_cast<float>(start + jj));
+        const Vec key_pos(static_cast<float>(start + jj)), window_end(static_cast<float>(start + jj + W));
         for (int vi = 0; vi < NV; ++vi) {
           float* s = scores + jj * RT + vi * kVecSize;
-          Vec::blendv(Vec::loadu(s), Vec(kNegInf), key_pos > pos_v[vi]).store(s);
+          Vec masked = key_pos > pos_v[vi];
+          if (window_cut) masked = masked | (window_end <= pos_v[vi]);
+          Vec::blendv(Vec::loadu(s), Vec(kNegInf), masked).store(s);
         }
       }
     }
 
-    // Online softmax, per row (lane): every row has key 0 unmasked, so row_max is finite after block 0.
+    // Online softmax, per row (lane). Without a window every row has key 0 unmasked, so row_max is finite
+    // after block 0; with one, a row may see no key of the first blocks: its max stays -inf and 0 is
+    // subtracted instead (exp(-inf) = 0, never -inf - -inf = NaN).
     for (int vi = 0; vi < NV; ++vi) {
       Vec block_max = row_max[vi];
       for (int64_t jj = 0; jj < n; ++jj)
         block_max = at::vec::maximum(block_max, Vec::loadu(scores + jj * RT + vi * kVecSize));
-      alpha[vi] = (row_max[vi] - block_max).exp_u20();
+      const Vec safe_max = Vec::blendv(block_max, Vec(0.f), block_max == Vec(kNegInf));
+      alpha[vi] = (row_max[vi] - safe_max).exp_u20();
       row_max[vi] = block_max;
       Vec sum(0.f);
       for (int64_t jj = 0; jj < n; ++jj) {
         float* s = scores + jj * RT + vi * kVecSize;
-        const Vec e = (Vec::loadu(s) - block_max).exp_u20();
+        const Vec e = (Vec::loadu(s) - safe_max).exp_u20();
         e.store(s);
         sum = sum + e;
       }
@@ -377,6 +405,8 @@ struct OpArgs {
   const at::Tensor& query_start_loc;  // [num_reqs + 1] int32
   const at::Tensor& context_lens;     // [num_reqs] int32, tokens in the cache incl. this step's
   double scale;
+  int64_t sliding_window;  // 0: none
+  double logit_softcap;    // 0: none
 
   int64_t num_reqs() const { return block_tables.size(0); }
   int64_t group_size() const { return q.size(1) / k_cache.size(2); }
@@ -421,6 +451,8 @@ void check_args(const OpArgs& a) {
       a.block_tables.sizes());
   check_int32_vector(a.query_start_loc, "query_start_loc", a.num_reqs() + 1);
   check_int32_vector(a.context_lens, "context_lens", a.num_reqs());
+  TORCH_CHECK_VALUE(a.sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", a.sliding_window);
+  TORCH_CHECK_VALUE(a.logit_softcap >= 0, "logit_softcap must be >= 0 (0: none), got ", a.logit_softcap);
 }
 
 // Validates each request's lengths and cuts the batch into work items, longest first.
@@ -450,7 +482,8 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
       if (query_len == 1) {
         for (int64_t g = 0; g < group_size; g += decode_chunk) {
           const int64_t count = std::min(decode_chunk, group_size - g);
-          items.push_back({context_len * (count + 4), int32_t(r), int32_t(h), int32_t(g), int32_t(count), true});
+          const int64_t keys = a.sliding_window > 0 ? std::min(context_len, a.sliding_window) : context_len;
+          items.push_back({keys * (count + 4), int32_t(r), int32_t(h), int32_t(g), int32_t(count), true});
         }
         continue;
       }
@@ -459,7 +492,9 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
         const int64_t count = std::min(kMaxTileRows, num_rows - r0);
         const int64_t kv_end = prefix_len + (r0 + count - 1) / group_size + 1;
         const int64_t padded = (count + kVecSize - 1) / kVecSize * kVecSize;
-        items.push_back({kv_end * padded, int32_t(r), int32_t(h), int32_t(r0), int32_t(count), false});
+        const int64_t first_pos = prefix_len + r0 / group_size;
+        const int64_t first_key = a.sliding_window > 0 ? std::max<int64_t>(0, first_pos - a.sliding_window + 1) : 0;
+        items.push_back({(kv_end - first_key) * padded, int32_t(r), int32_t(h), int32_t(r0), int32_t(count), false});
       }
     }
   }
@@ -485,7 +520,9 @@ void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
                            .group_size = a.group_size(),
                            .block_size = a.k_cache.size(1),
                            .num_blocks = a.k_cache.size(0),
-                           .scale = static_cast<float>(a.scale)};
+                           .scale = static_cast<float>(a.scale),
+                           .sliding_window = a.sliding_window,
+                           .logit_softcap = static_cast<float>(a.logit_softcap)};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t scratch_size = scratch_floats(problem.head_dim, problem.block_size);
   std::atomic<int64_t> next{0};
@@ -501,8 +538,9 @@ void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
 
 void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                         const at::Tensor& context_lens, double scale) {
-  const OpArgs args{out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale};
+                         const at::Tensor& context_lens, double scale, int64_t sliding_window, double logit_softcap) {
+  const OpArgs args{out,          q,     k_cache,        v_cache,      block_tables, query_start_loc,
+                    context_lens, scale, sliding_window, logit_softcap};
   check_args(args);
   const std::vector<WorkItem> items = plan_work(args);
   if (items.empty()) return;
@@ -518,7 +556,7 @@ void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::T
 TORCH_LIBRARY(hpi_kernels, m) {
   m.def(
       "paged_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+      "Tensor query_start_loc, Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
@@ -528,5 +566,5 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
 // Fake/meta tensors (torch.compile tracing): the op only writes `out`, so there is nothing to compute.
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("paged_attention_cpu", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {});
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double) {});
 }

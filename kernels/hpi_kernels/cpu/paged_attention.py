@@ -3,8 +3,10 @@
 One call covers a mixed batch: request r's query tokens are rows query_start_loc[r]:query_start_loc[r + 1]
 of q; their own K/V are already in the cache, so context_lens[r] counts them, and query i of the chunk
 (query_len tokens) sits at position context_lens[r] - query_len + i and attends causally to cache
-positions 0..that position, read through the request's row of block_tables. GQA: q head h reads kv head
-h // (num_heads // num_kv_heads). Rows of `out` that belong to no request are left as they are.
+positions 0..that position, read through the request's row of block_tables. With `sliding_window` W it
+attends positions position - W + 1..position only, and blocks wholly before the window are not read; with
+`logit_softcap` C, scores (already scaled) become C * tanh(score / C) before masking. GQA: q head h reads
+kv head h // (num_heads // num_kv_heads). Rows of `out` that belong to no request are left as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     context_lens: torch.Tensor,  # [num_reqs] int32, tokens in the cache incl. this step's new ones
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """The C++ kernel (torch.ops.hpi_kernels.paged_attention_cpu); builds it on first use.
 
@@ -31,8 +35,21 @@ def paged_attention_cpu(
     Bad arguments raise ValueError; a missing toolchain raises CpuKernelBuildError.
     """
     load_extension()
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if logit_softcap is not None and logit_softcap <= 0:
+        raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
     torch.ops.hpi_kernels.paged_attention_cpu(
-        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        sliding_window or 0,
+        logit_softcap or 0.0,
     )
 
 
@@ -45,8 +62,10 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     context_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
-    """Slow and obvious: per request, gather its context, mask causally, softmax in fp32."""
+    """Slow and obvious: per request, gather its context, mask causally (and by the window), softmax in fp32."""
     group_size = q.shape[1] // k_cache.shape[2]
     starts = query_start_loc.tolist()
     for r, context_len in enumerate(context_lens.tolist()):
@@ -56,7 +75,11 @@ def paged_attention_ref(
         key = gather_kv(k_cache, block_tables[r], context_len).float().repeat_interleave(group_size, dim=1)
         value = gather_kv(v_cache, block_tables[r], context_len).float().repeat_interleave(group_size, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), key) * scale  # [H, Q, K]
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         positions = torch.arange(context_len - (q_end - q_start), context_len)
-        future = torch.arange(context_len)[None, :] > positions[:, None]  # [Q, K]
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        hidden = torch.arange(context_len)[None, :] > positions[:, None]  # [Q, K]
+        if sliding_window is not None:
+            hidden |= torch.arange(context_len)[None, :] <= positions[:, None] - sliding_window
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, value).to(out.dtype)

@@ -7,6 +7,11 @@ The runner orders each step's requests decodes first (query length 1), then pref
 backend can treat the two groups with different kernels. A backend turns the common metadata into its
 own (`build_metadata`, once per step) and then runs every layer with it (`forward`).
 
+Per layer, `forward` also gets the layer's sliding window (a query at position p attends keys at positions
+p - window + 1 .. p; None = all) and attention-logit soft-cap (scores -> cap * tanh(scores / cap) before
+the mask and softmax; None = off). Every backend skips keys outside the window without reading them: the
+KV manager may point blocks wholly outside every layer's window at a shared placeholder.
+
 Backends: `torch` is the `hpi::paged_attention` op (attention_op.py: the C++ CPU kernel, falling back to
 TorchAttentionBackend below, the reference), the one a compiled model step can contain; `triton` is the
 CUDA path (triton_backend.py), run eagerly.
@@ -14,7 +19,7 @@ CUDA path (triton_backend.py), run eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -55,8 +60,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: object,  # what build_metadata returned
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into their slots, then attend each query over its request's cached context.
+        """Write k/v into their slots, then attend each query over its request's cached context (within
+        `sliding_window` most recent positions when set).
 
         q, k and v may be strided views (slices of the fused qkv projection); the caches are contiguous.
         """
@@ -127,16 +136,18 @@ def split_decodes_by_context_len(
     return tuple(reversed(groups))
 
 
-def _key_slots(block_tables: torch.Tensor, block_size: int, max_context_len: int) -> torch.Tensor:
-    """[num_reqs, max_context_len] cache slot of each context position (columns past a table's end repeat it).
-
-    block_tables: [num_reqs, max_blocks] int64
-    """
-    cols = torch.arange(max_context_len, device=block_tables.device)
-    block_ids = block_tables.gather(
-        1, (cols // block_size).clamp_max(block_tables.shape[1] - 1).expand(block_tables.shape[0], -1)
-    )
-    return block_ids * block_size + cols % block_size
+def _key_slots(
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int64
+    block_size: int,
+    width: int,
+    first_positions: torch.Tensor | None = None,  # [num_reqs] int64: position of column 0 (default 0)
+) -> torch.Tensor:  # [num_reqs, width] int64
+    """Cache slot of context positions first_positions[r] + j (columns past a table's end repeat its last block)."""
+    positions = torch.arange(width, device=block_tables.device).expand(block_tables.shape[0], -1)
+    if first_positions is not None:
+        positions = positions + first_positions[:, None]
+    block_ids = block_tables.gather(1, (positions // block_size).clamp_max(block_tables.shape[1] - 1))
+    return block_ids * block_size + positions % block_size
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,35 +155,49 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _build_decode_group(common: AttentionMetadata, req_ids: torch.Tensor, mask_dtype: torch.dtype) -> _DecodeGroup:
-    """Gather indices and length mask for the decode requests `req_ids` ([num_reqs] int64)."""
+def _build_decode_group(
+    common: AttentionMetadata, req_ids: torch.Tensor, mask_dtype: torch.dtype, window: int | None = None
+) -> _DecodeGroup:
+    """Gather indices and length mask for the decode requests `req_ids` ([num_reqs] int64); with a sliding
+    `window`, only the last `window` positions of each context are gathered."""
     req_ids = req_ids.to(common.context_lens.device)
     context_lens = common.context_lens.index_select(0, req_ids).long()
-    max_context_len = int(context_lens.max())
-    cols = torch.arange(max_context_len, device=req_ids.device)
+    first_positions = None if window is None else (context_lens - window).clamp_min(0)
+    num_keys = context_lens if first_positions is None else context_lens - first_positions
+    width = int(num_keys.max())
+    cols = torch.arange(width, device=req_ids.device)
+    block_tables = common.block_tables.index_select(0, req_ids).long()
     return _DecodeGroup(
         query_rows=common.query_start_loc.index_select(0, req_ids).long(),
-        key_slots=_key_slots(common.block_tables.index_select(0, req_ids).long(), common.block_size, max_context_len),
-        mask=_additive(cols[None, :] < context_lens[:, None], mask_dtype)[:, None, None, :],
+        key_slots=_key_slots(block_tables, common.block_size, width, first_positions),
+        mask=_additive(cols[None, :] < num_keys[:, None], mask_dtype)[:, None, None, :],
     )
 
 
-def _build_group(common: AttentionMetadata, first: int, last: int, mask_dtype: torch.dtype) -> _PaddedGroup:
-    """Padded gather indices and causal mask for requests [first, last)."""
+def _build_group(
+    common: AttentionMetadata, first: int, last: int, mask_dtype: torch.dtype, window: int | None = None
+) -> _PaddedGroup:
+    """Padded gather indices and causal (and sliding-window) mask for requests [first, last)."""
     device = common.context_lens.device
     loc = common.query_start_loc[first : last + 1].long()
     query_lens = loc[1:] - loc[:-1]
     context_lens = common.context_lens[first:last].long()
     max_query_len = int(query_lens.max())
-    max_context_len = int(context_lens.max())
     rows = torch.arange(max_query_len, device=device)
     query_index = torch.minimum(loc[:-1, None] + rows, loc[1:, None] - 1)
-    cols = torch.arange(max_context_len, device=device)
-    key_slots = _key_slots(common.block_tables[first:last].long(), common.block_size, max_context_len)
-    # Query i of a request sits at position context_len - query_len + i and sees keys up to there.
-    # Pad rows (i >= query_len) see every real key, so no row is fully masked (no NaN).
-    query_pos = (context_lens - query_lens)[:, None] + rows  # [R, Lq]
-    mask = (cols[None, None, :] <= query_pos[:, :, None]) & (cols[None, None, :] < context_lens[:, None, None])
+    # Query i of a request sits at position context_len - query_len + i and sees keys up to there (and
+    # after its window's start). Pad rows (i >= query_len) act as the last query, so no row is fully masked.
+    query_pos = torch.minimum((context_lens - query_lens)[:, None] + rows, context_lens[:, None] - 1)  # [R, Lq]
+    # Keys are gathered from the first query's window start on (position 0 without a window).
+    first_positions = torch.zeros_like(context_lens)
+    if window is not None:
+        first_positions = (context_lens - query_lens - window + 1).clamp_min(0)
+    width = int((context_lens - first_positions).max())
+    key_slots = _key_slots(common.block_tables[first:last].long(), common.block_size, width, first_positions)
+    key_pos = (first_positions[:, None] + torch.arange(width, device=device))[:, None, :]  # [R, 1, Lk]
+    mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])
+    if window is not None:
+        mask &= key_pos > query_pos[:, :, None] - window
     token_req = torch.repeat_interleave(torch.arange(last - first, device=device), query_lens)
     token_offsets = torch.arange(token_req.shape[0], device=device) - (loc[token_req] - loc[0])
     token_rows = token_req * max_query_len + token_offsets
@@ -184,6 +209,22 @@ def _build_group(common: AttentionMetadata, first: int, last: int, mask_dtype: t
         token_start=int(loc[0]),
         num_tokens=int(loc[-1] - loc[0]),
     )
+
+
+def _attend(
+    q: torch.Tensor,  # [R, H_kv, rows, D]
+    keys: torch.Tensor,  # [R, H_kv, Lk, D]
+    values: torch.Tensor,  # [R, H_kv, Lk, D]
+    mask: torch.Tensor,  # additive, broadcast to [R, H_kv, rows, Lk]
+    scale: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:  # [R, H_kv, rows, D]
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # SDPA has no soft-cap: scores in fp32, capped, masked, softmaxed.
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap + mask
+    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
 
 
 class TorchAttentionBackend:
@@ -222,6 +263,19 @@ class TorchAttentionBackend:
         fields = {f: getattr(common, f) for f in AttentionMetadata.__dataclass_fields__}
         return TorchAttentionMetadata(**fields, decode_groups=decode_groups, prefill_group=prefill_group)
 
+    def _windowed(self, metadata: TorchAttentionMetadata, window: int) -> TorchAttentionMetadata:
+        """The step's groups gathering only each query's window (built per sliding-window layer: cheap index
+        math, and this backend is the reference; the C++ and Triton kernels skip the blocks themselves)."""
+        num_decodes = metadata.num_decode_reqs
+        decode_groups = ()
+        if num_decodes:
+            ids = torch.arange(num_decodes)
+            decode_groups = (_build_decode_group(metadata, ids, self.dtype, window),)
+        prefill_group = None
+        if metadata.num_reqs > num_decodes:
+            prefill_group = _build_group(metadata, num_decodes, metadata.num_reqs, self.dtype, window)
+        return replace(metadata, decode_groups=decode_groups, prefill_group=prefill_group)
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -231,8 +285,13 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata), "metadata not built by TorchAttentionBackend"
+        if sliding_window is not None:
+            metadata = self._windowed(metadata, sliding_window)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -256,7 +315,7 @@ class TorchAttentionBackend:
             num_reqs = group.query_rows.shape[0]
             keys, values = gather(group.key_slots)
             q_dec = q.index_select(0, group.query_rows).view(num_reqs, num_kv_heads, group_size, head_dim)
-            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=group.mask, scale=scale)
+            o = _attend(q_dec, keys, values, group.mask, scale, logit_softcap)
             out.index_copy_(0, group.query_rows, o.view(num_reqs, num_heads, head_dim))
         if (group := metadata.prefill_group) is not None:
             num_reqs, max_query_len = group.query_index.shape
@@ -266,7 +325,7 @@ class TorchAttentionBackend:
             q_pad = q_pad.view(num_reqs, max_query_len, num_kv_heads, group_size, head_dim)
             q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * max_query_len, head_dim)
             mask = group.mask.expand(-1, group_size, -1, -1).reshape(num_reqs, 1, group_size * max_query_len, -1)
-            o = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+            o = _attend(q_pad, keys, values, mask, scale, logit_softcap)
             o = o.view(num_reqs, num_kv_heads, group_size, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
             o = o.reshape(num_reqs * max_query_len, num_heads, head_dim)
             out[group.token_start : group.token_start + group.num_tokens] = o.index_select(0, group.token_rows)
@@ -290,15 +349,40 @@ def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device | 
 
 
 class Attention(nn.Module):
-    """One layer's paged attention; the runner binds the layer's cache tensors after allocating them."""
+    """One layer's paged attention; the runner binds the layer's cache tensors after allocating them.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+    `scale` defaults to head_dim ** -0.5; `sliding_window` (None = global) and `logit_softcap` (None = off)
+    are this layer's (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.backend = backend
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim] once bound
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        return self.backend.forward(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )

@@ -1,8 +1,9 @@
 """The `torch` attention backend as one opaque op, `hpi::paged_attention`, so torch.compile graphs span
 whole layers: Dynamo sees one call per layer (its fake impl gives the output's shape) and never looks in.
 
-The op takes tensors, the scale and a constant flag only: everything that changes from step to step is a
-tensor, so Dynamo has no host int to specialise on and recompile for. The per-request tensors are marked
+The op takes tensors, the layer's constants (scale, sliding window, soft-cap: 0 = none for the last two)
+and a constant flag only: everything that changes from step to step is a tensor, so Dynamo has no host int
+to specialise on and recompile for. The per-request tensors are marked
 unbacked-dynamic (`mark_step_dynamic`), since nothing in the graph reads their sizes.
 
 Inside, per call: write the new tokens' K/V into their cache slots, then attend with hpi_kernels' C++ CPU
@@ -48,7 +49,8 @@ def cpu_kernel_usable(head_dim: int, dtype: torch.dtype, device: torch.device) -
 torch.library.define(
     "hpi::paged_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, bool prefer_cpu_kernel) -> Tensor",
+    "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, bool prefer_cpu_kernel, "
+    "int sliding_window=0, float logit_softcap=0.0) -> Tensor",
 )
 
 
@@ -64,14 +66,25 @@ def paged_attention(
     context_lens: torch.Tensor,  # [num_reqs] int32, incl. this step's tokens
     scale: float,
     prefer_cpu_kernel: bool,  # False: always the reference (gather + SDPA)
+    sliding_window: int = 0,  # 0: global attention
+    logit_softcap: float = 0.0,  # 0: no soft-capping
 ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
     num_tokens = slot_mapping.shape[0]
+    window, cap = sliding_window or None, logit_softcap or None
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if not (prefer_cpu_kernel and cpu_kernel_usable(head_dim, q.dtype, q.device)):
         common = _common_metadata(slot_mapping, block_tables, query_start_loc, context_lens, k_cache.shape[1])
         backend = TorchAttentionBackend(q.dtype)
         attended = backend.forward(
-            q[:num_tokens], k[:num_tokens], v[:num_tokens], k_cache, v_cache, backend.build_metadata(common), scale
+            q[:num_tokens],
+            k[:num_tokens],
+            v[:num_tokens],
+            k_cache,
+            v_cache,
+            backend.build_metadata(common),
+            scale,
+            sliding_window=window,
+            logit_softcap=cap,
         )
         if num_tokens == q.shape[0]:
             return attended
@@ -83,7 +96,8 @@ def paged_attention(
     out = q.new_empty(q.shape)
     if num_tokens < q.shape[0]:
         out[num_tokens:].zero_()  # the kernel leaves rows of no request as they are
-    paged_attention_cpu(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    paged_attention_cpu(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                        sliding_window=window, logit_softcap=cap)  # fmt: skip
     return out
 
 
@@ -91,7 +105,8 @@ torch.library.impl("hpi::paged_attention", "CompositeExplicitAutograd", paged_at
 
 
 @torch.library.register_fake("hpi::paged_attention")
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, scale, prefer_cpu_kernel):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, scale, prefer_cpu_kernel,
+      sliding_window=0, logit_softcap=0.0):  # fmt: skip
     return q.new_empty(q.shape)
 
 
@@ -167,6 +182,9 @@ class PagedAttentionOpBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: PagedAttentionInputs,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
         return torch.ops.hpi.paged_attention(
             q,
@@ -180,4 +198,6 @@ class PagedAttentionOpBackend:
             metadata.context_lens,
             scale,
             self.prefer_cpu_kernel,
+            sliding_window or 0,
+            logit_softcap or 0.0,
         )

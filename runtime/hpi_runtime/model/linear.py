@@ -4,8 +4,9 @@ Every parameter carries a `weight_loader` that takes the unsharded checkpoint te
 rank's slice, so any tp size loads from the same safetensors files. Column-parallel layers hold a span of
 the output features, row-parallel ones a span of the input features (their partial outputs are summed
 across ranks by the model, after the layer, so quantized replacements need not know about it). Merged
-layers (qkv, gate_up) hold several checkpoint tensors in one matrix, each loaded through a shard id.
-With tp 1 every span is the whole dimension.
+layers (qkv, gate_up) hold several checkpoint tensors in one matrix, each loaded through a shard id;
+checkpoints that store them already fused (Phi-3) load through the FUSED_* shard ids, which cut the
+tensor into its parts first. With tp 1 every span is the whole dimension.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpi_runtime.model.parallel import HeadSplit, Span
+
+FUSED_QKV = "qkv"  # shard id of a checkpoint tensor holding all q, then k, then v rows
+FUSED_GATE_UP = "fused"  # shard id of a checkpoint tensor holding all gate, then up rows
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -76,7 +80,11 @@ class MergedColumnParallelLinear(LinearBase):
         self.out_spans = tuple(out_spans)
         super().__init__(in_features, sum(s.size for s in self.out_spans), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+        if shard_id == FUSED_GATE_UP:  # equal parts, one per shard
+            for i, part in enumerate(loaded.chunk(len(self.out_spans), dim=0)):
+                self.weight_loader(param, part, i)
+            return
         offset = sum(s.size for s in self.out_spans[:shard_id])
         span = self.out_spans[shard_id]
         _copy_slice(param.data.narrow(0, offset, span.size), loaded, 0, span, f"shard {shard_id}")
@@ -85,13 +93,24 @@ class MergedColumnParallelLinear(LinearBase):
 class QKVParallelLinear(LinearBase):
     """q, k and v projections of this rank's heads in one matrix; shard id "q" | "k" | "v"."""
 
-    def __init__(self, hidden_size: int, head_dim: int, heads: HeadSplit, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, heads: HeadSplit, bias: bool, total_q_heads: int | None = None
+    ) -> None:
         self.head_dim, self.heads = head_dim, heads
         self.num_heads, self.num_kv_heads = heads.q.size, heads.kv.size  # on this rank
+        self.total_q_heads = total_q_heads  # of the whole model: needed to cut a FUSED_QKV tensor
         super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
+        if shard_id == FUSED_QKV:
+            if self.total_q_heads is None:
+                raise ValueError("a fused qkv checkpoint tensor needs the layer's total_q_heads")
+            q_rows = self.total_q_heads * d
+            kv_rows = (loaded.shape[0] - q_rows) // 2
+            for part, part_id in zip(loaded.split([q_rows, kv_rows, kv_rows]), "qkv", strict=True):
+                self.weight_loader(param, part, part_id)
+            return
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         offset, size, heads = {
             "q": (0, q_size, self.heads.q),

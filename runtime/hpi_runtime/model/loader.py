@@ -35,9 +35,10 @@ from hpi_runtime.model.checkpoint_quant import (
 )
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.linear import LinearBase, default_weight_loader
-from hpi_runtime.model.llama import MODEL_CLASSES, LlamaForCausalLM
+from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.model.parallel import SINGLE, TensorParallel
 from hpi_runtime.model.quant_linear import QuantizedLinear, QuantizedWeight
+from hpi_runtime.model.registry import MODEL_CLASSES
 from hpi_runtime.model.rotary import RotaryEmbedding
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -261,7 +262,7 @@ def _materialize(model: nn.Module, config: ModelConfig, dtype: torch.dtype, devi
         for child_name, child in list(module.named_children()):
             if isinstance(child, RotaryEmbedding):  # its cos/sin tables are computed, not loaded
                 with _default_dtype(dtype), torch.device(device):
-                    setattr(module, child_name, RotaryEmbedding(config.rope, config.head_dim,
+                    setattr(module, child_name, RotaryEmbedding(child.rope, config.head_dim,
                                                                 config.max_position_embeddings))  # fmt: skip
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"tensors left on the meta device: {left[:3]}"

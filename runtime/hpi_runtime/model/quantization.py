@@ -6,8 +6,9 @@ scales and zeros chosen by a data-free MSE search (int4_fit.py) or plain min/max
 hpi_kernels.quant), and `quantized_state_dict` does it for every linear of a model. Which method each
 linear gets is the config's mixed-precision policy (quant_policy.py).
 Runtime step: `quantize_model` swaps every linear layer (qkv, o, gate_up, down; not the embeddings and,
-unless asked, not the LM head) for a `QuantizedLinear`, one layer at a time, releasing each float weight
-as soon as its replacement exists: peak memory is the float model plus one layer, never two models.
+unless asked, not the LM head) for a `QuantizedLinear` (MoE experts for `QuantizedExperts`; routers stay
+float), one layer at a time, releasing each float weight as soon as its replacement exists: peak memory is
+the float model plus one layer, never two models.
 The model is loaded in float first (the loaders do the tensor-parallel slicing); each rank quantizes its
 own shard, so INT4 groups along K need K_per_rank % group_size == 0.
 """
@@ -27,6 +28,7 @@ from hpi_runtime.model.checkpoint_quant import read_checkpoint_quantization
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.int4_fit import fit_int4
 from hpi_runtime.model.linear import LinearBase
+from hpi_runtime.model.moe import FusedExperts
 from hpi_runtime.model.parallel import mlp_span, split_heads
 from hpi_runtime.model.quant_linear import QuantizedLinear, QuantizedWeight, op_dtype
 from hpi_runtime.model.quant_policy import DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
@@ -102,7 +104,7 @@ def _quantizable(model: nn.Module, config: QuantizationConfig) -> Iterator[Quant
     """(name, float module, the config it is quantized with) for every linear the policy quantizes."""
     num_layers = getattr(model.config, "num_layers", 0)
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, FusedExperts)):  # MoE experts: every expert's w13 and w2; not the router
             method = layer_method(config.method, config.int4_policy, name, num_layers)
             if method != "none":
                 yield name, module, dataclasses.replace(config, method=method)
@@ -119,6 +121,14 @@ def quantized_state_dict(model: nn.Module, config: QuantizationConfig) -> dict[s
     """gpt-fast's "make the quantized state dict": `<layer>.qweight/.scales[/.zeros]` for every linear."""
     state: dict[str, torch.Tensor] = {}
     for name, module, layer_config in _quantizable(model, config):
+        if isinstance(module, FusedExperts):
+            for part in ("w13", "w2"):
+                for expert, weight in enumerate(getattr(module, part).weight.detach()):
+                    qw, prefix = quantize_weight(weight, layer_config), f"{name}.{expert}.{part}"
+                    state[f"{prefix}.qweight"], state[f"{prefix}.scales"] = qw.qweight, qw.scales
+                    if qw.zeros is not None:
+                        state[f"{prefix}.zeros"] = qw.zeros
+            continue
         qw = quantize_weight(module.weight.detach(), layer_config)
         state[f"{name}.qweight"], state[f"{name}.scales"] = qw.qweight, qw.scales
         if qw.zeros is not None:
@@ -144,6 +154,13 @@ def _reduction_dims(model_config: ModelConfig, tp_size: int) -> dict[str, int]:
         where = f", rank {rank}" if tp_size > 1 else ""
         ks[f"o_proj (heads x head_dim{where})"] = heads.q.size * model_config.head_dim
         ks[f"down_proj (intermediate_size{where})"] = mlp.size
+        moe = model_config.moe
+        if moe is not None:
+            experts = mlp_span(moe.expert_intermediate_size, tp_size, rank)
+            ks[f"experts' w2 (moe_intermediate_size{where})"] = experts.size
+            if moe.shared_expert_intermediate_size:
+                shared = mlp_span(moe.shared_expert_intermediate_size, tp_size, rank)
+                ks[f"shared_expert.down_proj (shared_expert_intermediate_size{where})"] = shared.size
     return ks
 
 
@@ -184,6 +201,11 @@ def resolve_quantization(
         if requested.method == "int4":
             detail += f" ({describe_policy(requested.int4_policy, model_config.num_layers)})"
         return ResolvedQuantization(requested, requested.method, requested.scheme, detail)
+    if model_config.moe is not None:
+        raise ValueError(
+            f"pre-quantized ({checkpoint.scheme}) Mixture-of-Experts checkpoints are not supported; load the float "
+            "checkpoint with quantization int8 or int4 instead (experts are quantized at load)"
+        )
     if requested.method not in ("none", checkpoint.runtime_method):
         raise ValueError(
             f"the checkpoint is pre-quantized ({checkpoint.scheme}); quantization must be 'none' or "
@@ -204,6 +226,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         return model
     targets = list(_quantizable(model, config))
     for name, module, layer_config in targets:
+        if isinstance(module, FusedExperts):
+            _quantize_experts(model, name, module, layer_config)
+            continue
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
@@ -214,3 +239,15 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         # it would wait for the garbage collector: drop the storage now to keep peak memory at one layer.
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return model
+
+
+def _quantize_experts(model: nn.Module, name: str, experts: FusedExperts, config: QuantizationConfig) -> None:
+    """Swap one layer's float experts for QuantizedExperts (each expert's matrices quantized like a linear)."""
+    weights = (experts.w13.weight, experts.w2.weight)
+    dtype, device = weights[0].dtype, weights[0].device
+    scale_dtype = op_dtype(device, dtype)
+    replacement = experts.quantize(lambda w: quantize_weight(w, config, scale_dtype))
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, replacement)
+    for weight in weights:  # as for linears: release the float storage now, not at the next GC
+        weight.data = torch.empty(0, dtype=dtype, device=device)

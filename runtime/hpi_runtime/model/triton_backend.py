@@ -58,6 +58,9 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         from hpi_kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
@@ -74,6 +77,8 @@ class TritonAttentionBackend:
                 metadata.decode_context_lens,
                 scale,
                 out=out[:num_decode_tokens],
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         if metadata.prefill_block_tables is not None:
             paged_prefill_attention(
@@ -86,5 +91,7 @@ class TritonAttentionBackend:
                 scale,
                 max_query_len=metadata.max_query_len,
                 out=out[num_decode_tokens:],
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         return out

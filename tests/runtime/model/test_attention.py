@@ -217,6 +217,35 @@ def test_op_bf16_is_close_to_fp32(prefer_cpu_kernel) -> None:
 
 
 @pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (6, None), (13, 2.0), (None, 1.5)])
+def test_op_sliding_window_and_softcap(window, softcap, prefer_cpu_kernel) -> None:
+    """Both paths against hpi_kernels' reference, with every block wholly before a request's first query's
+    window pointed at a NaN-filled block (a placeholder the KV manager may put there): it must not be read."""
+    from hpi_kernels.cpu import paged_attention_ref
+
+    common, q, k, v, k_cache, v_cache = _paged_step([300, 17, 5, 64, 48], [1, 1, 1, 20, 48], seed=3)
+    expected_caches = k_cache.clone(), v_cache.clone()
+    for cache, new in zip(expected_caches, (k, v), strict=True):
+        cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[common.slot_mapping] = new
+    expected = torch.zeros(q.shape)
+    paged_attention_ref(expected, q, *expected_caches, common.block_tables, common.query_start_loc,
+                        common.context_lens, HEAD_DIM**-0.5, window, softcap)  # fmt: skip
+    nan_block = k_cache.shape[0]
+    caches = [torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in (k_cache, v_cache)]
+    tables = common.block_tables.clone()
+    if window is not None:
+        query_lens = common.query_start_loc.diff().tolist()
+        for r, (n, c) in enumerate(zip(query_lens, common.context_lens.tolist(), strict=True)):
+            tables[r, : max(0, c - n - window + 1) // BLOCK_SIZE] = nan_block
+    from hpi_runtime.model.attention_op import PagedAttentionOpBackend
+
+    backend = PagedAttentionOpBackend(q.dtype, prefer_cpu_kernel=prefer_cpu_kernel)
+    metadata = backend.build_metadata(dataclasses.replace(common, block_tables=tables))
+    out = backend.forward(q, k, v, *caches, metadata, HEAD_DIM**-0.5, sliding_window=window, logit_softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
 def test_op_registration_is_consistent(prefer_cpu_kernel) -> None:
     """torch.library's own checks: the fake impl, the declared mutations and the schema match the op."""
     common, q, k, v, k_cache, v_cache = _paged_step([30, 20, 9], [1, 1, 9])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpi_runtime.model.config import load_model_config
+from hpi_runtime.model.config import SUPPORTED_ARCHITECTURES, load_model_config
 from hpi_runtime.model.loader import safetensors_files
 
 
@@ -75,13 +75,40 @@ def test_generation_config_eos_list_and_sampling_defaults(tiny_model_dir: Path, 
 
 def test_refuses_unknown_architecture_and_remote_code(tiny_model_dir: Path, tmp_path: Path) -> None:
     unknown = _copy_with_config(tiny_model_dir, tmp_path / "u", architectures=["MambaForCausalLM"])
-    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'") as refused:
         load_model_config(unknown)
+    assert all(arch in str(refused.value) for arch in SUPPORTED_ARCHITECTURES)  # names what does work
     remote = _copy_with_config(tiny_model_dir, tmp_path / "r", auto_map={"AutoModelForCausalLM": "x.Model"})
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_model_config(remote)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model_config(tmp_path)
+
+
+def test_gemma3_config_before_transformers_5_and_phi3_su_scaling(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Gemma 3 as transformers 4 saved it: no layer_types, a sliding_window_pattern, rope_local_base_freq.
+    gemma3 = _copy_with_config(
+        tiny_model_dir, tmp_path / "g3", architectures=["Gemma3ForCausalLM"], rope_parameters=None,
+        rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=512, sliding_window_pattern=2,
+        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+        attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    config = load_model_config(gemma3)
+    assert config.layer_sliding_windows == (512, None)
+    assert (config.rope.theta, config.sliding_rope.theta, config.layer_rope(0).theta) == (1e6, 1e4, 1e4)
+    assert config.attention_scale == 256**-0.5 and config.attn_logit_softcap is None and config.qk_norm
+    gemma2 = _copy_with_config(tiny_model_dir, tmp_path / "g2", architectures=["Gemma2ForCausalLM"],
+                               sliding_window=64, attn_logit_softcapping=50.0)  # fmt: skip
+    assert load_model_config(gemma2).layer_sliding_windows == (64, None)  # alternating from layer 0
+    assert load_model_config(gemma2).attn_logit_softcap == 50.0
+    su = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = _copy_with_config(tiny_model_dir, tmp_path / "phi3", architectures=["Phi3ForCausalLM"],
+                             rope_parameters=None, rope_scaling=su, original_max_position_embeddings=128)  # fmt: skip
+    rope = load_model_config(phi3).rope
+    assert (rope.rope_type, rope.original_max_position_embeddings, rope.factor) == ("longrope", 128, 4.0)
+    bidirectional = _copy_with_config(gemma2, tmp_path / "bi", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="bidirectional"):
+        load_model_config(bidirectional)
 
 
 def test_missing_or_pickle_only_weights(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -101,6 +101,9 @@ def _shards(model_dir: Path, tp_size: int) -> list[dict[str, torch.Tensor]]:
         ("llama", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160, mlp_bias=True), 2),  # uneven
         ("qwen2", dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False), 2),  # qkv biases, own head
         ("llama", dict(num_heads=8, num_kv_heads=2, hidden_size=64), 4),  # KV heads replicated
+        ("phi3", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160), 2),  # fused qkv, gate_up
+        ("qwen3", dict(num_heads=8, num_kv_heads=2, tie_word_embeddings=False), 4),  # q/k norms replicated
+        ("gemma3", dict(sliding_window=8, num_layers=2), 2),  # four norms a layer, q/k norms
     ],
 )
 def test_shards_reassemble_the_unsharded_weights(tiny_model_factory, arch, overrides, tp_size) -> None:

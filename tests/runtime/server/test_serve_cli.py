@@ -28,6 +28,15 @@ def test_help_does_not_print_the_api_key_from_the_environment() -> None:
     assert secret not in result.stdout + result.stderr
 
 
+def test_help_lists_the_supported_architectures() -> None:
+    from hpi_runtime.model.config import SUPPORTED_ARCHITECTURES
+
+    serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve_parser.format_help().split())  # argparse re-wraps the description
+    for architecture in SUPPORTED_ARCHITECTURES:
+        assert architecture in text
+
+
 def test_api_key_flag_then_environment_then_none() -> None:
     assert api_key(serve_args("--api-key", "from-flag"), {"HPI_API_KEY": "from-env"}) == "from-flag"
     assert api_key(serve_args(), {"HPI_API_KEY": "from-env"}) == "from-env"

@@ -63,8 +63,11 @@ SAMPLING = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eo
         ("llama", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160, mlp_bias=True), 2),
         ("qwen2", dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False), 2),
         ("llama", dict(num_heads=8, num_kv_heads=2), 4),  # more ranks than KV heads: KV heads replicated
+        # sliding-window and global layers, soft-capping, sandwich norms, the (1 + w) norm, embedding scale
+        ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0), 2),
+        ("phi3", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160), 2),  # fused checkpoint
     ],
-    ids=["uneven-heads-mlp-bias", "qwen2-biases-untied-head", "replicated-kv-heads"],
+    ids=["uneven-heads-mlp-bias", "qwen2-biases-untied-head", "replicated-kv-heads", "gemma2", "phi3-fused"],
 )
 def test_tensor_parallel_matches_one_process(tiny_model_factory, arch, overrides, tp_size) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
