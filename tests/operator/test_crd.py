@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from hpi_operator import names
+from hpi_testing.crd_schema import to_json_schema
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencedeployments.serving.hpi.dev.yaml"
@@ -26,33 +26,12 @@ def openapi_schema() -> dict[str, Any]:
     return load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
-def to_json_schema(node: dict[str, Any], top: bool = True) -> dict[str, Any]:
-    """An OpenAPI v3 structural schema as a JSON Schema that rejects unknown fields (like the API server's
-    pruning would drop them silently: a typo in an example must fail here instead)."""
-    node = copy.deepcopy(node)
-    if node.pop("x-kubernetes-int-or-string", False):
-        string = {"type": "string", **({"pattern": node["pattern"]} if "pattern" in node else {})}
-        return {"anyOf": [{"type": "integer"}, string]}
-    if node.pop("nullable", False) and "type" in node:
-        node["type"] = [node["type"], "null"]
-    preserve = node.pop("x-kubernetes-preserve-unknown-fields", False)
-    for key in [k for k in node if k.startswith("x-kubernetes-")]:
-        node.pop(key)
-    if "properties" in node:
-        node["properties"] = {k: to_json_schema(v, top=False) for k, v in node["properties"].items()}
-        if not preserve and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-    if isinstance(node.get("additionalProperties"), dict):
-        node["additionalProperties"] = to_json_schema(node["additionalProperties"], top=False)
-    if "items" in node:
-        node["items"] = to_json_schema(node["items"], top=False)
-    if top:
-        node["properties"]["metadata"] = {"type": "object"}  # ObjectMeta is the API server's to check
-    return node
-
-
 def validate_cr(cr: dict[str, Any]) -> None:
-    jsonschema.validate(cr, to_json_schema(openapi_schema()), cls=jsonschema.Draft7Validator)
+    """Strict: unknown fields are rejected (the API server would drop them silently; in an example a typo
+    must fail here instead)."""
+    schema = to_json_schema(openapi_schema(), strict=True)
+    schema["properties"]["metadata"] = {"type": "object"}  # ObjectMeta is the API server's to check
+    jsonschema.validate(cr, schema, cls=jsonschema.Draft7Validator)
 
 
 def walk(node: dict[str, Any], path: str = ""):
