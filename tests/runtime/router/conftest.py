@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
+from hpi_runtime.core.engine_io import EngineStats
 from hpi_runtime.router.config import RouterSettings
 from hpi_runtime.router.main import running_router
 from hpi_runtime.router.sources import StaticSource
@@ -27,15 +28,16 @@ from hpi_runtime.server.metrics import ServingMetrics
 
 
 @dataclass
-class EngineStats:  # the fields ServingMetrics.refresh reads
+class BackendCounters:
+    """What the fake backend counts; published as the runtime's own (frozen) EngineStats."""
+
     num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+
+    def engine_stats(self) -> EngineStats:
+        return EngineStats(num_running=self.num_running, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
+                           prefix_cache_hits=0, num_preemptions=0, num_prompt_tokens=0,
+                           num_generation_tokens=self.num_generation_tokens)  # fmt: skip
 
 
 class FakeBackend:
@@ -45,7 +47,7 @@ class FakeBackend:
         self.ready = True
         self.fail_status: int | None = None  # answer every generation request with this status
         self.die_after_tokens: int | None = None  # drop the connection after this many streamed tokens
-        self.stats = EngineStats()
+        self.stats = BackendCounters()
         self.metrics = ServingMetrics(name)
         self.num_requests = 0
         self.num_cancelled = 0
@@ -77,7 +79,7 @@ class FakeBackend:
         return web.json_response({"status": "ready" if self.ready else "loading"}, status=200 if self.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.metrics.refresh(self.stats)
+        self.metrics.refresh(self.stats.engine_stats())
         self.metrics.set_ready(self.ready)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from hpi_runtime.core.engine_io import EngineStats
 from hpi_runtime.router.affinity import HashRing, prefix_key
 from hpi_runtime.router.backends import Backend, BackendView
 from hpi_runtime.router.config import PolicySettings, RouterSettings
@@ -100,19 +101,10 @@ def test_prefix_key_covers_the_start_of_the_rendered_prompt() -> None:
 
 
 def test_signals_from_the_runtimes_own_metrics_page() -> None:
-    @dataclasses.dataclass
-    class Stats:
-        num_running: int = 3
-        num_waiting: int = 2
-        kv_cache_usage: float = 0.4
-        num_prompt_tokens: int = 100
-        num_generation_tokens: int = 250
-        num_preemptions: int = 0
-        prefix_cache_queries: int = 0
-        prefix_cache_hits: int = 0
-
+    stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.4, prefix_cache_queries=0, prefix_cache_hits=0,
+                        num_preemptions=0, num_prompt_tokens=100, num_generation_tokens=250)  # fmt: skip
     metrics = ServingMetrics("m")
-    metrics.refresh(Stats())
+    metrics.refresh(stats)
     metrics.set_ready(True)
     sample = parse_metrics(metrics.render().decode())
     assert sample == ScrapeSample(num_running=3, num_waiting=2, kv_usage=0.4, generation_tokens=250, ready=True)
