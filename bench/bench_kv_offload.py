@@ -10,6 +10,7 @@ first), prompt tokens the model computed (`hpi:prefill_tokens_computed`), the pr
 split by tier, preemptions by mode, blocks and bytes moved; and the ratios off/on.
 
     .venv/bin/python -m bench.bench_kv_offload                        # 64 conversations x 6 turns
+    .venv/bin/python -m bench.bench_kv_offload --think-time-s 10      # users pause ~10 s between turns
     .venv/bin/python -m bench.bench_kv_offload --conversations 16 --turns 4 --out bench/results/tmp/kv.json
 """
 
@@ -39,6 +40,9 @@ class ChatPlan:
     answer_tokens: int = 32  # each model answer
     pool_fraction: float = 0.25  # of all conversations' final histories that the device KV pool holds
     offload_gib: float = 4.0  # the host tier, when on
+    # Mean seconds a user takes before the next turn (exponential, seeded): 0 sends it at once, which keeps
+    # every conversation queued and makes TTFT mostly queueing behind decode; chat users pause between turns.
+    think_time_s: float = 0.0
     num_threads: int = 2
     dtype: str = "float32"
     seed: int = 0
@@ -74,14 +78,27 @@ async def _turn(session: aiohttp.ClientSession, base_url: str, prompt: str, max_
     return ttft, "".join(pieces)
 
 
-async def _conversation(session, base_url: str, user_turns: list[str], answer_tokens: int) -> list[float]:
+async def _conversation(
+    session, base_url: str, user_turns: list[str], answer_tokens: int, think_s: list[float]
+) -> list[float]:
     history, ttfts = "", []
-    for user in user_turns:
+    for user, pause_s in zip(user_turns, think_s, strict=True):
+        await asyncio.sleep(pause_s)
         history += user
         ttft, answer = await _turn(session, base_url, history, answer_tokens)
         ttfts.append(ttft)
         history += answer
     return ttfts
+
+
+def _think_times(plan: ChatPlan) -> list[list[float]]:
+    """Per conversation, the pause before each turn (the first turns start staggered over one mean pause)."""
+    rng = random.Random(plan.seed + 1)
+    if plan.think_time_s <= 0:
+        return [[0.0] * plan.turns for _ in range(plan.conversations)]
+    mean = plan.think_time_s
+    return [[rng.uniform(0, mean)] + [rng.expovariate(1 / mean) for _ in range(plan.turns - 1)]
+            for _ in range(plan.conversations)]  # fmt: skip
 
 
 def _user_turns(plan: ChatPlan, tokenizer) -> list[list[str]]:
@@ -123,9 +140,10 @@ def run_chat(plan: ChatPlan, user_turns: list[list[str]], kv_bytes: int, offload
             timeout = aiohttp.ClientTimeout(total=3600)
             async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
                 await _turn(session, server.base_url, "warm up the server with a first request", 4)
-                return await asyncio.gather(
-                    *(_conversation(session, server.base_url, turns, plan.answer_tokens) for turns in user_turns)
-                )
+                return await asyncio.gather(*(
+                    _conversation(session, server.base_url, turns, plan.answer_tokens, think_s)
+                    for turns, think_s in zip(user_turns, _think_times(plan), strict=True)
+                ))  # fmt: skip
 
         before = _counters(server.metrics_text())
         start = time.perf_counter()
