@@ -5,36 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import aiohttp
 from aiohttp import web
 
 from hpi_runtime.router.proxy import proxy
-from hpi_runtime.router.state import REQUEST_ID, STATE_KEY, RouterState
-from hpi_runtime.server.errors import ApiError
+from hpi_runtime.router.state import STATE_KEY, RouterState
+from hpi_runtime.server.errors import ApiError, error_middleware
 
 logger = logging.getLogger(__name__)
 
 MODELS_TIMEOUT_S = 5.0
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return ApiError(exc.status, exc.reason or exc.text or "error").response()
-    except (ConnectionError, asyncio.CancelledError):
-        raise
-    except Exception as exc:  # a bug: fail this request only, with its id in the log
-        logger.exception("request %s failed", request[REQUEST_ID])
-        return ApiError(500, f"internal error ({type(exc).__name__}); request id {request[REQUEST_ID]}").response()
 
 
 @web.middleware
@@ -102,7 +83,7 @@ async def not_found(request: web.Request) -> web.Response:
 
 
 def build_app(state: RouterState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, inflight_middleware],
+    app = web.Application(middlewares=[error_middleware(passthrough=(ConnectionError,)), inflight_middleware],
                           client_max_size=state.settings.max_request_body_bytes)
     app[STATE_KEY] = state
     app.on_startup.append(state.open)

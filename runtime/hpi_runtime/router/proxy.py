@@ -23,8 +23,8 @@ from aiohttp import web
 from hpi_runtime.router.affinity import prefix_key
 from hpi_runtime.router.backends import Backend
 from hpi_runtime.router.monitor import eject
-from hpi_runtime.router.state import REQUEST_ID, STATE_KEY, RouterState
-from hpi_runtime.server.errors import ApiError, bad_request
+from hpi_runtime.router.state import STATE_KEY, RouterState
+from hpi_runtime.server.errors import REQUEST_ID, ApiError, bad_request
 
 logger = logging.getLogger(__name__)
 

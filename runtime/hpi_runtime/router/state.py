@@ -47,4 +47,3 @@ class RouterState:
 
 
 STATE_KEY = web.AppKey("router_state", RouterState)
-REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, else ours; sent upstream

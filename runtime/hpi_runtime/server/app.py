@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 
 from aiohttp import web
 
@@ -14,38 +13,30 @@ from hpi_runtime.core.async_engine import EngineDeadError
 from hpi_runtime.core.engine import EngineError, QueueFullError
 from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
-from hpi_runtime.server.errors import ApiError
+from hpi_runtime.server.errors import REQUEST_ID, ApiError
+from hpi_runtime.server.errors import error_middleware as shared_error_middleware
 from hpi_runtime.server.state import STATE_KEY, ServerState
 from hpi_runtime.server.tokenize import detokenize, tokenize, version
 
 logger = logging.getLogger(__name__)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return ApiError(exc.status, exc.reason or exc.text or "error").response()
-    except QueueFullError as exc:
-        return ApiError(429, str(exc), code="queue_full").response()
-    except ValueError as exc:  # the engine's admission checks: input it cannot take is a client error
-        return ApiError(400, str(exc)).response()
-    except EngineDeadError as exc:
-        return ApiError(503, f"the engine is not running: {exc}", code="engine_dead").response()
-    except EngineError as exc:
-        logger.error("request %s failed in the engine: %s", request["request_id"], exc)
-        return ApiError(500, f"the engine failed this request: {exc}").response()
-    except (ConnectionError, TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-        raise
-    except Exception as exc:  # a bug or an engine failure: fail this request only, with its id in the log
-        logger.exception("request %s failed", request["request_id"])
-        return ApiError(500, f"internal error ({type(exc).__name__}); request id {request['request_id']}").response()
+def map_engine_error(exc: Exception, request_id: str) -> ApiError | None:
+    """The engine's exceptions as the client sees them; None for anything else (a bug: a logged 500)."""
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, str(exc), code="queue_full")
+    if isinstance(exc, ValueError):  # the engine's admission checks: input it cannot take is a client error
+        return ApiError(400, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, EngineError):
+        logger.error("request %s failed in the engine: %s", request_id, exc)
+        return ApiError(500, f"the engine failed this request: {exc}")
+    return None
+
+
+# The client going away mid-response propagates (TimeoutError classes are distinct before Python 3.11).
+error_middleware = shared_error_middleware(map_engine_error, (ConnectionError, TimeoutError, asyncio.TimeoutError))
 
 
 CORS_ALLOW_METHODS = "GET, POST, OPTIONS"
@@ -80,8 +71,8 @@ async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 async def _add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
     """X-Request-Id (the client's, else ours) on every response, streams included; CORS headers if allowed."""
-    if "request_id" in request:
-        response.headers["X-Request-Id"] = request["request_id"]
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
     origin = _allowed_origin(request)
     if origin is not None:
         response.headers["Access-Control-Allow-Origin"] = origin
