@@ -36,7 +36,7 @@ class ComputedKV:
         return sum(1 for block in self.device_blocks if block is not None and block.ref_cnt == 0)
 
     @property
-    def num_host_tokens(self) -> int:
+    def num_host_blocks(self) -> int:
         return sum(1 for block in self.host_blocks if block is not None)
 
 
@@ -156,7 +156,7 @@ class KVCacheManager:
             if self.enable_caching and request.num_preemptions == 0:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += computed.num_tokens
-                self.prefix_cache_host_hits += computed.num_host_tokens * size
+                self.prefix_cache_host_hits += computed.num_host_blocks * size
             self._admit_computed(request, computed, blocks)
         num_needed = -(-num_tokens // size) - len(blocks)
         new_blocks = []

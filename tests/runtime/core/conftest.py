@@ -155,6 +155,28 @@ def check_host_tier_invariants(kv_cache_manager) -> None:
         assert len(swapped.host_blocks) == -(-swapped.num_tokens // kv_cache_manager.block_size)
 
 
+def drain_engine(engine, pool_invariants=None, after_step=None, max_steps: int = 10_000) -> dict:
+    """Step until every request finished: {request id: final output}. `pool_invariants` and `after_step`
+    (given the engine) run after every step."""
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        if pool_invariants:
+            pool_invariants(engine.kv_cache_manager)
+        if after_step:
+            after_step(engine)
+    raise AssertionError("engine did not drain")
+
+
+@pytest.fixture(scope="session")
+def drain():
+    return drain_engine
+
+
 @pytest.fixture(scope="session")
 def fake_executor_cls():
     return FakeExecutor

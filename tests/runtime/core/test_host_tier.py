@@ -14,6 +14,8 @@ from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import EngineError, LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
+from .conftest import drain_engine
+
 BLOCK = 8
 
 
@@ -27,30 +29,18 @@ def make_engine(fake_executor_cls):
     return build
 
 
-def run(engine: LLMEngine, pool_invariants, max_steps: int = 500) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finals
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        pool_invariants(engine.kv_cache_manager)
-    raise AssertionError("engine did not drain")
-
-
 def conversation_turns(engine: LLMEngine, pool_invariants) -> tuple[dict, int]:
     """A conversation's prefix is evicted by another one, then the conversation comes back: (outputs, tokens
     the second visit had to compute)."""
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     history = list(range(1, 33))  # 4 full blocks
     engine.add_request("turn1", history, params)
-    first = run(engine, pool_invariants)
+    first = drain_engine(engine, pool_invariants)
     engine.add_request("other", [90 + i % 7 for i in range(40)], params)  # needs every block: evicts turn1's
-    first.update(run(engine, pool_invariants))
+    first.update(drain_engine(engine, pool_invariants))
     before = engine.get_stats().num_prefill_tokens_computed
     engine.add_request("turn2", history + [77] * 5, params)
-    first.update(run(engine, pool_invariants))
+    first.update(drain_engine(engine, pool_invariants))
     return first, engine.get_stats().num_prefill_tokens_computed - before
 
 
@@ -73,9 +63,9 @@ def test_a_device_hit_beats_a_host_hit_and_nothing_is_copied_twice(make_engine, 
     engine = make_engine(num_blocks=12, num_host_blocks=8)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request("a", list(range(1, 33)), params)
-    run(engine, pool_invariants)
+    drain_engine(engine, pool_invariants)
     engine.add_request("b", list(range(1, 33)) + [5], params)  # the pool never filled: a device hit
-    run(engine, pool_invariants)
+    drain_engine(engine, pool_invariants)
     stats = engine.get_stats()
     assert stats.kv_blocks_to_host == 0 and stats.kv_blocks_to_device == 0
     assert stats.prefix_cache_hits == 32 and stats.prefix_cache_host_hits == 0
@@ -92,7 +82,7 @@ def preemption_workload(engine: LLMEngine) -> None:
 def test_preempted_request_is_swapped_out_and_resumes_without_recompute(make_engine, pool_invariants, expected_token):
     engine = make_engine(num_blocks=6, num_host_blocks=8, max_model_len=40)
     preemption_workload(engine)
-    finals = run(engine, pool_invariants)
+    finals = drain_engine(engine, pool_invariants)
     stats = engine.get_stats()
     assert stats.num_preemptions >= 1 and stats.num_swapped_preemptions == stats.num_preemptions
     resumed = [
@@ -112,7 +102,7 @@ def test_preempted_request_is_swapped_out_and_resumes_without_recompute(make_eng
 def test_without_room_in_the_host_tier_preemption_recomputes(make_engine, pool_invariants, expected_token):
     engine = make_engine(num_blocks=6, num_host_blocks=1, max_model_len=40)  # r2 needs 2 host blocks
     preemption_workload(engine)
-    finals = run(engine, pool_invariants)
+    finals = drain_engine(engine, pool_invariants)
     stats = engine.get_stats()
     assert stats.num_preemptions >= 1 and stats.num_swapped_preemptions == 0
     assert stats.num_prefill_tokens_computed > 45  # r2's 16 known tokens ran again
@@ -134,7 +124,7 @@ def test_aborting_a_swapped_out_request_frees_its_host_blocks(make_engine, pool_
     assert not engine.kv_cache_manager._swapped
     host = engine.kv_cache_manager.host
     assert host.pool.num_free == host.num_blocks - len(host._held)
-    run(engine, pool_invariants)
+    drain_engine(engine, pool_invariants)
 
 
 def test_a_failed_step_drops_its_swaps_and_offloads(make_engine, pool_invariants, expected_token):
@@ -149,14 +139,14 @@ def test_a_failed_step_drops_its_swaps_and_offloads(make_engine, pool_invariants
     kv = engine.kv_cache_manager
     assert not kv._swapped and not kv.host.pool.cached_blocks  # its copies may never have run
     pool_invariants(kv)
-    finals = run(engine, pool_invariants)
+    finals = drain_engine(engine, pool_invariants)
     assert finals["r2"].output_token_ids == tuple(expected_token("r2", 15 + j) for j in range(12))
 
 
 def test_offload_needs_prefix_caching_but_swap_does_not(make_engine, pool_invariants, expected_token):
     engine = make_engine(num_blocks=6, num_host_blocks=4, max_model_len=40, enable_prefix_caching=False)
     preemption_workload(engine)
-    finals = run(engine, pool_invariants)
+    finals = drain_engine(engine, pool_invariants)
     stats = engine.get_stats()
     assert stats.num_swapped_preemptions >= 1 and stats.prefix_cache_hits == 0
     assert finals["r2"].output_token_ids == tuple(expected_token("r2", 15 + j) for j in range(12))

@@ -21,19 +21,6 @@ def make_engine(fake_executor_cls):
     return build
 
 
-def drain(engine: LLMEngine, pool_invariants=None, max_steps: int = 10_000) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finals
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        if pool_invariants:
-            pool_invariants(engine.kv_cache_manager)
-    raise AssertionError("engine did not drain")
-
-
 def test_long_prompt_is_chunked_under_the_token_budget(make_engine, expected_token):
     engine = make_engine(max_num_batched_tokens=16)
     engine.add_request("long", list(range(50)), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -47,7 +34,7 @@ def test_long_prompt_is_chunked_under_the_token_budget(make_engine, expected_tok
     assert outputs[-1][0].finished and engine.kv_cache_manager.pool.num_free == 64
 
 
-def test_running_requests_go_first_and_budget_and_max_num_seqs_hold(make_engine, pool_invariants):
+def test_running_requests_go_first_and_budget_and_max_num_seqs_hold(make_engine, pool_invariants, drain):
     engine = make_engine(max_num_batched_tokens=20, max_num_seqs=3)
     for i in range(6):
         engine.add_request(f"r{i}", list(range(100 + i, 112 + i)), PARAMS)
@@ -62,7 +49,7 @@ def test_running_requests_go_first_and_budget_and_max_num_seqs_hold(make_engine,
         assert batch.total_num_scheduled_tokens <= 20 and len(batch.num_scheduled_tokens) <= 3
 
 
-def test_prefix_hit_skips_cached_blocks_and_shares_them(make_engine):
+def test_prefix_hit_skips_cached_blocks_and_shares_them(make_engine, drain):
     engine = make_engine()
     prompt = list(range(40))
     engine.add_request("a", prompt, PARAMS)
@@ -79,7 +66,7 @@ def test_prefix_hit_skips_cached_blocks_and_shares_them(make_engine):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
 
 
-def test_newest_running_request_is_preempted_and_recomputed_identically(make_engine, expected_token):
+def test_newest_running_request_is_preempted_and_recomputed_identically(make_engine, expected_token, drain):
     # 6 blocks of 8 tokens; three requests of 15 prompt tokens each take 2 blocks, so the first decode
     # step past 16 tokens needs a block that is not there: the newest (r2) must go.
     engine = make_engine(num_blocks=6, max_model_len=48, kv_admission_watermark=0.0)
@@ -103,7 +90,7 @@ def test_newest_running_request_is_preempted_and_recomputed_identically(make_eng
     assert engine.kv_cache_manager.pool.num_free == 6
 
 
-def test_preempted_request_goes_to_the_front_of_the_waiting_queue(make_engine):
+def test_preempted_request_goes_to_the_front_of_the_waiting_queue(make_engine, drain):
     engine = make_engine(num_blocks=4, max_model_len=32, max_num_seqs=2)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     engine.add_request("old", [1] * 15, params)
@@ -154,7 +141,7 @@ def test_waiting_head_blocks_later_requests_fcfs(make_engine):
     assert [r.request_id for r in engine.scheduler.waiting] == ["big", "small"]
 
 
-def test_priority_orders_admission_then_arrival(make_engine):
+def test_priority_orders_admission_then_arrival(make_engine, drain):
     engine = make_engine(max_num_seqs=1)
     for rid, priority in (("low", 1), ("a", 0), ("b", 0), ("urgent", -1), ("c", 0), ("urgent2", -1)):
         engine.add_request(rid, [1, 2, 3], PARAMS, priority=priority)
@@ -164,7 +151,7 @@ def test_priority_orders_admission_then_arrival(make_engine):
     assert admitted == ["urgent", "urgent2", "a", "b", "c", "low"]
 
 
-def test_preempted_request_stays_ahead_of_higher_priority_arrivals(make_engine):
+def test_preempted_request_stays_ahead_of_higher_priority_arrivals(make_engine, drain):
     engine = make_engine(num_blocks=4, max_model_len=32, max_num_seqs=2)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     engine.add_request("old", [1] * 15, params, priority=5)
@@ -188,7 +175,7 @@ def test_kv_admission_watermark_must_be_a_fraction_below_one(watermark):
     assert EngineConfig(kv_admission_watermark=0.99).kv_admission_watermark == 0.99
 
 
-def test_admission_stops_at_the_watermark(make_engine, pool_invariants):
+def test_admission_stops_at_the_watermark(make_engine, pool_invariants, drain):
     # 20 blocks, watermark 0.25: 5 must stay free. Each 15-token prompt takes 2 blocks, so admission stops
     # at 6 free (the next would leave 4); without the watermark it fills the pool.
     for watermark, num_admitted in ((0.25, 7), (0.0, 10)):
@@ -214,7 +201,7 @@ def test_watermark_counts_the_whole_prompt_not_the_first_chunk(make_engine):
     assert list(engine.executor.batches[-1].num_scheduled_tokens) == ["a"]
 
 
-def test_headroom_avoids_the_preemption_a_full_pool_causes(make_engine, expected_token):
+def test_headroom_avoids_the_preemption_a_full_pool_causes(make_engine, expected_token, drain):
     # 6 blocks of 8 tokens; three 15-token prompts take 2 blocks each and grow to 24 tokens (3 blocks). Filling
     # the pool admits all three and preempts r2 at token 17; keeping 2 blocks free lets r2 wait instead.
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -230,7 +217,7 @@ def test_headroom_avoids_the_preemption_a_full_pool_causes(make_engine, expected
             assert finals[f"r{i}"].output_token_ids == tuple(expected_token(f"r{i}", 15 + j) for j in range(10))
 
 
-def test_request_larger_than_the_headroom_is_admitted_once_nothing_runs(make_engine, pool_invariants):
+def test_request_larger_than_the_headroom_is_admitted_once_nothing_runs(make_engine, pool_invariants, drain):
     """No starvation or deadlock: the watermark only defers admission while something runs, and running
     requests always finish, so a prompt that can never leave the watermark free still gets its turn."""
     engine = make_engine(num_blocks=16, kv_admission_watermark=0.5)  # 8 of 16 blocks stay free

@@ -16,6 +16,8 @@ from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request
 from hpi_runtime.sampling_params import SamplingParams
 
+from .conftest import drain_engine
+
 BLOCK, WINDOW = 8, 20
 
 
@@ -30,29 +32,20 @@ def make_engine(fake_executor_cls):
     return build
 
 
-def run(engine: LLMEngine, pool_invariants, max_steps: int = 2000) -> dict:
-    finals, peak = {}, 0
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finals
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        pool_invariants(engine.kv_cache_manager)
-        kv = engine.kv_cache_manager
-        for blocks in kv.req_to_blocks.values():
-            peak = max(peak, sum(1 for block in blocks if block is not kv.null_block))
-        engine.peak_blocks = peak
-    raise AssertionError("engine did not drain")
+def blocks_held(engine: LLMEngine) -> int:
+    """The most real (non-placeholder) blocks any request holds right now."""
+    kv = engine.kv_cache_manager
+    return max((sum(1 for b in blocks if b is not kv.null_block) for blocks in kv.req_to_blocks.values()), default=0)
 
 
 def test_a_request_much_longer_than_the_pool_runs_in_its_window(make_engine, pool_invariants, expected_token):
     # 10 blocks (80 slots) for a 300-token prompt + 60 outputs: only the window and one chunk are ever held.
     engine = make_engine(num_blocks=10)
     engine.add_request("long", [3] * 300, SamplingParams(max_tokens=60, ignore_eos=True))
-    finals = run(engine, pool_invariants)
+    peaks = []
+    finals = drain_engine(engine, pool_invariants, after_step=lambda e: peaks.append(blocks_held(e)))
     assert finals["long"].output_token_ids == tuple(expected_token("long", 300 + j) for j in range(60))
-    assert engine.peak_blocks <= -(-(WINDOW + 16) // BLOCK) + 1
+    assert max(peaks) <= -(-(WINDOW + 16) // BLOCK) + 1
     assert engine.kv_cache_manager.pool.num_free == 10 - 1  # all back but the placeholder
 
 
@@ -60,12 +53,12 @@ def test_several_requests_and_a_prefix_hit_under_a_window(make_engine, pool_inva
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     engine = make_engine(num_blocks=12)
     engine.add_request("r0", [1] * 50, SamplingParams(max_tokens=8, ignore_eos=True))  # 8 blocks: none reused
-    finals = run(engine, pool_invariants)
+    finals = drain_engine(engine, pool_invariants)
     # r0's prompt blocks were freed by its window as it grew, but stay cached (by hash) until evicted.
     engine.add_request("again", [1] * 50 + [9] * 3, params)
     for i in (1, 2):
         engine.add_request(f"r{i}", [i + 1] * 50, params)
-    finals.update(run(engine, pool_invariants))
+    finals.update(drain_engine(engine, pool_invariants))
     assert engine.get_stats().prefix_cache_hits == 48
     for rid, prompt_len in (("r0", 50), ("r1", 50), ("r2", 50), ("again", 53)):
         num_tokens = len(finals[rid].output_token_ids)
