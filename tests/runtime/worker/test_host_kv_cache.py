@@ -22,12 +22,12 @@ TOKEN_BYTES = 512  # the tiny model in fp32: 2 layers x 2 KV heads x 16 dims x (
 class _Layers:
     """Stands in for a model: HostKVCache reads only each attention layer's k_cache and v_cache."""
 
-    def __init__(self, num_layers: int, num_blocks: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         generator = torch.Generator().manual_seed(0)
         shape = (num_blocks, BLOCK, 2, 16)
         self.layers = [
-            SimpleNamespace(k_cache=torch.randn(shape, generator=generator).to(dtype),
-                            v_cache=torch.randn(shape, generator=generator).to(dtype))
+            SimpleNamespace(k_cache=torch.randn(shape, generator=generator).to(device, dtype),
+                            v_cache=torch.randn(shape, generator=generator).to(device, dtype))
             for _ in range(num_layers)
         ]  # fmt: skip
 
@@ -36,9 +36,11 @@ class _Layers:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_copies_round_trip_bit_exactly(dtype: torch.dtype) -> None:
-    model = _Layers(num_layers=3, num_blocks=10, dtype=dtype)
-    host = HostKVCache(model, num_blocks=6, device=torch.device("cpu"))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_copies_round_trip_bit_exactly(dtype: torch.dtype, device: str) -> None:
+    """On CUDA: pinned host pool, offloads on a side stream overlapping later work, loads on the compute stream."""
+    model = _Layers(num_layers=3, num_blocks=10, dtype=dtype, device=torch.device(device))
+    host = HostKVCache(model, num_blocks=6, device=torch.device(device))
     assert host.num_bytes == 3 * 2 * 6 * BLOCK * 2 * 16 * dtype.itemsize
     originals = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in model.layers]
     host.apply(KVTransfers(to_host=((7, 0), (2, 5), (9, 3))))
