@@ -13,9 +13,8 @@ chunks alike: it beat gather + SDPA 1.4-10x on every shape measured, long prefil
 whose per-step grouping is then rebuilt per layer (+0.25 ms a layer at 32 decodes: the price of passing
 only tensors; the fallback serves head dims the kernel lacks and machines where it does not build).
 
-The step's token rows may be padded past the real tokens (the compiled step pads one token to two so
-that Dynamo never specialises on a size of 1): `slot_mapping` covers the real tokens only and pad rows
-of the output are zeros.
+The step's token rows may run past the real tokens (padded rows, as a captured graph would have):
+`slot_mapping` covers the real tokens only and pad rows of the output are zeros.
 """
 
 from __future__ import annotations

@@ -146,23 +146,32 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        compute_dtype = self.compute_dtype
         rows = x.reshape(-1, self.in_features)
         if self.input_perm is not None:
             rows = rows.index_select(1, self.input_perm)
-        if self._dequantize_for(rows):
-            weight = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]  # one layer, transient
-            out = torch.nn.functional.linear(rows, weight, self.bias)
-            return out.reshape(*lead, self.out_features)
-        out = self._matmul(rows.to(compute_dtype).contiguous()).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
+        if not self._may_dequantize(rows):
+            out = self._packed_forward(rows)
+        elif torch.compiler.is_compiling():  # the row count is unbacked there: both branches go in the graph
+            out = torch.cond(rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS, self._dequantized_forward,
+                             self._packed_forward, (rows,))  # fmt: skip
+        elif rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS:
+            out = self._dequantized_forward(rows)
+        else:
+            out = self._packed_forward(rows)
         return out.reshape(*lead, self.out_features)
 
-    def _dequantize_for(self, rows: torch.Tensor) -> bool:
-        # The row count last: under torch.compile it is a guard (one more graph), needed only when the rest holds.
+    def _packed_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(rows.to(self.compute_dtype).contiguous()).to(rows.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def _dequantized_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = self.qweight.to(rows.dtype) * self.scales.to(rows.dtype)[:, None]  # one layer, transient
+        return torch.nn.functional.linear(rows, weight, self.bias)
+
+    def _may_dequantize(self, rows: torch.Tensor) -> bool:
+        """Whether a step with enough rows dequantizes this layer (see CPU_INT8_DEQUANT_MIN_ROWS)."""
         return (self.device_type == "cpu" and self.method == "int8" and rows.dtype == torch.float32
-                and self.compute_dtype != torch.float32 and rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS)  # fmt: skip
+                and self.compute_dtype != torch.float32)  # fmt: skip
 
     @property
     def compute_dtype(self) -> torch.dtype:

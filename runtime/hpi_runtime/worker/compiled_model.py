@@ -1,10 +1,13 @@
 """The model step under torch.compile (Inductor): one graph over all layers for every step shape.
 
-Attention is the opaque `hpi::paged_attention` op, so the graph has no breaks; the only size that
-reaches guarded code is the token count, marked dynamic. A step of one token is padded to two because
-Dynamo specialises a dynamic size seen as 1 (a second graph); the per-request attention tensors are
-unbacked-dynamic (see PagedAttentionInputs). Whether Inductor freezes the weights (constants, prepacked
-for oneDNN) is the caller's choice: see `ExecutorConfig.freeze_weights`.
+Attention is the opaque `hpi::paged_attention` op, so the graph has no breaks. Every size that changes
+per step is unbacked-dynamic: the token count and the per-request attention tensors (see
+PagedAttentionInputs). So no guard reads them, one graph serves every step, and a one-token step is not
+specialised (a backed size seen as 1 is) nor padded to two rows: a one-row matmul runs MKL's GEMV, 1.4x
+faster than a two-row GEMM over the same weights (bench/results/hot_path.md). The one row-count choice
+in the model (CPU int8 layers dequantize for large steps) is a `torch.cond`. Whether Inductor freezes
+the weights (constants, prepacked for oneDNN) is the caller's choice: see `ExecutorConfig.freeze_weights`;
+`freezing` is read while Dynamo traces, so it is patched around the call, not passed as an option.
 """
 
 from __future__ import annotations
@@ -17,15 +20,14 @@ import torch
 from hpi_runtime.model.attention_op import PagedAttentionInputs
 from hpi_runtime.model.llama import LlamaForCausalLM
 
-MIN_COMPILED_TOKENS = 2
-
 
 class CompiledForward:
     """`model(input_ids, positions, metadata)`, compiled on first call (the runner's warm-up)."""
 
     def __init__(self, model: LlamaForCausalLM, freeze_weights: bool) -> None:
         # The model object itself stays eager (perplexity and tests call it directly).
-        self._compiled = torch.compile(_own_code(model), fullgraph=True, options={"freezing": freeze_weights})
+        self._compiled = torch.compile(_own_code(model), fullgraph=True)
+        self._freeze_weights = freeze_weights
 
     def __call__(
         self,
@@ -33,14 +35,11 @@ class CompiledForward:
         positions: torch.Tensor,  # [num_tokens] int64
         metadata: PagedAttentionInputs,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        num_tokens = input_ids.shape[0]
-        if num_tokens < MIN_COMPILED_TOKENS:  # pad rows: token 0 at position 0, no KV slot, never sampled
-            pad = MIN_COMPILED_TOKENS - num_tokens
-            input_ids, positions = (torch.cat([t, t.new_zeros(pad)]) for t in (input_ids, positions))
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
         metadata.mark_step_dynamic()
-        return self._compiled(input_ids, positions, metadata)[:num_tokens]
+        with torch._inductor.config.patch(freezing=self._freeze_weights):
+            return self._compiled(input_ids, positions, metadata)
 
 
 def _own_code(model: LlamaForCausalLM) -> Callable[..., torch.Tensor]:

@@ -46,11 +46,11 @@ class CompileConfig:
 
     max_model_len: int = 2048  # warm-up requests stay within it
     freeze_weights: bool = False
-    warmup_large_step_tokens: int = 256  # also compiles graphs guarded on a large step (CPU int8 dequant)
+    warmup_large_step_tokens: int = 256  # also runs a large step (CPU int8 layers dequantize there)
 
     def warmup_steps(self) -> tuple[tuple[int, ...], ...]:
-        """Warm-up steps as the query lengths of their requests: one decode (padded to two rows), decodes
-        with a prefill chunk, and a large step of prefill chunks. Any step shape then finds its graph."""
+        """Warm-up steps as the query lengths of their requests: one decode, decodes with a prefill chunk,
+        and a large step of prefill chunks, so that no request meets a first-call cost."""
         chunk = min(self.max_model_len, 128)
         return (1,), (1, 1, min(self.max_model_len, 5)), (chunk,) * -(-self.warmup_large_step_tokens // chunk)
 
