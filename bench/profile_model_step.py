@@ -1,6 +1,7 @@
 """Where one decode step's time goes: linears, attention, element-wise ops, host-side preparation.
 
-Drives one LocalExecutor per mode (eager, compiled, or compiled with frozen weights) on the embedded
+Drives one LocalExecutor per mode (eager, compiled, compiled with frozen weights, or compiled with the
+linear weights row-major as loaded instead of use_sgemm_layout's column-major) on the embedded
 SmolLM2 directly with hand-made scheduler deltas: N requests with P-token prompts are prefilled one by one, then
 decode together. The modes take turns step by step; the median of S decode steps is timed per mode, and
 the medians of a few more steps profiled with torch.profiler give the components (ms):
@@ -28,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.embedded import ensure_embedded_model
 from hpi_runtime.model.config import load_model_config
+from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.sampler import Sampler
@@ -117,6 +119,7 @@ MODES = {  # ExecutorConfig settings of each mode
     "eager": {"enforce_eager": True},
     "compiled": {"enforce_eager": False, "freeze_weights": False},
     "frozen": {"enforce_eager": False, "freeze_weights": True},
+    "row-major": {"enforce_eager": False, "freeze_weights": False},  # compiled, linear weights as loaded
 }
 
 
@@ -129,6 +132,10 @@ def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
         raise SystemExit("this engine predates compilation: --modes eager only")
     start = time.perf_counter()
     executor = LocalExecutor(ExecutorConfig(**settings))
+    if mode == "row-major":  # undo use_sgemm_layout (the graph recompiles for the new strides on first use)
+        for module in executor.model.modules():
+            if isinstance(module, LinearBase):
+                module.weight.data = module.weight.data.contiguous()
     print(f"{mode}: executor ready in {time.perf_counter() - start:.1f} s", flush=True)
     runner = executor.runner
     if getattr(runner, "is_compiled", False):  # wrap outside the compiled region: Dynamo never sees it

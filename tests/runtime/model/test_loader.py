@@ -13,7 +13,10 @@ from safetensors.torch import load_file, save_file
 from hpi_runtime.model import loader
 from hpi_runtime.model.attention import TorchAttentionBackend
 from hpi_runtime.model.config import load_model_config
+from hpi_runtime.model.linear import LinearBase, use_sgemm_layout
 from hpi_runtime.model.loader import load_model, safetensors_files, weight_file_patterns
+from hpi_runtime.model.perplexity import perplexity
+from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
 
 CPU = torch.device("cpu")
 
@@ -134,3 +137,26 @@ def test_unindexed_directory_ignores_a_consolidated_copy(tiny_model_dir: Path, t
     (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")  # any name, when it is the only one
     (tmp_path / "consolidated.safetensors").unlink()
     assert safetensors_files(tmp_path) == [tmp_path / "weights.safetensors"]
+
+
+def test_sgemm_layout_moves_fp32_cpu_linears_only(sharded_dir: Path, tiny_model_dir: Path) -> None:
+    """use_sgemm_layout re-stores each fp32 CPU linear weight column-major: the same logical [out, in]
+    values (the checkpoint's, exactly) and the same model outputs; bf16 weights and int8-quantized layers
+    stay as they are."""
+    model = _load(sharded_dir)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    before = perplexity(model, TorchAttentionBackend(torch.float32), tokens)
+    assert use_sgemm_layout(model) == len(linears) == 8
+    for linear in linears:
+        out_features = linear.weight.shape[0]
+        assert linear.weight.stride() == (1, out_features) and linear.weight.t().is_contiguous()
+    _check_matches(model, _reference(sharded_dir))
+    assert perplexity(model, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(before, rel=1e-5)
+    assert use_sgemm_layout(model) == 0  # already there
+
+    bf16 = _load(tiny_model_dir, torch.bfloat16)
+    assert use_sgemm_layout(bf16) == 0
+    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, LinearBase))
+    int8 = quantize_model(_load(tiny_model_dir), QuantizationConfig(method="int8"))
+    assert use_sgemm_layout(int8) == 0  # every linear is quantized: their packed weights stay as they are

@@ -12,7 +12,10 @@ from torch._dynamo.utils import counters
 
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import load_model_config
+from hpi_runtime.model.linear import use_sgemm_layout
 from hpi_runtime.model.loader import load_model
+from hpi_runtime.model.quant_linear import CPU_INT8_DEQUANT_MIN_ROWS
+from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
@@ -24,12 +27,19 @@ NUM_BLOCKS, BLOCK_SIZE = 96, 8
 
 
 def _runner(
-    model_dir: Path, dtype: torch.dtype, compiled: bool, freeze_weights: bool = False, num_blocks: int = NUM_BLOCKS
+    model_dir: Path,
+    dtype: torch.dtype,
+    compiled: bool,
+    freeze_weights: bool = False,
+    num_blocks: int = NUM_BLOCKS,
+    quantization: str = "none",
 ) -> ModelRunner:
     config = load_model_config(model_dir)
     cpu = torch.device("cpu")
     backend = get_attention_backend("torch", dtype, cpu)
     model = load_model(config, dtype, cpu, backend)
+    quantize_model(model, QuantizationConfig(method=quantization))
+    use_sgemm_layout(model)
     allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), cpu)
     compile_config = CompileConfig(max_model_len=128, freeze_weights=freeze_weights) if compiled else None
     return ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0, compile_config)
@@ -60,19 +70,39 @@ def _generate(runner: ModelRunner, prompt_lens: list[int], num_steps: int, chunk
 )
 def test_compiled_step_generates_the_eager_tokens(tiny_model_dir: Path, dtype: torch.dtype, freeze_weights) -> None:
     eager = _runner(tiny_model_dir, dtype, compiled=False)
+    packed_before = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     compiled = _runner(tiny_model_dir, dtype, compiled=True, freeze_weights=freeze_weights)
     assert compiled.is_compiled and not eager.is_compiled
+    # Frozen weights are prepacked for oneDNN (all 4 linears of both layers), unfrozen ones never are.
+    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed_before
+    assert packed == (8 if freeze_weights else 0)
     prompt_lens = [5, 19, 1, 33]
     assert _generate(compiled, prompt_lens, 14) == _generate(eager, prompt_lens, 14)
 
 
-def test_no_recompilation_across_step_shapes(tiny_model_dir: Path) -> None:
-    """After start-up, batches of 1..64 requests, single decodes and mixed prefill/decode steps reuse the
-    warm-up's graphs: any recompilation raises."""
-    runner = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160)
+def test_int8_layers_choose_by_step_size_inside_one_graph(tiny_model_dir: Path) -> None:
+    """fp32 activations over int8 weights dequantize the layer for steps of CPU_INT8_DEQUANT_MIN_ROWS rows
+    or more: a `torch.cond` on the unbacked row count, so small and large steps share one graph and the
+    compiled tokens stay the eager ones on both sides of the threshold."""
+    long_prompt = CPU_INT8_DEQUANT_MIN_ROWS + 40  # its one-step prefill takes the dequantized branch
+    eager = _runner(tiny_model_dir, torch.float32, compiled=False, num_blocks=160, quantization="int8")
+    compiled = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160, quantization="int8")
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        _generate(runner, [3], 4, chunk_size=None)  # one request: 1-token decodes, padded to 2 rows
+        tokens = _generate(compiled, [long_prompt, 6], 6, chunk_size=None)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert tokens == _generate(eager, [long_prompt, 6], 6, chunk_size=None)
+
+
+def test_no_recompilation_across_step_shapes(tiny_model_dir: Path) -> None:
+    """After start-up, batches of 1..64 requests, single decodes and mixed prefill/decode steps reuse the
+    warm-up's one graph: any recompilation raises."""
+    before = counters["stats"]["unique_graphs"]
+    runner = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _generate(runner, [3], 4, chunk_size=None)  # one request: 1-token decodes (a size of 1, not specialised)
         runner.input_batch.clear()
         _generate(runner, [1 + (i * 7) % 9 for i in range(63)], 5, chunk_size=None)  # up to 64 requests
         runner.input_batch.clear()
