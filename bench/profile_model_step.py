@@ -6,7 +6,7 @@ SmolLM2 directly with hand-made scheduler deltas: N requests with P-token prompt
 decode together. The modes take turns step by step; the median of S decode steps is timed per mode, and
 the medians of a few more steps profiled with torch.profiler give the components (ms):
 - linears: self time of the matmul ops inside the model forward (the LM head is counted under logits);
-- attention: the attention op (hpi::paged_attention) or, eagerly, everything under Attention.forward;
+- attention: the attention op (the C++ kernel's or hpi::paged_attention) or, eagerly, all of Attention.forward;
 - elementwise: the rest of the model forward (norms, activations, rotary, residuals, dispatch);
 - logits + sampling: the LM head over the sampled rows and the sampler;
 - host prep: the rest of the step (scheduler deltas, flat inputs, attention metadata, sampling settings).
@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import statistics
 import time
+import unittest.mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -29,13 +30,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.embedded import ensure_embedded_model
 from hpi_runtime.model.config import load_model_config
-from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.sampler import Sampler
 
 LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_mkl_linear"}  # fmt: skip
+ATTENTION_OPS = {"hpi::paged_attention", "hpi_kernels::cached_paged_attention_cpu"}
 BLOCK_SIZE = 16
 
 
@@ -100,7 +101,7 @@ def _components(prof, step_ms: float) -> dict[str, float]:
             continue
         if event.name in LINEAR_OPS:
             linear_ms += event.self_cpu_time_total / 1e3
-        if event.name == "hpi::paged_attention" and "attention" not in ancestors:
+        if event.name in ATTENTION_OPS and "attention" not in ancestors:
             attention_op_ms += event.cpu_time_total / 1e3
     model_ms = totals.get("model", 0.0)
     attention_ms = totals.get("attention", 0.0) + attention_op_ms
@@ -131,11 +132,11 @@ def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
     elif mode != "eager":
         raise SystemExit("this engine predates compilation: --modes eager only")
     start = time.perf_counter()
-    executor = LocalExecutor(ExecutorConfig(**settings))
-    if mode == "row-major":  # undo use_sgemm_layout (the graph recompiles for the new strides on first use)
-        for module in executor.model.modules():
-            if isinstance(module, LinearBase):
-                module.weight.data = module.weight.data.contiguous()
+    if mode == "row-major":  # the executor without use_sgemm_layout: weights stay as loaded
+        with unittest.mock.patch("hpi_runtime.worker.executor.use_sgemm_layout", lambda model: 0):
+            executor = LocalExecutor(ExecutorConfig(**settings))
+    else:
+        executor = LocalExecutor(ExecutorConfig(**settings))
     print(f"{mode}: executor ready in {time.perf_counter() - start:.1f} s", flush=True)
     runner = executor.runner
     if getattr(runner, "is_compiled", False):  # wrap outside the compiled region: Dynamo never sees it

@@ -319,3 +319,56 @@ def test_lower_capability_builds_agree(capability) -> None:
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def _cached_step(num_rows: int = 5, num_tokens: int = 4):
+    """A decode-and-prefill step whose new K/V are slices of one fused qkv tensor (as the model has them)."""
+    generator = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 64, 16, 6
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    qkv = torch.randn(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    q, k, v = (t.view(num_rows, -1, head_dim) for t in (q, k, v))
+    block_tables = torch.tensor([[3, 0], [5, 1]], dtype=torch.int32)
+    # request 0: one decode token at position 20 (block 0 of its table is 3, block 1 is 0); request 1: 3
+    # prefill tokens at positions 0..2 of block 5.
+    slot_mapping = torch.tensor([0 * block_size + 4, 5 * block_size + 0, 5 * block_size + 1, 5 * block_size + 2])
+    query_start_loc = torch.tensor([0, 1, 4], dtype=torch.int32)
+    context_lens = torch.tensor([21, 3], dtype=torch.int32)
+    return (q, k, v, k_cache, v_cache, slot_mapping[:num_tokens], block_tables, query_start_loc, context_lens, 0.125)
+
+
+def test_cached_op_writes_the_new_rows_then_attends() -> None:
+    """cached_paged_attention_cpu = the new K/V copied into their slots + paged_attention_cpu; the pad row
+    (past slot_mapping) is zero and writes nothing."""
+    args = _cached_step()
+    q, k, v, k_cache, v_cache, slots, tables, starts, lens, scale = args
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, 2, 64)[slots] = k[:4]
+    expected_v.view(-1, 2, 64)[slots] = v[:4]
+    expected = torch.zeros(q.shape)
+    paged_attention_ref(expected, q, expected_k, expected_v, tables, starts, lens, scale)
+    out = torch.ops.hpi_kernels.cached_paged_attention_cpu(*args)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not out[4:].any()
+    torch.library.opcheck(torch.ops.hpi_kernels.cached_paged_attention_cpu.default, _cached_step())
+
+
+@pytest.mark.parametrize(
+    "index,value,message",
+    [
+        (5, torch.tensor([4, 80, 81, 96 * 16]), "outside the cache"),
+        (5, torch.tensor([4, 80, 81, 82], dtype=torch.int32), "slot_mapping must be"),
+        (1, torch.randn(5, 2, 32), "k and v must be"),
+        (1, torch.randn(3, 2, 64), "k and v must be"),  # fewer rows than new tokens
+    ],
+)
+def test_cached_op_bad_arguments_raise_value_error(index, value, message) -> None:
+    args = list(_cached_step())
+    args[index] = value
+    if index == 1:
+        args[2] = torch.randn(value.shape)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.hpi_kernels.cached_paged_attention_cpu(*args)

@@ -7,10 +7,11 @@ call does. See `_extension` for the build (flags, cache directory) and `paged_at
 from __future__ import annotations
 
 from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_attention_available, cpu_capability, load_extension
-from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
+from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 
 __all__ = [
     "CpuKernelBuildError",
+    "cached_paged_attention_cpu",
     "cpu_attention_available",
     "cpu_capability",
     "load_extension",

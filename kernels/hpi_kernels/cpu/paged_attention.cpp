@@ -22,12 +22,15 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -551,20 +554,81 @@ void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::T
   }
 }
 
+// The step's new K/V rows written into their cache slots, then attention over the cache: what the model's
+// attention layer does in one call (one dispatch instead of three). Rows of q past slot_mapping's length
+// (pad rows) get zeros and write nothing.
+at::Tensor cached_paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                                      int64_t sliding_window, double logit_softcap) {
+  const int64_t num_tokens = slot_mapping.size(0);
+  for (const at::Tensor* t : {&k, &v, &slot_mapping}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "cached_paged_attention_cpu takes CPU tensors, got one on ", t->device());
+  }
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+                    "slot_mapping must be a contiguous int64 vector");
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) >= num_tokens && k.size(1) == k_cache.size(2) &&
+                        k.size(2) == k_cache.size(3) && k.scalar_type() == k_cache.scalar_type() &&
+                        v.scalar_type() == v_cache.scalar_type() && k.stride(2) == 1 && v.stride(2) == 1,
+                    "k and v must be [num_rows >= ", num_tokens, ", num_kv_heads, head_dim] rows of the caches' shape and dtype, "
+                    "got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = k_cache.size(2) * k_cache.size(3), bytes = row * k_cache.element_size();
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                      " is outside the cache's ", num_slots, " slots");
+  }
+  auto write = [&](const at::Tensor& src, const at::Tensor& cache) {
+    const auto* from = static_cast<const char*>(src.const_data_ptr());
+    auto* to = static_cast<char*>(cache.data_ptr());
+    const int64_t token_stride = src.stride(0) * src.element_size(), head_stride = src.stride(1) * src.element_size();
+    const int64_t head_bytes = k_cache.size(3) * k_cache.element_size();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      char* dst = to + slots[t] * bytes;
+      if (head_stride == head_bytes) {
+        std::memcpy(dst, from + t * token_stride, bytes);
+      } else {
+        for (int64_t h = 0; h < k_cache.size(2); ++h)
+          std::memcpy(dst + h * head_bytes, from + t * token_stride + h * head_stride, head_bytes);
+      }
+    }
+  };
+  write(k, k_cache);
+  write(v, v_cache);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (num_tokens < q.size(0)) out.narrow(0, num_tokens, q.size(0) - num_tokens).zero_();
+  paged_attention_cpu(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window,
+                      logit_softcap);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hpi_kernels, m) {
   m.def(
       "paged_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0) -> ()");
+  m.def(
+      "cached_paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, "
+      "int sliding_window=0, float logit_softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("cached_paged_attention_cpu", &cached_paged_attention_cpu);
 }
 
-// Fake/meta tensors (torch.compile tracing): the op only writes `out`, so there is nothing to compute.
+// Fake/meta tensors (torch.compile tracing): paged_attention_cpu only writes `out`; the cached variant
+// returns a tensor of q's shape (empty_like keeps symbolic sizes).
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("paged_attention_cpu", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double) {});
+  m.impl("cached_paged_attention_cpu",
+         [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+            double) { return at::empty_like(q); });
 }

@@ -53,6 +53,29 @@ def paged_attention_cpu(
     )
 
 
+def cached_paged_attention_cpu(
+    q: torch.Tensor,  # [num_rows, num_heads, head_dim]; rows past slot_mapping's length are padding
+    k: torch.Tensor,  # [num_rows, num_kv_heads, head_dim]: the step's new keys (last dim contiguous)
+    v: torch.Tensor,  # [num_rows, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous, written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous, written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32, padded
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    context_lens: torch.Tensor,  # [num_reqs] int32, incl. the new tokens
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [num_rows, num_heads, head_dim]; pad rows are zeros
+    """Write the new tokens' K/V into their slots, then paged_attention_cpu over the cache, in one op call
+    (torch.ops.hpi_kernels.cached_paged_attention_cpu, which the compiled model calls directly)."""
+    load_extension()
+    return torch.ops.hpi_kernels.cached_paged_attention_cpu(
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, scale,
+        sliding_window or 0, logit_softcap or 0.0,
+    )  # fmt: skip
+
+
 def paged_attention_ref(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -1,17 +1,19 @@
-"""The `torch` attention backend as one opaque op, `hpi::paged_attention`, so torch.compile graphs span
-whole layers: Dynamo sees one call per layer (its fake impl gives the output's shape) and never looks in.
+"""The `torch` attention backend as one opaque op per layer, so torch.compile graphs span whole layers:
+Dynamo sees one call (its fake impl gives the output's shape) and never looks in.
 
-The op takes tensors, the layer's constants (scale, sliding window, soft-cap: 0 = none for the last two)
-and a constant flag only: everything that changes from step to step is a tensor, so Dynamo has no host int
-to specialise on and recompile for. The per-request tensors are marked
-unbacked-dynamic (`mark_step_dynamic`), since nothing in the graph reads their sizes.
+Each op takes tensors and the layer's constants (scale, sliding window, soft-cap: 0 = none for the last
+two) only: everything that changes from step to step is a tensor, so Dynamo has no host int to specialise
+on and recompile for. The per-request tensors are marked unbacked-dynamic (`mark_step_dynamic`), since
+nothing in the graph reads their sizes.
 
-Inside, per call: write the new tokens' K/V into their cache slots, then attend with hpi_kernels' C++ CPU
-kernel (reads the paged cache in place) when it is built and supports the layer, for decodes and prefill
-chunks alike: it beat gather + SDPA 1.4-10x on every shape measured, long prefill chunks included
-(bench/results/model_runner.md). Otherwise TorchAttentionBackend (gather + padded SDPA, the reference),
-whose per-step grouping is then rebuilt per layer (+0.25 ms a layer at 32 decodes: the price of passing
-only tensors; the fallback serves head dims the kernel lacks and machines where it does not build).
+Per call: write the new tokens' K/V into their cache slots, then attend. Where hpi_kernels' C++ CPU kernel
+is built and supports the layer, that is its `cached_paged_attention_cpu`, one C++ op (no Python runs per
+layer: a Python op implementation cost ~65 us a call, 2 ms of a one-request step): the kernel reads the
+paged cache in place, for decodes and prefill chunks alike, and beat gather + SDPA 1.4-10x on every shape
+measured, long prefill chunks included (bench/results/model_runner.md). Otherwise `hpi::paged_attention`,
+TorchAttentionBackend (gather + padded SDPA, the reference) behind a Python op, whose per-step grouping
+is then rebuilt per layer (+0.25 ms a layer at 32 decodes: the price of passing only tensors; the
+fallback serves head dims the kernel lacks and machines where it does not build).
 
 The step's token rows may run past the real tokens (padded rows, as a captured graph would have):
 `slot_mapping` covers the real tokens only and pad rows of the output are zeros.
@@ -26,9 +28,9 @@ import torch
 from hpi_runtime.model.attention import AttentionMetadata, TorchAttentionBackend
 
 try:  # the C++ kernel ships in hpi_kernels.cpu; older kernel packages lack it
-    from hpi_kernels.cpu import cpu_attention_available, paged_attention_cpu
+    from hpi_kernels.cpu import cpu_attention_available
 except ImportError:  # pragma: no cover - depends on the installed hpi_kernels
-    cpu_attention_available = paged_attention_cpu = None
+    cpu_attention_available = None
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIM_MULTIPLE = 16  # the C++ kernel's vector loop
@@ -36,11 +38,13 @@ KERNEL_HEAD_DIM_MULTIPLE = 16  # the C++ kernel's vector loop
 
 def cpu_kernel_usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the C++ kernel can run this layer; the first call may build it (~1 min, then cached on disk)."""
-    if cpu_attention_available is None or torch.device(device).type != "cpu":
-        return False
-    if head_dim % KERNEL_HEAD_DIM_MULTIPLE or dtype not in KERNEL_DTYPES:
+    if cpu_attention_available is None or not _kernel_supports(head_dim, dtype, device):
         return False
     return cpu_attention_available()
+
+
+def _kernel_supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return torch.device(device).type == "cpu" and dtype in KERNEL_DTYPES and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
 
 
 # torch.library.define + impl rather than torch.library.custom_op: the latter's Python wrapper costs ~45 us
@@ -48,7 +52,7 @@ def cpu_kernel_usable(head_dim: int, dtype: torch.dtype, device: torch.device) -
 torch.library.define(
     "hpi::paged_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, bool prefer_cpu_kernel, "
+    "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, "
     "int sliding_window=0, float logit_softcap=0.0) -> Tensor",
 )
 
@@ -64,39 +68,28 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     context_lens: torch.Tensor,  # [num_reqs] int32, incl. this step's tokens
     scale: float,
-    prefer_cpu_kernel: bool,  # False: always the reference (gather + SDPA)
     sliding_window: int = 0,  # 0: global attention
     logit_softcap: float = 0.0,  # 0: no soft-capping
 ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
+    """The reference path: TorchAttentionBackend (gather + padded SDPA) over the metadata it needs."""
     num_tokens = slot_mapping.shape[0]
-    window, cap = sliding_window or None, logit_softcap or None
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if not (prefer_cpu_kernel and cpu_kernel_usable(head_dim, q.dtype, q.device)):
-        common = _common_metadata(slot_mapping, block_tables, query_start_loc, context_lens, k_cache.shape[1])
-        backend = TorchAttentionBackend(q.dtype)
-        attended = backend.forward(
-            q[:num_tokens],
-            k[:num_tokens],
-            v[:num_tokens],
-            k_cache,
-            v_cache,
-            backend.build_metadata(common),
-            scale,
-            sliding_window=window,
-            logit_softcap=cap,
-        )
-        if num_tokens == q.shape[0]:
-            return attended
-        out = q.new_zeros(q.shape)
-        out[:num_tokens] = attended
-        return out
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k[:num_tokens])
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v[:num_tokens])
-    out = q.new_empty(q.shape)
-    if num_tokens < q.shape[0]:
-        out[num_tokens:].zero_()  # the kernel leaves rows of no request as they are
-    paged_attention_cpu(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                        sliding_window=window, logit_softcap=cap)  # fmt: skip
+    common = _common_metadata(slot_mapping, block_tables, query_start_loc, context_lens, k_cache.shape[1])
+    backend = TorchAttentionBackend(q.dtype)
+    attended = backend.forward(
+        q[:num_tokens],
+        k[:num_tokens],
+        v[:num_tokens],
+        k_cache,
+        v_cache,
+        backend.build_metadata(common),
+        scale,
+        sliding_window=sliding_window or None,
+        logit_softcap=logit_softcap or None,
+    )
+    if num_tokens == q.shape[0]:
+        return attended
+    out = q.new_zeros(q.shape)
+    out[:num_tokens] = attended
     return out
 
 
@@ -104,8 +97,8 @@ torch.library.impl("hpi::paged_attention", "CompositeExplicitAutograd", paged_at
 
 
 @torch.library.register_fake("hpi::paged_attention")
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, scale, prefer_cpu_kernel,
-      sliding_window=0, logit_softcap=0.0):  # fmt: skip
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens, scale, sliding_window=0,
+      logit_softcap=0.0):  # fmt: skip
     return q.new_empty(q.shape)
 
 
@@ -153,7 +146,7 @@ class PagedAttentionInputs:
 
 
 class PagedAttentionOpBackend:
-    """The CPU (and any-device fallback) backend: `hpi::paged_attention` in every layer, compilable."""
+    """The CPU (and any-device fallback) backend: one attention op in every layer, compilable."""
 
     name = "torch"
     supports_compile = True  # the model forward with this backend traces into one graph
@@ -161,8 +154,13 @@ class PagedAttentionOpBackend:
     def __init__(self, dtype: torch.dtype, prefer_cpu_kernel: bool) -> None:
         self.dtype = dtype
         self.prefer_cpu_kernel = prefer_cpu_kernel
-        if prefer_cpu_kernel and cpu_attention_available is not None:
-            cpu_attention_available()  # build (or load) the kernel now, at start-up, not in the first step
+        # Built (or loaded) now, at start-up, not in the first step. Per layer, forward then checks only
+        # static facts (head_dim, dtype, device), which Dynamo folds while tracing.
+        self._kernel_built = prefer_cpu_kernel and cpu_attention_available is not None and cpu_attention_available()
+
+    def uses_cpu_kernel(self, q: torch.Tensor) -> bool:
+        """Whether a layer with these queries runs the C++ kernel (else the reference op)."""
+        return self._kernel_built and _kernel_supports(q.shape[-1], q.dtype, q.device)
 
     def build_metadata(self, common: AttentionMetadata) -> PagedAttentionInputs:
         return PagedAttentionInputs(
@@ -185,7 +183,9 @@ class PagedAttentionOpBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
-        return torch.ops.hpi.paged_attention(
+        cpu_kernel = self.uses_cpu_kernel(q)
+        op = torch.ops.hpi_kernels.cached_paged_attention_cpu if cpu_kernel else torch.ops.hpi.paged_attention
+        return op(
             q,
             k,
             v,
@@ -196,7 +196,6 @@ class PagedAttentionOpBackend:
             metadata.query_start_loc,
             metadata.context_lens,
             scale,
-            self.prefer_cpu_kernel,
             sliding_window or 0,
             logit_softcap or 0.0,
         )

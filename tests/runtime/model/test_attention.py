@@ -192,7 +192,7 @@ def test_op_matches_each_request_alone(context_lens, query_lens, prefer_cpu_kern
 
 @pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
 def test_op_pad_rows_are_zero_and_write_nothing(prefer_cpu_kernel) -> None:
-    """The compiled step pads a 1-token step to 2 rows: slot_mapping covers the real token only."""
+    """Rows past slot_mapping's length (padding) come out zero and write no cache slot."""
     common, q, k, v, k_cache, v_cache = _paged_step([30, 20], [1, 1])
     single = dataclasses.replace(common, slot_mapping=common.slot_mapping[:1], block_tables=common.block_tables[:1],
                                  query_start_loc=common.query_start_loc[:2], context_lens=common.context_lens[:1],
@@ -247,8 +247,14 @@ def test_op_sliding_window_and_softcap(window, softcap, prefer_cpu_kernel) -> No
 
 @pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
 def test_op_registration_is_consistent(prefer_cpu_kernel) -> None:
-    """torch.library's own checks: the fake impl, the declared mutations and the schema match the op."""
+    """torch.library's own checks on the op the backend calls (the C++ kernel's or the reference's): the
+    fake impl, the declared mutations and the schema match what it does."""
+    from hpi_runtime.model.attention_op import PagedAttentionOpBackend
+
     common, q, k, v, k_cache, v_cache = _paged_step([30, 20, 9], [1, 1, 9])
+    uses_kernel = PagedAttentionOpBackend(q.dtype, prefer_cpu_kernel=prefer_cpu_kernel).uses_cpu_kernel(q)
+    assert uses_kernel == prefer_cpu_kernel
+    op = torch.ops.hpi_kernels.cached_paged_attention_cpu if uses_kernel else torch.ops.hpi.paged_attention
     args = (q, k, v, k_cache, v_cache, common.slot_mapping, common.block_tables, common.query_start_loc,
-            common.context_lens, HEAD_DIM**-0.5, prefer_cpu_kernel)  # fmt: skip
-    torch.library.opcheck(torch.ops.hpi.paged_attention.default, args)
+            common.context_lens, HEAD_DIM**-0.5)  # fmt: skip
+    torch.library.opcheck(op.default, args)
