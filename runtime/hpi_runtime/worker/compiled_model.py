@@ -28,6 +28,15 @@ class CompiledForward:
         # The model object itself stays eager (perplexity and tests call it directly).
         self._compiled = torch.compile(_own_code(model), fullgraph=True)
         self._freeze_weights = freeze_weights
+        self._sealed = False
+
+    def seal(self) -> None:
+        """After warm-up: run the compiled graph without evaluating Dynamo's guards (~0.9 ms a step for
+        SmolLM2's ~300 parameter tensors, 3% of a one-request step). Sound because every size that changes per
+        step is unbacked, so warm-up compiles the only graph any step needs (tests/runtime/worker/
+        test_compiled_model.py checks that no step shape recompiles); nothing else the guards watch (the
+        model's parameters, dtypes, grad mode) changes while an engine serves."""
+        self._sealed = True
 
     def __call__(
         self,
@@ -38,6 +47,9 @@ class CompiledForward:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         metadata.mark_step_dynamic()
+        if self._sealed:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled(input_ids, positions, metadata)
         with torch._inductor.config.patch(freezing=self._freeze_weights):
             return self._compiled(input_ids, positions, metadata)
 

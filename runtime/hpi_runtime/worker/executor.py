@@ -48,11 +48,11 @@ class ExecutorConfig:
     quantization: QuantizationConfig = QuantizationConfig()  # weight-only int8/int4, applied after loading
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # vLLM's name: no torch.compile of the model step
-    # Compiled CPU step: Inductor freezing (weights as constants, prepacked for oneDNN). Off: on the CPUs
-    # measured (AVX512-BF16 without AMX, 2 cores; bench/results/model_runner.md) it made the linears no
-    # faster at 1-64 rows, took 10 s more to compile and kept a second copy of the linear weights (+400 MiB
-    # for SmolLM2-135M fp32, the eager model stays usable). Never for quantized weights, which constant
-    # folding would dequantize.
+    # Compiled CPU step: Inductor freezing (weights as constants, prepacked for oneDNN). Off: in fp32 on the
+    # CPU measured (AVX512-BF16 without AMX, 2 cores; bench/results/hot_path.md) oneDNN's prepacked linears
+    # beat MKL over row-major weights at 32 rows but not over use_sgemm_layout's column-major ones, lose at
+    # one row (no GEMV), and freezing keeps a second copy of the linear weights (the eager model stays
+    # usable). Never for quantized weights, which constant folding would dequantize.
     freeze_weights: bool = False
 
 

@@ -46,6 +46,9 @@ class CompileConfig:
 
     max_model_len: int = 2048  # warm-up requests stay within it
     freeze_weights: bool = False
+    # After warm-up, run without evaluating Dynamo's guards (CompiledForward.seal); off only to check that
+    # no step shape would need another graph (with guards skipped, none is ever compiled).
+    seal_after_warmup: bool = True
     warmup_large_step_tokens: int = 256  # also runs a large step (CPU int8 layers dequantize there)
 
     def warmup_steps(self) -> tuple[tuple[int, ...], ...]:
@@ -193,6 +196,8 @@ class ModelRunner:
         for query_lens in config.warmup_steps():
             self.forward(_warmup_step(query_lens, self.block_size))
         self.input_batch.clear()
+        if config.seal_after_warmup:
+            self._forward.seal()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
         logger.info("compiled the model step in %.1f s (%d graph%s, weights %sfrozen)",
                     time.perf_counter() - start, graphs, "" if graphs == 1 else "s",

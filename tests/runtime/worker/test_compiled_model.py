@@ -33,6 +33,7 @@ def _runner(
     freeze_weights: bool = False,
     num_blocks: int = NUM_BLOCKS,
     quantization: str = "none",
+    seal: bool = True,
 ) -> ModelRunner:
     config = load_model_config(model_dir)
     cpu = torch.device("cpu")
@@ -41,7 +42,8 @@ def _runner(
     quantize_model(model, QuantizationConfig(method=quantization))
     use_sgemm_layout(model)
     allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), cpu)
-    compile_config = CompileConfig(max_model_len=128, freeze_weights=freeze_weights) if compiled else None
+    compile_config = CompileConfig(max_model_len=128, freeze_weights=freeze_weights, seal_after_warmup=seal)
+    compile_config = compile_config if compiled else None
     return ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0, compile_config)
 
 
@@ -86,7 +88,7 @@ def test_int8_layers_choose_by_step_size_inside_one_graph(tiny_model_dir: Path) 
     compiled tokens stay the eager ones on both sides of the threshold."""
     long_prompt = CPU_INT8_DEQUANT_MIN_ROWS + 40  # its one-step prefill takes the dequantized branch
     eager = _runner(tiny_model_dir, torch.float32, compiled=False, num_blocks=160, quantization="int8")
-    compiled = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160, quantization="int8")
+    compiled = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160, quantization="int8", seal=False)
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         tokens = _generate(compiled, [long_prompt, 6], 6, chunk_size=None)
@@ -96,9 +98,10 @@ def test_int8_layers_choose_by_step_size_inside_one_graph(tiny_model_dir: Path) 
 
 def test_no_recompilation_across_step_shapes(tiny_model_dir: Path) -> None:
     """After start-up, batches of 1..64 requests, single decodes and mixed prefill/decode steps reuse the
-    warm-up's one graph: any recompilation raises."""
+    warm-up's one graph: any recompilation raises. Guards stay evaluated here (not sealed): this is what
+    makes skipping them in a served engine sound."""
     before = counters["stats"]["unique_graphs"]
-    runner = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160)
+    runner = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160, seal=False)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs - before == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
