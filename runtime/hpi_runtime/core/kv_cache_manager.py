@@ -92,9 +92,11 @@ class KVCacheManager:
         counted once; negative if they do not fit. Counts the whole prompt, not just the first chunk: the
         later chunks need it too (under a sliding window, only the window's blocks are ever held at once)."""
         num_blocks = -(-request.num_tokens // self.block_size)
+        num_shared = computed.num_shared
         if self.sliding_window is not None:
             num_blocks = min(num_blocks, -(-self.sliding_window // self.block_size) + 2)
-        num_needed = num_blocks - computed.num_shared
+            num_shared -= sum(1 for block in computed.device_blocks if block is self.null_block)
+        num_needed = num_blocks - num_shared
         return self.pool.num_free - computed.num_evictable_shared - num_needed
 
     def get_computed_blocks(self, request: Request, use_prefix_cache: bool = True) -> ComputedKV:
@@ -103,6 +105,9 @@ class KVCacheManager:
 
         The last token always has to run through the model to produce the next token's logits, so a prefix
         hit is capped at num_tokens - 1, rounded down to whole blocks (a swap never holds the last token).
+        Under a sliding window, hit blocks wholly before the window of the first token to compute come back
+        as the placeholder: no query reads them, so the request does not hold (or load) them, and a hit
+        longer than the pool (the window lets a request outgrow it) still admits.
         """
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
@@ -118,7 +123,12 @@ class KVCacheManager:
                 break
             device_blocks.append(block)
             host_blocks.append(host_block)
-        return ComputedKV(tuple(device_blocks), tuple(host_blocks), len(device_blocks) * self.block_size)
+        num_tokens = len(device_blocks) * self.block_size
+        if self.sliding_window is not None:  # the same one-token-early bound as _free_outside_window
+            num_outside = max(0, num_tokens - self.sliding_window) // self.block_size
+            device_blocks[:num_outside] = [self.null_block] * num_outside
+            host_blocks[:num_outside] = [None] * num_outside
+        return ComputedKV(tuple(device_blocks), tuple(host_blocks), num_tokens)
 
     def _swapped_kv(self, request: Request, swapped: SwappedKV) -> ComputedKV:
         # A full block still cached on device is shared rather than loaded; one the window had already

@@ -4,7 +4,7 @@ random workloads (arrivals, lengths, shared prefixes, aborts, small pools that f
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpi_runtime.config import EngineConfig
@@ -134,6 +134,12 @@ _PREFIXES = ([7] * 20, [8] * 16 + [9] * 10, [8] * 16 + [5] * 3, [1, 2, 3])
     host_blocks=st.sampled_from([0, 0, 1, 3, 8, 32]),  # the host KV tier: off, too small to swap, roomy
     window=st.sampled_from([None, None, None, 8, 13]),  # blocks behind a sliding window are freed
 )
+# Found by this test: a prefix hit longer than the pool (as a sliding window allows) was refused admission
+# forever; hit blocks behind the window now come back as the placeholder, not held.
+@example(
+    workload=[(0, 0, 1, 1, None), (0, 0, 12, 1, None), (0, 0, 13, 1, None)],
+    block_size=8, spare_blocks=0, max_num_seqs=2, budget=8, caching=True, watermark=0.0, host_blocks=0, window=8,
+)  # fmt: skip
 def test_random_workloads_keep_every_invariant(
     fake_executor_cls,
     pool_invariants,
