@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,6 +175,25 @@ def ratio_rows(results: dict) -> list[dict]:
     return rows
 
 
+def median_ratios(rounds: list[dict]) -> list[dict]:
+    """Per concurrency, the median over rounds of every rate and ratio (each round's own rows stay in the
+    JSON): a ratio from one round compares systems run minutes apart, the median of rounds in alternating
+    order cancels most of a shared machine's drift."""
+    by_concurrency: dict[int, list[dict]] = {}
+    for results in rounds:
+        for row in results.get("ratios", []):
+            by_concurrency.setdefault(row["concurrency"], []).append(row)
+    merged = []
+    for concurrency, rows in sorted(by_concurrency.items()):
+        row = {"concurrency": concurrency, "rounds": len(rows)}
+        for key, value in rows[0].items():
+            if key != "concurrency" and isinstance(value, float):
+                values = [r[key] for r in rows if isinstance(r.get(key), float)]
+                row[key] = statistics.median(values)
+        merged.append(row)
+    return merged
+
+
 def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: Path, progress=print,
                 systems: tuple[str, ...] = ("hpi", "llama.cpp", "transformers")) -> dict:
     from transformers import AutoTokenizer
@@ -209,13 +229,22 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"],
                         help="any of hpi, llama.cpp, transformers, hpi-offline (LLM.generate on the same requests)")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the systems this many times, every other round in reverse order, so that a "
+                             "shared machine's drift lands on all alike; ratios per round and the median")  # fmt: skip
     args = parser.parse_args()
     plan = ServingPlan(concurrencies=tuple(args.concurrency), llama_concurrencies=tuple(args.llama_concurrency),
                        tf_batch_sizes=tuple(args.tf_batch_sizes), prompt_len=args.prompt_len,
                        output_len=args.output_len)
     model_dir, _ = resolve_model_dir(None)
     dtype = resolve_dtype("auto", torch.device("cpu"), "float32")
-    results = run_serving(plan, model_dir, dtype, Path("bench/results/tmp"), systems=tuple(args.systems))
+    rounds = []
+    for r in range(args.rounds):
+        systems = tuple(args.systems) if r % 2 == 0 else tuple(reversed(args.systems))
+        rounds.append(run_serving(plan, model_dir, dtype, Path("bench/results/tmp"), systems=systems))
+        for row in rounds[-1].get("ratios", []):
+            print(f"round {r + 1}:", row)
+    results = rounds[0] if len(rounds) == 1 else {"rounds": rounds, "ratios": median_ratios(rounds)}
     for row in results.get("ratios", []):
         print(row)
     if args.out:
