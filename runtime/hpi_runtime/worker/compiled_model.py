@@ -1,7 +1,7 @@
 """The model step under torch.compile (Inductor): one graph over all layers for every step shape.
 
-Attention is the opaque `hpi::paged_attention` op, so the graph has no breaks. Every size that changes
-per step is unbacked-dynamic: the token count and the per-request attention tensors (see
+Attention is one opaque op per layer (model/attention_op.py), so the graph has no breaks. Every size that
+changes per step is unbacked-dynamic: the token count and the per-request attention tensors (see
 PagedAttentionInputs). So no guard reads them, one graph serves every step, and a one-token step is not
 specialised (a backed size seen as 1 is) nor padded to two rows: a one-row matmul runs MKL's GEMV, 1.4x
 faster than a two-row GEMM over the same weights (bench/results/hot_path.md). The one row-count choice
