@@ -155,10 +155,11 @@ def test_bucketed_decodes_match_each_request_alone(context_lens, query_lens) -> 
 
 
 def _kernel_params():
-    from hpi_runtime.model.attention_op import cpu_kernel_usable
+    from hpi_runtime.model.attention_op import PagedAttentionOpBackend
 
     kernel = pytest.param(True, id="cpu-kernel")
-    if not cpu_kernel_usable(HEAD_DIM, torch.float32, torch.device("cpu")):
+    queries = torch.empty(1, 1, HEAD_DIM)
+    if not PagedAttentionOpBackend(torch.float32, prefer_cpu_kernel=True).uses_cpu_kernel(queries):
         kernel = pytest.param(True, id="cpu-kernel", marks=pytest.mark.skip(reason="C++ CPU attention not built"))
     return [kernel, pytest.param(False, id="reference")]
 
