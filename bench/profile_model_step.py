@@ -1,7 +1,8 @@
 """Where one decode step's time goes: linears, attention, element-wise ops, host-side preparation.
 
-Drives one LocalExecutor per mode (eager, compiled, compiled with frozen weights, or compiled with the
-linear weights row-major as loaded instead of use_sgemm_layout's column-major) on the embedded
+Drives one LocalExecutor per mode (eager, compiled, compiled with frozen weights, compiled with the fp32
+linear weights column-major for MKL (use_sgemm_layout) instead of the C++ kernel's packed panels
+(pack_cpu_weights), or row-major as loaded) on the embedded
 SmolLM2 directly with hand-made scheduler deltas: N requests with P-token prompts are prefilled one by one, then
 decode together. The modes take turns step by step; the median of S decode steps is timed per mode, and
 the medians of a few more steps profiled with torch.profiler give the components (ms):
@@ -18,6 +19,7 @@ the medians of a few more steps profiled with torch.profiler give the components
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -34,7 +36,8 @@ from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.sampler import Sampler
 
-LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+LINEAR_OPS = {"aten::mm", "aten::addmm", "hpi_kernels::packed_linear",
+              "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_mkl_linear"}  # fmt: skip
 ATTENTION_OPS = {"hpi::paged_attention", "hpi_kernels::cached_paged_attention_cpu"}
 BLOCK_SIZE = 16
@@ -120,7 +123,12 @@ MODES = {  # ExecutorConfig settings of each mode
     "eager": {"enforce_eager": True},
     "compiled": {"enforce_eager": False, "freeze_weights": False},
     "frozen": {"enforce_eager": False, "freeze_weights": True},
+    "sgemm": {"enforce_eager": False, "freeze_weights": False},  # compiled, column-major weights for MKL
     "row-major": {"enforce_eager": False, "freeze_weights": False},  # compiled, linear weights as loaded
+}
+UNPACKED_LAYOUTS = {  # what the executor's fp32 CPU weight layout functions do in these modes
+    "sgemm": {"pack_cpu_weights": lambda model: 0},
+    "row-major": {"pack_cpu_weights": lambda model: 0, "use_sgemm_layout": lambda model: 0},
 }
 
 
@@ -132,10 +140,9 @@ def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
     elif mode != "eager":
         raise SystemExit("this engine predates compilation: --modes eager only")
     start = time.perf_counter()
-    if mode == "row-major":  # the executor without use_sgemm_layout: weights stay as loaded
-        with unittest.mock.patch("hpi_runtime.worker.executor.use_sgemm_layout", lambda model: 0):
-            executor = LocalExecutor(ExecutorConfig(**settings))
-    else:
+    with contextlib.ExitStack() as patches:
+        for name, replacement in UNPACKED_LAYOUTS.get(mode, {}).items():
+            patches.enter_context(unittest.mock.patch(f"hpi_runtime.worker.executor.{name}", replacement))
         executor = LocalExecutor(ExecutorConfig(**settings))
     print(f"{mode}: executor ready in {time.perf_counter() - start:.1f} s", flush=True)
     runner = executor.runner

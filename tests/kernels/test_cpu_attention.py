@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_kernels.cpu import cpu_attention_available, cpu_capability, load_extension
+from hpi_kernels.cpu import cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
 
 TOLERANCE = {
@@ -277,7 +277,7 @@ def test_op_schema_and_fake_kernel() -> None:
 
 
 def test_available_and_built_for_torch_capability(extension) -> None:
-    assert cpu_attention_available()
+    assert cpu_kernels_available()
     assert f"hpi_cpu_kernels_{cpu_capability().lower()}" in Path(extension).name
     if expected := os.environ.get("HPI_EXPECT_CPU_CAPABILITY"):  # set by the test below for its child run
         assert cpu_capability() == expected
@@ -286,7 +286,7 @@ def test_available_and_built_for_torch_capability(extension) -> None:
 def test_missing_compiler_is_reported_not_a_crash() -> None:
     code = (
         "import hpi_kernels.cpu as cpu\n"
-        "assert cpu.cpu_attention_available() is False\n"
+        "assert cpu.cpu_kernels_available() is False\n"
         "try:\n"
         "    cpu.load_extension()\n"
         "except cpu.CpuKernelBuildError as error:\n"

@@ -1,20 +1,25 @@
 """C++ CPU kernels (ATen + OpenMP), built with torch.utils.cpp_extension at first use and cached on disk.
 
-Importing this package builds nothing: `cpu_attention_available()` (never raises) or the first kernel
-call does. See `_extension` for the build (flags, cache directory) and `paged_attention` for the op.
+Importing this package builds nothing: `cpu_kernels_available()` (never raises) or the first kernel
+call does. See `_extension` for the build (flags, cache directory), `paged_attention` and `packed_linear`
+for the ops.
 """
 
 from __future__ import annotations
 
-from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_attention_available, cpu_capability, load_extension
+from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_kernels_available, load_extension
+from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_weight_rows
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 
 __all__ = [
     "CpuKernelBuildError",
     "cached_paged_attention_cpu",
-    "cpu_attention_available",
     "cpu_capability",
+    "cpu_kernels_available",
     "load_extension",
+    "pack_linear_weight",
+    "packed_linear",
+    "packed_weight_rows",
     "paged_attention_cpu",
     "paged_attention_ref",
 ]

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp"))
 
 # torch's per-capability compiler flags (cmake/Codegen.cmake), plus F16C, which every AVX2 CPU has and
 # at::vec's float16 conversions use.
@@ -113,11 +113,11 @@ def load_extension() -> str:
 
 
 @functools.cache
-def cpu_attention_available() -> bool:
+def cpu_kernels_available() -> bool:
     """True when the C++ CPU kernels build and load here (the first call may build them); never raises."""
     try:
         load_extension()
     except CpuKernelBuildError as error:
-        logger.warning("C++ CPU attention unavailable: %s", error)
+        logger.warning("C++ CPU kernels unavailable (attention and packed linears fall back): %s", error)
         return False
     return True

@@ -25,12 +25,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime.model.attention import AttentionMetadata, TorchAttentionBackend
-
-try:  # the C++ kernel ships in hpi_kernels.cpu; older kernel packages lack it
-    from hpi_kernels.cpu import cpu_attention_available
-except ImportError:  # pragma: no cover - depends on the installed hpi_kernels
-    cpu_attention_available = None
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIM_MULTIPLE = 16  # the C++ kernel's vector loop
@@ -144,7 +140,7 @@ class PagedAttentionOpBackend:
         self.dtype = dtype
         # Built (or loaded) now, at start-up, not in the first step. Per layer, forward then checks only
         # static facts (head_dim, dtype, device), which Dynamo folds while tracing.
-        self._kernel_built = prefer_cpu_kernel and cpu_attention_available is not None and cpu_attention_available()
+        self._kernel_built = prefer_cpu_kernel and cpu_kernels_available()
 
     def uses_cpu_kernel(self, q: torch.Tensor) -> bool:
         """Whether a layer with these queries runs the C++ kernel (else the reference op)."""

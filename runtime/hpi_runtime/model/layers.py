@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpi_kernels.cpu.packed_linear import packed_weight_rows
 from hpi_runtime.model.linear import default_weight_loader
 from hpi_runtime.model.parallel import Span
 
@@ -74,17 +75,21 @@ class VocabEmbedding(nn.Module):
         # Gemma: sqrt(hidden_size) rounded to the weights' dtype, as transformers applies it (a host float, so
         # that a compiled step holds no tensor constant)
         self.scale = None if scale is None else float(torch.tensor(scale, dtype=self.weight.dtype, device="cpu"))
+        self.packed = False  # cpu_layout.pack_cpu_weights: the matrix is a tied LM head's packed panels
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_weight_rows(self.weight, ids) if self.packed else F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_span.size == self.vocab_size:
-            hidden = F.embedding(input_ids, self.weight)
+            hidden = self._rows(input_ids)
         else:
             local = input_ids - self.vocab_span.start
             outside = (local < 0) | (local >= self.vocab_span.size)
-            hidden = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+            hidden = self._rows(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
         if self.scale is not None:
             hidden = hidden * self.scale
         return hidden
@@ -102,9 +107,12 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_span.size, hidden_size), requires_grad=False)
             self.weight.weight_loader = self.weight_loader
+        self.packed = False  # cpu_layout.pack_cpu_weights: `weight` is hpi_kernels' packed column panels
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed:  # the C++ op, called directly (opaque to torch.compile); fp32 only
+            return torch.ops.hpi_kernels.packed_linear(hidden, self.weight, self.vocab_span.size, None)
         return F.linear(hidden, self.weight).float()

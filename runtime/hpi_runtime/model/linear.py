@@ -50,11 +50,15 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # Set by cpu_layout.pack_cpu_weights, after loading: `weight` is then hpi_kernels' packed column panels.
+        self.packed_out_features: int | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_out_features is not None:  # the C++ op, called directly (opaque to torch.compile)
+            return torch.ops.hpi_kernels.packed_linear(x, self.weight, self.packed_out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -138,21 +142,3 @@ class RowParallelLinear(LinearBase):
             return
         _copy_slice(param.data, loaded, 1, self.in_span, type(self).__name__)
 
-
-def use_sgemm_layout(model: nn.Module) -> int:
-    """Store the fp32 weights of the model's CPU linear layers column-major; returns how many moved.
-
-    The logical [out, in] parameter stays (loaders, quantization and tensor parallelism see no change);
-    only its storage becomes [in, out]-contiguous, so `F.linear` hands MKL's sgemm an untransposed B. At the
-    4-128 rows of a decode step that runs the model's linears 1.1-1.3x faster (AVX512 here; the layout is
-    MKL's, not the ISA's: bench/results/hot_path.md); bf16 and fp16 take oneDNN and stay as they are.
-    """
-    moved = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, LinearBase) or weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue
-        if weight.dim() == 2 and weight.stride() != (1, weight.shape[0]):
-            weight.data = weight.data.t().contiguous().t()
-            moved += 1
-    return moved

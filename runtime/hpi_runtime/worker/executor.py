@@ -16,7 +16,7 @@ from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import ModelConfig
-from hpi_runtime.model.linear import use_sgemm_layout
+from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.model.llama import LlamaForCausalLM
 from hpi_runtime.model.loader import load_model, weight_bytes
 from hpi_runtime.model.parallel import SINGLE, TensorParallel
@@ -89,7 +89,7 @@ class LocalExecutor:
         backend = get_attention_backend(config.attention_backend, config.dtype, device)
         self.model = load_model(model_config, config.dtype, device, backend, tp)
         quantize_model(self.model, config.quantization)  # in place, one layer at a time
-        use_sgemm_layout(self.model)
+        pack_cpu_weights(self.model) or use_sgemm_layout(self.model)
         self.weight_bytes = weight_bytes(self.model)
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(

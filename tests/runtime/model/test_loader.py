@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpi_runtime.model import loader
+from hpi_kernels.cpu import packed_weight_rows
+from hpi_runtime.model import cpu_layout, loader
 from hpi_runtime.model.attention import TorchAttentionBackend
 from hpi_runtime.model.config import load_model_config
-from hpi_runtime.model.linear import LinearBase, use_sgemm_layout
+from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
+from hpi_runtime.model.linear import LinearBase
 from hpi_runtime.model.loader import load_model, safetensors_files, weight_file_patterns
 from hpi_runtime.model.perplexity import perplexity
 from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
@@ -160,3 +162,53 @@ def test_sgemm_layout_moves_fp32_cpu_linears_only(sharded_dir: Path, tiny_model_
     assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, LinearBase))
     int8 = quantize_model(_load(tiny_model_dir), QuantizationConfig(method="int8"))
     assert use_sgemm_layout(int8) == 0  # every linear is quantized: their packed weights stay as they are
+
+
+def test_pack_cpu_weights_packs_fp32_linears_and_the_lm_head(sharded_dir: Path, tiny_model_dir: Path) -> None:
+    """pack_cpu_weights replaces each fp32 CPU linear weight and the LM head by the C++ kernel's panels:
+    the checkpoint's values exactly, read back from the panels, and the same model outputs."""
+    model = _load(sharded_dir)  # untied: the LM head has its own matrix
+    reference = _reference(sharded_dir)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    out_features = [m.weight.shape[0] for m in linears]
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    before = perplexity(model, TorchAttentionBackend(torch.float32), tokens)
+    assert pack_cpu_weights(model) == len(linears) + 1 == 9
+    assert [m.packed_out_features for m in linears] == out_features
+    assert model.lm_head.packed and not model.model.embed_tokens.packed
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    expected_qkv = torch.cat([reference[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(packed_weight_rows(qkv.weight, torch.arange(qkv.packed_out_features)), expected_qkv)
+    vocab_size = model.config.vocab_size
+    assert torch.equal(packed_weight_rows(model.lm_head.weight, torch.arange(vocab_size)), reference["lm_head.weight"])
+    assert perplexity(model, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(before, rel=1e-5)
+    assert pack_cpu_weights(model) == use_sgemm_layout(model) == 0  # packed already; nothing left to re-lay
+
+    bf16 = _load(tiny_model_dir, torch.bfloat16)
+    assert pack_cpu_weights(bf16) == 0
+    int8 = quantize_model(_load(tiny_model_dir), QuantizationConfig(method="int8"))
+    assert pack_cpu_weights(int8) == 1  # the float LM head only: quantized layers keep their own format
+
+
+def test_tied_embedding_reads_the_packed_lm_head(tiny_model_dir: Path) -> None:
+    model = _load(tiny_model_dir)
+    embed = model.model.embed_tokens
+    ids = torch.tensor([0, 5, model.config.vocab_size - 1, 5])
+    rows = embed(ids)
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    before = perplexity(model, TorchAttentionBackend(torch.float32), tokens)
+    assert pack_cpu_weights(model) > 0
+    assert model.lm_head.weight is embed.weight and embed.packed and embed.weight.dim() == 3
+    assert torch.equal(embed(ids), rows)
+    assert perplexity(model, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(before, rel=1e-5)
+
+
+def test_without_the_cpu_kernels_weights_stay_for_use_sgemm_layout(tiny_model_dir: Path, monkeypatch) -> None:
+    # A machine without a C++ toolchain cannot be made here once the kernels are loaded: the availability
+    # check is replaced (test_cpu_attention runs the real missing-compiler case in a child process).
+    monkeypatch.setattr(cpu_layout, "cpu_kernels_available", lambda: False)
+    model = _load(tiny_model_dir)
+    assert pack_cpu_weights(model) == 0
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight.dim() == 2 and m.packed_out_features is None for m in linears)
+    assert use_sgemm_layout(model) > 0

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import load_model_config
-from hpi_runtime.model.linear import use_sgemm_layout
+from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.model.loader import load_model
 from hpi_runtime.model.quant_linear import CPU_INT8_DEQUANT_MIN_ROWS
 from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
@@ -40,7 +40,9 @@ def _runner(
     backend = get_attention_backend("torch", dtype, cpu)
     model = load_model(config, dtype, cpu, backend)
     quantize_model(model, QuantizationConfig(method=quantization))
-    use_sgemm_layout(model)
+    # As the executor lays weights out; frozen weights keep F.linear (MKL's layout), which freezing prepacks.
+    if freeze_weights or not pack_cpu_weights(model):
+        use_sgemm_layout(model)
     allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), cpu)
     compile_config = CompileConfig(max_model_len=128, freeze_weights=freeze_weights, seal_after_warmup=seal)
     compile_config = compile_config if compiled else None

@@ -1,0 +1,234 @@
+// fp32 linear layers over weights prepacked into column panels: the GEMMs of decode steps (a few to a few
+// hundred rows against weights read once per step), where MKL's sgemm packs the weight again on every call
+// and reaches ~40% of the FMA peak at 8-64 rows.
+//
+// - pack_linear_weight: the weight [N, K] becomes panels of kNr output columns, panel p a contiguous
+//   [K, kNr] block (columns past N are zeros), so that a panel streams sequentially.
+// - packed_linear: threads split the panels (at::parallel_for); for each panel, the rows run kMr at a
+//   time with kMr x kNrVecs accumulators in registers (per k: kNrVecs loads of the panel, kMr broadcasts of
+//   x, kMr * kNrVecs FMAs). While a panel's row tiles compute, each tile prefetches its share of the
+//   thread's next panel into L2, so the weight's stream from memory overlaps the FMAs instead of
+//   stalling the first tile of every panel: that overlap is most of the gain at 8-128 rows.
+//   Rows are cut into chunks of kMc (x's chunk stays in L2 while the panels stream past); with more rows
+//   than one tile, K is cut into blocks of kKc so that the panel's block stays in L1 across the tiles.
+//
+// Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability, so Vec is 16 (AVX512),
+// 8 (AVX2) or 4/8 (other) lanes wide and the panel width kNr follows it; the packed tensor's last dimension
+// records it, and packed_linear checks it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVecSize = Vec::size();
+constexpr int kNrVecs = 2;                    // vectors per panel row
+constexpr int64_t kNr = kNrVecs * kVecSize;   // panel width: 32 columns with AVX512, 16 with AVX2
+constexpr int kMr = kVecSize >= 16 ? 12 : 6;  // rows per register tile: 24 (of 32) or 12 (of 16) accumulators
+constexpr int64_t kMc = 256;                  // rows per chunk of x kept in L2
+constexpr int64_t kKc = 256;                  // K per block when several row tiles share a panel (L1-sized)
+constexpr int64_t kPrefetch = 8;              // panel rows ahead, within the current panel
+constexpr int64_t kMaxPackedRows = 320;       // more rows (prefill): unpack the weight and call at::mm,
+constexpr int64_t kMaxUnpackedFloats = 1 << 24;  // for weights of up to 64 MiB (not a vocabulary's LM head)
+
+// Next-panel prefetch plan of one tile: rows k with (k - phase) % step == 0 of the panel at `next`.
+struct Prefetch {
+  const float* next;  // the same K block of the next panel this thread computes, or nullptr
+  int64_t phase;
+  int64_t step;
+};
+
+// c[r, 0:ncols] (+)= sum_k a[r, k] * b[k, 0:kNr] for r < R, k < K; b is a block of one packed panel.
+template <int R>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc, int64_t ncols,
+                 bool accumulate, Prefetch pf) {
+  Vec acc[R][kNrVecs];
+  const bool full = ncols == kNr;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) {
+      const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
+      acc[r][v] = !accumulate ? Vec(0.f)
+                  : full      ? Vec::loadu(c + r * ldc + v * kVecSize)
+                              : Vec::loadu(c + r * ldc + v * kVecSize, count);
+    }
+  }
+  int64_t countdown = pf.phase;
+  for (int64_t k = 0; k < K; ++k) {
+    Vec bv[kNrVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) bv[v] = Vec::loadu(b + k * kNr + v * kVecSize);
+    __builtin_prefetch(b + (k + kPrefetch) * kNr, 0, 3);
+    __builtin_prefetch(b + (k + kPrefetch) * kNr + kNr / 2, 0, 3);
+    if (pf.next != nullptr && --countdown < 0) {  // this tile's share of the next panel, into L2
+      countdown = pf.step - 1;
+      __builtin_prefetch(pf.next + k * kNr, 0, 2);
+      __builtin_prefetch(pf.next + k * kNr + kNr / 2, 0, 2);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec av(a[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNrVecs; ++v) acc[r][v] = at::vec::fmadd(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) {
+      const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
+      if (full) {
+        acc[r][v].store(c + r * ldc + v * kVecSize);
+      } else if (count > 0) {  // the last panel of an N that is not a multiple of kNr
+        acc[r][v].store(c + r * ldc + v * kVecSize, count);
+      }
+    }
+  }
+}
+
+// The tile of exactly `rows` (1..R) rows.
+template <int R>
+inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
+                      int64_t ncols, bool accumulate, Prefetch pf) {
+  if constexpr (R == 1) {
+    tile<1>(a, lda, b, K, c, ldc, ncols, accumulate, pf);
+  } else {
+    if (rows == R) return tile<R>(a, lda, b, K, c, ldc, ncols, accumulate, pf);
+    tile_rows<R - 1>(rows, a, lda, b, K, c, ldc, ncols, accumulate, pf);
+  }
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+                    "pack_linear_weight takes a float32 CPU weight [out_features, in_features], got ",
+                    weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNr - 1) / kNr;
+  at::Tensor packed = at::zeros({panels, K, kNr}, weight.options());
+  const auto w = weight.accessor<float, 2>();  // any strides: row- or column-major as loaded
+  float* out = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t ncols = std::min(kNr, N - p * kNr);
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < ncols; ++j) out[(p * K + k) * kNr + j] = w[p * kNr + j][k];
+      }
+    }
+  });
+  return packed;
+}
+
+void check_packed(const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kNr && packed.scalar_type() == at::kFloat &&
+                        packed.is_contiguous() && packed.device().is_cpu(),
+                    "packed weight must be a contiguous float32 CPU tensor [panels, in_features, ", kNr,
+                    "] from pack_linear_weight, got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK_VALUE(out_features > (packed.size(0) - 1) * kNr && out_features <= packed.size(0) * kNr,
+                    "out_features ", out_features, " does not fit a packed weight of ", packed.size(0),
+                    " panels of ", kNr, " columns");
+}
+
+// out [M, N] = a [M, K] @ the packed weight's [K, N] (row stride of a: lda; out contiguous).
+void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, int64_t K, int64_t N, float* out) {
+  const int64_t panels = (N + kNr - 1) / kNr;
+  for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+    const int64_t mc = std::min(kMc, M - m0);
+    const int64_t tiles = (mc + kMr - 1) / kMr;
+    const int64_t kc = tiles > 1 ? kKc : K;  // one tile streams the panel once anyway: no K blocks
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* panel = packed + p * K * kNr;
+        const float* next = p + 1 < p1 ? panel + K * kNr : nullptr;
+        const int64_t ncols = std::min(kNr, N - p * kNr);
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          const int64_t kb = std::min(kc, K - k0);
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t m = m0 + t * kMr, rows = std::min<int64_t>(kMr, m0 + mc - m);
+            const Prefetch pf{next == nullptr ? nullptr : next + k0 * kNr, t, tiles};
+            tile_rows<kMr>(rows, a + m * lda + k0, lda, panel + k0 * kNr, kb, out + m * N + p * kNr, N, ncols,
+                           k0 > 0, pf);
+          }
+        }
+      }
+    });
+  }
+}
+
+// The weight back as [K, N] row-major (column-major [N, K]), into a per-thread scratch buffer reused across
+// calls: for prefill-sized GEMMs, where MKL's own packing pays for itself and copying the weight once costs
+// 2-7% of the GEMM.
+at::Tensor unpacked_weight(const at::Tensor& packed, int64_t N) {
+  static thread_local at::Tensor scratch;
+  const int64_t K = packed.size(1), panels = packed.size(0);
+  if (!scratch.defined() || scratch.numel() < K * N) scratch = at::empty({K * N}, packed.options());
+  float* dst = scratch.data_ptr<float>();
+  const float* src = packed.const_data_ptr<float>();
+  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t ncols = std::min(kNr, N - p * kNr);
+        std::copy_n(src + (p * K + k) * kNr, ncols, dst + k * N + p * kNr);
+      }
+    }
+  });
+  return scratch.narrow(0, 0, K * N).view({K, N});
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  check_packed(packed, out_features);
+  const int64_t K = packed.size(1), N = out_features;
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                    "packed_linear takes float32 CPU x [..., ", K, "], got ", x.scalar_type(), " ", x.sizes(),
+                    " on ", x.device());
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
+                    "packed_linear's bias must be float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
+  at::Tensor a = x.reshape({-1, K});
+  if (a.stride(1) != 1 || (a.size(0) > 1 && a.stride(0) < K)) a = a.contiguous();
+  const int64_t M = a.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (M > kMaxPackedRows && K * N <= kMaxUnpackedFloats) {
+    at::Tensor out2d = out.view({M, N});
+    at::mm_out(out2d, a, unpacked_weight(packed, N));
+  } else if (M > 0) {
+    packed_gemm(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<float>(), M, K, N,
+                out.data_ptr<float>());
+  }
+  if (has_bias) out.add_(*bias);
+  return out;
+}
+
+at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t out_features,
+                              const std::optional<at::Tensor>&) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = c10::SymInt(out_features);
+  return at::empty_symint(shape, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+}
+
+TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
+  m.impl("packed_linear", &packed_linear_meta);
+}

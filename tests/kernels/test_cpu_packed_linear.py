@@ -1,0 +1,101 @@
+"""The C++ packed fp32 linear (hpi_kernels.cpu.packed_linear) against F.linear over the unpacked weight.
+
+Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles with K cut into
+blocks (13-320), and the prefill path that unpacks the weight for MKL (over 320). Shapes cover a last
+panel that is partly padding and in_features that are no multiple of the vector width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpi_kernels.cpu import load_extension, pack_linear_weight, packed_linear, packed_weight_rows
+
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32, sums of up to 1000 products in another order than MKL's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension() -> str:
+    return load_extension()
+
+
+def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 320, 321, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 40), (17, 600), (200, 1001)])
+def test_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    weight = _weight(out_features, in_features)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    packed = pack_linear_weight(weight)
+    torch.testing.assert_close(packed_linear(x, packed, out_features), F.linear(x, weight), **TOLERANCE)
+    torch.testing.assert_close(packed_linear(x, packed, out_features, bias), F.linear(x, weight, bias), **TOLERANCE)
+
+
+def test_packed_layout_pads_the_last_panel_with_zeros() -> None:
+    weight = _weight(50, 40)
+    packed = pack_linear_weight(weight.t().contiguous().t())  # a column-major weight packs the same
+    panel = packed.shape[2]
+    assert packed.shape == (-(-50 // panel), 40, panel) and packed.is_contiguous()
+    assert torch.equal(packed, pack_linear_weight(weight))
+    columns = packed.permute(1, 0, 2).reshape(40, -1)  # [in, panels * panel]: weight.T, then padding
+    assert torch.equal(columns[:, :50], weight.t())
+    assert not columns[:, 50:].any()
+
+
+def test_any_leading_shape_and_strided_rows() -> None:
+    weight = _weight(64, 48)
+    packed = pack_linear_weight(weight)
+    x = torch.randn(3, 5, 48)
+    out = packed_linear(x, packed, 64)
+    assert out.shape == (3, 5, 64)
+    torch.testing.assert_close(out, F.linear(x, weight), **TOLERANCE)
+    wide = torch.randn(9, 100)  # rows of a wider tensor (a fused projection's slice): row stride 100, not 48
+    torch.testing.assert_close(packed_linear(wide[:, 20:68], packed, 64), F.linear(wide[:, 20:68], weight), **TOLERANCE)
+    columns = torch.randn(48, 7).t()  # not row-major at all
+    torch.testing.assert_close(packed_linear(columns, packed, 64), F.linear(columns, weight), **TOLERANCE)
+    assert packed_linear(torch.empty(0, 48), packed, 64).shape == (0, 64)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    """Up to the prefill path, each row is summed in the same order whatever the other rows: a request's
+    greedy tokens do not change with what it is batched with."""
+    weight, x = _weight(96, 576), torch.randn(64, 576)
+    packed = pack_linear_weight(weight)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, 96) for i in range(64)])
+    assert torch.equal(packed_linear(x, packed, 96), alone)
+    assert torch.equal(packed_linear(x[5:30], packed, 96), alone[5:30])
+
+
+def test_weight_rows_read_from_the_panels() -> None:
+    weight = _weight(50, 40)
+    ids = torch.tensor([[0, 49, 31], [32, 7, 7]])
+    assert torch.equal(packed_weight_rows(pack_linear_weight(weight), ids), F.embedding(ids, weight))
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    weight = _weight(64, 48)
+    packed = pack_linear_weight(weight)
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        pack_linear_weight(weight.bfloat16())
+    with pytest.raises(ValueError, match="float32 CPU x"):
+        packed_linear(torch.randn(2, 47), packed, 64)
+    with pytest.raises(ValueError, match="float32 CPU x"):
+        packed_linear(torch.randn(2, 48, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(ValueError, match="does not fit a packed weight"):
+        packed_linear(torch.randn(2, 48), packed, 65 + packed.shape[2])
+    with pytest.raises(ValueError, match="from pack_linear_weight"):
+        packed_linear(torch.randn(2, 48), weight, 64)  # an unpacked weight
+    with pytest.raises(ValueError, match="bias must be float32"):
+        packed_linear(torch.randn(2, 48), packed, 64, torch.randn(63))
+
+
+def test_op_schema_and_fake_kernel() -> None:
+    # The fake kernel is what lets torch.compile keep the op opaque, with a symbolic row count.
+    packed, op = pack_linear_weight(_weight(64, 48)), torch.ops.hpi_kernels.packed_linear.default
+    torch.library.opcheck(op, (torch.randn(5, 48), packed, 64, None))
+    torch.library.opcheck(op, (torch.randn(2, 3, 48), packed, 64, torch.randn(64)))
