@@ -10,8 +10,8 @@
 // Work is cut into items that share one kv head of one request, sorted longest first and claimed by
 // the threads of one at::parallel_for region from an atomic counter, so a few long contexts do not
 // leave the other threads idle:
-//   - decode (one query token): the token's q heads of one kv head (at most kMaxDecodeHeads, held in
-//     registers); per key, G dot products over head_dim, each reduced once (decode_item);
+//   - decode (one query token): the token's q heads of one kv head (at most kMaxDecodeHeads); per head,
+//     the dot products with Vec::size() keys at a time, reduced in one shuffle tree (decode_item);
 //   - prefill/extend chunks: a tile of up to kMaxTileVecs * Vec::size() (token, q head) rows, stored
 //     transposed so that the rows sit in vector lanes: scores, the online softmax and the P @ V update
 //     all run across rows without horizontal reductions (tile_item).
@@ -64,6 +64,64 @@ inline float sum_lanes(const Vec& v) {
 }
 inline float max_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// sums[i] = the sum of v[i]'s lanes, for kVecSize vectors v: one transposing shuffle tree for all of them
+// (about a third of the shuffles of kVecSize separate reductions).
+inline Vec sum_lanes_each(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i] = a, v[2i+1] = b
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of v[4i .. 4i + 3]
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Sum the four 128-bit lanes of each x[i] into lane i.
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i) {
+    w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {
+    x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+#else
+  float sums[kVecSize];
+  for (int64_t i = 0; i < kVecSize; ++i) sums[i] = sum_lanes(v[i]);
+  return Vec::loadu(sums);
+#endif
+}
+
+// scores[j] = q . (key j) for keys j < n, `stride` elements apart: kVecSize keys at a time, reduced together.
+template <typename T>
+inline void score_keys(const float* q, const T* k, int64_t n, int64_t stride, int64_t head_dim, float* scores) {
+  int64_t j = 0;
+  for (; j + kVecSize <= n; j += kVecSize) {
+    Vec part[kVecSize];
+    for (int64_t i = 0; i < kVecSize; ++i) part[i] = Vec(0.f);
+    for (int64_t c = 0; c < head_dim; c += kVecSize) {
+      const Vec qv = Vec::loadu(q + c);
+      for (int64_t i = 0; i < kVecSize; ++i) part[i] = at::vec::fmadd(qv, load_float(k + (j + i) * stride + c), part[i]);
+    }
+    sum_lanes_each(part).store(scores + j);
+  }
+  for (; j < n; ++j) {
+    Vec part(0.f);
+    for (int64_t c = 0; c < head_dim; c += kVecSize) {
+      part = at::vec::fmadd(Vec::loadu(q + c), load_float(k + j * stride + c), part);
+    }
+    scores[j] = sum_lanes(part);
+  }
 }
 
 // Brings rows [0, n) of a block's kv head (row stride `stride` elements) towards L1 ahead of use: blocks
@@ -148,16 +206,7 @@ void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
       prefetch_rows(p.block_rows(p.k_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
       prefetch_rows(p.block_rows(p.v_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      Vec part[GB];
-      for (int g = 0; g < GB; ++g) part[g] = Vec(0.f);
-      const T* key = k + j * token_stride;
-      for (int64_t c = 0; c < D; c += kVecSize) {
-        const Vec kv = load_float(key + c);
-        for (int g = 0; g < GB; ++g) part[g] = at::vec::fmadd(Vec::loadu(q + g * D + c), kv, part[g]);
-      }
-      for (int g = 0; g < GB; ++g) scores[g * BS + j] = sum_lanes(part[g]);
-    }
+    for (int g = 0; g < GB; ++g) score_keys(q + g * D, k, n, token_stride, D, scores + g * BS);
     if (p.logit_softcap > 0.f) {
       for (int g = 0; g < GB; ++g)
         for (int64_t j = 0; j < n; ++j)
