@@ -9,8 +9,8 @@
 //   x, kMr * kNrVecs FMAs). While a panel's row tiles compute, each tile prefetches its share of the
 //   thread's next panel into L2, so the weight's stream from memory overlaps the FMAs instead of
 //   stalling the first tile of every panel: that overlap is most of the gain at 8-128 rows.
-//   Rows are cut into chunks of kMc (x's chunk stays in L2 while the panels stream past); with more rows
-//   than one tile, K is cut into blocks of kKc so that the panel's block stays in L1 across the tiles.
+//   Rows are cut into chunks of kMc (x's chunk stays in L2 while the panels stream past). K is not cut
+//   into blocks: at 16-320 rows, blocks of 64-256 measured 2-15% slower than whole panels from L2.
 //
 // Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability, so Vec is 16 (AVX512),
 // 8 (AVX2) or 4/8 (other) lanes wide and the panel width kNr follows it; the packed tensor's last dimension
@@ -37,45 +37,33 @@ constexpr int kNrVecs = 2;                    // vectors per panel row
 constexpr int64_t kNr = kNrVecs * kVecSize;   // panel width: 32 columns with AVX512, 16 with AVX2
 constexpr int kMr = kVecSize >= 16 ? 12 : 6;  // rows per register tile: 24 (of 32) or 12 (of 16) accumulators
 constexpr int64_t kMc = 256;                  // rows per chunk of x kept in L2
-constexpr int64_t kKc = 256;                  // K per block when several row tiles share a panel (L1-sized)
 constexpr int64_t kPrefetch = 8;              // panel rows ahead, within the current panel
 constexpr int64_t kMaxPackedRows = 320;       // more rows (prefill): unpack the weight and call at::mm,
 constexpr int64_t kMaxUnpackedFloats = 1 << 24;  // for weights of up to 64 MiB (not a vocabulary's LM head)
 
-// Next-panel prefetch plan of one tile: rows k with (k - phase) % step == 0 of the panel at `next`.
-struct Prefetch {
-  const float* next;  // the same K block of the next panel this thread computes, or nullptr
-  int64_t phase;
-  int64_t step;
-};
-
-// c[r, 0:ncols] (+)= sum_k a[r, k] * b[k, 0:kNr] for r < R, k < K; b is a block of one packed panel.
+// c[r, 0:ncols] = sum_k a[r, k] * b[k, 0:kNr] for r < R, k < K; b is one packed panel. The tile also
+// prefetches rows k = phase, phase + step, ... of `next` (the thread's next panel, or nullptr) into L2: with
+// `step` tiles per panel, the tiles share that panel's prefetch between them.
 template <int R>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc, int64_t ncols,
-                 bool accumulate, Prefetch pf) {
+                 const float* next, int64_t phase, int64_t step) {
   Vec acc[R][kNrVecs];
-  const bool full = ncols == kNr;
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < kNrVecs; ++v) {
-      const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
-      acc[r][v] = !accumulate ? Vec(0.f)
-                  : full      ? Vec::loadu(c + r * ldc + v * kVecSize)
-                              : Vec::loadu(c + r * ldc + v * kVecSize, count);
-    }
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = Vec(0.f);
   }
-  int64_t countdown = pf.phase;
+  int64_t countdown = phase;
   for (int64_t k = 0; k < K; ++k) {
     Vec bv[kNrVecs];
 #pragma GCC unroll 4
     for (int v = 0; v < kNrVecs; ++v) bv[v] = Vec::loadu(b + k * kNr + v * kVecSize);
     __builtin_prefetch(b + (k + kPrefetch) * kNr, 0, 3);
     __builtin_prefetch(b + (k + kPrefetch) * kNr + kNr / 2, 0, 3);
-    if (pf.next != nullptr && --countdown < 0) {  // this tile's share of the next panel, into L2
-      countdown = pf.step - 1;
-      __builtin_prefetch(pf.next + k * kNr, 0, 2);
-      __builtin_prefetch(pf.next + k * kNr + kNr / 2, 0, 2);
+    if (next != nullptr && --countdown < 0) {
+      countdown = step - 1;
+      __builtin_prefetch(next + k * kNr, 0, 2);
+      __builtin_prefetch(next + k * kNr + kNr / 2, 0, 2);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -87,7 +75,7 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* 
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kNrVecs; ++v) {
       const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
-      if (full) {
+      if (ncols == kNr) {
         acc[r][v].store(c + r * ldc + v * kVecSize);
       } else if (count > 0) {  // the last panel of an N that is not a multiple of kNr
         acc[r][v].store(c + r * ldc + v * kVecSize, count);
@@ -99,12 +87,12 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* 
 // The tile of exactly `rows` (1..R) rows.
 template <int R>
 inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
-                      int64_t ncols, bool accumulate, Prefetch pf) {
+                      int64_t ncols, const float* next, int64_t phase, int64_t step) {
   if constexpr (R == 1) {
-    tile<1>(a, lda, b, K, c, ldc, ncols, accumulate, pf);
+    tile<1>(a, lda, b, K, c, ldc, ncols, next, phase, step);
   } else {
-    if (rows == R) return tile<R>(a, lda, b, K, c, ldc, ncols, accumulate, pf);
-    tile_rows<R - 1>(rows, a, lda, b, K, c, ldc, ncols, accumulate, pf);
+    if (rows == R) return tile<R>(a, lda, b, K, c, ldc, ncols, next, phase, step);
+    tile_rows<R - 1>(rows, a, lda, b, K, c, ldc, ncols, next, phase, step);
   }
 }
 
@@ -143,20 +131,14 @@ void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, in
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t mc = std::min(kMc, M - m0);
     const int64_t tiles = (mc + kMr - 1) / kMr;
-    const int64_t kc = tiles > 1 ? kKc : K;  // one tile streams the panel once anyway: no K blocks
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const float* panel = packed + p * K * kNr;
         const float* next = p + 1 < p1 ? panel + K * kNr : nullptr;
         const int64_t ncols = std::min(kNr, N - p * kNr);
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-          const int64_t kb = std::min(kc, K - k0);
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t m = m0 + t * kMr, rows = std::min<int64_t>(kMr, m0 + mc - m);
-            const Prefetch pf{next == nullptr ? nullptr : next + k0 * kNr, t, tiles};
-            tile_rows<kMr>(rows, a + m * lda + k0, lda, panel + k0 * kNr, kb, out + m * N + p * kNr, N, ncols,
-                           k0 > 0, pf);
-          }
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + t * kMr, rows = std::min<int64_t>(kMr, m0 + mc - m);
+          tile_rows<kMr>(rows, a + m * lda, lda, panel, K, out + m * N + p * kNr, N, ncols, next, t, tiles);
         }
       }
     });
