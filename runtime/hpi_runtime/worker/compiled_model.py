@@ -8,6 +8,9 @@ faster than a two-row GEMM over the same weights (bench/results/hot_path.md). Th
 in the model (CPU int8 layers dequantize for large steps) is a `torch.cond`. Whether Inductor freezes
 the weights (constants, prepacked for oneDNN) is the caller's choice: see `ExecutorConfig.freeze_weights`;
 `freezing` is read while Dynamo traces, so it is patched around the call, not passed as an option.
+So is `cpp.dynamic_threads`: Inductor's C++ kernels then leave the thread count of each parallel loop to
+OpenMP at run time instead of a fixed `num_threads`; measured on 2 cores, alternating step by step, the
+fp32 decode step ran 2-4% faster (22.1 -> 21.4 ms at batch 1, 53.8 -> 51.4 at 32, 92.9 -> 91.3 at 64).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class CompiledForward:
         if self._sealed:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return self._compiled(input_ids, positions, metadata)
-        with torch._inductor.config.patch(freezing=self._freeze_weights):
+        with torch._inductor.config.patch({"freezing": self._freeze_weights, "cpp.dynamic_threads": True}):
             return self._compiled(input_ids, positions, metadata)
 
 
