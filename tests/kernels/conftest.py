@@ -1,8 +1,13 @@
-"""Fixtures for kernel tests: paged K/V caches with scattered block tables, built on CPU for the interpreter."""
+"""Fixtures for kernel tests: paged K/V caches with scattered block tables, built on CPU for the interpreter;
+re-running a C++ kernel's tests under a lower CPU capability."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +81,27 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 @pytest.fixture
 def tol():
     return tolerance
+
+
+_LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
+
+
+def run_at_lower_capability(test_file: str, capability: str, selection: str) -> None:
+    """Re-run the tests of `test_file` that `selection` (-k) picks in a child whose torch dispatches to the
+    lower instruction set `capability`, so that the C++ CPU kernels' AVX2 (CI) and generic builds are checked
+    on every machine that can run them; skips where `capability` is not below this machine's. The child sees
+    HPI_EXPECT_CPU_CAPABILITY, for a test that checks which build it loaded."""
+    from hpi_kernels.cpu import cpu_capability
+
+    if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
+        pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", selection],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -19,6 +19,8 @@ import torch
 from hpi_kernels.cpu import cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
 
+from .conftest import run_at_lower_capability
+
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
@@ -298,27 +300,12 @@ def test_missing_compiler_is_reported_not_a_crash() -> None:
     assert "needs a C++ compiler; '/nonexistent/c++' is not on PATH" in result.stdout
 
 
-_LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_lower_capability_builds_agree(capability) -> None:
-    """Re-run this file's mixed-batch tests in a child whose torch dispatches to a lower instruction set,
-    so the AVX2 (CI) and generic builds are checked on every machine that can run them."""
-    if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
-        pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability}
+    """This file's mixed-batch tests again, under the AVX2 and generic builds."""
     selection = "(mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or built_for"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", selection],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).parents[2],
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_at_lower_capability(__file__, capability, selection)
 
 
 def _cached_step(num_rows: int = 5, num_tokens: int = 4):

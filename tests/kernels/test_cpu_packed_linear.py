@@ -8,15 +8,14 @@ panel that is partly padding and in_features that are no multiple of the vector 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hpi_kernels.cpu import cpu_capability, load_extension, pack_linear_weight, packed_linear, packed_weight_rows
+
+from .conftest import run_at_lower_capability
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32, sums of up to 1000 products in another order than MKL's
 
@@ -106,26 +105,16 @@ def test_op_schema_and_fake_kernel() -> None:
     torch.library.opcheck(op, (torch.randn(2, 3, 48), packed, 64, torch.randn(64)))
 
 
-_LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
+def test_built_for_torch_capability() -> None:
+    if expected := os.environ.get("HPI_EXPECT_CPU_CAPABILITY"):  # set for the child runs below
+        assert cpu_capability() == expected
+    vector_width = {"AVX512": 16, "AVX2": 8}.get(cpu_capability())
+    if vector_width is not None:  # two vectors per panel row
+        assert pack_linear_weight(_weight(8, 4)).shape[2] == 2 * vector_width
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_lower_capability_builds_agree(capability) -> None:
-    """Re-run this file in a child whose torch dispatches to a lower instruction set (other panel widths and
-    register tiles), so the AVX2 (CI) and generic builds are checked on every machine that can run them."""
-    if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
-        pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
-    code = f"from hpi_kernels.cpu import cpu_capability; assert cpu_capability() == {capability!r}, cpu_capability()"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not lower_capability"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).parents[2],
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    """This file again under the AVX2 and generic builds (other panel widths and register tiles)."""
+    run_at_lower_capability(__file__, capability, "not lower_capability")
