@@ -34,7 +34,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
 
     The packed weight is no [out, in] matrix any more: loaders and quantization cannot read it, so this runs
     after both. Each panel streams once per step while the kernel computes: a 32-row decode step's linears
-    ran 1.4x faster than MKL over column-major weights, and its LM head 1.3x; one row as fast; prefill-sized
+    ran 1.5x faster than MKL over column-major weights, and its LM head 1.3x; one row as fast; prefill-sized
     inputs go to MKL (bench/results/hot_path.md, fourth pass). A tied embedding then looks tokens up in the
     panels (packed_weight_rows).
     """
