@@ -1,8 +1,9 @@
 """The C++ packed fp32 linear (hpi_kernels.cpu.packed_linear) against F.linear over the unpacked weight.
 
-Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles with K cut into
-blocks (13-320), and the prefill path that unpacks the weight for MKL (over 320). Shapes cover a last
-panel that is partly padding and in_features that are no multiple of the vector width.
+Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles (13-320, in one or
+two chunks of rows), and the prefill path that unpacks the weight for MKL (over 320; a weight too large to
+unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and in_features that
+are no multiple of the vector width.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def test_matches_f_linear(rows: int, out_features: int, in_features: int) -> Non
     packed = pack_linear_weight(weight)
     torch.testing.assert_close(packed_linear(x, packed, out_features), F.linear(x, weight), **TOLERANCE)
     torch.testing.assert_close(packed_linear(x, packed, out_features, bias), F.linear(x, weight, bias), **TOLERANCE)
+
+
+def test_weight_too_large_to_unpack_stays_on_the_packed_kernel() -> None:
+    """Over 2**24 floats (a vocabulary's LM head: prompt logprobs over a long prompt) the prefill path would
+    need a scratch copy as large as the weight; these rows run the packed kernel instead, and agree."""
+    weight, x = _weight(4097, 4100), torch.randn(321, 4100)
+    assert weight.numel() > 2**24
+    # 4100-term sums of magnitude ~64: fp32 summation order alone differs by a few 1e-4
+    torch.testing.assert_close(packed_linear(x, pack_linear_weight(weight), 4097), F.linear(x, weight),
+                               atol=2e-3, rtol=1e-4)
 
 
 def test_packed_layout_pads_the_last_panel_with_zeros() -> None:

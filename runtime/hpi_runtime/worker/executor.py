@@ -52,7 +52,8 @@ class ExecutorConfig:
     # CPU measured (AVX512-BF16 without AMX, 2 cores; bench/results/hot_path.md) oneDNN's prepacked linears
     # beat MKL over row-major weights at 32 rows but not over use_sgemm_layout's column-major ones, lose at
     # one row (no GEMV), and freezing keeps a second copy of the linear weights (the eager model stays
-    # usable). Never for quantized weights, which constant folding would dequantize.
+    # usable). With the C++ kernels built, fp32 linears are packed (pack_cpu_weights) and leave it nothing
+    # to prepack. Never for quantized weights, which constant folding would dequantize.
     freeze_weights: bool = False
 
 
