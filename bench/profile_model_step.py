@@ -14,6 +14,7 @@ the medians of a few more steps profiled with torch.profiler give the components
 
     .venv/bin/python bench/profile_model_step.py --dtype float32 --batch 32   # eager, compiled, frozen
     .venv/bin/python bench/profile_model_step.py --modes eager               # an engine without compilation
+    .venv/bin/python bench/profile_model_step.py --dtype float32 bfloat16 --modes compiled sgemm
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ MODES = {  # ExecutorConfig settings of each mode
     "eager": {"enforce_eager": True},
     "compiled": {"enforce_eager": False, "freeze_weights": False},
     "frozen": {"enforce_eager": False, "freeze_weights": True},
-    "sgemm": {"enforce_eager": False, "freeze_weights": False},  # compiled, column-major weights for MKL
+    "sgemm": {"enforce_eager": False, "freeze_weights": False},  # compiled, fp32 column-major for MKL, bf16 oneDNN
     "row-major": {"enforce_eager": False, "freeze_weights": False},  # compiled, linear weights as loaded
 }
 UNPACKED_LAYOUTS = {  # what the executor's fp32 CPU weight layout functions do in these modes
@@ -158,7 +159,8 @@ def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="one or more: each mode runs in each dtype, all taking turns")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per mode")
@@ -168,16 +170,18 @@ def main() -> None:
     Sampler.__call__ = _traced("sampler", Sampler.__call__)
     drivers = {}
     for mode in args.modes:
-        drivers[mode] = Driver(_executor(mode, getattr(torch, args.dtype)), args.batch, args.prompt_len)
-        drivers[mode].prefill()
+        for dtype in args.dtype:
+            name = mode if len(args.dtype) == 1 else f"{mode} {dtype}"
+            drivers[name] = Driver(_executor(mode, getattr(torch, dtype)), args.batch, args.prompt_len)
+            drivers[name].prefill()
     # Modes take turns step by step, so whatever else the machine does lands on all of them alike.
-    times: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    times: dict[str, list[float]] = {mode: [] for mode in drivers}
     for _ in range(args.steps):
         for mode, driver in drivers.items():
             start = time.perf_counter()
             driver.decode()
             times[mode].append((time.perf_counter() - start) * 1e3)
-    parts: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+    parts: dict[str, list[dict[str, float]]] = {mode: [] for mode in drivers}
     for _ in range(args.profiled_steps):
         for mode, driver in drivers.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -185,11 +189,11 @@ def main() -> None:
                 driver.decode()
                 step_ms = (time.perf_counter() - start) * 1e3
             parts[mode].append(_components(prof, step_ms))
-    print(f"{args.dtype}, batch {args.batch}, context {args.prompt_len}..{args.prompt_len + args.steps}")
-    for mode in args.modes:
+    print(f"{' / '.join(args.dtype)}, batch {args.batch}, context {args.prompt_len}..{args.prompt_len + args.steps}")
+    for mode in drivers:
         median_ms = statistics.median(times[mode])
         components = {k: statistics.median(p[k] for p in parts[mode]) for k in parts[mode][0]}
-        print(f"{mode:>8}: decode step {median_ms:.1f} ms ({args.batch * 1e3 / median_ms:.0f} tok/s); profiled (ms) "
+        print(f"{mode:>16}: decode step {median_ms:.1f} ms ({args.batch * 1e3 / median_ms:.0f} tok/s); profiled (ms) "
               + ", ".join(f"{k} {v:.1f}" for k, v in components.items()))  # fmt: skip
 
 

@@ -153,12 +153,13 @@ def ratio_rows(results: dict) -> list[dict]:
     """Per hpi concurrency: output tok/s of hpi, transformers' best static batch <= N, llama.cpp at N
     (or its nearest measured N below, since it serves one sequence at a time), and hpi's ratios."""
     tf_runs = (results.get("transformers") or {}).get("static_batches", [])
+    tf32_runs = (results.get("transformers-fp32") or {}).get("static_batches", [])
     llama_runs = (results.get("llama.cpp") or {}).get("closed_loop", [])
     offline = {r["concurrency"]: r for r in (results.get("hpi-offline") or {}).get("runs", [])}
     rows = []
     for run in results["hpi"]["closed_loop"]:
         n, hpi_tps = run["concurrency"], run["output_tokens_per_s"]
-        tf = best_static_batch(tf_runs, n)
+        tf, tf32 = best_static_batch(tf_runs, n), best_static_batch(tf32_runs, n)
         llama = max((r for r in llama_runs if r["concurrency"] <= n), key=lambda r: r["concurrency"], default=None)
         rows.append({
             "concurrency": n,
@@ -168,6 +169,8 @@ def ratio_rows(results: dict) -> list[dict]:
             "llama_tok_s": llama and llama["output_tokens_per_s"],
             "llama_concurrency": llama and llama["concurrency"],
             "hpi_over_tf": tf and hpi_tps / tf["output_tokens_per_s"],
+            "tf_fp32_tok_s": tf32 and tf32["output_tokens_per_s"],
+            "hpi_over_tf_fp32": tf32 and hpi_tps / tf32["output_tokens_per_s"],
             "hpi_over_llama": llama and hpi_tps / llama["output_tokens_per_s"],
             "offline_tok_s": offline[n]["output_tokens_per_s"] if n in offline else None,
             "hpi_over_offline": hpi_tps / offline[n]["output_tokens_per_s"] if n in offline else None,
@@ -210,6 +213,8 @@ def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir:
             progress(f"llama.cpp skipped: {exc}")
     if "transformers" in systems:
         results["transformers"] = run_transformers(plan, tokenizer, model_dir, dtype, progress)
+    if "transformers-fp32" in systems:  # the baseline at its own fastest dtype here, where hpi's is bf16
+        results["transformers-fp32"] = run_transformers(plan, tokenizer, model_dir, torch.float32, progress)
     if "hpi-offline" in systems:
         results["hpi-offline"] = run_hpi_offline(plan, tokenizer, progress)
     if "hpi" in results:
@@ -227,7 +232,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=ServingPlan.prompt_len)
     parser.add_argument("--output-len", type=int, default=ServingPlan.output_len)
     parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"],
-                        help="any of hpi, llama.cpp, transformers, hpi-offline (LLM.generate on the same requests)")
+                        help="any of hpi, llama.cpp, transformers, hpi-offline (LLM.generate on the same requests), "
+                             "transformers-fp32 (transformers in fp32 whatever hpi's dtype)")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the systems this many times, every other round in reverse order, so that a "

@@ -105,8 +105,8 @@ class Pool:
     gpus_per_node: tuple[int, ...] = ()  # per node, same order as node_names
     gpu_bf16: bool = False
     arch: str = "amd64"
-    cpu_bf16: bool = False  # AVX512-BF16 or AMX: bf16 runs natively (pinned bf16 is allowed)
-    cpu_amx: bool = False  # AMX: bf16 is also the fast choice (without it, fp32 GEMMs are faster)
+    cpu_bf16: bool = False  # AVX512-BF16 or AMX: bf16 runs natively, and is the default dtype
+    cpu_amx: bool = False  # AMX: torch's own bf16 GEMMs (oneDNN) are fast too (shown in the pool's description)
     memory_bytes_per_node: tuple[int, ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     match_expressions: tuple[Mapping[str, Any], ...] = ()

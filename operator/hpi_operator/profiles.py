@@ -89,9 +89,9 @@ def _dtype_for(pool: Pool, pinned: str) -> tuple[str | None, str]:
         if pinned == "bf16" and not pool.gpu_bf16:
             return None, f"dtype pinned to bf16, which {pool.gpu_product} does not support"
     else:
-        # As the runtime's dtype=auto: bf16 only with AMX. With AVX512-BF16 alone torch's bf16 GEMMs run at half
-        # fp32's speed (bench/results/hot_path.md), so fp32 is the faster default there; bf16 can still be pinned.
-        native = "bf16" if pool.cpu_amx else "fp32"
+        # As the runtime's dtype=auto: bf16 with AMX (oneDNN's GEMMs) or AVX512-BF16 (the runtime's packed bf16
+        # linears, built by the image's compiler: faster than fp32 there, bench/results/hot_path.md); else fp32.
+        native = "bf16" if pool.cpu_bf16 else "fp32"
         if pinned == "bf16" and not pool.cpu_bf16:
             return None, "dtype pinned to bf16, but these CPUs lack AVX512-BF16/AMX-BF16"
         if pinned == "fp16":

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hpi_kernels.cpu import cpu_kernels_available
+from hpi_runtime import cpu_features
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
@@ -85,35 +87,24 @@ def download_from_hub(model_id: str, local_dir: Path | None = None, revision: st
     return download_model(model_id, target, revision).local_dir
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
-
-def _cpu_has_fast_bf16() -> bool:
-    """bf16 arithmetic in hardware (AVX512-BF16 dot products or AMX tiles), not emulated."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def _cpu_has_amx() -> bool:
-    return "amx_bf16" in _cpu_flags()
-
-
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """dtype "auto": on CPU, bf16 where the CPU has AMX, else fp32; on CUDA the checkpoint's 16-bit dtype, else
-    bf16 (fp16 on GPUs without bf16).
+    """dtype "auto": on CPU, bf16 where the CPU has AMX, or AVX512-BF16 and the C++ kernels build; else fp32.
+    On CUDA the checkpoint's 16-bit dtype, else bf16 (fp16 on GPUs without bf16).
 
-    AVX512-BF16 without AMX is not enough: there torch's bf16 GEMMs run at half the speed of fp32 (183 vs 356
-    GFLOP/s on the model's shapes, and a slower decode step at every batch size; bench/results/hot_path.md),
-    so fp32 serves faster at twice the memory. With AMX, bf16 is 3-5x faster than fp32 (DESIGN.md)."""
+    With AMX, torch's bf16 GEMMs are 3-5x fp32 (DESIGN.md). With AVX512-BF16 alone they run at half fp32's
+    speed, but the C++ kernels' packed bf16 linears run at fp32's FMA rate over half the bytes, and the bf16
+    KV cache halves attention's reads: a decode step 1.7x faster than fp32 at batch 1, 1.15x at 32
+    (bench/results/hot_path.md, fifth pass). Without either (AVX2: bf16 emulated), fp32."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}; got {dtype!r}")
         return DTYPES[dtype]
     if device.type == "cpu":
-        return torch.bfloat16 if _cpu_has_amx() else torch.float32
+        if cpu_features.has_amx():
+            return torch.bfloat16
+        if cpu_features.has_fast_bf16() and cpu_kernels_available():
+            return torch.bfloat16
+        return torch.float32
     if checkpoint_dtype in ("bfloat16", "float16"):
         return DTYPES[checkpoint_dtype]
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -1,9 +1,10 @@
-"""The C++ packed fp32 linear (hpi_kernels.cpu.packed_linear) against F.linear over the unpacked weight.
+"""The C++ packed linears (hpi_kernels.cpu.packed_linear), fp32 and bf16, against F.linear over the unpacked
+weight.
 
 Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles (13-320, in one or
-two chunks of rows), and the prefill path that unpacks the weight for MKL (over 320; a weight too large to
-unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and in_features that
-are no multiple of the vector width.
+two chunks of rows), and, in fp32, the prefill path that unpacks the weight for MKL (over 320; a weight too
+large to unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and
+in_features that are no multiple of the vector width (and, in bf16, odd: a last pair half padding).
 """
 
 from __future__ import annotations
@@ -89,24 +90,32 @@ def test_a_rows_result_does_not_depend_on_the_batch() -> None:
 def test_weight_rows_read_from_the_panels() -> None:
     weight = _weight(50, 40)
     ids = torch.tensor([[0, 49, 31], [32, 7, 7]])
-    assert torch.equal(packed_weight_rows(pack_linear_weight(weight), ids), F.embedding(ids, weight))
+    assert torch.equal(packed_weight_rows(pack_linear_weight(weight), ids, 40), F.embedding(ids, weight))
 
 
 def test_bad_arguments_raise_value_error() -> None:
     weight = _weight(64, 48)
     packed = pack_linear_weight(weight)
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        pack_linear_weight(weight.bfloat16())
-    with pytest.raises(ValueError, match="float32 CPU x"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
+        pack_linear_weight(weight.half())
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
+        pack_linear_weight(weight[0])
+    with pytest.raises(ValueError, match="x has 47 features"):
         packed_linear(torch.randn(2, 47), packed, 64)
-    with pytest.raises(ValueError, match="float32 CPU x"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU x"):
+        packed_linear(torch.randn(2, 48, dtype=torch.float16), packed, 64)
+    with pytest.raises(ValueError, match="of a weight of x's dtype"):  # bf16 x, fp32 panels
         packed_linear(torch.randn(2, 48, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(ValueError, match="of a weight of x's dtype"):  # fp32 x, bf16 panels
+        packed_linear(torch.randn(2, 48), pack_linear_weight(weight.bfloat16()), 64)
     with pytest.raises(ValueError, match="does not fit a packed weight"):
         packed_linear(torch.randn(2, 48), packed, 65 + packed.shape[2])
     with pytest.raises(ValueError, match="from pack_linear_weight"):
         packed_linear(torch.randn(2, 48), weight, 64)  # an unpacked weight
-    with pytest.raises(ValueError, match="bias must be float32"):
+    with pytest.raises(ValueError, match="bias must be Float"):
         packed_linear(torch.randn(2, 48), packed, 64, torch.randn(63))
+    with pytest.raises(ValueError, match="bias must be BFloat16"):
+        packed_linear(torch.randn(2, 48).bfloat16(), pack_linear_weight(weight.bfloat16()), 64, torch.randn(64))
 
 
 def test_op_schema_and_fake_kernel() -> None:
@@ -114,6 +123,58 @@ def test_op_schema_and_fake_kernel() -> None:
     packed, op = pack_linear_weight(_weight(64, 48)), torch.ops.hpi_kernels.packed_linear.default
     torch.library.opcheck(op, (torch.randn(5, 48), packed, 64, None))
     torch.library.opcheck(op, (torch.randn(2, 3, 48), packed, 64, torch.randn(64)))
+    bf16 = pack_linear_weight(_weight(64, 47).bfloat16())
+    torch.library.opcheck(op, (torch.randn(5, 47, dtype=torch.bfloat16), bf16, 64, None))
+    torch.library.opcheck(op, (torch.randn(2, 3, 47, dtype=torch.bfloat16), bf16, 64, torch.randn(64).bfloat16()))
+
+
+# bf16: the kernel sums in fp32 and rounds once, so it agrees with the fp32 sum over the same bf16 values,
+# rounded to bf16, to one bf16 step (the two fp32 sums differ in order only, which can tip a rounding).
+BF16_STEP = {"atol": 1e-3, "rtol": 2**-7}
+
+
+def _bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 257, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001)])
+def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in_features: int) -> None:
+    weight = _weight(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
+    packed = pack_linear_weight(weight)
+    out = packed_linear(x, packed, out_features)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, _bf16_reference(x, weight), **BF16_STEP)
+    torch.testing.assert_close(packed_linear(x, packed, out_features, bias), _bf16_reference(x, weight, bias),
+                               **BF16_STEP)  # fmt: skip
+
+
+def test_bf16_packed_layout_holds_pairs_of_k() -> None:
+    weight = _weight(50, 41).bfloat16()
+    packed = pack_linear_weight(weight.t().contiguous().t())  # a column-major weight packs the same
+    panel = packed.shape[2]
+    assert packed.shape == (-(-50 // panel), 21, panel, 2) and packed.is_contiguous()
+    assert torch.equal(packed, pack_linear_weight(weight))
+    rows = packed.permute(1, 3, 0, 2).reshape(42, -1)  # [k pairs * 2, panels * panel]: weight.T, then padding
+    assert torch.equal(rows[:41, :50], weight.t())
+    assert not rows[41:].any() and not rows[:, 50:].any()
+    ids = torch.tensor([[0, 49, 31], [32, 7, 7]])
+    assert torch.equal(packed_weight_rows(packed, ids, 41), F.embedding(ids, weight))
+
+
+def test_bf16_rows_never_depend_on_the_batch() -> None:
+    """bf16 runs the packed kernel at every size (no prefill path): each row alone, in a slice or in 700 rows
+    (three chunks of rows) sums in the same order."""
+    weight, x = _weight(96, 576).bfloat16(), torch.randn(700, 576).bfloat16()
+    packed = pack_linear_weight(weight)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, 96) for i in range(0, 700, 50)])
+    assert torch.equal(packed_linear(x, packed, 96)[::50], alone)
+    assert torch.equal(packed_linear(x[5:30], packed, 96), packed_linear(x, packed, 96)[5:30])
+    wide = torch.randn(9, 700).bfloat16()  # strided rows, as from a fused projection's slice
+    torch.testing.assert_close(packed_linear(wide[:, 20:596], packed, 96), _bf16_reference(wide[:, 20:596], weight),
+                               **BF16_STEP)  # fmt: skip
 
 
 def test_built_for_torch_capability() -> None:

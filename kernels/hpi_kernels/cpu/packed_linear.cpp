@@ -12,9 +12,14 @@
 //   Rows are cut into chunks of kMc (x's chunk stays in L2 while the panels stream past). K is not cut
 //   into blocks: at 16-320 rows, blocks of 64-256 measured 2-15% slower than whole panels from L2.
 //
+// bf16 weights pack as pairs of k and run packed_linear_bf16.cpp's kernel (same tile, widened to fp32);
+// the ops here take either dtype.
+//
 // Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability, so Vec is 16 (AVX512),
-// 8 (AVX2) or 4/8 (other) lanes wide and the panel width kNr follows it; the packed tensor's last dimension
-// records it, and packed_linear checks it.
+// 8 (AVX2) or 4/8 (other) lanes wide and the panel width kNr follows it; the packed tensor's panel dimension
+// records it (dimension 2, in either dtype), and packed_linear checks it.
+
+#include "packed_linear.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,13 +37,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVecSize = Vec::size();
-constexpr int kNrVecs = 2;                    // vectors per panel row
-constexpr int64_t kNr = kNrVecs * kVecSize;   // panel width: 32 columns with AVX512, 16 with AVX2
-constexpr int kMr = kVecSize >= 16 ? 12 : 6;  // rows per register tile: 24 (of 32) or 12 (of 16) accumulators
-constexpr int64_t kMc = 256;                  // rows per chunk of x kept in L2
-constexpr int64_t kPrefetch = 8;              // panel rows ahead, within the current panel
+using namespace hpi_packed;
 constexpr int64_t kMaxPackedRows = 320;       // more rows (prefill): unpack the weight and call at::mm,
 constexpr int64_t kMaxUnpackedFloats = 1 << 24;  // for weights of up to 64 MiB (not a vocabulary's LM head)
 
@@ -59,13 +58,7 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* 
     Vec bv[kNrVecs];
 #pragma GCC unroll 4
     for (int v = 0; v < kNrVecs; ++v) bv[v] = Vec::loadu(b + k * kNr + v * kVecSize);
-    __builtin_prefetch(b + (k + kPrefetch) * kNr, 0, 3);
-    __builtin_prefetch(b + (k + kPrefetch) * kNr + kNr / 2, 0, 3);
-    if (next != nullptr && --countdown < 0) {
-      countdown = step - 1;
-      __builtin_prefetch(next + k * kNr, 0, 2);
-      __builtin_prefetch(next + k * kNr + kNr / 2, 0, 2);
-    }
+    prefetch_rows(b, next, k, countdown, step);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec av(a[r * lda + k]);
@@ -85,22 +78,12 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* 
   }
 }
 
-// The tile of exactly `rows` (1..R) rows.
-template <int R>
-inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
-                      int64_t ncols, const float* next, int64_t phase, int64_t step) {
-  if constexpr (R == 1) {
-    tile<1>(a, lda, b, K, c, ldc, ncols, next, phase, step);
-  } else {
-    if (rows == R) return tile<R>(a, lda, b, K, c, ldc, ncols, next, phase, step);
-    tile_rows<R - 1>(rows, a, lda, b, K, c, ldc, ncols, next, phase, step);
-  }
-}
-
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-                    "pack_linear_weight takes a float32 CPU weight [out_features, in_features], got ",
+  TORCH_CHECK_VALUE(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16)
+                        && weight.device().is_cpu(),
+                    "pack_linear_weight takes a float32 or bfloat16 CPU weight [out_features, in_features], got ",
                     weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
+  if (weight.scalar_type() == at::kBFloat16) return pack_bf16(weight);
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNr - 1) / kNr;
   at::Tensor packed = at::zeros({panels, K, kNr}, weight.options());
   const auto w = weight.accessor<float, 2>();  // any strides: row- or column-major as loaded
@@ -116,14 +99,20 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-void check_packed(const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kNr && packed.scalar_type() == at::kFloat &&
-                        packed.is_contiguous() && packed.device().is_cpu(),
-                    "packed weight must be a contiguous float32 CPU tensor [panels, in_features, ", kNr,
-                    "] from pack_linear_weight, got ", packed.scalar_type(), " ", packed.sizes());
+// The packed weight's in_features (K), after checking it against out_features and x's dtype.
+int64_t check_packed(const at::Tensor& packed, int64_t out_features, at::ScalarType dtype) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t dims = bf16 ? 4 : 3;
+  TORCH_CHECK_VALUE(packed.dim() == dims && packed.size(2) == kNr && (!bf16 || packed.size(3) == 2) &&
+                        packed.scalar_type() == dtype && packed.is_contiguous() && packed.device().is_cpu(),
+                    "packed weight must be a contiguous ", dtype, " CPU tensor [panels, ",
+                    bf16 ? "in_features / 2, " : "in_features, ", kNr, bf16 ? ", 2" : "",
+                    "] from pack_linear_weight (of a weight of x's dtype), got ", packed.scalar_type(), " ",
+                    packed.sizes());
   TORCH_CHECK_VALUE(out_features > (packed.size(0) - 1) * kNr && out_features <= packed.size(0) * kNr,
                     "out_features ", out_features, " does not fit a packed weight of ", packed.size(0),
                     " panels of ", kNr, " columns");
+  return bf16 ? 2 * packed.size(1) : packed.size(1);  // bf16: K, or K + 1 (x then tells)
 }
 
 // out [M, N] = a [M, K] @ the packed weight's [K, N] (row stride of a: lda; out contiguous).
@@ -139,7 +128,9 @@ void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, in
         const int64_t ncols = std::min(kNr, N - p * kNr);
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t m = m0 + t * kMr, rows = std::min<int64_t>(kMr, m0 + mc - m);
-          tile_rows<kMr>(rows, a + m * lda, lda, panel, K, out + m * N + p * kNr, N, ncols, next, t, tiles);
+          with_rows<kMr>(rows, [&](auto height) {
+            tile<decltype(height)::value>(a + m * lda, lda, panel, K, out + m * N + p * kNr, N, ncols, next, t, tiles);
+          });
         }
       }
     });
@@ -168,20 +159,31 @@ at::Tensor unpacked_weight(const at::Tensor& packed, int64_t N) {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  check_packed(packed, out_features);
-  const int64_t K = packed.size(1), N = out_features;
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                    "packed_linear takes float32 CPU x [..., ", K, "], got ", x.scalar_type(), " ", x.sizes(),
-                    " on ", x.device());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || bf16) && x.dim() >= 1 && x.device().is_cpu(),
+                    "packed_linear takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ",
+                    x.sizes(), " on ", x.device());
+  const int64_t packed_k = check_packed(packed, out_features, x.scalar_type()), K = x.size(-1), N = out_features;
+  TORCH_CHECK_VALUE(K == packed_k || (bf16 && K == packed_k - 1), "packed_linear: x has ", K,
+                    " features, the packed weight ", bf16 ? "holds pairs of " : "", packed_k);
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
-                    "packed_linear's bias must be float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
+  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type()),
+                    "packed_linear's bias must be ", x.scalar_type(), " [", N, "], got ", bias->scalar_type(), " ",
+                    bias->sizes());
   at::Tensor a = x.reshape({-1, K});
   if (a.stride(1) != 1 || (a.size(0) > 1 && a.stride(0) < K)) a = a.contiguous();
   const int64_t M = a.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x.options());
+  if (bf16) {  // the bias joins the fp32 sums, rounded once
+    const at::Tensor bias32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (M > 0) {
+      gemm_bf16(a.const_data_ptr<c10::BFloat16>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(),
+                has_bias ? bias32.const_data_ptr<float>() : nullptr, M, K, N, out.data_ptr<c10::BFloat16>());
+    }
+    return out;
+  }
   if (M > kMaxPackedRows && K * N <= kMaxUnpackedFloats) {
     at::Tensor out2d = out.view({M, N});
     at::mm_out(out2d, a, unpacked_weight(packed, N));

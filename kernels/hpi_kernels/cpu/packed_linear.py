@@ -1,10 +1,15 @@
-"""fp32 linear layers over prepacked weights on CPU (packed_linear.cpp), for the few-row GEMMs of decode steps.
+"""Linear layers over prepacked weights on CPU (packed_linear.cpp, packed_linear_bf16.cpp): fp32 and bf16.
 
-`pack_linear_weight` turns a [out_features, in_features] weight into column panels ([panels, in_features,
-PANEL], PANEL = 32 columns with AVX512, 16 with AVX2, zero-padded past out_features); `packed_linear` is
-`F.linear` over it. Up to a few hundred rows the kernel streams each panel once while it computes (1.3-1.8x
-MKL's sgemm at 8-64 rows here, as fast at one row); prefill-sized inputs go to MKL over the weight unpacked
-into a per-thread scratch buffer. A row's result does not depend on the other rows below that size.
+`pack_linear_weight` turns a [out_features, in_features] weight into column panels, zero-padded past
+out_features: fp32 [panels, in_features, PANEL], bf16 [panels, ceil(in_features / 2), PANEL, 2] (pairs of k);
+PANEL = 32 columns with AVX512, 16 with AVX2. `packed_linear` is `F.linear` over it.
+
+fp32: up to a few hundred rows the kernel streams each panel once while it computes (1.3-1.8x MKL's sgemm at
+8-64 rows here, as fast at one row); prefill-sized inputs go to MKL over the weight unpacked into a
+per-thread scratch buffer. A row's result does not depend on the other rows below that size.
+bf16: every size runs the kernel, which widens the weight to fp32 in registers and sums in fp32: fp32's FMA
+rate over half the bytes (1.8-2.3x fp32 at 1-8 rows, even at 32-64, 2x torch's bf16 GEMM where the CPU has
+no AMX). A row's result never depends on the other rows.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from hpi_kernels.cpu._extension import load_extension
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out_features, in_features] float32 CPU (any strides) -> [panels, in_features, PANEL], contiguous.
+    """[out_features, in_features] float32 or bfloat16 CPU (any strides) -> the packed panels, contiguous.
 
     Raises ValueError for another dtype, device or rank; CpuKernelBuildError without a toolchain."""
     load_extension()
@@ -23,10 +28,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(
-    x: torch.Tensor,  # [..., in_features] float32
-    packed: torch.Tensor,  # from pack_linear_weight
+    x: torch.Tensor,  # [..., in_features] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype
     out_features: int,
-    bias: torch.Tensor | None = None,  # [out_features] float32
+    bias: torch.Tensor | None = None,  # [out_features], x's dtype
 ) -> torch.Tensor:  # [..., out_features]
     """x @ weight.T + bias over the packed weight (torch.ops.hpi_kernels.packed_linear, which models call
     directly). A packed weight of another CPU capability's panel width, or mismatched shapes, raise ValueError."""
@@ -34,8 +39,9 @@ def packed_linear(
     return torch.ops.hpi_kernels.packed_linear(x, packed, out_features, bias)
 
 
-def packed_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def packed_weight_rows(packed: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """weight[rows] read from the packed weight ([*rows.shape, in_features]; plain torch indexing, which
     torch.compile traces): an embedding that shares its matrix with a packed LM head looks tokens up here."""
     panel = packed.shape[2]
-    return packed[rows // panel, :, rows % panel]
+    picked = packed[rows // panel, :, rows % panel]  # fp32 [..., K]; bf16 [..., ceil(K / 2), 2]
+    return picked if packed.dim() == 3 else picked.flatten(-2)[..., :in_features]

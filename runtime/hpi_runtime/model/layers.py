@@ -69,7 +69,7 @@ class VocabEmbedding(nn.Module):
 
     def __init__(self, vocab_span: Span, hidden_size: int, vocab_size: int, scale: float | None = None) -> None:
         super().__init__()
-        self.vocab_span, self.vocab_size = vocab_span, vocab_size
+        self.vocab_span, self.vocab_size, self.hidden_size = vocab_span, vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_span.size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         # Gemma: sqrt(hidden_size) rounded to the weights' dtype, as transformers applies it (a host float, so
@@ -78,7 +78,7 @@ class VocabEmbedding(nn.Module):
         self.packed = False  # cpu_layout.pack_cpu_weights: the matrix is a tied LM head's packed panels
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return packed_weight_rows(self.weight, ids) if self.packed else F.embedding(ids, self.weight)
+        return packed_weight_rows(self.weight, ids, self.hidden_size) if self.packed else F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
@@ -113,6 +113,6 @@ class LMHead(nn.Module):
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed:  # the C++ op, called directly (opaque to torch.compile); fp32 only
-            return torch.ops.hpi_kernels.packed_linear(hidden, self.weight, self.vocab_span.size, None)
+        if self.packed:  # the C++ op, called directly (opaque to torch.compile)
+            return torch.ops.hpi_kernels.packed_linear(hidden, self.weight, self.vocab_span.size, None).float()
         return F.linear(hidden, self.weight).float()

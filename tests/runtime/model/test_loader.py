@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpi_kernels.cpu import packed_weight_rows
+from hpi_runtime import cpu_features
 from hpi_runtime.model import cpu_layout, loader
 from hpi_runtime.model.attention import TorchAttentionBackend
 from hpi_runtime.model.config import load_model_config
@@ -178,16 +179,50 @@ def test_pack_cpu_weights_packs_fp32_linears_and_the_lm_head(sharded_dir: Path, 
     assert model.lm_head.packed and not model.model.embed_tokens.packed
     qkv = model.model.layers[1].self_attn.qkv_proj
     expected_qkv = torch.cat([reference[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(packed_weight_rows(qkv.weight, torch.arange(qkv.packed_out_features)), expected_qkv)
+    hidden = model.config.hidden_size
+    assert torch.equal(packed_weight_rows(qkv.weight, torch.arange(qkv.packed_out_features), hidden), expected_qkv)
     vocab_size = model.config.vocab_size
-    assert torch.equal(packed_weight_rows(model.lm_head.weight, torch.arange(vocab_size)), reference["lm_head.weight"])
+    assert torch.equal(packed_weight_rows(model.lm_head.weight, torch.arange(vocab_size), hidden),
+                       reference["lm_head.weight"])  # fmt: skip
     assert perplexity(model, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(before, rel=1e-5)
     assert pack_cpu_weights(model) == use_sgemm_layout(model) == 0  # packed already; nothing left to re-lay
 
-    bf16 = _load(tiny_model_dir, torch.bfloat16)
-    assert pack_cpu_weights(bf16) == 0
     int8 = quantize_model(_load(tiny_model_dir), QuantizationConfig(method="int8"))
     assert pack_cpu_weights(int8) == 1  # the float LM head only: quantized layers keep their own format
+
+
+def test_pack_cpu_weights_packs_bf16_without_amx(sharded_dir: Path, monkeypatch) -> None:
+    """bf16 weights pack too (the checkpoint's values rounded to bf16, read back exactly from the pairs), and
+    the model's outputs agree with oneDNN's bf16 GEMMs over the unpacked weights; on a CPU with AMX (flags
+    substituted: this machine may have none) they stay as loaded, for oneDNN's AMX GEMMs."""
+    reference = _reference(sharded_dir)
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    amx = _load(sharded_dir, torch.bfloat16)
+    assert pack_cpu_weights(amx) == 0
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    model = _load(sharded_dir, torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert pack_cpu_weights(model) == len(linears) + 1 == 9
+    assert model.lm_head.packed and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    down = model.model.layers[0].mlp.down_proj
+    expected = reference["model.layers.0.mlp.down_proj.weight"].bfloat16()
+    assert torch.equal(packed_weight_rows(down.weight, torch.arange(down.packed_out_features), expected.shape[1]),
+                       expected)  # fmt: skip
+    # fp32 sums rounded once against oneDNN's: the same to well within bf16's own error
+    packed_ppl = perplexity(model, TorchAttentionBackend(torch.bfloat16), tokens)
+    assert packed_ppl == pytest.approx(perplexity(amx, TorchAttentionBackend(torch.bfloat16), tokens), rel=2e-2)
+
+
+def test_tied_bf16_embedding_reads_the_packed_lm_head(tiny_model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    model = _load(tiny_model_dir, torch.bfloat16)
+    embed = model.model.embed_tokens
+    ids = torch.tensor([0, 5, model.config.vocab_size - 1, 5])
+    rows = embed(ids)
+    assert pack_cpu_weights(model) > 0
+    assert model.lm_head.weight is embed.weight and embed.packed and embed.weight.dim() == 4
+    assert torch.equal(embed(ids), rows)
 
 
 def test_tied_embedding_reads_the_packed_lm_head(tiny_model_dir: Path) -> None:
@@ -208,7 +243,7 @@ def test_without_the_cpu_kernels_weights_stay_for_use_sgemm_layout(tiny_model_di
     # check is replaced (test_cpu_attention runs the real missing-compiler case in a child process).
     monkeypatch.setattr(cpu_layout, "cpu_kernels_available", lambda: False)
     model = _load(tiny_model_dir)
-    assert pack_cpu_weights(model) == 0
+    assert pack_cpu_weights(model) == pack_cpu_weights(_load(tiny_model_dir, torch.bfloat16)) == 0
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert all(m.weight.dim() == 2 and m.packed_out_features is None for m in linears)
     assert use_sgemm_layout(model) > 0

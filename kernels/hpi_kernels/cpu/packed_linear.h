@@ -1,0 +1,58 @@
+// What packed_linear.cpp (fp32, and the ops) and packed_linear_bf16.cpp (bf16) share: the panel geometry, which
+// follows the width of ATen's Vectorized<float> in this build.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace hpi_packed {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVecSize = Vec::size();
+constexpr int kNrVecs = 2;                    // vectors per panel row
+constexpr int64_t kNr = kNrVecs * kVecSize;   // panel width: 32 columns with AVX512, 16 with AVX2
+constexpr int kMr = kVecSize >= 16 ? 12 : 6;  // rows per register tile: 24 (of 32) or 12 (of 16) accumulators
+constexpr int64_t kMc = 256;                  // rows per chunk of x kept in L2
+constexpr int64_t kPrefetch = 8;              // panel rows ahead, within the current panel
+
+// f(std::integral_constant<int, rows>{}) for a runtime rows in 1..R: the register tile of exactly that height.
+template <int R, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (rows == R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_rows<R - 1>(rows, f);
+  }
+}
+
+// A tile's prefetches at panel row k (a panel row is kNr 32-bit lanes in either dtype): row k + kPrefetch of
+// its own panel into L1, and every `step`-th row (counting down from the tile's phase) row k of the thread's
+// next panel (`next`, nullptr for none) into L2, so that the panel's tiles share the next one's stream.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_rows(const T* panel, const T* next, int64_t k, int64_t& countdown,
+                                                        int64_t step) {
+  static_assert(sizeof(T) == 4, "panel rows of 32-bit lanes");
+  __builtin_prefetch(panel + (k + kPrefetch) * kNr, 0, 3);
+  __builtin_prefetch(panel + (k + kPrefetch) * kNr + kNr / 2, 0, 3);
+  if (next != nullptr && --countdown < 0) {
+    countdown = step - 1;
+    __builtin_prefetch(next + k * kNr, 0, 2);
+    __builtin_prefetch(next + k * kNr + kNr / 2, 0, 2);
+  }
+}
+
+// bf16 panels: [panels, ceil(K / 2), kNr, 2], the pair (k, k + 1) of each column adjacent: one int32 lane
+// per column, widened to two fp32 lanes by a shift and a mask (packed_linear_bf16.cpp).
+at::Tensor pack_bf16(const at::Tensor& weight);  // [N, K] bfloat16, any strides
+// out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (fp32, or nullptr),
+// accumulated in fp32 and rounded to bf16 once.
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const float* bias, int64_t M,
+               int64_t K, int64_t N, c10::BFloat16* out);
+
+}  // namespace hpi_packed

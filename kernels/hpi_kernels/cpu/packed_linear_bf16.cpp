@@ -1,0 +1,124 @@
+// bf16 linear layers over prepacked weights. On CPUs without AMX, torch's bf16 GEMM (oneDNN) runs at half of
+// fp32's speed (AVX512-BF16's vdpbf16ps issues at half the FMA rate here, and without it bf16 is emulated).
+// Here the weight stays bf16 in memory, packed as pairs (packed_linear.h), and is widened to fp32 in registers
+// (a shift and a mask per 16 pairs) for fp32 FMAs: the step moves half of fp32's bytes at fp32's FMA peak.
+//
+// The tile is packed_linear.cpp's: kMr rows x kNr columns of fp32 accumulators; per pair of k, kNrVecs loads
+// of the panel widened into 2 * kNrVecs vectors, 2 * kMr broadcasts of x (converted to fp32 once per call),
+// 2 * kMr * kNrVecs FMAs, the next panel prefetched into L2 meanwhile. Sums are fp32 in k order, plus the
+// bias, rounded to bf16 once.
+
+#include "packed_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace hpi_packed {
+
+namespace {
+
+using IVec = at::vec::Vectorized<int32_t>;
+static_assert(IVec::size() == kVecSize, "a panel row of pairs is kNrVecs vectors of int32");
+constexpr int kMrBf16 = kVecSize >= 16 ? 12 : 5;  // 24 (or 10) accumulators + 4 widened weights + a broadcast
+
+// c[r, 0:ncols] = bf16(sum_k a[r, k] * w[k, 0:kNr] + bias) for r < R; a is fp32 (row stride lda, padded to
+// even K), b one packed panel of `pairs` rows of pairs.
+template <int R>
+inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, const float* bias,
+                 c10::BFloat16* c, int64_t ldc, int64_t ncols, const int32_t* next, int64_t phase, int64_t step) {
+  const IVec shift(16), high(static_cast<int32_t>(0xffff0000u));
+  Vec acc[R][kNrVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = Vec(0.f);
+  }
+  int64_t countdown = phase;
+  for (int64_t q = 0; q < pairs; ++q) {
+    Vec even[kNrVecs], odd[kNrVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) {
+      const IVec lanes = IVec::loadu(b + q * kNr + v * kVecSize);
+      even[v] = at::vec::cast<float>(lanes << shift);  // a bf16 is the high half of its fp32
+      odd[v] = at::vec::cast<float>(lanes & high);
+    }
+    prefetch_rows(b, next, q, countdown, step);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec a_even(a[r * lda + 2 * q]), a_odd(a[r * lda + 2 * q + 1]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNrVecs; ++v) {
+        acc[r][v] = at::vec::fmadd(a_even, even[v], acc[r][v]);
+        acc[r][v] = at::vec::fmadd(a_odd, odd[v], acc[r][v]);
+      }
+    }
+  }
+  Vec bias_v[kNrVecs];
+  for (int v = 0; v < kNrVecs; ++v) {
+    const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
+    bias_v[v] = bias == nullptr ? Vec(0.f) : count == kVecSize ? Vec::loadu(bias + v * kVecSize)
+                                                               : Vec::loadu(bias + v * kVecSize, count);
+  }
+  for (int r = 0; r < R; ++r) {
+    static_assert(kNrVecs == 2, "one Vectorized<BFloat16> holds the two vectors of a tile row");
+    const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
+    if (ncols == kNr) {
+      rounded.store(c + r * ldc);
+    } else {
+      rounded.store(c + r * ldc, ncols);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor pack_bf16(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNr - 1) / kNr, pairs = (K + 1) / 2;
+  at::Tensor packed = at::zeros({panels, pairs, kNr, 2}, weight.options());
+  const auto w = weight.accessor<c10::BFloat16, 2>();  // any strides
+  c10::BFloat16* out = packed.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t ncols = std::min(kNr, N - p * kNr);
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < ncols; ++j) out[((p * pairs + k / 2) * kNr + j) * 2 + k % 2] = w[p * kNr + j][k];
+      }
+    }
+  });
+  return packed;
+}
+
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const float* bias, int64_t M,
+               int64_t K, int64_t N, c10::BFloat16* out) {
+  const int64_t pairs = (K + 1) / 2, lda32 = 2 * pairs, n_panels = (N + kNr - 1) / kNr;
+  static thread_local std::vector<float> scratch;  // x in fp32, rows padded with a zero to even K
+  scratch.assign(M * lda32, 0.f);
+  float* a32 = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) a32[m * lda32 + k] = static_cast<float>(a[m * lda + k]);
+  }
+  const auto* packed32 = reinterpret_cast<const int32_t*>(packed);  // a pair per int32
+  for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+    const int64_t mc = std::min(kMc, M - m0), tiles = (mc + kMrBf16 - 1) / kMrBf16;
+    at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int32_t* panel = packed32 + p * pairs * kNr;
+        const int32_t* next = p + 1 < p1 ? panel + pairs * kNr : nullptr;
+        const int64_t ncols = std::min(kNr, N - p * kNr);
+        const float* panel_bias = bias != nullptr ? bias + p * kNr : nullptr;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + t * kMrBf16, rows = std::min<int64_t>(kMrBf16, m0 + mc - m);
+          with_rows<kMrBf16>(rows, [&](auto height) {
+            tile<decltype(height)::value>(a32 + m * lda32, lda32, panel, pairs, panel_bias, out + m * N + p * kNr,
+                                          N, ncols, next, t, tiles);
+          });
+        }
+      }
+    });
+  }
+}
+
+}  // namespace hpi_packed
