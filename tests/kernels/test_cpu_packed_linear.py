@@ -2,8 +2,8 @@
 weight.
 
 Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles (13-320, in one or
-two chunks of rows), and, in fp32, the prefill path that unpacks the weight for MKL (over 320; a weight too
-large to unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and
+two chunks of rows), and the prefill path that unpacks the weight for MKL (over 320; bf16 widened to fp32; a
+weight too large to unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and
 in_features that are no multiple of the vector width (and, in bf16, odd: a last pair half padding).
 """
 
@@ -137,7 +137,7 @@ def _bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 257, 700])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 257, 320, 321, 700])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001)])
 def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in_features: int) -> None:
     weight = _weight(out_features, in_features).bfloat16()
@@ -149,6 +149,13 @@ def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in
     torch.testing.assert_close(out, _bf16_reference(x, weight), **BF16_STEP)
     torch.testing.assert_close(packed_linear(x, packed, out_features, bias), _bf16_reference(x, weight, bias),
                                **BF16_STEP)  # fmt: skip
+
+
+def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel() -> None:
+    weight, x = _weight(4097, 4100).bfloat16(), torch.randn(321, 4100).bfloat16()
+    assert weight.numel() > 2**24
+    torch.testing.assert_close(packed_linear(x, pack_linear_weight(weight), 4097), _bf16_reference(x, weight),
+                               atol=2e-2, rtol=2**-7)  # fmt: skip  (4100-term sums of magnitude ~64)
 
 
 def test_bf16_packed_layout_holds_pairs_of_k() -> None:
@@ -164,13 +171,13 @@ def test_bf16_packed_layout_holds_pairs_of_k() -> None:
     assert torch.equal(packed_weight_rows(packed, ids, 41), F.embedding(ids, weight))
 
 
-def test_bf16_rows_never_depend_on_the_batch() -> None:
-    """bf16 runs the packed kernel at every size (no prefill path): each row alone, in a slice or in 700 rows
-    (three chunks of rows) sums in the same order."""
-    weight, x = _weight(96, 576).bfloat16(), torch.randn(700, 576).bfloat16()
+def test_bf16_rows_do_not_depend_on_the_batch() -> None:
+    """Up to the prefill path, each bf16 row alone, in a slice or among 300 rows (two chunks of rows) sums in
+    the same order."""
+    weight, x = _weight(96, 576).bfloat16(), torch.randn(300, 576).bfloat16()
     packed = pack_linear_weight(weight)
-    alone = torch.cat([packed_linear(x[i : i + 1], packed, 96) for i in range(0, 700, 50)])
-    assert torch.equal(packed_linear(x, packed, 96)[::50], alone)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, 96) for i in range(0, 300, 25)])
+    assert torch.equal(packed_linear(x, packed, 96)[::25], alone)
     assert torch.equal(packed_linear(x[5:30], packed, 96), packed_linear(x, packed, 96)[5:30])
     wide = torch.randn(9, 700).bfloat16()  # strided rows, as from a fused projection's slice
     torch.testing.assert_close(packed_linear(wide[:, 20:596], packed, 96), _bf16_reference(wide[:, 20:596], weight),

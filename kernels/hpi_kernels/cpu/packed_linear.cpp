@@ -137,14 +137,18 @@ void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, in
   }
 }
 
-// The weight back as [K, N] row-major (column-major [N, K]), into a per-thread scratch buffer reused across
-// calls: for prefill-sized GEMMs, where MKL's own packing pays for itself and copying the weight once costs
-// 2-7% of the GEMM.
-at::Tensor unpacked_weight(const at::Tensor& packed, int64_t N) {
+// The weight back as fp32 [K, N] row-major (column-major [N, K]; bf16 widened), into a per-thread scratch
+// buffer reused across calls: for prefill-sized GEMMs, where MKL's own packing pays for itself and copying
+// the weight once costs 2-7% of the GEMM.
+at::Tensor unpacked_weight(const at::Tensor& packed, int64_t K, int64_t N) {
   static thread_local at::Tensor scratch;
-  const int64_t K = packed.size(1), panels = packed.size(0);
-  if (!scratch.defined() || scratch.numel() < K * N) scratch = at::empty({K * N}, packed.options());
+  if (!scratch.defined() || scratch.numel() < K * N) scratch = at::empty({K * N}, packed.options().dtype(at::kFloat));
   float* dst = scratch.data_ptr<float>();
+  if (packed.scalar_type() == at::kBFloat16) {
+    unpack_bf16(packed.const_data_ptr<c10::BFloat16>(), K, N, dst);
+    return scratch.narrow(0, 0, K * N).view({K, N});
+  }
+  const int64_t panels = packed.size(0);
   const float* src = packed.const_data_ptr<float>();
   at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
@@ -176,6 +180,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x.options());
+  const bool prefill = M > kMaxPackedRows && K * N <= kMaxUnpackedFloats;
+  if (bf16 && prefill) {  // MKL's sgemm in fp32 (x and the weight widened), rounded to bf16 once
+    at::Tensor out32 = at::mm(a.to(at::kFloat), unpacked_weight(packed, K, N));
+    if (has_bias) out32.add_(*bias);
+    out.view({M, N}).copy_(out32);
+    return out;
+  }
   if (bf16) {  // the bias joins the fp32 sums, rounded once
     const at::Tensor bias32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
     if (M > 0) {
@@ -184,9 +195,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     }
     return out;
   }
-  if (M > kMaxPackedRows && K * N <= kMaxUnpackedFloats) {
+  if (prefill) {
     at::Tensor out2d = out.view({M, N});
-    at::mm_out(out2d, a, unpacked_weight(packed, N));
+    at::mm_out(out2d, a, unpacked_weight(packed, K, N));
   } else if (M > 0) {
     packed_gemm(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<float>(), M, K, N,
                 out.data_ptr<float>());

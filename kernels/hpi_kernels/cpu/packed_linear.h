@@ -50,6 +50,8 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* panel, const T
 // bf16 panels: [panels, ceil(K / 2), kNr, 2], the pair (k, k + 1) of each column adjacent: one int32 lane
 // per column, widened to two fp32 lanes by a shift and a mask (packed_linear_bf16.cpp).
 at::Tensor pack_bf16(const at::Tensor& weight);  // [N, K] bfloat16, any strides
+// The packed bf16 weight widened back to fp32 [K, N] (row-major) into dst: for MKL's sgemm on prefill-sized x.
+void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst);
 // out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (fp32, or nullptr),
 // accumulated in fp32 and rounded to bf16 once.
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const float* bias, int64_t M,

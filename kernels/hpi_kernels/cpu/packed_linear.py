@@ -4,12 +4,12 @@
 out_features: fp32 [panels, in_features, PANEL], bf16 [panels, ceil(in_features / 2), PANEL, 2] (pairs of k);
 PANEL = 32 columns with AVX512, 16 with AVX2. `packed_linear` is `F.linear` over it.
 
-fp32: up to a few hundred rows the kernel streams each panel once while it computes (1.3-1.8x MKL's sgemm at
-8-64 rows here, as fast at one row); prefill-sized inputs go to MKL over the weight unpacked into a
-per-thread scratch buffer. A row's result does not depend on the other rows below that size.
-bf16: every size runs the kernel, which widens the weight to fp32 in registers and sums in fp32: fp32's FMA
-rate over half the bytes (1.8-2.3x fp32 at 1-8 rows, even at 32-64, 2x torch's bf16 GEMM where the CPU has
-no AMX). A row's result never depends on the other rows.
+Up to a few hundred rows the kernel streams each panel once while it computes. fp32: 1.3-1.8x MKL's sgemm
+at 8-64 rows here, as fast at one row. bf16: the kernel widens the weight to fp32 in registers and sums in
+fp32, so it runs at fp32's FMA rate over half the bytes (1.8-2.3x fp32 at 1-8 rows, even at 32-64, 2x torch's
+bf16 GEMM where the CPU has no AMX). Prefill-sized inputs go to MKL's sgemm over the weight unpacked (bf16:
+widened) into a per-thread fp32 scratch buffer, bf16 rounded once. A row's result does not depend on the other
+rows below that size.
 """
 
 from __future__ import annotations
