@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 
-def cpu_flags() -> set[str]:
-    """The flags of /proc/cpuinfo (empty where there is none: not Linux)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of /proc/cpuinfo (empty where there is none: not Linux), read once: packing asks per weight."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def has_fast_bf16() -> bool:

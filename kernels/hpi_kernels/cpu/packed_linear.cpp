@@ -188,10 +188,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     return out;
   }
   if (bf16) {  // the bias joins the fp32 sums, rounded once
-    const at::Tensor bias32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    const at::Tensor bias_c = has_bias ? bias->contiguous() : at::Tensor();
     if (M > 0) {
       gemm_bf16(a.const_data_ptr<c10::BFloat16>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(),
-                has_bias ? bias32.const_data_ptr<float>() : nullptr, M, K, N, out.data_ptr<c10::BFloat16>());
+                has_bias ? bias_c.const_data_ptr<c10::BFloat16>() : nullptr, M, K, N, out.data_ptr<c10::BFloat16>());
     }
     return out;
   }

@@ -52,9 +52,9 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* panel, const T
 at::Tensor pack_bf16(const at::Tensor& weight);  // [N, K] bfloat16, any strides
 // The packed bf16 weight widened back to fp32 [K, N] (row-major) into dst: for MKL's sgemm on prefill-sized x.
 void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst);
-// out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (fp32, or nullptr),
-// accumulated in fp32 and rounded to bf16 once.
-void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const float* bias, int64_t M,
-               int64_t K, int64_t N, c10::BFloat16* out);
+// out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (or nullptr), accumulated
+// in fp32 and rounded to bf16 once.
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+               int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 
 }  // namespace hpi_packed

@@ -15,6 +15,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 namespace hpi_packed {
@@ -28,7 +29,7 @@ constexpr int kMrBf16 = kVecSize >= 16 ? 12 : 5;  // 24 (or 10) accumulators + 4
 // c[r, 0:ncols] = bf16(sum_k a[r, k] * w[k, 0:kNr] + bias) for r < R; a is fp32 (row stride lda, padded to
 // even K), b one packed panel of `pairs` rows of pairs.
 template <int R>
-inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, const float* bias,
+inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, const c10::BFloat16* bias,
                  c10::BFloat16* c, int64_t ldc, int64_t ncols, const int32_t* next, int64_t phase, int64_t step) {
   const IVec shift(16), high(static_cast<int32_t>(0xffff0000u));
   Vec acc[R][kNrVecs];
@@ -57,14 +58,14 @@ inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, c
       }
     }
   }
-  Vec bias_v[kNrVecs];
-  for (int v = 0; v < kNrVecs; ++v) {
-    const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
-    bias_v[v] = bias == nullptr ? Vec(0.f) : count == kVecSize ? Vec::loadu(bias + v * kVecSize)
-                                                               : Vec::loadu(bias + v * kVecSize, count);
+  static_assert(kNrVecs == 2, "one Vectorized<BFloat16> holds the two vectors of a tile row");
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  Vec bias_v[kNrVecs] = {Vec(0.f), Vec(0.f)};
+  if (bias != nullptr) {
+    std::tie(bias_v[0], bias_v[1]) =
+        at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
   }
   for (int r = 0; r < R; ++r) {
-    static_assert(kNrVecs == 2, "one Vectorized<BFloat16> holds the two vectors of a tile row");
     const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
     if (ncols == kNr) {
       rounded.store(c + r * ldc);
@@ -105,8 +106,8 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst) 
   });
 }
 
-void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const float* bias, int64_t M,
-               int64_t K, int64_t N, c10::BFloat16* out) {
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+               int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
   const int64_t pairs = (K + 1) / 2, lda32 = 2 * pairs, n_panels = (N + kNr - 1) / kNr;
   static thread_local std::vector<float> scratch;  // x in fp32, rows padded with a zero to even K
   if (scratch.size() < static_cast<size_t>(M * lda32)) scratch.resize(M * lda32);
@@ -125,7 +126,7 @@ void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed,
         const int32_t* panel = packed32 + p * pairs * kNr;
         const int32_t* next = p + 1 < p1 ? panel + pairs * kNr : nullptr;
         const int64_t ncols = std::min(kNr, N - p * kNr);
-        const float* panel_bias = bias != nullptr ? bias + p * kNr : nullptr;
+        const c10::BFloat16* panel_bias = bias != nullptr ? bias + p * kNr : nullptr;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t m = m0 + t * kMrBf16, rows = std::min<int64_t>(kMrBf16, m0 + mc - m);
           with_rows<kMrBf16>(rows, [&](auto height) {
