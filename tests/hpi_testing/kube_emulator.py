@@ -50,6 +50,19 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@attrs.frozen
+class WriteRecord:
+    """One write request as the emulator answered it: what tests count to show that a resync wrote nothing."""
+
+    verb: str  # create | patch | apply | update | delete
+    resource: str  # "group/version/plural"
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+    manager: str
+    stored: bool  # False: the request changed nothing (no new resourceVersion) or was refused
+
+
 class PatchError(Exception):
     """A JSON patch that cannot apply: the API server answers 422."""
 
@@ -188,6 +201,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     schemas: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     # (field manager, "group/version/plural", name, ".path") of every field a write had pruned.
     pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
+    # Every write request (POST, PATCH, PUT, DELETE) in arrival order, stored or not.
+    writes: list[WriteRecord] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -201,6 +216,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _next_revision(self) -> str:
         self._last_revision = next(self._revisions)
         return str(self._last_revision)
+
+    def _resource_name(self, resource: Any) -> str:
+        """"group/version/plural" (as in RESOURCES) of a request's resource."""
+        group, version, plural = (getattr(resource, attr, None) for attr in ("group", "version", "plural"))
+        return "/".join(part for part in (group, version, plural) if part) if plural else str(resource)
 
     def _subresources(self, resource: Any) -> set[str]:
         for known in self.resources:
@@ -260,17 +280,35 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if request.action == kmock.action.LIST and self._kind(request.resource):
                     return aiohttp.web.json_response(await self._serve_list(request))
             if request.resource is not None:
-                if request.action == kmock.action.CREATE:
-                    return await self._create(request)
-                if request.name is not None and method == "PATCH":
-                    return await self._patch(request)
-                if request.name is not None and method == "PUT":
-                    return await self._replace(request)
-                if request.name is not None and method == "DELETE":
-                    return await self._delete(request)
+                write = self._write_handler(request, method)
+                if write is not None:
+                    return await self._logged(request, method, write)
         except ApiError as e:
             return self._error(e.status, e.reason, e.message)
         return await super()._handle(request)
+
+    def _write_handler(self, request: kmock.Request, method: str) -> Any:
+        if request.action == kmock.action.CREATE:
+            return self._create
+        if request.name is None:
+            return None
+        return {"PATCH": self._patch, "PUT": self._replace, "DELETE": self._delete}.get(method)
+
+    async def _logged(self, request: kmock.Request, method: str, handler: Any) -> aiohttp.web.StreamResponse:
+        """Answer a write with `handler` and record it in `writes` (stored: a new resourceVersion came of it)."""
+        before = self._last_revision
+        try:
+            response = await handler(request)
+        finally:
+            content_type = request.headers.get("Content-Type", "")
+            verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method) or (
+                "apply" if "apply-patch" in content_type else "patch")
+            manager = manager_name(request.params, _user_agent(request))
+            self.writes.append(WriteRecord(verb=verb, resource=self._resource_name(request.resource),
+                                           namespace=request.namespace,
+                                           name=request.name, subresource=request.subresource, manager=manager,
+                                           stored=self._last_revision != before))  # fmt: skip
+        return response
 
     async def _fetch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         async with self._lock:

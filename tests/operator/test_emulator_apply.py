@@ -95,3 +95,15 @@ async def test_a_status_field_outside_the_schema_is_dropped_and_recorded(kube: K
     assert written["status"] == {"replicas": 1}
     assert ("hpi-tests", "serving.hpi.dev/v1alpha1/inferencedeployments", "d", ".status.madeUp") in emulator.pruned
     emulator.pruned.clear()  # this test's own write, not the operator's
+
+
+async def test_every_write_request_is_logged_and_says_whether_it_stored(kube: KubeClient, emulator: Any) -> None:
+    path = f"{CMS}/s?fieldManager={FIELD_MANAGER}&force=true"
+    await call(kube, "PATCH", path, service({"app": "x"}), APPLY)
+    await call(kube, "PATCH", path, service({"app": "x"}), APPLY)  # the same apply again: nothing to store
+    await call(kube, "DELETE", f"{CMS}/s")
+    assert [(w.verb, w.resource, w.name, w.manager, w.stored) for w in emulator.writes] == [
+        ("apply", "v1/services", "s", FIELD_MANAGER, True),
+        ("apply", "v1/services", "s", FIELD_MANAGER, False),
+        ("delete", "v1/services", "s", "hpi-tests", True),
+    ]

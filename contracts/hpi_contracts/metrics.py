@@ -1,0 +1,40 @@
+"""Prometheus metric names the runtime exports and the router and operator read.
+
+They are vLLM's names (the ecosystem's contract: KEDA recipes, AIBrix, llm-d and the Gateway API inference
+extension read them), so the router and the operator also work with stock vLLM pods. Every sample carries
+`model_name`. Counters are declared without `_total`; prometheus-client exposes them with it.
+"""
+
+from __future__ import annotations
+
+MODEL_NAME_LABEL = "model_name"
+
+# Gauges.
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # requests in the running batch
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # requests queued, not yet scheduled
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # 0..1: the fraction of KV blocks in use
+# Counters.
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+REQUEST_SUCCESS = "vllm:request_success"  # label finished_reason
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# Histograms.
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+# The project's own: 1 while the server is ready to take requests (the router reads it).
+READY = "hpi:ready"
+
+
+def total(counter: str) -> str:
+    """A counter's sample name as prometheus-client exposes it."""
+    return f"{counter}_total"
+
+
+# Everything the operator (reconciler and autoscaler) may read from a runtime pod's /metrics.
+READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, NUM_PREEMPTIONS)
+# Everything the router reads.
+READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY)
