@@ -27,6 +27,10 @@ class OperatorMetrics:
             "hpi_operator_autoscaler_kv_utilization", "Mean KV-cache utilisation (0..1) the autoscaler last read",
             resource, registry=self.registry,
         )  # fmt: skip
+        self._polls = Counter(
+            "hpi_operator_autoscaler_polls", "Polls of the builtin autoscaler (scrape and decide), per resource",
+            resource, registry=self.registry,
+        )  # fmt: skip
         self._scales = Counter(
             "hpi_operator_autoscaler_scale_events", "Changes of spec.replicas by the builtin autoscaler, by reason",
             [*resource, "reason"], registry=self.registry,
@@ -42,6 +46,7 @@ class OperatorMetrics:
         self, namespace: str, name: str, desired: int, kv_utilization: float | None, scaled_reason: str | None
     ) -> None:
         """One autoscaler poll: the replicas it wants, the utilisation it read, and the reason when it scaled."""
+        self._polls.labels(namespace, name).inc()
         self._desired.labels(namespace, name).set(desired)
         if kv_utilization is not None:
             self._kv.labels(namespace, name).set(kv_utilization)

@@ -22,6 +22,7 @@ COLLECTIONS = {
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
 }
 OPERATOR_AGENTS = ("hpi-operator/", "kopf/")
+OPERATOR_MANAGERS = ("hpi-operator", "kopf", "hpi-autoscaler")  # the field managers of those agents' writes
 WRITES = {"POST", "PATCH", "PUT", "DELETE"}
 
 
@@ -70,10 +71,25 @@ def running_operator(api: Any, **config: Any) -> Iterator[Any]:
         yield memo
 
 
-def reconciles(memo: Any, result: str) -> float:
-    """How many reconcile passes of the operator with `memo` ended with `result` (its own metrics)."""
-    value = memo.metrics.registry.get_sample_value("hpi_operator_reconciles_total", {"result": result})
-    return value or 0.0
+def reconciles(memo: Any, result: str | None = None) -> float:
+    """How many reconcile passes of the operator with `memo` ended with `result`, or at all (its own metrics)."""
+    if result is not None:
+        value = memo.metrics.registry.get_sample_value("hpi_operator_reconciles_total", {"result": result})
+        return value or 0.0
+    return sum(sample.value for metric in memo.metrics.registry.collect() for sample in metric.samples
+               if sample.name == "hpi_operator_reconciles_total")  # fmt: skip
+
+
+def autoscaler_polls(memo: Any, namespace: str, name: str) -> float:
+    """How many polls the builtin autoscaler of the operator with `memo` made for one InferenceDeployment."""
+    labels = {"inference_namespace": namespace, "inference_deployment": name}
+    return memo.metrics.registry.get_sample_value("hpi_operator_autoscaler_polls_total", labels) or 0.0
+
+
+def operator_write_records(emulator: Any, since: int = 0, stored_only: bool = False) -> list[Any]:
+    """The emulator's WriteRecords of the operator's requests (its client, kopf and its autoscaler) from
+    `emulator.writes[since]` on; `stored_only`: those that changed an object."""
+    return [w for w in emulator.writes[since:] if w.manager in OPERATOR_MANAGERS and (w.stored or not stored_only)]
 
 
 def field_owners(obj: dict[str, Any], *path: str) -> set[str]:
@@ -82,7 +98,8 @@ def field_owners(obj: dict[str, Any], *path: str) -> set[str]:
     for entry in obj["metadata"].get("managedFields") or []:
         node = entry.get("fieldsV1") or {}
         for key in path:
-            node = node.get(f"f:{key}") if isinstance(node, dict) else None
+            segment = key if key.startswith(("k:", "v:")) else f"f:{key}"  # a list item's own segment
+            node = node.get(segment) if isinstance(node, dict) else None
         if node is not None:
             owners.add(entry["manager"])
     return owners

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -18,12 +19,15 @@ import kubernetes
 import pytest
 
 from hpi_operator import rbac
+from hpi_operator.autoscaling import handlers as autoscaling_handlers
+from hpi_operator.autoscaling import loop as autoscaling_loop
+from hpi_operator.autoscaling.decision import History, decide
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
 from hpi_operator.manifests import common_labels
 from hpi_operator.names import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 from hpi_operator.op_metrics import OperatorMetrics
-from hpi_testing.cluster_state import field_owners, operator_writes
+from hpi_testing.cluster_state import autoscaler_polls, field_owners, operator_writes
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
 
 pytestmark = pytest.mark.slow
@@ -91,21 +95,23 @@ def make_registry() -> kopf.OperatorRegistry:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[None]:
+async def running_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[kopf.Memo]:
     """operator_thread, entered and left off the event loop: the emulator on this loop keeps answering the
-    operator's in-flight requests while it stops (a blocking join here would stall them until its timeout)."""
-    context = operator_thread(make_registry(), memo=kopf.Memo(kube=KubeClient(api), metrics=OperatorMetrics()))
+    operator's in-flight requests while it stops (a blocking join here would stall them until its timeout).
+    Yields the operator's memo (its metrics count the autoscaler's polls)."""
+    memo = kopf.Memo(kube=KubeClient(api), metrics=OperatorMetrics())
+    context = operator_thread(make_registry(), memo=memo)
     await asyncio.to_thread(context.__enter__)
     try:
-        yield
+        yield memo
     finally:
         await asyncio.to_thread(context.__exit__, None, None, None)
 
 
 @pytest.fixture()
-async def autoscaling_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[None]:
-    async with running_operator(api):
-        yield
+async def autoscaling_operator(api: kubernetes.client.ApiClient) -> AsyncIterator[kopf.Memo]:
+    async with running_operator(api) as memo:
+        yield memo
 
 
 def runtime_pod(owner: str, name: str, port: int) -> dict[str, Any]:
@@ -149,9 +155,16 @@ def deployment_replicas(kube: KubeClient, name: str) -> int:
     return sum(d["spec"]["replicas"] for d in listing["items"])
 
 
+def decide_ignoring_unreadable_pods(settings: Any, current: int, obs: Any, history: Any, now_s: float) -> Any:
+    """A deliberately wrong scaler: an unreadable pod counts as no pod, so the low load of the others decides."""
+    return decide(settings, current, dataclasses.replace(obs, num_failed=0), history, now_s)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["operator", "broken-unreadable-pod-ignored"])
 async def test_kv_above_target_scales_up_and_below_target_scales_down(
-    kube: KubeClient, runtime: FakeRuntime, autoscaling_operator: Any, emulator: Any
-) -> None:
+    kube: KubeClient, runtime: FakeRuntime, autoscaling_operator: Any, emulator: Any,
+    monkeypatch: pytest.MonkeyPatch, broken: bool,
+) -> None:  # fmt: skip
     for i in range(4):
         await call(kube, "POST", "/api/v1/nodes", make_node(f"cpu-{i}", bf16=True))
     await call(kube, "POST", CRS, autoscaled_cr("scaly"))
@@ -192,11 +205,28 @@ async def test_kv_above_target_scales_up_and_below_target_scales_down(
 
     # Load is gone, but one pod is unreadable: no scale-down, however long the window has passed.
     await eventually(lambda: autoscaling_status(kube, "scaly").get("numUnreachablePods") == 1)
-    await asyncio.sleep(WINDOW_S + 1.5)
-    auto = await asyncio.to_thread(autoscaling_status, kube, "scaly")
-    assert await asyncio.to_thread(replicas_of, kube, "scaly") == 3
-    assert auto["lastDecision"]["reason"] == "MetricsMissing" and "blocked" in auto["lastDecision"]["message"]
-    assert auto["failedPods"][0]["pod"] == "scaly-2" and auto["failedPods"][0]["kind"] == "unreachable"
+    if broken:
+        monkeypatch.setattr(autoscaling_loop, "decide", decide_ignoring_unreadable_pods)
+
+    # The window has passed once a poll finds that only the unreadable pod stops a scale-down (or one happened).
+    await eventually(
+        lambda: (
+            replicas_of(kube, "scaly") < 3
+            or "scale-down blocked" in autoscaling_status(kube, "scaly")["lastDecision"]["message"]
+        )
+    )
+
+    def held() -> None:
+        assert replicas_of(kube, "scaly") == 3, "scaled down"
+        auto = autoscaling_status(kube, "scaly")
+        assert auto["lastDecision"]["reason"] == "MetricsMissing"
+        assert auto["failedPods"][0]["pod"] == "scaly-2" and auto["failedPods"][0]["kind"] == "unreachable"
+
+    if broken:
+        with pytest.raises(AssertionError, match="scaled down"):
+            await asyncio.to_thread(held)
+        return
+    await asyncio.to_thread(held)
     events = (await call(kube, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
     assert any(e["reason"] == "MetricsUnavailable" for e in events)
 
@@ -208,12 +238,27 @@ async def test_kv_above_target_scales_up_and_below_target_scales_down(
     assert auto["lastDecision"]["reason"] in ("ScaledDown", "Steady") and auto["numUnreachablePods"] == 0
 
 
+class Clock:
+    """The autoscaler's wall clock, moved on by the test: a window passes when the test says, not when a
+    loaded machine gets there."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.offset_s
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["operator", "broken-memory-in-process"])
 async def test_a_restarted_operator_keeps_the_scale_down_window(
-    kube: KubeClient, runtime: FakeRuntime, api: kubernetes.client.ApiClient
-) -> None:
+    kube: KubeClient, runtime: FakeRuntime, api: kubernetes.client.ApiClient, monkeypatch: pytest.MonkeyPatch,
+    broken: bool,
+) -> None:  # fmt: skip
+    clock = Clock()
+    monkeypatch.setattr(autoscaling_handlers, "time", clock)
     for i in range(2):
         await call(kube, "POST", "/api/v1/nodes", make_node(f"cpu-{i}", bf16=True))
-    window_s = 8
+    window_s = 600  # never over on its own within the test: only the clock's jump below ends it
     async with running_operator(api):
         await call(kube, "POST", CRS, autoscaled_cr("keep", window_s))
         await call(kube, "POST", PODS, runtime_pod("keep", "keep-0", await runtime.start("keep-0", 0.8)))
@@ -225,25 +270,38 @@ async def test_a_restarted_operator_keeps_the_scale_down_window(
     await call(kube, "POST", PODS, runtime_pod("keep", "keep-1", await runtime.start("keep-1", 0.05)))
     runtime.kv["keep-0"] = 0.05
     scaled_at = (await asyncio.to_thread(autoscaling_status, kube, "keep"))["lastScaleUpEpoch"]
+    if broken:  # a scaler that keeps its windows in process memory: a new process starts with none
+        monkeypatch.setattr(autoscaling_loop, "history_from_status", lambda status: History())
 
-    loop = asyncio.get_running_loop()
-    restarted_at = time.time()
+    restarted_at = clock.time()
     async with running_operator(api):
         # The new process has no memory of its own: only the window on the resource stops a scale-down now.
-        await eventually(lambda: autoscaling_status(kube, "keep").get("lastPollEpoch", 0) > restarted_at)
-        assert time.time() < scaled_at + window_s - 1, "the restart took longer than the window: test says nothing"
-        assert await asyncio.to_thread(replicas_of, kube, "keep") == 2
-        assert "held" in (await asyncio.to_thread(autoscaling_status, kube, "keep"))["lastDecision"]["message"]
-        started = loop.time()
+        first = await eventually(lambda: (a := autoscaling_status(kube, "keep")).get("lastPollEpoch", 0) > restarted_at
+                                 and a)  # fmt: skip
+        assert first["lastPollEpoch"] < scaled_at + window_s  # the restarted scaler's first poll: inside the window
+
+        def held() -> None:
+            assert replicas_of(kube, "keep") == 2, "scaled down inside the window"
+            assert "held" in autoscaling_status(kube, "keep")["lastDecision"]["message"]
+
+        if broken:
+            with pytest.raises(AssertionError, match="scaled down inside the window"):
+                await asyncio.to_thread(held)
+            return
+        await asyncio.to_thread(held)
+        clock.offset_s = window_s  # the window is over
         await eventually(lambda: replicas_of(kube, "keep") == 1, timeout_s=30)
         auto = await asyncio.to_thread(autoscaling_status, kube, "keep")
         assert auto["lastScaleEpoch"] >= scaled_at + window_s  # not before the window that began before restart
-        assert loop.time() - started < 30
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["operator", "broken-timer-for-every-mode"])
 async def test_hpa_mode_renders_an_owned_hpa_and_a_mode_change_removes_it(
-    kube: KubeClient, autoscaling_operator: Any
+    kube: KubeClient, autoscaling_operator: kopf.Memo, monkeypatch: pytest.MonkeyPatch, broken: bool
 ) -> None:
+    memo = autoscaling_operator
+    if broken:  # the builtin scaler's timer started whatever the mode: it would fight the HPA
+        monkeypatch.setattr(autoscaling_handlers, "builtin_active", lambda settings: settings.enabled)
     hpa_path = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/ext"
     await call(kube, "POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
     created = await call(
@@ -270,9 +328,20 @@ async def test_hpa_mode_renders_an_owned_hpa_and_a_mode_change_removes_it(
     assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "600m"
     [ref] = hpa["metadata"]["ownerReferences"]
     assert ref["uid"] == created["metadata"]["uid"] and ref["controller"] is True
-    # No builtin timer for an hpa-mode resource: nothing writes status.autoscaling.
-    await asyncio.sleep(1.0)
-    assert not await asyncio.to_thread(autoscaling_status, kube, "ext")
+    # No builtin timer for an hpa-mode resource: while the scaler polls a builtin-mode resource created after it
+    # twice, it never polls this one and nothing writes its status.autoscaling.
+    await call(kube, "POST", CRS, autoscaled_cr("builtin"))
+    await eventually(lambda: autoscaler_polls(memo, NS, "builtin") >= 2)
+
+    def never_polled() -> None:
+        assert autoscaler_polls(memo, NS, "ext") == 0, "polled"
+        assert not autoscaling_status(kube, "ext")
+
+    if broken:
+        with pytest.raises(AssertionError, match="polled"):
+            await asyncio.to_thread(never_polled)
+        return
+    await asyncio.to_thread(never_polled)
     # Back to builtin: the HPA goes (it would fight the builtin scaler otherwise), and the timer starts.
     await call(kube, "PATCH", f"{CRS}/ext", {"spec": {"autoscaling": {"mode": "builtin"}}}, MERGE)
     await eventually(lambda: kube.get(hpa_path) is None)

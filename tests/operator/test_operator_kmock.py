@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from hpi_operator import reconcile as reconcile_module
 from hpi_operator.kube import KubeClient, KubeError
+from hpi_testing.cluster_state import operator_write_records, reconciles
 from hpi_testing.kube_emulator import H100, L4, eventually, make_node
 
 pytestmark = pytest.mark.slow
@@ -197,7 +199,10 @@ async def test_node_pool_appearing_and_vanishing(kube: KubeClient, operator: Any
     await eventually(lambda: "grow-gpu-h100-80gb-hbm3" not in deployments_of(kube, "grow"))
 
 
-async def test_bad_specs_degrade_with_an_event_and_recover(kube: KubeClient, operator: Any) -> None:
+@pytest.mark.parametrize("broken", [False, True], ids=["operator", "broken-event-every-pass"])
+async def test_bad_specs_degrade_with_an_event_and_recover(
+    kube: KubeClient, operator: Any, emulator: Any, monkeypatch: pytest.MonkeyPatch, broken: bool
+) -> None:
     api = Api(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     # 70B unquantized cannot fit a 24 GB L4: no pool can serve it.
@@ -222,8 +227,22 @@ async def test_bad_specs_degrade_with_an_event_and_recover(kube: KubeClient, ope
                             and b)  # fmt: skip
     assert "claimName" in condition(body, "Degraded")["message"]
     await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in warning_events()))
-    await asyncio.sleep(1.5)  # several resync periods: no retry storm, no duplicate events
-    assert sum(e["reason"] == "InvalidSpec" for e in await asyncio.to_thread(warning_events)) == 1
+    if broken:  # an operator that forgets it has reported the cause: an Event on every pass
+        monkeypatch.setattr(reconcile_module, "_reported", lambda old_status, message: False)
+    # Three more passes over the same bad spec: no duplicate Event, and nothing else written either.
+    since, start = len(emulator.writes), reconciles(operator, "invalid")
+    await eventually(lambda: reconciles(operator, "invalid") >= start + 3)
+
+    def reported_once() -> None:
+        num_events = sum(e["reason"] == "InvalidSpec" for e in warning_events())
+        assert num_events == 1, f"{num_events} InvalidSpec Events"
+        assert operator_write_records(emulator, since, stored_only=True) == []
+
+    if broken:
+        with pytest.raises(AssertionError, match="InvalidSpec Events"):
+            await asyncio.to_thread(reported_once)
+        return
+    await asyncio.to_thread(reported_once)
 
     # Fixing the spec recovers.
     await api.patch(f"{CRS}/huge", {"spec": {"model": {"source": "embedded", "huggingface": None},

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hpi_operator import reconcile as reconcile_module
 from hpi_operator.handlers import utc_now
 from hpi_operator.kube import KubeClient
 from hpi_operator.names import FIELD_MANAGER
@@ -20,7 +21,14 @@ from hpi_operator.nodes import node_info
 from hpi_operator.plan import make_plan
 from hpi_operator.reconcile import reconcile
 from hpi_operator.status import status_changes
-from hpi_testing.cluster_state import object_path, operator_writes, owned_children, reconciles, running_operator
+from hpi_testing.cluster_state import (
+    object_path,
+    operator_write_records,
+    operator_writes,
+    owned_children,
+    reconciles,
+    running_operator,
+)
 from hpi_testing.kube_emulator import L4, eventually, make_node
 
 pytestmark = pytest.mark.slow
@@ -76,8 +84,9 @@ async def test_every_kind_of_child_deleted_is_recreated(kube: KubeClient, api: A
         model = {"source": "huggingface", "huggingface": {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
                  "cache": {"enabled": True}}  # fmt: skip
         await call(kube, "PATCH", f"{CRS}/heal", {"spec": {"model": model}}, MERGE)
-        wanted = await eventually(lambda: {k: v for k, v in children(kube, uid).items()
-                                           if k[0] in ("PersistentVolumeClaim", "Job")} or None)  # fmt: skip
+        # Both: the claim comes a pass before the Job that fills it.
+        wanted = await eventually(lambda: len(c := {k: v for k, v in children(kube, uid).items()
+                                                    if k[0] in ("PersistentVolumeClaim", "Job")}) == 2 and c)  # fmt: skip
         recreated |= await delete_each(kube, uid, wanted)
     assert recreated == {
         "Deployment",
@@ -182,12 +191,29 @@ async def test_a_hundred_no_op_resyncs_write_nothing(kube: KubeClient, api: Any,
     assert operator_writes(emulator, since) == []
 
 
-async def test_invalid_spec_reports_and_touches_no_child(kube: KubeClient, api: Any, emulator: Any) -> None:
+def fallback_plan(body: Any, nodes: Any) -> Any:
+    """A deliberately wrong operator: an unservable model is replaced by another one, and every runtime pod rolls."""
+    model = {"source": "huggingface", "huggingface": {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}}
+    return make_plan({**body, "spec": {**body["spec"], "model": model}}, nodes)
+
+
+def break_operator(monkeypatch: pytest.MonkeyPatch, broken: str | None) -> None:
+    """Deliberately wrong operators, for the checks below to catch."""
+    if broken == "event-every-pass":  # forgets it has reported the cause
+        monkeypatch.setattr(reconcile_module, "_reported", lambda old_status, message: False)
+    elif broken == "fallback-model":
+        monkeypatch.setattr(reconcile_module, "make_plan", fallback_plan)
+
+
+@pytest.mark.parametrize("broken", [None, "event-every-pass", "fallback-model"])
+async def test_invalid_spec_reports_and_touches_no_child(
+    kube: KubeClient, api: Any, emulator: Any, monkeypatch: pytest.MonkeyPatch, broken: str | None
+) -> None:
     await two_pools(kube)
-    with running_operator(api, resync_interval_s=0.2):
+    with running_operator(api, resync_interval_s=0.2) as memo:
         uid = (await call(kube, "POST", CRS, cr("typo", {"replicas": 2})))["metadata"]["uid"]
         before = await eventually(lambda: len(c := children(kube, uid)) == 10 and c)
-        since = len(list(emulator))
+        since = len(emulator.writes)
         # Schema-valid, but not servable: source pvc without its claim.
         await call(kube, "PATCH", f"{CRS}/typo", {"spec": {"model": {"source": "pvc"}}}, MERGE)
 
@@ -196,16 +222,27 @@ async def test_invalid_spec_reports_and_touches_no_child(kube: KubeClient, api: 
             return next((c for c in conditions if c["type"] == "Degraded" and c["reason"] == "InvalidSpec"), {})
 
         assert "claimName" in (await eventually(degraded))["message"]
-        await asyncio.sleep(1.0)  # several resyncs: still one Event, still no child written
-        events = (await call(kube, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
-        assert [e["reason"] for e in events if e["reason"] == "InvalidSpec"] == ["InvalidSpec"]
-        after = await asyncio.to_thread(children, kube, uid)
-        assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {
-            k: v["metadata"]["resourceVersion"] for k, v in before.items()
-        }
-        touched = [w for w in operator_writes(emulator, since) if "/inferencedeployments/" not in w[1]
-                   and "/events" not in w[1]]  # fmt: skip
-        assert touched == []
+        break_operator(monkeypatch, broken)
+        start = reconciles(memo)
+        await eventually(lambda: reconciles(memo) >= start + 3)  # three more passes over the bad spec
+
+        def untouched() -> None:
+            events = kube.request("GET", f"/api/v1/namespaces/{NS}/events")["items"]
+            num_events = sum(e["reason"] == "InvalidSpec" for e in events)
+            assert num_events == 1, f"{num_events} InvalidSpec Events"
+            after = children(kube, uid)
+            versions = {k: v["metadata"]["resourceVersion"] for k, v in after.items()}
+            assert versions == {k: v["metadata"]["resourceVersion"] for k, v in before.items()}, "children changed"
+            touched = [w for w in operator_write_records(emulator, since)
+                       if not w.resource.endswith(("/inferencedeployments", "/events"))]  # fmt: skip
+            assert touched == [], "children written"
+
+        if broken:
+            match = {"event-every-pass": "InvalidSpec Events", "fallback-model": "children changed"}[broken]
+            with pytest.raises(AssertionError, match=match):
+                await asyncio.to_thread(untouched)
+            return
+        await asyncio.to_thread(untouched)
 
 
 class Killed(Exception):
