@@ -7,7 +7,8 @@ enums, bounds, required) and answers 422 when that fails. `apply_schema` does th
 fields it pruned, so tests can fail where a real cluster would silently drop a field.
 
 Validation maps OpenAPI v3 to JSON Schema for `jsonschema`: `x-kubernetes-int-or-string` is integer or
-string, `nullable` adds "null". CEL rules (`x-kubernetes-validations`) are not evaluated.
+string, `nullable` adds "null". CEL rules (`x-kubernetes-validations`) are evaluated after it (cel_rules.py),
+with the old object for transition rules.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+
+from hpi_testing.cel_rules import rule_errors
 
 ROOT_FIELDS = ("apiVersion", "kind", "metadata")  # ObjectMeta and the type are the API server's own
 
@@ -114,8 +117,11 @@ class SchemaResult:
     errors: tuple[str, ...]  # validation failures: the API server answers 422 Invalid
 
 
-def apply_schema(obj: Mapping[str, Any], schema: Mapping[str, Any]) -> SchemaResult:
-    """Drop undeclared nulls, prune, default and validate `obj` (a whole custom resource) as the API server does."""
+def apply_schema(
+    obj: Mapping[str, Any], schema: Mapping[str, Any], old: Mapping[str, Any] | None = None
+) -> SchemaResult:
+    """Drop undeclared nulls, prune, default and validate `obj` (a whole custom resource) as the API server does;
+    `old`: the object it replaces, for CEL transition rules."""
     body = {k: v for k, v in obj.items() if k not in ROOT_FIELDS}
     pruned: list[str] = []
     body = _default(_prune(_drop_nulls(body, schema), schema, "", pruned), schema)
@@ -124,6 +130,9 @@ def apply_schema(obj: Mapping[str, Any], schema: Mapping[str, Any]) -> SchemaRes
     errors = sorted(
         f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in validator.iter_errors(result)
     )
+    if not errors:  # rules assume the types the schema guarantees
+        old_body = {k: v for k, v in old.items() if k not in ROOT_FIELDS} if old is not None else None
+        errors = rule_errors(body, schema, *(() if old_body is None else (old_body,)))
     return SchemaResult(result, tuple(pruned), tuple(errors))
 
 

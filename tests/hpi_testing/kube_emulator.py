@@ -5,9 +5,9 @@ What stock kmock lacks, and this subclass adds:
 - uid, resourceVersion (one global counter), creationTimestamp and generation stamped on every write;
   generation bumps only when something outside metadata/status changes;
 - lists carry a resourceVersion; watches honour `?resourceVersion=` and never replay already-seen events;
-- PATCH as the API server does it: JSON patch (RFC 6902, a failed `test` is 422), merge patch (RFC 7386,
-  also used for strategic merge patches: list merge keys are not emulated), resourceVersion preconditions
-  (409), the `status` subresource isolated from the main endpoint where declared; PUT replaces;
+- PATCH as the API server does it: JSON patch (RFC 6902, a failed `test` is 422), merge patch (RFC 7386),
+  strategic merge patch (built-in kinds only: 415 for custom resources), resourceVersion preconditions (409),
+  the `status` subresource isolated from the main endpoint where declared; PUT replaces;
 - server-side apply (`application/apply-patch+yaml`, `?fieldManager=`, `?force=`): managed fields per manager,
   conflicts as 409, an apply that creates (field_manager.py); every write records its manager's fields;
 - a write that changes nothing is not stored: no new resourceVersion, no watch event (as the API server);
@@ -15,10 +15,17 @@ What stock kmock lacks, and this subclass adds:
   fields pruned, defaults filled, validation failures answered 422 (crd_schema.py); pruned fields are logged
   in `pruned` so tests can fail on a field a real cluster would silently drop;
 - label selectors (equality and existence) on lists and watches;
+- watch history compaction (`compact()`: a watch resuming from before it gets 410 Gone), BOOKMARK events
+  (`bookmark()`, and the initial-events-end bookmark of `sendInitialEvents`), ending every stream
+  (`end_watches()`, as a watch timeout or a restart does);
+- GET of the scale subresource: an autoscaling/v1 Scale from the CRD's scale paths or a Deployment's;
+- built-in kinds as the API server stores them (builtin_kinds.py, k8s_openapi.py): quantities canonical,
+  nulls dropped, defaults filled, immutable fields refused (422); strategic merge patches merge lists by their
+  patch merge keys (strategic_merge.py); server-side apply merges and owns associative lists item by item;
+- CRD validation rules (`x-kubernetes-validations`, CEL) on every write of a custom resource (cel_rules.py);
 - DELETE honours finalizers, and a simple foreground-less garbage collector deletes owned objects.
-Not emulated: field selectors, admission, CEL validation rules, list merge keys (lists are atomic to field
-managers), the scale subresource's Scale objects, and controllers (Deployments never create pods: tests patch
-their status).
+Not emulated: field selectors, admission, and controllers (Deployments never create pods: tests patch their
+status).
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ import attrs
 import kmock
 import yaml
 
+from hpi_testing.builtin_kinds import FieldError, apply_defaults, immutable_errors, normalise
 from hpi_testing.crd_schema import apply_schema, crd_schemas
 from hpi_testing.field_manager import ApplyConflict, apply, manager_name, record_update
+from hpi_testing.k8s_openapi import Schema, builtin_schema
+from hpi_testing.strategic_merge import StrategicMergeError, strategic_merge
 
 NOW = "2026-01-01T00:00:00Z"
 
@@ -68,11 +78,23 @@ class PatchError(Exception):
 
 
 class ApiError(Exception):
-    """A request the API server refuses: answered as a v1 Status with this code."""
+    """A request the API server refuses: answered as a v1 Status with this code (and `details`, for 422)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+        self.status, self.reason, self.message, self.details = status, reason, message, details
+
+
+def invalid(obj: Mapping[str, Any], group: str, errors: list[FieldError]) -> ApiError:
+    """The API server's 422 for field errors: `Kind.group "name" is invalid: field: ...`, one cause a field."""
+    kind, name = obj.get("kind"), (obj.get("metadata") or {}).get("name")
+    qualified = f"{kind}.{group}" if group else str(kind)
+    causes = [{"reason": e.reason, "message": str(e).split(": ", 1)[1], "field": e.field} for e in errors]
+    message = f'{qualified} "{name}" is invalid: ' + ", ".join(str(e) for e in errors)
+    if len(errors) > 1:
+        message = f'{qualified} "{name}" is invalid: [' + ", ".join(str(e) for e in errors) + "]"
+    details = {"name": name, "group": group, "kind": kind, "causes": causes}
+    return ApiError(422, "Invalid", message, details)
 
 
 def _user_agent(request: Any) -> str:
@@ -203,6 +225,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
     pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
     # Every write request (POST, PATCH, PUT, DELETE) in arrival order, stored or not.
     writes: list[WriteRecord] = attrs.field(factory=list, init=False)
+    # "group/version/plural" -> (specReplicasPath, statusReplicasPath, labelSelectorPath) of CRDs' scale subresource.
+    scale_paths: dict[str, tuple[str, str, str | None]] = attrs.field(factory=dict, init=False)
+    # Watch history older than this revision is compacted away (etcd compaction): a watch from before it gets 410.
+    compacted_revision: int = attrs.field(default=0, init=False)
+    expired_watches: int = attrs.field(default=0, init=False)  # watches answered 410 Gone
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -243,15 +270,41 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return name, schema
         return None
 
-    def _structural(self, request: kmock.Request, obj: dict[str, Any], manager: str) -> dict[str, Any]:
-        """Prune, default and validate a custom resource against its CRD's schema (422 when invalid)."""
+    def _typed_schema(self, request: kmock.Request, obj: Mapping[str, Any]) -> Schema | None:
+        """The schema that drives list merging: a built-in kind's published one, or the CRD's structural one."""
+        found = self._schema(request.resource)
+        if found is not None:
+            return Schema(found[1])
+        return builtin_schema(str(obj.get("apiVersion") or ""), str(obj.get("kind") or ""))
+
+    def _builtin(self, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        """Decode, default and check the immutable fields of a built-in object (builtin_kinds.py); 422 when
+        a field is refused."""
+        api_version, kind = str(obj.get("apiVersion") or ""), str(obj.get("kind") or "")
+        schema = builtin_schema(api_version, kind)
+        if schema is None:
+            return obj
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        try:
+            obj = apply_defaults(normalise(obj, schema))
+        except FieldError as e:
+            raise invalid(obj, group, [e]) from e
+        errors = immutable_errors(old, obj) if old is not None else []
+        if errors:
+            raise invalid(obj, group, errors)
+        return obj
+
+    def _structural(
+        self, request: kmock.Request, obj: dict[str, Any], manager: str, old: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Prune, default and validate a custom resource against its CRD's schema and rules (422 when invalid)."""
         found = self._schema(request.resource)
         if found is None:
             return obj
         name, schema = found
-        result = apply_schema(obj, schema)
+        result = apply_schema(obj, schema, old)
         if result.errors:
-            what = f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')}"
+            what = f'{obj.get("kind")}.{name.split("/", 1)[0]} "{(obj.get("metadata") or {}).get("name")}"'
             raise ApiError(422, "Invalid", f"{what} is invalid: {'; '.join(result.errors)}")
         self.pruned.extend((manager, name, str((obj.get("metadata") or {}).get("name")), p) for p in result.pruned)
         return result.obj
@@ -262,9 +315,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return copy.deepcopy(self.objects[key].raw)
 
     @staticmethod
-    def _error(status: int, reason: str, message: str) -> aiohttp.web.StreamResponse:
+    def _error(
+        status: int, reason: str, message: str, details: dict[str, Any] | None = None
+    ) -> aiohttp.web.StreamResponse:
         body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
                 "code": status, "reason": reason, "message": message}  # fmt: skip
+        if details:
+            body["details"] = details
         return aiohttp.web.json_response(body, status=status)
 
     # -- writes -----------------------------------------------------------------------------------------------
@@ -272,6 +329,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
         try:
+            if request.resource is not None and method == "GET" and request.subresource == "scale":
+                return await self._fetch_scale(request)
             if request.resource is not None and method == "GET" and request.subresource is None:
                 # Served here rather than through kmock's reactions, which match each request against every
                 # request served before it: a long test would slow down quadratically.
@@ -284,7 +343,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if write is not None:
                     return await self._logged(request, method, write)
         except ApiError as e:
-            return self._error(e.status, e.reason, e.message)
+            return self._error(e.status, e.reason, e.message, e.details)
         return await super()._handle(request)
 
     def _write_handler(self, request: kmock.Request, method: str) -> Any:
@@ -309,6 +368,33 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                            name=request.name, subresource=request.subresource, manager=manager,
                                            stored=self._last_revision != before))  # fmt: skip
         return response
+
+    async def _fetch_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """GET .../scale: an autoscaling/v1 Scale read from the object by the kind's replica and selector paths
+        (apps/v1 Deployments: spec.replicas, status.replicas, the spec.selector's matchLabels; a custom resource:
+        its CRD's subresources.scale)."""
+        async with self._lock:
+            obj = self._live((request.resource, request.namespace, request.name))
+        if obj is None:
+            return self._error(404, "NotFound", f"{request.name} not found")
+        paths = self.scale_paths.get(self._resource_name(request.resource))
+        if paths is None and obj.get("kind") == "Deployment":
+            labels = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+            selector: str | None = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            spec_replicas, status_replicas = _at(obj, ".spec.replicas"), _at(obj, ".status.replicas")
+        elif paths is not None:
+            spec_replicas, status_replicas = _at(obj, paths[0]), _at(obj, paths[1])
+            selector = _at(obj, paths[2]) if paths[2] else None
+        else:
+            return self._error(404, "NotFound", f"the server could not find the scale of {obj.get('kind')}")
+        meta = obj["metadata"]
+        scale = {"kind": "Scale", "apiVersion": "autoscaling/v1",
+                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                              if k in meta},
+                 "spec": {"replicas": spec_replicas or 0},
+                 "status": {"replicas": status_replicas or 0,
+                            **({"selector": selector} if selector else {})}}  # fmt: skip
+        return aiohttp.web.json_response(scale)
 
     async def _fetch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         async with self._lock:
@@ -336,14 +422,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
             kind = self._kind(request.resource)
             if kind and "kind" not in obj:
                 obj["kind"] = kind
-            obj = self._structural(request, obj, manager)
+            obj["metadata"]["uid"] = str(uuid.uuid4())  # before defaulting: a Job's selector is made of it
+            obj = self._builtin(self._structural(request, obj, manager), None)
             if applied is None:
-                obj = record_update(None, obj, manager)
+                obj = record_update(None, obj, manager, self._typed_schema(request, obj))
             meta = obj["metadata"]
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
-                        resourceVersion=self._next_revision())  # fmt: skip
+            meta.update(creationTimestamp=_now(), generation=1, resourceVersion=self._next_revision())
             if request.resource == "apiextensions.k8s.io/v1/customresourcedefinitions":
                 self.schemas.update(crd_schemas(obj))
+                self.scale_paths.update(crd_scale_paths(obj))
             if key in self.objects:
                 self.objects[key].create(obj)
             else:
@@ -372,9 +459,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if immutable in old["metadata"]:
                 meta[immutable] = old["metadata"][immutable]
         meta["resourceVersion"] = old["metadata"]["resourceVersion"]
-        new = self._structural(request, new, manager)
+        new = self._builtin(self._structural(request, new, manager, old), old)
         if not applied:
-            new = record_update(old, new, manager)
+            new = record_update(old, new, manager, self._typed_schema(request, new))
         meta = new["metadata"]
         if new == old:
             return old
@@ -404,12 +491,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
             try:
                 if "json-patch" in content_type:
                     new = json_patch(old, request.data or [])
+                elif "strategic-merge-patch" in content_type:
+                    schema = builtin_schema(str(old.get("apiVersion")), str(old.get("kind")))
+                    if schema is None:
+                        return self._error(415, "UnsupportedMediaType", "the body of the request was in an unknown "
+                                           "format - accepted media types include: application/json-patch+json, "
+                                           "application/merge-patch+json, application/apply-patch+yaml")  # fmt: skip
+                    new = strategic_merge(old, request.data or {}, schema)
                 else:
                     wanted_rv = ((request.data or {}).get("metadata") or {}).get("resourceVersion")
                     if wanted_rv and wanted_rv != old["metadata"]["resourceVersion"]:
                         return self._error(409, "Conflict", "the object has been modified")
                     new = merge_patch(old, request.data or {})
-            except PatchError as e:
+            except (PatchError, StrategicMergeError) as e:
                 return self._error(422, "Invalid", str(e))
             stored = await self._store(request, old, new)
         return aiohttp.web.json_response(stored)
@@ -428,8 +522,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         force = request.params.get("force") == "true"
         async with self._lock:
             old = self._live(key)
+        schema = self._typed_schema(request, config)
         try:
-            new = apply(old, config, manager, force)
+            # The configuration is decoded first, as the API server types it: its quantities are canonical.
+            new = apply(old, normalise(config, schema), manager, force, schema)
+        except FieldError as e:
+            return self._error(422, "Invalid", str(e))
         except ApplyConflict as e:
             return self._error(409, "Conflict", str(e))
         if old is None:
@@ -511,19 +609,61 @@ class KubeEmulator(kmock.KubernetesEmulator):
         kind = self._kind(request.resource)
         return {"apiVersion": "v1", "kind": f"{kind}List", "metadata": {"resourceVersion": revision}, "items": items}
 
+    def compact(self) -> int:
+        """Compact the watch history up to now (as etcd does every few minutes): a watch that resumes from an
+        older resourceVersion gets 410 Gone. Returns the compacted revision."""
+        self.compacted_revision = self._last_revision
+        return self.compacted_revision
+
+    async def bookmark(self) -> None:
+        """Send a BOOKMARK (the current resourceVersion, no object) to every watch that allows them, as the API
+        server does about once a minute."""
+        async with self._lock:
+            for resource in list(self._buses):
+                kind = self._kind(resource)
+                group_version = self._resource_name(resource).rsplit("/", 1)[0]
+                meta = {"resourceVersion": str(self._last_revision)}
+                event = {"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": group_version, "metadata": meta}}
+                await self._buses[resource].put(event)
+
+    async def end_watches(self) -> None:
+        """End every open watch stream, as the API server does at each watch's timeout or when it restarts:
+        clients reconnect from the last resourceVersion they saw."""
+        async with self._lock:
+            for resource in list(self._buses):
+                await self._buses[resource].put({"type": "END", "object": {}})
+
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         yield b""  # send the headers now: the stream is open even if nothing happens
         since = int(request.params.get("resourceVersion") or 0)
         selector = request.params.get("labelSelector")
+        bookmarks = request.params.get("allowWatchBookmarks") == "true"
+        if 0 < since < self.compacted_revision:
+            # The API server's answer to a resourceVersion older than its history: an ERROR event, then the end.
+            self.expired_watches += 1
+            yield {"type": "ERROR", "object": {
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Expired",
+                "code": 410, "message": f"too old resource version: {since} ({self.compacted_revision})"}}  # fmt: skip
+            return
         async with self._lock:  # the snapshot and the bus mark are taken atomically: no gap, no overlap
             mark = await self._buses[request.resource].mark()
             snapshot = self._matching(request)
+            revision = self._last_revision
         for obj in snapshot:
             if int(obj["metadata"]["resourceVersion"]) > since:
                 yield {"type": "ADDED", "object": obj}
+        if bookmarks and request.params.get("sendInitialEvents") == "true":
+            yield {"type": "BOOKMARK", "object": {"kind": self._kind(request.resource), "metadata": {
+                "resourceVersion": str(revision), "annotations": {"k8s.io/initial-events-end": "true"}}}}  # fmt: skip
         async for event in mark:
             obj = event["object"]
             meta = obj.get("metadata") or {}
+            if event["type"] == "END":
+                return
+            if event["type"] == "BOOKMARK":
+                if bookmarks:
+                    yield event
+                continue
             if int(meta.get("resourceVersion", 0)) <= since:
                 continue
             if request.namespace is not None and meta.get("namespace") != request.namespace:
@@ -534,12 +674,32 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 yield event
 
 
+def _at(obj: Mapping[str, Any], json_path: str) -> Any:
+    """The value at a CRD's simple JSON path (".spec.replicas")."""
+    value: Any = obj
+    for key in json_path.lstrip(".").split("."):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def crd_scale_paths(crd: Mapping[str, Any]) -> dict[str, tuple[str, str, str | None]]:
+    spec = crd.get("spec") or {}
+    found = {}
+    for version in spec.get("versions") or []:
+        scale = (version.get("subresources") or {}).get("scale")
+        if scale:
+            found[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = (
+                scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath"))
+    return found
+
+
 def install_crd(emulator: KubeEmulator, crd: Mapping[str, Any]) -> None:
     """Put a CustomResourceDefinition in place before serving, as `kubectl apply -f crds/` would."""
     obj = copy.deepcopy(dict(crd))
     obj["metadata"] = {**obj.get("metadata", {}), "uid": str(uuid.uuid4()), "resourceVersion": "0", "generation": 1}
     emulator.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, obj["metadata"]["name"]] = obj
     emulator.schemas.update(crd_schemas(obj))
+    emulator.scale_paths.update(crd_scale_paths(obj))
 
 
 # -- running things against it -------------------------------------------------------------------------------
