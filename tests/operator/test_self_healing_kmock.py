@@ -85,8 +85,9 @@ async def test_every_kind_of_child_deleted_is_recreated(kube: KubeClient, api: A
                  "cache": {"enabled": True}}  # fmt: skip
         await call(kube, "PATCH", f"{CRS}/heal", {"spec": {"model": model}}, MERGE)
         # Both: the claim comes a pass before the Job that fills it.
+        cache_kinds = ("PersistentVolumeClaim", "Job")
         wanted = await eventually(lambda: len(c := {k: v for k, v in children(kube, uid).items()
-                                                    if k[0] in ("PersistentVolumeClaim", "Job")}) == 2 and c)  # fmt: skip
+                                                    if k[0] in cache_kinds}) == 2 and c)  # fmt: skip
         recreated |= await delete_each(kube, uid, wanted)
     assert recreated == {
         "Deployment",
