@@ -6,6 +6,7 @@ tested in test_core_process.py."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import time
 
 import pytest
@@ -21,11 +22,13 @@ from hpi_runtime.sampling_params import SamplingParams
 async def make_llm(fake_executor_cls, tokenizer):
     started = []
 
-    async def build(**config) -> AsyncLLM:
+    async def build(start: bool = True, **config) -> AsyncLLM:
+        """`start=False`: the caller changes the core before it starts, then starts it."""
         cfg = EngineConfig(**{"block_size": 8, "max_model_len": 256, **config})
         executor = fake_executor_cls(64, 8, vocab_size=300)
         llm = AsyncLLM.in_thread(EngineCore(cfg, executor, frozenset({tokenizer.eos_token_id})), tokenizer)
-        await llm.start()
+        if start:
+            await llm.start()
         started.append(llm)
         return llm
 
@@ -137,21 +140,45 @@ async def test_dead_loop_fails_everyone_and_is_reported(make_llm):
         await anext(llm.generate("y", [1, 2, 3], SamplingParams()))
 
 
-async def test_idle_loop_sleeps_instead_of_spinning(make_llm):
-    llm = await make_llm()
+class WatchedInbox(queue.Queue):
+    """The core loop's inbox, counting the loop's blocking waits on it: an idle loop waits there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_waits = 0
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        self.num_waits += block  # get_nowait() is get(block=False)
+        return super().get(block, timeout)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["loop", "broken-steps-without-work"])
+async def test_idle_loop_waits_on_its_inbox_instead_of_spinning(make_llm, broken):
+    llm = await make_llm(start=False)
+    core = llm.client.core
     calls = 0
-    step = llm.client.core.step
+    step = core.step
 
     def counting_step():
         nonlocal calls
         calls += 1
         return step()
 
-    llm.client.core.step = counting_step
-    await asyncio.sleep(0.2)
+    core.step = counting_step
+    if broken:  # a loop that believes there is always work: it steps instead of waiting
+        core.has_unfinished_requests = lambda: True
+    inbox = llm.client._inbox = WatchedInbox()
+    await llm.start()
+    # The started loop either waits on its inbox or steps: whichever it does first says whether it idles.
+    await eventually(lambda: inbox.num_waits or calls)
+    if broken:
+        with pytest.raises(AssertionError):
+            assert calls == 0
+        return
     assert calls == 0
     assert [o async for o in llm.generate("a", [1], SamplingParams(max_tokens=2, ignore_eos=True))][-1].finished
     assert calls >= 2
+    await eventually(lambda: inbox.num_waits >= 2)  # done: back to waiting, where it cannot step
 
 
 async def test_generate_priority_is_admitted_first(make_llm, expected_token):

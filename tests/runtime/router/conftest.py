@@ -51,6 +51,7 @@ class FakeBackend:
         self.metrics = ServingMetrics(name)
         self.num_requests = 0
         self.num_cancelled = 0
+        self.num_ready_probes = 0  # GETs of /ready (the router's probes of a backend out of rotation)
         self.prompts: list[str] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -76,6 +77,7 @@ class FakeBackend:
             self._runner = None
 
     async def _ready(self, request: web.Request) -> web.Response:
+        self.num_ready_probes += request.path == "/ready"
         return web.json_response({"status": "ready" if self.ready else "loading"}, status=200 if self.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

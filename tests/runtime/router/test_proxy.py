@@ -10,6 +10,7 @@ import json
 import aiohttp
 import pytest
 
+from hpi_runtime.router import monitor
 from hpi_runtime.router.config import PolicySettings
 from hpi_testing.server import metric_samples
 
@@ -179,11 +180,28 @@ async def test_bad_input_gets_a_4xx_with_a_message(router, fake_backends, body, 
     assert backend.num_requests == 0
 
 
-async def test_no_ready_backend_is_a_503(router, fake_backends) -> None:
+async def probe_passing_whatever_it_reads(session: aiohttp.ClientSession, backend) -> None:
+    """A deliberately wrong probe: any answer from /ready lets the backend back in."""
+    async with session.get(f"{backend.url}/ready"):
+        backend.restore()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["router", "broken-probe-ignores-status"])
+async def test_no_ready_backend_is_a_503(router, fake_backends, monkeypatch, broken) -> None:
     backend = await fake_backends()
     backend.ready = False
+    if broken:
+        monkeypatch.setattr(monitor, "_probe", probe_passing_whatever_it_reads)
     async with router([backend.url], wait_ready=False) as state, aiohttp.ClientSession() as session:
-        await asyncio.sleep(0.3)  # probed (and found not ready) a few times
-        assert (await session.get(f"{state.url}/ready")).status == 503
+        # Probed twice: the first probe's answer was read before the second was sent.
+        assert await wait_until(lambda: backend.num_ready_probes >= 2)
+        metrics = metric_samples(await (await session.get(f"{state.url}/metrics")).text())
+        never_let_in = not metrics.get(f"hpi:router_ejections_total{{backend={backend.url}}}")  # in, then out
+        router_ready = (await session.get(f"{state.url}/ready")).status
         status, text = await complete(session, state.url, "hi")
+    if broken:
+        with pytest.raises(AssertionError):
+            assert never_let_in
+        return
+    assert never_let_in and router_ready == 503
     assert status == 503 and "no backend is ready" in json.loads(text)["error"]["message"]
