@@ -113,3 +113,44 @@ def schema_at(schema: Schema | None, path: tuple[str, ...]) -> Schema | None:
             return None
         schema = schema.field(key) if key.isidentifier() or key in (schema.node.get("properties") or {}) else None
     return schema
+
+
+@functools.cache
+def _validator(api_version: str, kind: str) -> Any:
+    """A JSON Schema validator of the kind's strict published schema (unknown fields are errors), built once."""
+    import jsonschema
+    import referencing
+
+    group_version = api_version.split("/")
+    prefix = group_version[0].split(".")[0] + "-" if len(group_version) == 2 else ""
+    path = _SCHEMAS.with_name(f"{SCHEMA_VERSION}-local-strict") / f"{kind.lower()}-{prefix}{group_version[-1]}.json"
+    if not path.exists():
+        return None
+    definitions = json.loads((path.parent / "_definitions.json").read_text())
+    schema = json.loads(path.read_text())
+    registry = referencing.Registry().with_resources([
+        (definitions["$id"], referencing.Resource.from_contents(definitions)),
+    ])  # fmt: skip
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+@dataclass(frozen=True)
+class Validation:
+    unknown: tuple[tuple[str, ...], ...]  # paths of fields the schema does not declare (dropped, as the server does)
+    errors: tuple[str, ...]  # "field: message" of every other failure (422)
+
+
+def validate(obj: Mapping[str, Any]) -> Validation:
+    """Check a built-in object against its published schema: types, enums, required fields; unknown fields."""
+    validator = _validator(str(obj.get("apiVersion") or ""), str(obj.get("kind") or ""))
+    if validator is None:
+        return Validation((), ())
+    unknown, errors = [], []
+    for error in validator.iter_errors(obj):
+        where = tuple(str(p) for p in error.absolute_path)
+        if error.validator == "additionalProperties":
+            declared = set(error.schema.get("properties") or {})
+            unknown += [(*where, key) for key in error.instance if key not in declared]
+        else:
+            errors.append(f"{'.'.join(where) or '<root>'}: {error.message}")
+    return Validation(tuple(unknown), tuple(errors))

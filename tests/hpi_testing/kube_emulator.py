@@ -50,7 +50,7 @@ import yaml
 from hpi_testing.builtin_kinds import FieldError, apply_defaults, immutable_errors, normalise
 from hpi_testing.crd_schema import apply_schema, crd_schemas
 from hpi_testing.field_manager import ApplyConflict, apply, manager_name, record_update
-from hpi_testing.k8s_openapi import Schema, builtin_schema
+from hpi_testing.k8s_openapi import Schema, builtin_schema, validate
 from hpi_testing.strategic_merge import StrategicMergeError, strategic_merge
 
 NOW = "2026-01-01T00:00:00Z"
@@ -71,6 +71,7 @@ class WriteRecord:
     subresource: str | None
     manager: str
     stored: bool  # False: the request changed nothing (no new resourceVersion) or was refused
+    fields: tuple[str, ...] = ()  # the top-level fields of the request's body (a patch's "metadata", "status", ...)
 
 
 class PatchError(Exception):
@@ -277,9 +278,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return Schema(found[1])
         return builtin_schema(str(obj.get("apiVersion") or ""), str(obj.get("kind") or ""))
 
-    def _builtin(self, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-        """Decode, default and check the immutable fields of a built-in object (builtin_kinds.py); 422 when
-        a field is refused."""
+    def _builtin(self, obj: dict[str, Any], old: dict[str, Any] | None, manager: str = "") -> dict[str, Any]:
+        """Decode, default and validate a built-in object (builtin_kinds.py, the published schema): unknown fields
+        are dropped (the API server's default field validation) and logged in `pruned`; a type, enum or required
+        failure or a changed immutable field is a 422."""
         api_version, kind = str(obj.get("apiVersion") or ""), str(obj.get("kind") or "")
         schema = builtin_schema(api_version, kind)
         if schema is None:
@@ -292,6 +294,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
         errors = immutable_errors(old, obj) if old is not None else []
         if errors:
             raise invalid(obj, group, errors)
+        checked = validate(obj)
+        name = str((obj.get("metadata") or {}).get("name"))
+        if checked.errors:
+            qualified = f"{kind}.{group}" if group else kind
+            raise ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {"; ".join(checked.errors)}')
+        for path in checked.unknown:
+            _drop(obj, path)
+            self.pruned.append((manager, f"{api_version}/{kind}", name, "." + ".".join(path)))
         return obj
 
     def _structural(
@@ -366,7 +376,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self.writes.append(WriteRecord(verb=verb, resource=self._resource_name(request.resource),
                                            namespace=request.namespace,
                                            name=request.name, subresource=request.subresource, manager=manager,
-                                           stored=self._last_revision != before))  # fmt: skip
+                                           stored=self._last_revision != before,
+                                           fields=tuple(sorted(request.data)) if isinstance(request.data, dict)
+                                           else ()))  # fmt: skip
         return response
 
     async def _fetch_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
@@ -423,7 +435,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if kind and "kind" not in obj:
                 obj["kind"] = kind
             obj["metadata"]["uid"] = str(uuid.uuid4())  # before defaulting: a Job's selector is made of it
-            obj = self._builtin(self._structural(request, obj, manager), None)
+            obj = self._builtin(self._structural(request, obj, manager), None, manager)
             if applied is None:
                 obj = record_update(None, obj, manager, self._typed_schema(request, obj))
             meta = obj["metadata"]
@@ -459,7 +471,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if immutable in old["metadata"]:
                 meta[immutable] = old["metadata"][immutable]
         meta["resourceVersion"] = old["metadata"]["resourceVersion"]
-        new = self._builtin(self._structural(request, new, manager, old), old)
+        new = self._builtin(self._structural(request, new, manager, old), old, manager)
         if not applied:
             new = record_update(old, new, manager, self._typed_schema(request, new))
         meta = new["metadata"]
@@ -672,6 +684,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 continue
             if selector_matches(selector, meta.get("labels") or {}):
                 yield event
+
+
+def _drop(obj: Any, path: tuple[str, ...]) -> None:
+    for key in path[:-1]:
+        obj = obj[int(key)] if isinstance(obj, list) else obj.get(key)
+    if isinstance(obj, dict):
+        obj.pop(path[-1], None)
 
 
 def _at(obj: Mapping[str, Any], json_path: str) -> Any:

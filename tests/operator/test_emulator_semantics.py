@@ -218,3 +218,16 @@ async def test_watches_answer_410_gone_after_compaction_and_send_bookmarks(
     assert added["type"] == "ADDED" and added["object"]["metadata"]["name"] == "c"
     assert bookmark["type"] == "BOOKMARK"
     assert int(bookmark["object"]["metadata"]["resourceVersion"]) >= int(created["metadata"]["resourceVersion"])
+
+
+async def test_built_in_objects_are_validated_and_unknown_fields_dropped(kube: KubeClient, emulator: Any) -> None:
+    """The published schema's types, enums and required fields are enforced (422); an undeclared field is
+    dropped (the API server's default field validation, "Warn") and logged, so a test fails on it."""
+    with pytest.raises(KubeError) as refused:
+        await call(kube, "POST", DEPLOYMENTS, {**deployment(), "spec": {**deployment()["spec"], "replicas": "two"}})
+    assert refused.value.status == 422 and "spec.replicas" in refused.value.body
+    body = deployment(bogus=True)
+    created = await call(kube, "POST", DEPLOYMENTS, body)
+    assert "bogus" not in created["spec"]["template"]["spec"]["containers"][0]
+    assert ("hpi-tests", "apps/v1/Deployment", "web", ".spec.template.spec.containers.0.bogus") in emulator.pruned
+    emulator.pruned.clear()  # this test's own write, not the operator's

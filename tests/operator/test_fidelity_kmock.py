@@ -211,3 +211,26 @@ async def test_the_operator_recovers_from_410_gone_after_the_history_is_compacte
         await cluster.call("POST", CRS, {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
                                          "metadata": {"name": "after", "namespace": NS}, "spec": {}})  # fmt: skip
         await eventually(lambda: kube.get(object_path("Deployment", NS, "after-gpu-l4")))
+
+
+async def test_the_operator_writes_status_only_through_the_status_subresource(
+    kube: KubeClient, api: Any, emulator: Any
+) -> None:
+    """With a status subresource, the API server ignores `status` in writes to the main resource (and spec in
+    writes to /status): a status sent the wrong way is lost on a real cluster. Every write of the operator (its
+    handlers through kopf, the autoscaler) that carries a status goes to /status, and none to /status carries
+    anything else but metadata."""
+    cluster = Cluster(kube, api, emulator)
+    await cluster.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
+    with running_operator(api, resync_interval_s=0.2):
+        await cluster.call("POST", CRS, {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+                                         "metadata": {"name": "s", "namespace": NS},
+                                         "spec": {"autoscaling": {"enabled": True, "maxReplicas": 3}}})  # fmt: skip
+        await eventually(lambda: (kube.get(f"{CRS}/s").get("status") or {}).get("observedGeneration") == 1)
+    own = [w for w in emulator.writes if w.resource.endswith("/inferencedeployments") and w.manager != "hpi-tests"]
+    assert any(w.subresource == "status" for w in own)
+    for write in own:
+        if "status" in write.fields:
+            assert write.subresource == "status", write
+        if write.subresource == "status":
+            assert set(write.fields) <= {"status", "metadata", "apiVersion", "kind"}, write
