@@ -12,6 +12,11 @@ import tomllib
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+def test_component_folder_is_not_a_package() -> None:
+    # Like operator/, runtime/ and kernels/: only router/hpi_router is importable (docs/architecture.md).
+    assert not (REPO / "router" / "__init__.py").exists()
+
+
 def test_router_imports_without_torch_or_the_runtime() -> None:
     code = ("import sys, hpi_router.cli, hpi_router.discovery; "
             "print(sorted(m for m in ('torch', 'hpi_runtime', 'hpi_kernels', 'transformers') if m in sys.modules))")
