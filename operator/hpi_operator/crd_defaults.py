@@ -1,5 +1,5 @@
 """The InferenceDeployment's defaults, declared in one place: the CRD's schema (a copy ships in this package,
-crds/, identical to the repository's crds/ and the chart's; a test checks).
+crds/, generated from the repository's crds/ by `make crds`; tests/chart/test_crds.py fails when it is stale).
 
 On a cluster the API server fills them in before the operator sees a resource. `with_defaults` does the same
 for specs no server has seen (`hpi-operator render`, tests), and `crd_default` gives the spec dataclasses

@@ -2,11 +2,11 @@
 
 - `service`: one ClusterIP Service over every runtime pod, as before routing existed;
   kube-proxy spreads connections evenly, blind to each pool's speed.
-- `router`: the runtime pods behind a headless Service `<name>-backends`; `hpi router` (the runtime image)
-  as a Deployment with a PodDisruptionBudget discovers them from that Service's EndpointSlices (its own
-  ServiceAccount, Role and RoleBinding grant get/list/watch on endpointslices in the namespace, nothing more)
-  and picks a backend per request by load; the user-facing Service `<name>` (the name clients already use)
-  selects the router pods.
+- `router`: the runtime pods behind a headless Service `<name>-backends`; `hpi-router` (its own image,
+  spec.routing.router.image: no torch, starts in a second) as a Deployment with a PodDisruptionBudget
+  discovers them from that Service's EndpointSlices (its own ServiceAccount, Role and RoleBinding grant
+  get/list/watch on endpointslices in the namespace, nothing more) and picks a backend
+  per request by load; the user-facing Service `<name>` (the name clients already use) selects the router pods.
 - `inferencePool`: an InferencePool (inference.networking.k8s.io/v1, the Gateway API inference extension) over
   the runtime pods, with the upstream endpoint picker (EPP) it needs; a Gateway's HTTPRoute points at the pool
   (docs/cluster-guide.md). The user-facing Service stays a plain ClusterIP Service for in-cluster clients.
@@ -41,6 +41,7 @@ from .names import (
 from .spec import InferenceSpec
 
 ROUTER_NAME = "hpi-router"
+ROUTER_COMMAND = "hpi-router"  # the console script of router/pyproject.toml, on the router image's PATH
 ROUTER_PORT = 8080
 LABEL_ROUTER = f"{GROUP}/router"  # on router pods: which InferenceDeployment they route for
 ENDPOINT_PICKER_NAME = "hpi-endpoint-picker"
@@ -113,7 +114,7 @@ def _role_binding(owner: Owner, name: str, component: str) -> dict[str, Any]:
     }
 
 
-# What `hpi router --discover-service` reads (runtime/hpi_runtime/router/discovery.py), and nothing else.
+# What `hpi-router --discover-service` reads (router/hpi_router/discovery.py), and nothing else.
 ROUTER_RULES = [
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
 ]
@@ -163,8 +164,8 @@ def router_pod_labels(owner: Owner) -> dict[str, str]:
 
 
 def router_args(owner: Owner) -> list[str]:
-    """Arguments of `hpi router` (runtime/hpi_runtime/router/command.py)."""
-    return ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+    """Arguments of `hpi-router` (router/hpi_router/cli.py)."""
+    return ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--discover-service", backends_service_name(owner.name), "--namespace", owner.namespace,
             "--discover-port", RUNTIME_PORT_NAME, "--drain-timeout", str(ROUTER_DRAIN_S)]  # fmt: skip
 
@@ -172,9 +173,10 @@ def router_args(owner: Owner) -> list[str]:
 def build_router_deployment(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
     container = {
         "name": "router",
-        "image": spec.runtime.image,
+        "image": spec.routing.router_image,
+        # One registry for both images in practice: the runtime's pull policy and secrets serve the router too.
         "imagePullPolicy": spec.runtime.image_pull_policy,
-        "command": ["hpi"],
+        "command": [ROUTER_COMMAND],
         "args": router_args(owner),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": dict(spec.routing.router_resources) or DEFAULT_ROUTER_RESOURCES,

@@ -144,6 +144,7 @@ class RoutingSpec:
     """spec.routing: what stands between clients and the runtime pods (routing_manifests.py builds it)."""
 
     mode: str | None = None  # None: not set, `effective_mode` decides
+    router_image: str = crd_default("routing.router.image")
     router_replicas: int = crd_default("routing.router.replicas")
     router_resources: Mapping[str, Any] = field(default_factory=dict)  # empty: the builder's defaults
     endpoint_picker_image: str = crd_default("routing.inferencePool.endpointPickerImage")
@@ -433,6 +434,7 @@ def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
     pool = _get(raw, "inferencePool", {})
     routing = RoutingSpec(
         mode=raw.get("mode") or None,
+        router_image=_get(router, "image", defaults.router_image),
         router_replicas=_get(router, "replicas", defaults.router_replicas),
         router_resources=dict(_get(router, "resources", {})),
         endpoint_picker_image=_get(pool, "endpointPickerImage", defaults.endpoint_picker_image),
@@ -448,6 +450,8 @@ def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
             f"spec.routing.inferencePool.failureMode must be one of {', '.join(ENDPOINT_PICKER_FAILURE_MODES)}; "
             f"got {routing.failure_mode!r}"
         )
+    if not str(routing.router_image).strip():
+        raise SpecError("spec.routing.router.image must not be empty")
     if not str(routing.endpoint_picker_image).strip():
         raise SpecError("spec.routing.inferencePool.endpointPickerImage must not be empty")
     return routing

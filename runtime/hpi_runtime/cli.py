@@ -1,4 +1,4 @@
-"""`hpi`: the runtime's command line (`hpi serve`, `hpi router`)."""
+"""`hpi`: the runtime's command line (`hpi serve`; the router is its own package, `hpi-router`)."""
 
 from __future__ import annotations
 
@@ -116,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "for Hermes/Qwen, llama3_json for Llama 3.1+, mistral for Mistral; 'required' and a "
                             "named function work without it (the grammar enforces them)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from hpi_runtime.router.command import add_router_parser
-
-    add_router_parser(sub, parse_bytes)
     return parser
 
 
@@ -189,10 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         sys.exit(serve(args))
-    if args.command == "router":
-        from hpi_runtime.router.command import run_router
-
-        sys.exit(run_router(args))
 
 
 if __name__ == "__main__":

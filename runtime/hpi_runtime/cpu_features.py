@@ -22,5 +22,5 @@ def has_fast_bf16() -> bool:
 
 
 def has_amx() -> bool:
-    """AMX bf16 tiles, which torch's bf16 GEMMs (oneDNN) use: 3-5x fp32 (DESIGN.md)."""
+    """AMX bf16 tiles, which torch's bf16 GEMMs (oneDNN) use: 3-5x fp32 (docs/engine.md, "dtype on CPU")."""
     return "amx_bf16" in cpu_flags()

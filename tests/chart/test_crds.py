@@ -1,18 +1,39 @@
-"""The chart carries the CRD: byte-identical to crds/, the source of truth."""
+"""The CRD copies the chart and the operator package ship are generated from crds/ (`make crds`) and fresh."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 
-def test_chart_crds_equal_top_level_crds(env):
-    top = {p.name: p.read_bytes() for p in sorted((env.repo / "crds").glob("*.yaml"))}
-    chart = {p.name: p.read_bytes() for p in sorted((env.chart / "crds").glob("*.yaml"))}
-    assert top, "crds/ holds no CRD yet"
-    assert chart.keys() == top.keys(), "charts/hetero-paged-infer/crds/ and crds/ hold different files"
-    for name in top:
-        assert chart[name] == top[name], (
-            f"charts/hetero-paged-infer/crds/{name} differs from crds/{name}; "
-            "copy it: cp crds/*.yaml charts/hetero-paged-infer/crds/"
-        )
+
+def _generator(env):
+    spec = importlib.util.spec_from_file_location("hpi_crds_generate", env.repo / "crds" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_crd_copies_are_fresh(env):
+    generator = _generator(env)
+    assert len(generator.expected_copies()) == 2 * len(list((env.repo / "crds").glob("*.yaml"))) > 0
+    assert generator.stale_copies() == [], "a CRD copy differs from crds/: run `make crds`"
+
+
+def test_generator_finds_and_fixes_stale_and_stray_copies(env, tmp_path):
+    generator = _generator(env)
+    shutil.copytree(env.repo / "crds", tmp_path / "crds")
+    generator.write_copies(tmp_path)
+    assert generator.stale_copies(tmp_path) == []
+    chart_copy = tmp_path / generator.COPY_DIRS[0] / "inferencedeployments.serving.hpi.dev.yaml"
+    chart_copy.write_text(chart_copy.read_text().replace("default: 2", "default: 3"))
+    stray = tmp_path / generator.COPY_DIRS[1] / "old.example.com.yaml"
+    stray.write_text("kind: CustomResourceDefinition\n")
+    assert generator.stale_copies(tmp_path) == [
+        f"{generator.COPY_DIRS[0]}/inferencedeployments.serving.hpi.dev.yaml is stale",
+        f"{generator.COPY_DIRS[1]}/old.example.com.yaml has no source in crds/",
+    ]
+    generator.write_copies(tmp_path)
+    assert generator.stale_copies(tmp_path) == [] and not stray.exists()
 
 
 def test_chart_crds_are_not_templated(env):

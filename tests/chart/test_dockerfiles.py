@@ -1,5 +1,5 @@
-"""Dockerfile.runtime and Dockerfile.operator: they cannot be built here (no Docker engine), so everything
-that can be checked without building is: hadolint, COPY sources, pinned bases, a non-root USER, a
+"""Dockerfile.runtime, Dockerfile.operator and Dockerfile.router: they cannot be built here (no Docker engine),
+so everything that can be checked without building is: hadolint, COPY sources, pinned bases, a non-root USER, a
 HEALTHCHECK, and the contract with what the operator and the chart run in those images."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-DOCKERFILES = ("Dockerfile.runtime", "Dockerfile.operator")
+DOCKERFILES = ("Dockerfile.runtime", "Dockerfile.operator", "Dockerfile.router")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ def test_copy_sources_exist_and_reach_the_build_context(dockerfile, env):
 
 
 def test_dockerignore_keeps_local_state_out(env):
-    for path in (".venv/bin/python", ".cache/models/x", ".git/HEAD", "tests/conftest.py", "runtime/x.egg-info/PKG"):
+    for path in (".venv/bin/python", ".cache/models/x", ".git/HEAD", "tests/conftest.py", "runtime/x.egg-info/PKG",
+                 "router/hpi_router.egg-info/PKG-INFO"):
         assert dockerignore_excludes(env.repo, path), path
     assert dockerignore_excludes(env.repo, "runtime/hpi_runtime/__pycache__/cli.cpython-311.pyc")
 
@@ -203,19 +204,39 @@ def test_runtime_image_installs_the_pinned_cuda_torch(env):
     assert "import torch, triton, hpi_kernels, hpi_runtime, huggingface_hub" in text
 
 
-def test_runtime_image_runs_the_router_the_operator_creates(env):
-    """`hpi router --discover-service` needs the runtime's kubernetes extra; the router listens on its port."""
+def test_router_image_has_no_torch_and_runs_what_the_operator_runs(env):
+    """The router pods the operator creates (spec.routing.mode router): the image, command, flags, uid, port
+    and health path they expect; and only router/ and contracts/ go in, so torch cannot."""
     from hpi_operator.manifests import Owner
     from hpi_operator.routing_manifests import build_router_deployment
     from hpi_operator.spec import parse_spec
+    from hpi_router.cli import build_parser
 
-    instructions = parse(env.repo / "Dockerfile.runtime")
+    instructions = parse(env.repo / "Dockerfile.router")
     installs = " ".join(i.args for i in instructions if i.keyword == "RUN")
-    assert '"./runtime[kubernetes]"' in installs and "import kubernetes" in installs
-    router = build_router_deployment(Owner("x", "ns"), parse_spec({}))["spec"]["template"]["spec"]["containers"][0]
-    assert router["command"] == ["hpi"] and router["args"][0] == "router" and "--discover-service" in router["args"]
-    exposed = " ".join(i.args for i in final_stage(instructions) if i.keyword == "EXPOSE").split()
-    assert str(router["ports"][0]["containerPort"]) in exposed
+    assert "torch" not in installs.replace("find_spec('torch')", "") and "import kubernetes" in installs
+    assert {s.split("/")[0] for s in copy_sources(instructions)} == {"contracts", "router"}
+    pod = build_router_deployment(Owner("x", "ns"), parse_spec({}))["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"].startswith("ghcr.io/hetero-paged-infer/router:")
+    final = final_stage(instructions)
+    assert yaml.safe_load([i.args for i in final if i.keyword == "ENTRYPOINT"][-1]) == container["command"]
+    args, unknown = build_parser().parse_known_args(container["args"])
+    assert unknown == [] and args.discover_service and args.host == "0.0.0.0"
+    default_args = build_parser().parse_args(yaml.safe_load([i.args for i in final if i.keyword == "CMD"][-1]))
+    assert (default_args.host, default_args.port) == ("0.0.0.0", container["ports"][0]["containerPort"])
+    exposed = " ".join(i.args for i in final if i.keyword == "EXPOSE").split()
+    assert str(container["ports"][0]["containerPort"]) in exposed
+    user = [i.args for i in final if i.keyword == "USER"][-1]
+    assert user == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
+    healthcheck = next(i.args for i in final if i.keyword == "HEALTHCHECK")
+    assert f"127.0.0.1:{args.port}{container['livenessProbe']['httpGet']['path']}" in healthcheck
+
+
+def test_runtime_image_leaves_the_router_to_its_own_image(env):
+    instructions = parse(env.repo / "Dockerfile.runtime")
+    assert not [s for s in copy_sources(instructions) if s.startswith("router")]
+    assert "kubernetes" not in " ".join(i.args for i in instructions if i.keyword == "RUN")
 
 
 def test_operator_image_has_no_torch_and_runs_what_the_chart_runs(env, render):
@@ -249,16 +270,18 @@ def test_operator_image_default_command_parses(env):
 
 
 @pytest.mark.parametrize("example", ["embedded-cpu.yaml", "gpu-autoscaling.yaml", "mixed-gpu-cpu.yaml"])
-def test_runtime_image_accepts_the_command_line_the_operator_gives_it(env, example):
-    """The runtime image's `hpi` parses every runtime container's args the operator renders.
+def test_images_accept_the_command_lines_the_operator_gives_them(env, example):
+    """The runtime image's `hpi` and the router image's `hpi-router` parse every container's args the operator
+    renders for them.
 
-    The runtime's CLI is the contract (DESIGN.md): a flag or value it rejects crash-loops every pod.
+    Their CLIs are the contract (docs/architecture.md): a flag or value one rejects crash-loops every pod.
     """
     import contextlib
     import io
 
     from hpi_operator import cli
-    from hpi_runtime.cli import build_parser
+    from hpi_router.cli import build_parser as router_parser
+    from hpi_runtime.cli import build_parser as runtime_parser
 
     nodes = {"embedded-cpu.yaml": "cpu-nodes.yaml", "gpu-autoscaling.yaml": "gpu-nodes.yaml"}.get(
         example, "mixed-nodes.yaml"
@@ -268,7 +291,7 @@ def test_runtime_image_accepts_the_command_line_the_operator_gives_it(env, examp
         str(env.repo / "examples" / example), str(env.repo / "examples" / "nodes" / nodes), out=out, err=io.StringIO()
     )
     assert code == 0
-    parser = build_parser()
+    parsers = {"hpi": runtime_parser(), "hpi-router": router_parser()}  # by the container's command
     problems = []
     for deployment in (d for d in yaml.safe_load_all(out.getvalue()) if d and d["kind"] == "Deployment"):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -276,8 +299,8 @@ def test_runtime_image_accepts_the_command_line_the_operator_gives_it(env, examp
         errors = io.StringIO()
         with contextlib.redirect_stderr(errors):
             try:
-                parser.parse_args(args)
+                parsers[container["command"][0]].parse_args(args)
             except SystemExit:
                 problems.append(f"{deployment['metadata']['name']}: {errors.getvalue().strip().splitlines()[-1]}")
-    assert not problems, "the runtime rejects the operator's args:\n" + "\n".join(problems)
+    assert not problems, "an image rejects the operator's args:\n" + "\n".join(problems)
 

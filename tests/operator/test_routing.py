@@ -95,10 +95,11 @@ def test_router_mode_children() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] and pod["spec"]["securityContext"]["runAsNonRoot"]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert pod["spec"]["serviceAccountName"] == "demo-router"
-    from hpi_runtime.cli import build_parser  # the router's flags are the runtime's contract
+    from hpi_router.cli import build_parser  # the router's flags are the contract
 
+    assert container["command"] == ["hpi-router"] and container["image"] == "ghcr.io/hetero-paged-infer/router:0.1.0"
     args, unknown = build_parser().parse_known_args(container["args"])
-    assert unknown == [] and args.command == "router"
+    assert unknown == []
     assert (args.discover_service, args.namespace, args.discover_port) == ("demo-backends", "ml", "http")
     assert container["ports"][0]["containerPort"] == args.port
     [rule] = by_kind(p, "Role")["demo-router"]["rules"]
@@ -112,6 +113,14 @@ def test_router_mode_children() -> None:
     for child in p.children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         kubernetes_validate.validate(child, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_router_pods_run_the_router_image_from_the_spec() -> None:
+    spec = {"replicas": 2, "runtime": {"imagePullSecrets": [{"name": "regcred"}]},
+            "routing": {"router": {"image": "registry.example.com/hpi/router:0.2.0"}}}  # fmt: skip
+    pod = by_kind(plan(spec), "Deployment")["demo-router"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "registry.example.com/hpi/router:0.2.0"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]  # one registry: the runtime's secrets serve it too
 
 
 def test_inference_pool_mode_children_validate_against_the_published_schema() -> None:
@@ -154,6 +163,7 @@ def test_the_operator_holds_every_verb_its_roles_grant() -> None:
     [
         ({"mode": "roundRobin"}, "spec.routing.mode must be one of router, inferencePool, service"),
         ({"router": {"replicas": 0}}, "spec.routing.router.replicas must be a positive integer"),
+        ({"router": {"image": " "}}, "spec.routing.router.image must not be empty"),
         ({"inferencePool": {"failureMode": "Open"}}, "spec.routing.inferencePool.failureMode"),
     ],
 )

@@ -16,7 +16,6 @@ from hpi_testing.crd_schema import apply_schema
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "inferencedeployments.serving.hpi.dev.yaml"
-PACKAGED_CRD = REPO / "operator" / "hpi_operator" / "crds" / CRD.name
 
 
 def crd_schema() -> dict[str, Any]:
@@ -52,13 +51,12 @@ def test_the_operator_defaults_a_spec_as_the_api_server_does(raw: dict[str, Any]
 
 
 def test_defaults_are_declared_only_in_the_crd() -> None:
-    """The spec dataclasses take their defaults from the CRD (no value restated in Python), and the copy of the
-    CRD the operator package ships is the repository's."""
+    """The spec dataclasses take their defaults from the CRD (no value restated in Python). That the copy of the
+    CRD the operator package ships is fresh, tests/chart/test_crds.py checks (`make crds` writes it)."""
     props = crd_schema()["properties"]["spec"]["properties"]
     assert EngineSpec().max_model_len == props["engine"]["properties"]["maxModelLen"]["default"]
     autoscaling = props["autoscaling"]["properties"]
     assert AutoscalingSpec().target_kv_utilization == autoscaling["targetKVUtilization"]["default"]
-    assert PACKAGED_CRD.read_text() == CRD.read_text()
     source = Path(spec_module.__file__).read_text()
     restated = re.findall(r"^\s+(\w+): (?:int|float|str|bool) = (?!crd_default)[^N(].*$", source, flags=re.MULTILINE)
     # checkpoint_quantization holds the parsed form: the CRD's "auto" resolved against the model id.

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from hpi_runtime.router.signals import ScrapeSample
+from hpi_router.signals import ScrapeSample
 
 logger = logging.getLogger(__name__)
 

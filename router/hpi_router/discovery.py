@@ -14,8 +14,8 @@ import logging
 import threading
 from collections.abc import Mapping
 
-from hpi_runtime.router.config import DiscoverySettings
-from hpi_runtime.router.sources import Publish
+from hpi_router.config import DiscoverySettings
+from hpi_router.sources import Publish
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import signal
 
 from aiohttp import web
 
-from hpi_runtime.router.app import build_app
-from hpi_runtime.router.config import RouterSettings
-from hpi_runtime.router.monitor import monitor
-from hpi_runtime.router.sources import BackendSource, StaticSource, run_sources
-from hpi_runtime.router.state import RouterState
+from hpi_router.app import build_app
+from hpi_router.config import RouterSettings
+from hpi_router.monitor import monitor
+from hpi_router.sources import BackendSource, StaticSource, run_sources
+from hpi_router.state import RouterState
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def build_sources(settings: RouterSettings) -> list[BackendSource]:
     if settings.backend_urls:
         sources.append(StaticSource(settings.backend_urls))
     if settings.discovery is not None:
-        from hpi_runtime.router.discovery import EndpointSliceSource
+        from hpi_router.discovery import EndpointSliceSource
 
         sources.append(EndpointSliceSource(settings.discovery))
     return sources

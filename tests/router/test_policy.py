@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
+from hpi_router.affinity import HashRing, prefix_key
+from hpi_router.backends import Backend, BackendView
+from hpi_router.config import PolicySettings, RouterSettings
+from hpi_router.discovery import ready_urls
+from hpi_router.policy import Pick, pick
+from hpi_router.signals import ScrapeSample, parse_metrics
 from hpi_runtime.core.engine_io import EngineStats
-from hpi_runtime.router.affinity import HashRing, prefix_key
-from hpi_runtime.router.backends import Backend, BackendView
-from hpi_runtime.router.config import PolicySettings, RouterSettings
-from hpi_runtime.router.discovery import ready_urls
-from hpi_runtime.router.policy import Pick, pick
-from hpi_runtime.router.signals import ScrapeSample, parse_metrics
 from hpi_runtime.server.metrics import ServingMetrics
 
 SETTINGS = PolicySettings()
@@ -165,7 +165,7 @@ def test_round_robin_takes_turns_blind_to_load() -> None:
 
 
 def test_metrics_drop_the_series_of_removed_backends() -> None:
-    from hpi_runtime.router.state import RouterState
+    from hpi_router.state import RouterState
 
     state = RouterState(RouterSettings(backend_urls=("http://a:1",)))
     state.pool.apply(["http://a:1", "http://b:2"])
@@ -179,15 +179,14 @@ def test_metrics_drop_the_series_of_removed_backends() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["router"], "no backends"),
-    (["router", "--backend", "10.0.0.1:8000"], "must start with http"),
-    (["router", "--backend", "http://a:1", "--affinity-load-factor", "0.9"], "load factor"),
+    ([], "no backends"),
+    (["--backend", "10.0.0.1:8000"], "must start with http"),
+    (["--backend", "http://a:1", "--affinity-load-factor", "0.9"], "load factor"),
 ])
 def test_cli_refuses_bad_flags_with_exit_code_2(argv, message, capsys) -> None:
-    from hpi_runtime.cli import build_parser
-    from hpi_runtime.router.command import run_router
+    from hpi_router.cli import main
 
-    assert run_router(build_parser().parse_args(argv)) == 2
+    assert main(argv) == 2
     assert message in capsys.readouterr().err
 
 

@@ -1,4 +1,5 @@
-"""A backend's load signals from its Prometheus text (vLLM's metric names), parsed with prometheus_client.
+"""A backend's load signals from its Prometheus text (vLLM's metric names, hpi_contracts.metrics), parsed with
+prometheus_client.
 
 Only the few families the router reads are handed to the parser (the rest of the page, histograms mostly,
 is dropped by a cheap line filter first), so a scrape costs well under a millisecond of router CPU.
@@ -10,12 +11,15 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-READY = "hpi:ready"
-_FAMILIES = (RUNNING, WAITING, KV_USAGE, "vllm:generation_tokens", READY)
+from hpi_contracts import metrics
+
+RUNNING = metrics.NUM_REQUESTS_RUNNING
+WAITING = metrics.NUM_REQUESTS_WAITING
+KV_USAGE = metrics.KV_CACHE_USAGE
+GENERATION_TOKENS = metrics.total(metrics.GENERATION_TOKENS)  # a counter: its sample carries `_total`
+READY = metrics.READY
+# The families the parser is handed: the contract's list of what the router reads.
+_FAMILIES = metrics.READ_BY_ROUTER
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import json
 import aiohttp
 import pytest
 
-from hpi_runtime.router import monitor
-from hpi_runtime.router.config import PolicySettings
+from hpi_router import monitor
+from hpi_router.config import PolicySettings
 from hpi_testing.server import metric_samples
 
 NO_AFFINITY = {"policy": PolicySettings(affinity_prefix_chars=0)}  # the load policy alone decides

@@ -27,8 +27,8 @@ import statistics
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from hpi_runtime.router.backends import BackendView
-from hpi_runtime.router.config import PolicySettings
+from hpi_router.backends import BackendView
+from hpi_router.config import PolicySettings
 
 AFFINITY_MIN_SPEED_RATIO = 0.5  # an affinity target must be at least this fraction as fast as the fastest
 MIN_SPEED_FRACTION = 0.05  # no backend is rated below this fraction of the fastest: it still gets tried

@@ -1,5 +1,5 @@
 """The router in front of real `hpi serve` backends (the tiny random model, eager) on loopback: the official
-openai client through `hpi router` (the CLI, as a subprocess), streaming, /v1/models; and a backend killed
+openai client through `hpi-router` (the CLI, as a subprocess), streaming, /v1/models; and a backend killed
 mid-run, in which no request fails that had not started streaming."""
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def router_url(servers, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")
-    argv = [sys.executable, "-m", "hpi_runtime.cli", "router", "--port", str(port), "--scrape-interval", "0.1",
+    argv = [sys.executable, "-m", "hpi_router.cli", "--port", str(port), "--scrape-interval", "0.1",
             "--probe-interval", "0.2", *(arg for b in servers for arg in ("--backend", b.base_url))]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            assert process.poll() is None, "hpi router exited"
+            assert process.poll() is None, "hpi-router exited"
             try:
                 with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
                     if json.loads(response.read())["ready_backends"] == 2:

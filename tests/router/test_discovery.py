@@ -12,8 +12,8 @@ import kmock
 import kubernetes
 import pytest
 
-from hpi_runtime.router.config import DiscoverySettings
-from hpi_runtime.router.discovery import EndpointSliceSource
+from hpi_router.config import DiscoverySettings
+from hpi_router.discovery import EndpointSliceSource
 from hpi_testing.kube_emulator import VERBS, KubeEmulator, write_kubeconfig
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"

@@ -5,7 +5,9 @@ backend: /ready, /metrics (vLLM's names, rendered by the runtime's own ServingMe
 /v1/completions + /v1/chat/completions (JSON or SSE) that "decode" one token per `token_delay_s` per request.
 
 Used where only the routing (policy, failover, streaming plumbing) is under test: it starts in
-milliseconds and its speed is exact, where real tiny-model servers take seconds each to start.
+milliseconds and its speed is exact, where real tiny-model servers take seconds each to start. The fake
+renders its /metrics with the runtime's own ServingMetrics, so the router is tested against what real
+backends write. `tiny_model_dir` is for the few tests with real `hpi serve` backends (test_real_backends.py).
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from hpi_router.config import RouterSettings
+from hpi_router.main import running_router
+from hpi_router.sources import StaticSource
+from hpi_router.state import RouterState
 from hpi_runtime.core.engine_io import EngineStats
-from hpi_runtime.router.config import RouterSettings
-from hpi_runtime.router.main import running_router
-from hpi_runtime.router.sources import StaticSource
-from hpi_runtime.router.state import RouterState
 from hpi_runtime.server.metrics import ServingMetrics
+from hpi_testing.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with a real tokenizer: what the real backends serve."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @dataclass

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from hpi_runtime.router.backends import Backend
-from hpi_runtime.server.metrics import LATENCY_BUCKETS_S
+from hpi_router.backends import Backend
+
+# Request latencies from 1 ms (a refusal) to minutes (a long generation). The same edges as the runtime's
+# e2e histogram, so a dashboard can set the router's latency beside its backends'.
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 
 class RouterMetrics:

@@ -20,11 +20,11 @@ import time
 import aiohttp
 from aiohttp import web
 
-from hpi_runtime.router.affinity import prefix_key
-from hpi_runtime.router.backends import Backend
-from hpi_runtime.router.monitor import eject
-from hpi_runtime.router.state import STATE_KEY, RouterState
-from hpi_runtime.server.errors import REQUEST_ID, ApiError, bad_request
+from hpi_router.affinity import prefix_key
+from hpi_router.backends import Backend
+from hpi_router.errors import REQUEST_ID, ApiError, bad_request
+from hpi_router.monitor import eject
+from hpi_router.state import STATE_KEY, RouterState
 
 logger = logging.getLogger(__name__)
 

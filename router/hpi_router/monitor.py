@@ -13,10 +13,10 @@ import time
 
 import aiohttp
 
-from hpi_runtime.router.backends import Backend, BackendPool
-from hpi_runtime.router.config import RouterSettings
-from hpi_runtime.router.metrics import RouterMetrics
-from hpi_runtime.router.signals import parse_metrics
+from hpi_router.backends import Backend, BackendPool
+from hpi_router.config import RouterSettings
+from hpi_router.metrics import RouterMetrics
+from hpi_router.signals import parse_metrics
 
 logger = logging.getLogger(__name__)
 

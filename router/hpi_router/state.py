@@ -5,11 +5,11 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from hpi_runtime.router.affinity import HashRing
-from hpi_runtime.router.backends import Backend, BackendPool
-from hpi_runtime.router.config import RouterSettings
-from hpi_runtime.router.metrics import RouterMetrics
-from hpi_runtime.router.policy import Pick, pick
+from hpi_router.affinity import HashRing
+from hpi_router.backends import Backend, BackendPool
+from hpi_router.config import RouterSettings
+from hpi_router.metrics import RouterMetrics
+from hpi_router.policy import Pick, pick
 
 
 class RouterState:

@@ -1,4 +1,7 @@
-"""`hpi router`: an OpenAI-compatible reverse proxy that spreads requests over runtime replicas by load.
+"""`hpi-router`: an OpenAI-compatible reverse proxy that spreads requests over runtime replicas by load.
+
+Its own package and image: it needs aiohttp, prometheus-client, the kubernetes client and hpi_contracts,
+never torch or hpi_runtime (tests/router/test_packaging.py checks), so a router pod starts in a second.
 
 Flow, one direction: sources (static --backend list, EndpointSlice watcher) -> `BackendPool` <- monitor
 (scrapes /metrics, probes /ready of ejected backends); request -> `proxy` -> `policy.pick` over frozen

@@ -1,5 +1,5 @@
 """The router's aiohttp application: the proxied OpenAI routes, /v1/models from the backends, and its own
-/health, /ready and /metrics. Errors have OpenAI's shape (the runtime's ApiError)."""
+/health, /ready and /metrics. Errors have OpenAI's shape (errors.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from hpi_runtime.router.proxy import proxy
-from hpi_runtime.router.state import STATE_KEY, RouterState
-from hpi_runtime.server.errors import ApiError, error_middleware
+from hpi_router.errors import ApiError, error_middleware
+from hpi_router.proxy import proxy
+from hpi_router.state import STATE_KEY, RouterState
 
 logger = logging.getLogger(__name__)
 
