@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 
+from .autoscaling.fleet_status import optimizer_replicas
 from .autoscaling.manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
 from .manifests import Owner, build_deployment, build_pdb, label_selector, short_name, stamp_hash
@@ -45,6 +46,11 @@ class Plan:
     @property
     def placeable(self) -> bool:
         return bool(self.replicas_by_pool)
+
+    @property
+    def desired_replicas(self) -> int:
+        """Replicas over all pools: spec.replicas, or with the fleet optimizer the sum of its per-pool choice."""
+        return sum(self.replicas_by_pool.values()) if self.spec.optimized else self.spec.replicas
 
     @property
     def waiting_for_cache(self) -> bool:
@@ -93,6 +99,9 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
     serving = rank_choices(eligible_choices(choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     slots = [Slot(c.pool.name, c.capacity) for c in serving]
     replicas_by_pool = spread_replicas(spec.replicas, slots)
+    optimized = optimizer_replicas(body.get("status")) if spec.optimized else None
+    if optimized is not None:  # the fleet optimizer's last decision (until its first: spec.replicas, rank-filled)
+        replicas_by_pool = {slot.pool_name: optimized.get(slot.pool_name, 0) for slot in slots}
     cache = plan_cache(owner, spec, shape)
     # The revision complete on the cache (cache_sync.py records it in status when the fill Job completes).
     cached_dir = ((body.get("status") or {}).get("modelCache") or {}).get("servedPath") if cache else None
@@ -131,7 +140,7 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         routing=tuple(routing),
         routing_mode=routing_mode,
         pdb=pdb,
-        num_unplaced=max(0, spec.replicas - sum(s.capacity for s in slots)),
+        num_unplaced=max(0, sum(replicas_by_pool.values()) - sum(s.capacity for s in slots)),
         autoscaler=autoscaler_child(body, owner, spec),
         cache=cache,
         shape=shape,

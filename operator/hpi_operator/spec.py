@@ -16,12 +16,14 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from .crd_defaults import crd_default, with_defaults
+from .fleet.performance import Slo
+from .fleet.settings import PoolSettings, parse_pools, parse_slo
 
 MODEL_SOURCES = ("embedded", "pvc", "huggingface")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-AUTOSCALING_MODES = ("builtin", "hpa", "keda")
+AUTOSCALING_MODES = ("builtin", "hpa", "keda", "optimizer")
 ROUTING_MODES = ("router", "inferencePool", "service")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
@@ -119,6 +121,10 @@ class PlacementSpec:
     max_gpus_per_replica: int = crd_default("placement.maxGpusPerReplica")
     pins: ProfilePins = field(default_factory=ProfilePins)
     forbidden_quantizations: tuple[str, ...] = ()
+    pools: tuple[PoolSettings, ...] = ()  # per-pool price, bounds and performance (the fleet optimizer's)
+
+    def pool(self, name: str) -> PoolSettings:
+        return next((p for p in self.pools if p.name == name), PoolSettings(name))
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,12 @@ class InferenceSpec:
     api_key_secret: SecretKeyRef | None = None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     routing: RoutingSpec = field(default_factory=RoutingSpec)
+    slo: Slo | None = None
+
+    @property
+    def optimized(self) -> bool:
+        """Replicas per pool come from the fleet optimizer (autoscaling mode optimizer), not spec.replicas."""
+        return self.autoscaling.enabled and self.autoscaling.mode == "optimizer"
 
 
 def effective_routing_mode(spec: InferenceSpec, num_pools: int) -> str:
@@ -397,7 +409,15 @@ def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
         max_gpus_per_replica=max_gpus,
         pins=pins,
         forbidden_quantizations=forbidden,
+        pools=_fleet(parse_pools, raw.get("pools")),
     )
+
+
+def _fleet(parse: Any, raw: Any) -> Any:
+    try:
+        return parse(raw)
+    except (ValueError, TypeError) as e:
+        raise SpecError(str(e)) from e
 
 
 def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
@@ -481,5 +501,8 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         api_key_secret=_secret_ref(raw.get("apiKeySecretRef"), "apiKeySecretRef"),
         autoscaling=_parse_autoscaling(_get(raw, "autoscaling", {})),
         routing=_parse_routing(_get(raw, "routing", {})),
+        slo=_fleet(parse_slo, raw.get("slo")),
     )
+    if spec.autoscaling.mode == "optimizer" and spec.slo is None:
+        raise SpecError("spec.autoscaling.mode optimizer needs spec.slo (ttftP90 and itlP90)")
     return spec

@@ -16,6 +16,7 @@ from .plan import Plan
 from .sizing import active_parameters
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+SLO_ATTAINABLE = "SLOAttainable"  # with autoscaling mode optimizer: whether the replicas it chose meet spec.slo
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,18 @@ class ChildState:
             updated_replicas=int(status.get("updatedReplicas", 0)),
             rolled_out=int(status.get("observedGeneration", 0)) >= int(generation),
         )
+
+
+def slo_condition(status: Mapping[str, Any]) -> dict[str, str]:
+    """SLOAttainable, from the fleet optimizer's last decision (status.autoscaling.optimizer)."""
+    optimizer = ((status.get("autoscaling") or {}).get("optimizer") or {}) if isinstance(status, Mapping) else {}
+    if "feasible" not in optimizer:
+        return condition(SLO_ATTAINABLE, False, "NotYetDecided", "the fleet optimizer has not decided yet")
+    if optimizer["feasible"]:
+        return condition(SLO_ATTAINABLE, True, "WithinSLO", "the chosen replicas meet spec.slo for the demand")
+    reason = str(optimizer.get("reason") or "")
+    code = "NoPoolFastEnough" if reason.startswith("no pool fast enough") else "InsufficientCapacity"
+    return condition(SLO_ATTAINABLE, False, code, reason)
 
 
 def condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -140,7 +153,7 @@ def build_status(
     cache: tuple[Mapping[str, Any], Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Status after a successful apply (or a resync) of `plan`; `cache`: status.modelCache and ModelCached."""
-    desired = plan.spec.replicas
+    desired = plan.desired_replicas
     wanted = [d["metadata"]["name"] for d in plan.deployments]
     present = [states[name] for name in wanted if name in states]
     ready = sum(s.ready_replicas for s in present)
@@ -150,7 +163,7 @@ def build_status(
         for s in present
     )
     if desired == 0:
-        ready_cond = condition(READY, True, "ScaledToZero", "spec.replicas is 0")
+        ready_cond = condition(READY, True, "ScaledToZero", "no replica is wanted")
     elif ready >= desired:
         ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
     else:
@@ -182,6 +195,8 @@ def build_status(
     if cache is not None:
         extra["modelCache"] = dict(cache[0])
         conditions.append(cache[1])
+    if plan.spec.optimized:
+        conditions.append(slo_condition(old_status))
     if plan.shape is not None:
         extra["modelParameters"] = {"total": plan.shape.num_parameters, "active": active_parameters(plan.shape)}
     return {

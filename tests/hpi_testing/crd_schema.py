@@ -7,7 +7,8 @@ enums, bounds, required) and answers 422 when that fails. `apply_schema` does th
 fields it pruned, so tests can fail where a real cluster would silently drop a field.
 
 Validation maps OpenAPI v3 to JSON Schema for `jsonschema`: `x-kubernetes-int-or-string` is integer or
-string, `nullable` adds "null". CEL rules (`x-kubernetes-validations`) are evaluated after it (cel_rules.py),
+string, `nullable` adds "null", OpenAPI 3.0's boolean `exclusiveMinimum`/`exclusiveMaximum` become JSON Schema's
+numbers. CEL rules (`x-kubernetes-validations`) are evaluated after it (cel_rules.py),
 with the old object for transition rules.
 """
 
@@ -32,6 +33,10 @@ def to_json_schema(node: Mapping[str, Any], strict: bool = False) -> dict[str, A
     if node.pop("x-kubernetes-int-or-string", False):
         string = {"type": "string", **({"pattern": node["pattern"]} if "pattern" in node else {})}
         return {"anyOf": [{"type": "integer"}, string]}
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), bool):  # OpenAPI 3.0's flag on minimum/maximum; JSON Schema's own number
+            if node.pop(bound) and limit in node:
+                node[bound] = node.pop(limit)
     if node.pop("nullable", False) and "type" in node:
         node["type"] = [node["type"], "null"]
     preserve = node.pop("x-kubernetes-preserve-unknown-fields", False)

@@ -188,7 +188,9 @@ def test_parse_the_runtimes_own_exposition() -> None:
                                 prefix_cache_hits=0, num_preemptions=1, num_prompt_tokens=10,
                                 num_generation_tokens=20))  # fmt: skip
     text = serving.render().decode()
-    assert parse_load("p", text, model_name="SmolLM2-135M-Instruct") == PodLoad("p", 0.625, 2.0, 5.0)
+    # The counters the fleet optimizer's demand comes from, too: nothing finished yet, 10 prompt, 20 generated.
+    assert parse_load("p", text, model_name="SmolLM2-135M-Instruct") == PodLoad(
+        "p", 0.625, 2.0, 5.0, num_finished=0.0, prompt_tokens=10.0, generation_tokens=20.0)
 
 
 def test_the_autoscaler_never_imports_torch() -> None:

@@ -88,6 +88,7 @@ def test_operator_package_imports_no_torch() -> None:
 
 def test_metric_names_are_vllm_names() -> None:
     assert metric_names.READ_BY_OPERATOR == (
-        "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_preemptions"
+        "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_preemptions",
+        "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
     )  # fmt: skip
     assert all(name.startswith("vllm:") for name in metric_names.READ_BY_OPERATOR)

@@ -38,6 +38,11 @@ class PodLoad:
     kv_utilization: float  # vllm:kv_cache_usage_perc, 0..1
     num_waiting: float = 0.0  # vllm:num_requests_waiting
     num_running: float = 0.0  # vllm:num_requests_running
+    # The pod's counters since it started (None where the pod does not export them): the fleet optimizer's
+    # demand is their growth between polls.
+    num_finished: float | None = None  # vllm:request_success_total, all finish reasons
+    prompt_tokens: float | None = None  # vllm:prompt_tokens_total
+    generation_tokens: float | None = None  # vllm:generation_tokens_total
 
     @property
     def idle(self) -> bool:

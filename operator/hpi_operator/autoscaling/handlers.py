@@ -2,12 +2,15 @@
 
 - an index of the runtime pods (kopf keeps it current from a watch: no API reads per poll), by
   InferenceDeployment, holding a scrape target for each ready pod;
-- a timer per InferenceDeployment whose spec asks for the builtin scaler (kopf starts and stops it as the
-  spec changes): it ticks often, polls every pollIntervalSeconds as recorded on the resource, scrapes,
-  decides (decision.py), writes spec.replicas through the scale subresource when the decision moves (field
-  manager `hpi-autoscaler`; the reconciler then spreads them over the pools) and status (current KV
-  utilisation, the last decision with its reason, unreachable pods, and the scaler's memory), and posts an
-  Event on every scale.
+- a timer per InferenceDeployment whose spec asks for the builtin scaler or the fleet optimizer (kopf starts
+  and stops it as the spec changes): it ticks often, polls every pollIntervalSeconds as recorded on the
+  resource, scrapes, and
+  - builtin: decides (decision.py), writes spec.replicas through the scale subresource when the decision moves
+    (field manager `hpi-autoscaler`; the reconciler then spreads them over the pools) and status (current KV
+    utilisation, the last decision with its reason, unreachable pods, and the scaler's memory);
+  - optimizer: decides replicas per pool (fleet_loop.py) and writes them, explained, to
+    status.autoscaling.optimizer, which the reconciler's plan runs (spec.replicas is not used);
+  and posts an Event on every scale (and when the SLO becomes unattainable).
 """
 
 from __future__ import annotations
@@ -31,20 +34,34 @@ from ..names import (
     PLURAL,
     VERSION,
 )
+from ..nodes import NodeInfo
+from ..plan import make_plan
 from ..spec import SpecError, parse_spec
+from .fleet_loop import fleet_poll
+from .fleet_status import optimizer_replicas
 from .loop import builtin_active, poll, poll_due
-from .scrape import DEFAULT_TIMEOUT_S, PodTarget, ready_pod_targets, scrape_pods
+from .scrape import DEFAULT_TIMEOUT_S, PodTarget, Scraped, ready_pod_targets, scrape_pods
 
 DEFAULT_TICK_S = 1.0
 MERGE_PATCH = "application/merge-patch+json"
 
 
 def wants_builtin(spec: Mapping[str, Any], **_: Any) -> bool:
-    """kopf `when=` filter: the timer runs only for resources whose spec asks for the builtin scaler."""
+    """kopf `when=` filter: the timer runs only for resources whose spec asks for the builtin scaler or the
+    fleet optimizer."""
     try:
-        return builtin_active(parse_spec(spec).autoscaling)
+        parsed = parse_spec(spec)
     except SpecError:
         return False  # the reconciler reports it; nothing to scale until it is fixed
+    return builtin_active(parsed.autoscaling) or parsed.optimized
+
+
+def replacing(old: Any, new: Any) -> Any:
+    """`new` as a JSON merge patch over `old` that leaves none of old's keys behind (null removes them)."""
+    if not isinstance(new, Mapping) or not isinstance(old, Mapping):
+        return new
+    gone = {key: None for key in old if key not in new}
+    return {**gone, **{key: replacing(old.get(key), value) for key, value in new.items()}}
 
 
 def write_replicas(kube: KubeClient, namespace: str, name: str, replicas: int) -> None:
@@ -75,7 +92,7 @@ def register_autoscaler(
         runtime_pods: kopf.Index,
         logger: kopf.Logger,
         memo: kopf.Memo,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         if meta.get("deletionTimestamp"):
             return
@@ -89,6 +106,10 @@ def register_autoscaler(
             return
         targets = [t for targets in runtime_pods.get((namespace, short_name(name)), []) for t in targets]
         scraper = functools.partial(scrape_pods, timeout_s=scrape_timeout_s)
+        if parsed.optimized:
+            nodes = [info for store in kwargs["node_inventory"].values() for info in store]
+            await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger)
+            return
         result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper)
         decision = result.decision
         if "metrics" in memo:
@@ -104,3 +125,33 @@ def register_autoscaler(
             kopf.event(body, type="Warning", reason="MetricsUnavailable", message=message)
         (logger.info if result.scale_to is not None else logger.debug)(f"autoscaler: {decision.message}")
         patch.status.update(result.status)
+
+
+async def optimize_fleet(
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    targets: list[PodTarget],
+    nodes: list[NodeInfo],
+    now_s: float,
+    scraper: Any,
+    logger: kopf.Logger,
+) -> None:
+    """One poll of the fleet optimizer: decide replicas per pool and write them, explained, to status."""
+    try:
+        plan = make_plan(body, nodes)
+    except SpecError:
+        return  # the reconciler reports it
+    if not plan.placeable:
+        return
+    results = await scraper(targets) if targets else []
+    loads = [r.load for r in results if isinstance(r, Scraped)]
+    current = optimizer_replicas(status) or dict(plan.replicas_by_pool)
+    result = fleet_poll(plan, loads, status, current, now_s)
+    old = (status.get("autoscaling") or {}).get("optimizer") or {}
+    patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status)}
+    if result.changed:
+        kopf.event(body, type="Normal", reason="FleetScaled", message=result.message[:1000])
+    if not result.feasible and old.get("feasible", True):
+        kopf.event(body, type="Warning", reason="SLOUnattainable", message=str(result.status["reason"])[:1000])
+    (logger.info if result.changed else logger.debug)(f"fleet optimizer: {result.message}")

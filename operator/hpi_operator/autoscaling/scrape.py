@@ -16,7 +16,15 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from ..metric_names import (
+    GENERATION_TOKENS,
+    KV_CACHE_USAGE,
+    MODEL_NAME_LABEL,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+)
 from ..names import RUNTIME_PORT, RUNTIME_PORT_NAME
 from .decision import Observation, PodLoad
 
@@ -84,6 +92,9 @@ def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
 
 # -- parsing ------------------------------------------------------------------------------------------------
 
+# The counters the fleet optimizer reads its demand from, as prometheus-client names their samples.
+_COUNTERS = (f"{REQUEST_SUCCESS}_total", f"{PROMPT_TOKENS}_total", f"{GENERATION_TOKENS}_total")
+
 
 def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
     """A pod's /metrics text -> its load; samples of other models are ignored when `model_name` is given.
@@ -92,7 +103,8 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
     summed for the request counts. Raises MetricsParseError when the text is not Prometheus exposition format
     or the KV gauge is missing or not a finite number in [0, 1].
     """
-    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_REQUESTS_WAITING: [], NUM_REQUESTS_RUNNING: []}
+    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_REQUESTS_WAITING: [], NUM_REQUESTS_RUNNING: [],
+                                      **{name: [] for name in _COUNTERS}}  # fmt: skip
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -109,11 +121,15 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
     numbers = [v for vs in values.values() for v in vs]
     if not all(math.isfinite(v) for v in numbers) or not all(0.0 <= v <= 1.0 for v in kv):
         raise MetricsParseError(f"{KV_CACHE_USAGE} or a request gauge is not a finite fraction/count: {numbers}")
+    finished, prompt, generation = (sum(values[n]) if values[n] else None for n in _COUNTERS)
     return PodLoad(
         pod=pod,
         kv_utilization=sum(kv) / len(kv),
         num_waiting=sum(values[NUM_REQUESTS_WAITING]),
         num_running=sum(values[NUM_REQUESTS_RUNNING]),
+        num_finished=finished,
+        prompt_tokens=prompt,
+        generation_tokens=generation,
     )
 
 

@@ -1,0 +1,115 @@
+"""One poll of the fleet optimizer (autoscaling mode optimizer), between the kopf timer and the pure parts:
+
+scraped pod loads + the memory on the resource -> demand (fleet/demand.py) -> the serving pools as offers
+(fleet/offers.py) -> the cheapest replicas per pool that meet spec.slo (fleet/optimizer.py) -> stabilized per
+pool (fleet/stabilize.py, the autoscaling windows and step) -> status.autoscaling.optimizer, which the plan runs.
+Everything here is a pure function of its arguments; handlers.py scrapes, writes and posts the Events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..fleet.demand import read_demand
+from ..fleet.offers import pool_offers
+from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
+from ..fleet.performance import Demand
+from ..fleet.stabilize import Window, stabilize_all
+from ..placement import eligible_choices, rank_choices
+from ..plan import Plan
+from .decision import PodLoad
+from .fleet_status import optimizer_memory
+from .loop import rfc3339
+
+
+@dataclass(frozen=True)
+class FleetPoll:
+    replicas: dict[str, int]  # per pool, stabilized: what the plan runs next
+    changed: bool
+    feasible: bool
+    message: str  # the decision explained
+    status: dict[str, Any]  # merged into status.autoscaling.optimizer
+
+
+def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, plan: FleetPlan,
+             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float) -> str:  # fmt: skip
+    moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
+    head = moves or "no change"
+    parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
+             f"{demand.mean_output_tokens:.0f} output tokens)"]  # fmt: skip
+    for pool, cap in plan.capacities.items():
+        want = recommended.get(pool, 0)
+        if cap.meets_slo and want:
+            parts.append(f"{pool} x{want} at {cap.request_rate:.2f} req/s each within itlP90 {itl_ms:.0f} ms")
+        elif not cap.meets_slo:
+            parts.append(f"{pool} misses the SLO ({cap.why_not})")
+    parts += [f"{pool} left out ({why})" for pool, why in left_out.items()]
+    if not plan.feasible:
+        parts.append(f"SLO not attainable: {plan.reason}")
+    held = [p for p, n in after.items() if n != recommended.get(p, n)]
+    if held:
+        parts.append(f"held by the stabilization window or step: {', '.join(held)}")
+    return "; ".join(parts)
+
+
+def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], current: Mapping[str, int],
+               now_s: float) -> FleetPoll:  # fmt: skip
+    """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads."""
+    spec = plan.spec
+    assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
+    memory = optimizer_memory(status)
+    reading = read_demand(loads, memory.counters, memory.at_s, now_s, memory.mix)
+    serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
+    offered = pool_offers(spec, serving, plan.shape, reading.demand)
+    fleet = optimize(reading.demand, spec.slo, offered.offers)
+    recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
+    _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
+    settings = spec.autoscaling
+    window = Window(settings.scale_up_stabilization_s, settings.scale_down_stabilization_s, settings.max_scale_step)
+    if not reading.measured:  # the first poll only starts the counters: keep what runs
+        recommended = {pool: current.get(pool, 0) for pool in recommended}
+    replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
+    message = _explain(current, replicas, reading.demand, fleet, offered.left_out, recommended,
+                       spec.slo.itl_p90_s * 1e3)  # fmt: skip
+    demand = reading.demand
+    status_patch = {
+        "replicas": replicas,
+        "recommended": recommended,
+        "feasible": fleet.feasible,
+        "reason": fleet.reason,
+        "message": message,
+        "time": rfc3339(now_s),
+        "costPerHour": round(sum(o.cost_per_hour * replicas.get(o.name, 0) for o in offered.offers), 4),
+        "demand": {"requestRate": round(demand.request_rate, 4),
+                   "meanPromptTokens": round(demand.mean_prompt_tokens, 1),
+                   "meanOutputTokens": round(demand.mean_output_tokens, 1)},  # fmt: skip
+        "pools": {o.name: {"source": o.performance.source, "costPerHour": o.cost_per_hour,
+                           "requestRatePerReplica": round(fleet.capacities[o.name].request_rate, 4),
+                           "meetsSLO": fleet.capacities[o.name].meets_slo} for o in offered.offers},  # fmt: skip
+        "leftOut": dict(offered.left_out) or None,
+        "recommendations": {p: [[round(at, 3), n] for at, n in recs] for p, recs in histories.items()},
+        "counters": {pod: list(values) for pod, values in reading.counters.items()},
+        "lastPollEpoch": round(now_s, 3),
+        "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],
+    }
+    changed = any(replicas.get(p, 0) != current.get(p, 0) for p in replicas)
+    return FleetPoll(replicas, changed, fleet.feasible, message, status_patch)
+
+
+def _floor_total(recommended: dict[str, int], floor: int, bounds: Mapping[str, tuple[int, int]],
+                 fleet: FleetPlan, offers: Sequence[PoolOffer]) -> None:  # fmt: skip
+    """Never below autoscaling.minReplicas in all: the rest goes to the cheapest pool per request within the SLO
+    that has room (a fleet with no demand still answers its first request without a cold start)."""
+    costs = {o.name: o.cost_per_hour for o in offers}
+
+    def price_per_request(pool: str) -> float:
+        cap = fleet.capacities.get(pool)
+        if cap is None or not cap.meets_slo or cap.request_rate <= 0:
+            return float("inf")
+        return costs[pool] / cap.request_rate
+
+    for pool in sorted(recommended, key=price_per_request):
+        while sum(recommended.values()) < floor and recommended[pool] < bounds[pool][1]:
+            recommended[pool] += 1

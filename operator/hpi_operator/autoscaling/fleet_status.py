@@ -1,0 +1,53 @@
+"""The fleet optimizer's state on the resource: status.autoscaling.optimizer holds its last decision (replicas
+per pool, which the plan runs), the demand it planned for, whether the SLO is attainable and why not, and its
+memory (per-pool recommendations for the stabilization windows, each pod's counters at the last poll).
+Kept on the cluster, so a restarted operator decides as the old one would have."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..fleet.demand import Counters
+from ..fleet.stabilize import Recommendations
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    recommendations: Mapping[str, Recommendations]  # per pool
+    counters: Mapping[str, Counters]  # per pod
+    at_s: float | None  # the last poll
+    mix: tuple[float, float] | None  # the last measured (prompt, output) tokens per request
+
+
+def _optimizer(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    autoscaling = (status or {}).get("autoscaling")
+    optimizer = autoscaling.get("optimizer") if isinstance(autoscaling, Mapping) else None
+    return optimizer if isinstance(optimizer, Mapping) else {}
+
+
+def optimizer_replicas(status: Mapping[str, Any] | None) -> dict[str, int] | None:
+    """The replicas per pool the optimizer last chose; None before its first decision."""
+    replicas = _optimizer(status).get("replicas")
+    if not isinstance(replicas, Mapping):
+        return None
+    try:
+        return {str(pool): max(int(n), 0) for pool, n in replicas.items()}
+    except (TypeError, ValueError):
+        return None  # a hand-mangled status: start over from spec.replicas
+
+
+def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
+    raw = _optimizer(status)
+    try:
+        recommendations = {str(p): tuple((float(at), int(n)) for at, n in recs)
+                           for p, recs in (raw.get("recommendations") or {}).items()}  # fmt: skip
+        counters = {str(pod): tuple(float(v) for v in values)  # type: ignore[misc]
+                    for pod, values in (raw.get("counters") or {}).items() if len(values) == 3}  # fmt: skip
+        at_s = float(raw["lastPollEpoch"]) if raw.get("lastPollEpoch") is not None else None
+        mix_raw = raw.get("tokenMix")
+        mix = (float(mix_raw[0]), float(mix_raw[1])) if mix_raw else None
+    except (TypeError, ValueError, KeyError, IndexError):
+        return OptimizerMemory({}, {}, None, None)  # unreadable: decide afresh
+    return OptimizerMemory(recommendations, counters, at_s, mix)  # type: ignore[arg-type]

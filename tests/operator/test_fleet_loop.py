@@ -1,0 +1,221 @@
+"""The fleet optimizer in the operator: demand from the pods' counters, per-pool stabilization, the poll that
+turns a Plan and pod loads into replicas per pool with an explanation, the plan running them, and the real kopf
+operator doing it all against the API emulator (pods played by loopback /metrics servers whose counters grow
+at a request rate the test sets)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import kopf
+import pytest
+
+from hpi_operator.autoscaling.decision import PodLoad
+from hpi_operator.autoscaling.fleet_loop import fleet_poll
+from hpi_operator.fleet.demand import read_demand
+from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.performance import Demand, PoolPerformance, Slo
+from hpi_operator.fleet.stabilize import Window, stabilize_all
+from hpi_operator.handlers import OperatorConfig, build_registry
+from hpi_operator.kube import KubeClient
+from hpi_operator.manifests import common_labels
+from hpi_operator.nodes import node_info
+from hpi_operator.op_metrics import OperatorMetrics
+from hpi_operator.plan import make_plan
+from hpi_operator.spec import SpecError, parse_spec
+from hpi_testing.kube_emulator import H200, L4, eventually, make_node, operator_thread
+
+NS = "default"
+CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
+SLO = {"ttftP90": "1s", "itlP90": "100ms"}
+# Figures as `hpi profile` prints them (spec.placement.pools[].performance), so the expected plan is exact.
+FAST = {"itlAlphaMs": 10, "itlBetaMs": 0.2, "prefillTokensPerSecond": 20000, "maxNumSeqs": 200}
+SMALL = {"itlAlphaMs": 30, "itlBetaMs": 1.0, "prefillTokensPerSecond": 4000, "maxNumSeqs": 40}
+NODES = [node_info(make_node("h200-0", gpu=H200)), *(node_info(make_node(f"l4-{i}", gpu=L4)) for i in range(6))]
+
+
+def perf(raw: dict[str, float]) -> PoolPerformance:
+    return PoolPerformance(raw["itlAlphaMs"] / 1e3, raw["itlBetaMs"] / 1e3, raw["prefillTokensPerSecond"],
+                           int(raw["maxNumSeqs"]), source="override")  # fmt: skip
+
+
+def optimized_cr(name: str = "fleet", **autoscaling: Any) -> dict[str, Any]:
+    settings = {"enabled": True, "mode": "optimizer", "pollIntervalSeconds": 1, "scaleDownStabilizationSeconds": 0,
+                "maxScaleStep": 10, **autoscaling}  # fmt: skip
+    pools = [{"name": "gpu-h200", "costPerHour": 10.0, "performance": FAST},
+             {"name": "gpu-l4", "costPerHour": 0.8, "performance": SMALL}]  # fmt: skip
+    return {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": name, "namespace": NS, "uid": "u-1"},
+            "spec": {"replicas": 1, "slo": SLO, "autoscaling": settings, "placement": {"pools": pools}}}  # fmt: skip
+
+
+def pool_names(body: dict[str, Any]) -> list[str]:
+    return sorted(make_plan(body, NODES).replicas_by_pool)
+
+
+def load(pod: str, finished: float, prompt: float, generated: float) -> PodLoad:
+    return PodLoad(pod, 0.3, 0, 1, num_finished=finished, prompt_tokens=prompt, generation_tokens=generated)
+
+
+def test_demand_is_the_growth_of_the_pods_counters_between_polls() -> None:
+    first = read_demand([load("a", 100, 50_000, 20_000)], {}, None, 1000.0)
+    assert not first.measured and first.demand.request_rate == 0
+    second = read_demand([load("a", 130, 65_000, 26_000), load("b", 5, 100, 100)], first.counters, 1000.0, 1010.0)
+    assert second.measured and second.demand.request_rate == pytest.approx(3.0)  # b is new: from its next poll
+    assert (second.demand.mean_prompt_tokens, second.demand.mean_output_tokens) == (500, 200)
+    restarted = read_demand([load("a", 2, 1000, 400)], second.counters, 1010.0, 1020.0, (500, 200))
+    assert restarted.demand.request_rate == 0 and restarted.demand.mean_prompt_tokens == 500
+
+
+def test_stabilization_holds_dips_and_spikes_for_their_windows_and_limits_the_step() -> None:
+    window = Window(scale_up_s=10, scale_down_s=60, max_step=2)
+    replicas, memory = stabilize_all({"p": 5}, {"p": 1}, {"p": [(0.0, 5)]}, {"p": (0, 9)}, 30.0, window)
+    assert replicas == {"p": 5}  # a recommendation of 5 half a minute ago: the dip has not lasted the window
+    replicas, _ = stabilize_all({"p": 5}, {"p": 1}, memory, {"p": (0, 9)}, 100.0, window)
+    assert replicas == {"p": 3}  # the window passed: down, two at a time
+    replicas, _ = stabilize_all({"p": 1}, {"p": 9}, {}, {"p": (0, 4)}, 0.0, window)
+    assert replicas == {"p": 3}  # up two at a time
+    replicas, _ = stabilize_all({"p": 3}, {"p": 9}, {}, {"p": (0, 4)}, 0.0, window)
+    assert replicas == {"p": 4}  # never above the pool's bound
+
+
+def test_optimizer_mode_needs_an_slo() -> None:
+    body = optimized_cr()
+    del body["spec"]["slo"]
+    with pytest.raises(SpecError, match="spec.slo"):
+        parse_spec(body["spec"])
+
+
+def test_the_plan_runs_the_optimizers_replicas_per_pool() -> None:
+    body = optimized_cr()
+    h200, l4 = pool_names(body)
+    assert sum(make_plan(body, NODES).replicas_by_pool.values()) == 1  # before a decision: spec.replicas
+    body["status"] = {"autoscaling": {"optimizer": {"replicas": {l4: 3, h200: 0}}}}
+    plan = make_plan(body, NODES)
+    assert dict(plan.replicas_by_pool) == {h200: 0, l4: 3} and plan.desired_replicas == 3
+    assert {d["metadata"]["name"]: d["spec"]["replicas"] for d in plan.deployments} == {
+        f"fleet-{h200}": 0, f"fleet-{l4}": 3}
+
+
+def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> None:
+    body = optimized_cr()
+    h200, l4 = pool_names(body)
+    plan = make_plan(body, NODES)
+    current = dict(plan.replicas_by_pool)
+    first = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, current, 1000.0)
+    assert first.replicas == current and not first.changed  # counters start; nothing measured yet
+    status = {"autoscaling": {"optimizer": first.status}}
+    # 12 req/s of 500-token prompts and 200-token answers over the next 10 s.
+    second = fleet_poll(plan, [load("p0", 120, 60_000, 24_000)], status, current, 1010.0)
+    demand = Demand(12.0, 500, 200)
+    offers = [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]
+    expected = optimize(demand, Slo(1.0, 0.1), offers)
+    assert second.replicas == dict(expected.replicas) and second.changed and second.feasible
+    assert second.message.startswith(", ".join(f"{p} {current[p]} -> {n}" for p, n in second.replicas.items()
+                                               if current[p] != n))  # fmt: skip
+    assert "demand 12.00 req/s (500 prompt, 200 output tokens)" in second.message
+    assert second.status["pools"][l4]["source"] == "override"
+
+
+def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
+    body = optimized_cr()
+    h200, l4 = pool_names(body)
+    body["spec"]["placement"]["pools"] = [{"name": l4, "costPerHour": 0.8, "performance": SMALL}]
+    plan = make_plan(body, NODES)
+    status = {"autoscaling": {"optimizer": fleet_poll(plan, [load("p", 0, 0, 0)], {}, {}, 0.0).status}}
+    poll = fleet_poll(plan, [load("p", 10_000, 5e6, 2e6)], status, dict(plan.replicas_by_pool), 10.0)
+    assert not poll.feasible and poll.status["reason"].startswith("capacity:")
+    assert poll.replicas[l4] == 6 and poll.replicas[h200] == 0  # every L4 it has; the H200 has no price
+    assert "no price" in poll.status["leftOut"][h200] and "SLO not attainable" in poll.message
+
+
+class CountingRuntime:
+    """One loopback /metrics endpoint per fake pod whose request counters grow at `rate` per second."""
+
+    def __init__(self) -> None:
+        self.rate, self.runners = 0.0, []
+
+    async def start(self) -> int:
+        started = time.time()
+
+        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            done = self.rate * (time.time() - started)
+            text = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.3\n"
+                    "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n"
+                    "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+                    f"# TYPE vllm:request_success counter\nvllm:request_success_total {done}\n"
+                    f"# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total {done * 500}\n"
+                    f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total {done * 200}\n")  # fmt: skip
+            return aiohttp.web.Response(text=text, content_type="text/plain")
+
+        app = aiohttp.web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners.append(runner)
+        return port
+
+
+@contextlib.asynccontextmanager
+async def counting_runtime() -> AsyncIterator[CountingRuntime]:
+    fake = CountingRuntime()
+    try:
+        yield fake
+    finally:
+        for runner in fake.runners:
+            await runner.cleanup()
+
+
+async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClient, api: Any, emulator: Any) -> None:
+    for node in ("h200-0", *(f"l4-{i}" for i in range(6))):
+        gpu = H200 if node.startswith("h200") else L4
+        await asyncio.to_thread(kube.request, "POST", "/api/v1/nodes", make_node(node, gpu=gpu))
+    body = optimized_cr("fleet")
+    del body["metadata"]["uid"]
+    h200, l4 = pool_names(optimized_cr())
+    memo = kopf.Memo(kube=KubeClient(api), metrics=OperatorMetrics())
+    registry = build_registry(OperatorConfig(resync_interval_s=0.5, autoscale_tick_s=0.2))
+    async with counting_runtime() as runtime:
+        runtime.rate = 12.0
+        port = await runtime.start()
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "fleet-0", "namespace": NS, "labels": common_labels("fleet")},
+               "spec": {"containers": [{"name": "runtime", "image": "x",
+                                        "ports": [{"name": "http", "containerPort": port}]}]},
+               "status": {"phase": "Running", "podIP": "127.0.0.1",
+                          "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+        await asyncio.to_thread(kube.request, "POST", f"/api/v1/namespaces/{NS}/pods", pod)
+        context = operator_thread(registry, memo=memo)
+        await asyncio.to_thread(context.__enter__)
+        try:
+            await asyncio.to_thread(kube.request, "POST", CRS, body)
+            expected = optimize(Demand(12.0, 500, 200), Slo(1.0, 0.1),
+                                [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]).replicas
+
+            def deployments() -> dict[str, int]:
+                items = kube.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments")["items"]
+                runtime = [d for d in items if "router" not in d["metadata"]["name"]]
+                return {d["metadata"]["name"]: d["spec"]["replicas"] for d in runtime}
+
+            await eventually(lambda: deployments() == {f"fleet-{p}": n for p, n in expected.items()}, timeout_s=60)
+            status = (await asyncio.to_thread(kube.get, f"{CRS}/fleet"))["status"]
+            optimizer = status["autoscaling"]["optimizer"]
+            assert optimizer["replicas"] == dict(expected) and optimizer["feasible"] is True
+            assert optimizer["demand"]["requestRate"] == pytest.approx(12.0, rel=0.05)  # from the pod's counters
+            assert "req/s (500 prompt, 200 output tokens)" in optimizer["message"]
+            await eventually(lambda: {c["type"]: c["status"] for c in kube.get(f"{CRS}/fleet")["status"]["conditions"]}
+                             .get("SLOAttainable") == "True")  # fmt: skip
+            events = (await asyncio.to_thread(kube.request, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
+            assert any(e["reason"] == "FleetScaled" for e in events)
+        finally:
+            await asyncio.to_thread(context.__exit__, None, None, None)
