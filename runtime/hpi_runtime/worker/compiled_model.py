@@ -1,6 +1,6 @@
 """The model step under torch.compile (Inductor): one graph over all layers for every step shape.
 
-Attention is one opaque op per layer (model/attention_op.py), so the graph has no breaks. Every size that
+Attention is one opaque op per layer (attention/op.py), so the graph has no breaks. Every size that
 changes per step is unbacked-dynamic: the token count and the per-request attention tensors (see
 PagedAttentionInputs). So no guard reads them, one graph serves every step, and a one-token step is not
 specialised (a backed size seen as 1 is) nor padded to two rows: a one-row matmul runs MKL's GEMV, 1.4x
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from hpi_runtime.model.attention_op import PagedAttentionInputs
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.models.llama import LlamaForCausalLM
 
 
 class CompiledForward:

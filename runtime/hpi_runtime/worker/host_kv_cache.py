@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_runtime.core.interface import KVTransfers
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.models.llama import LlamaForCausalLM
 
 
 def num_host_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:

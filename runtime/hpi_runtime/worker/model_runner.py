@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from hpi_runtime.attention.backend import AttentionBackend
+from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
-from hpi_runtime.model.attention import AttentionBackend, AttentionMetadata
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.models.llama import LlamaForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
