@@ -12,14 +12,14 @@ import torch
 
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.metadata import AttentionMetadata
-from hpi_runtime.models.llama import LlamaForCausalLM
+from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.worker.model_runner import KVCacheSpec, allocate_kv_caches
 
 BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def perplexity(model: LlamaForCausalLM, backend: AttentionBackend, token_ids: list[int]) -> float:
+def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood of token i + 1 given tokens 0..i), over the whole sequence."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")

@@ -2,10 +2,13 @@
 
 Reads config.json (architecture, shapes, RoPE in either the old `rope_theta`/`rope_scaling` keys or the
 transformers-5 `rope_parameters` dict) and generation_config.json (EOS ids, default sampling settings).
-Only architectures this runtime implements are accepted; models that need custom code are refused.
+Only architectures this runtime implements (models/registry.py) are accepted; models that need custom code
+are refused.
 
 Families differ only in fields of ModelConfig (biases, q/k norms, Gemma's norm offset and soft-capping, per-layer
-sliding windows and RoPE), which the shared decoder in models/decoder.py reads; `_family_fields` sets them.
+sliding windows and RoPE), which the shared decoder in models/decoder.py reads; each family's module says how
+its config.json sets them (its `config_rules`, family.py), and this module asks those rules, never an
+architecture name.
 """
 
 from __future__ import annotations
@@ -14,26 +17,16 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpi_runtime.core import kv_budget
+from hpi_runtime.models import registry
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
+if TYPE_CHECKING:
+    from hpi_runtime.models.family import FamilyRules
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # transformers' ACT2FN names
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # generation_config.json keys that map one-to-one onto SamplingParams fields
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -167,11 +160,10 @@ def _rope_params(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | 
     return params, None
 
 
-def _read_rope(params: dict[str, Any], raw: dict[str, Any], architecture: str, default_theta: float) -> RopeConfig:
+def _read_rope(params: dict[str, Any], raw: dict[str, Any], rules: FamilyRules, default_theta: float) -> RopeConfig:
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    # Phi-3's first checkpoints call LongRoPE "su"; transformers' Phi3Config also maps "yarn" onto it.
-    if rope_type == "su" or (rope_type == "yarn" and architecture == "Phi3ForCausalLM"):
+    rope_type = rules.rope_type(params.get("rope_type", params.get("type", "default")))
+    if rope_type == "su":  # Phi-3's first checkpoints' name of LongRoPE
         rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -214,56 +206,32 @@ def _read_rope(params: dict[str, Any], raw: dict[str, Any], architecture: str, d
 
 
 def _layer_sliding_windows(
-    architecture: str, raw: dict[str, Any], num_layers: int, sliding_window: int | None
+    rules: FamilyRules, raw: dict[str, Any], num_layers: int, sliding_window: int | None
 ) -> tuple[int | None, ...]:
     """Which layers use the window, from `layer_types` when config.json has it (transformers 5 writes it),
-    else each family's rule as transformers applies it."""
+    else the family's rule as transformers applies it."""
     if sliding_window is None:
         return (None,) * num_layers
     layer_types = raw.get("layer_types")
     if layer_types is None:
-        if architecture in _GEMMA:
-            # Gemma 2 alternates local/global from layer 0; Gemma 3 has one global layer in every `pattern`.
-            pattern = 2 if architecture == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            first = int(raw.get("max_window_layers", num_layers))
-            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        else:
-            return (sliding_window,) * num_layers
+        layer_types = rules.layer_types(raw, num_layers)
+    if layer_types is None:
+        return (sliding_window,) * num_layers
     if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of the "
                          f"{num_layers} layers, got {layer_types}")  # fmt: skip
     return tuple(sliding_window if t == "sliding_attention" else None for t in layer_types)
 
 
-def _family_fields(architecture: str, raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The ModelConfig fields in which a family differs from Llama."""
+def _family_fields(rules: FamilyRules, raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields in which a family differs from Llama: the common reading, then the family's."""
     attention_bias = bool(raw.get("attention_bias", False))
     fields: dict[str, Any] = {
         "qkv_bias": attention_bias,
         "o_proj_bias": attention_bias,
         "hidden_act": raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+        **rules.fields(raw, head_dim),
     }
-    if architecture == "Qwen2ForCausalLM":  # always biases q/k/v, never o_proj
-        fields.update(qkv_bias=True, o_proj_bias=False)
-    if architecture == "Qwen2MoeForCausalLM":  # the same; transformers 5 writes the flag out
-        fields.update(qkv_bias=bool(raw.get("qkv_bias", True)), o_proj_bias=False)
-    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        fields.update(qk_norm=True)
-    if architecture in _GEMMA:
-        if raw.get("use_bidirectional_attention"):
-            raise ValueError("bidirectional (embedding) Gemma models are not generative; not supported")
-        fields.update(
-            norm_unit_offset=True,
-            scale_embeddings=True,
-            sandwich_norms=True,
-            qk_norm=architecture == "Gemma3ForCausalLM",
-            attention_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-            # Gemma 3's config may carry attn_logit_softcapping, but transformers never applies it there.
-            attn_logit_softcap=raw.get("attn_logit_softcapping") if architecture == "Gemma2ForCausalLM" else None,
-            final_logit_softcap=raw.get("final_logit_softcapping"),
-        )
     if fields["hidden_act"] not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"unsupported activation {fields['hidden_act']!r}; supported: "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")  # fmt: skip
@@ -279,8 +247,9 @@ def _check_architecture(raw: dict[str, Any], config_path: Path) -> str:
     if len(architectures) != 1:
         raise ValueError(f"{config_path} must name exactly one architecture, got {architectures}")
     architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architecture not in registry.SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(registry.SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}")
     return architecture
 
 
@@ -292,6 +261,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model directory")
     raw = _read_json(config_path)
     architecture = _check_architecture(raw, config_path)
+    rules = registry.family_rules(architecture)
     generation_path = model_dir / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}
 
@@ -301,15 +271,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
-    sliding_window = raw.get("sliding_window")
-    if architecture in _QWEN and not raw.get("use_sliding_window", False):
-        sliding_window = None
+    sliding_window = rules.sliding_window(raw)
     sliding_window = int(sliding_window) if sliding_window else None
-    # Gemma 3 defaults its global RoPE base to 1e6 when config.json names none (transformers' default_theta).
-    default_theta = 1_000_000.0 if architecture == "Gemma3ForCausalLM" else 10000.0
     rope_params, sliding_rope_params = _rope_params(raw)
-    if architecture == "Gemma3ForCausalLM" and sliding_rope_params is None:
-        sliding_rope_params = {"rope_type": "default", "rope_theta": 10000.0}
+    if sliding_rope_params is None:
+        sliding_rope_params = rules.sliding_rope_params()
     eos_token_ids = _as_id_set(generation.get("eos_token_id")) or _as_id_set(raw.get("eos_token_id"))
     return ModelConfig(
         model_dir=model_dir,
@@ -323,43 +289,17 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        rope=_read_rope(rope_params, raw, architecture, default_theta),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture in _GEMMA)),  # transformers' defaults
+        rope=_read_rope(rope_params, raw, rules, rules.default_rope_theta),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", rules.ties_word_embeddings)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         sliding_window=sliding_window,
         eos_token_ids=eos_token_ids,
         bos_token_id=raw.get("bos_token_id"),
         sampling_defaults={k: generation[k] for k in _SAMPLING_DEFAULT_KEYS if generation.get(k) is not None},
-        layer_sliding_windows=_layer_sliding_windows(architecture, raw, num_layers, sliding_window),
-        sliding_rope=(
-            _read_rope(sliding_rope_params, raw, architecture, 10000.0) if sliding_rope_params is not None else None
-        ),
-        **_family_fields(architecture, raw, head_dim),
-        moe=_read_moe(architecture, raw, num_layers),
+        layer_sliding_windows=_layer_sliding_windows(rules, raw, num_layers, sliding_window),
+        sliding_rope=_read_rope(sliding_rope_params, raw, rules, 10000.0) if sliding_rope_params is not None else None,
+        **_family_fields(rules, raw, head_dim),
+        moe=rules.moe(raw, num_layers),
     )
 
-
-def _read_moe(architecture: str, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    if architecture not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        return None
-    # Mixtral and transformers 5 write num_local_experts, Qwen's Hub configs num_experts.
-    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-    top_k = int(raw.get("num_experts_per_tok", 2))
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
-    if architecture == "MixtralForCausalLM":
-        return MoEConfig(num_experts, top_k, int(raw["intermediate_size"]), norm_topk_prob=True)
-    # Qwen: layer i is sparse unless listed in mlp_only_layers or (i + 1) is off the decoder_sparse_step grid.
-    step = int(raw.get("decoder_sparse_step") or 1)
-    mlp_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
-    return MoEConfig(
-        num_experts,
-        top_k,
-        int(raw["moe_intermediate_size"]),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
-        if architecture == "Qwen2MoeForCausalLM"
-        else 0,
-        dense_layer_ids=frozenset(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
-    )

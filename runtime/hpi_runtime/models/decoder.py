@@ -5,12 +5,15 @@ attention metadata saying which request each token belongs to. No batch or seque
 
 What differs between families is read from ModelConfig (biases, q/k norms, Gemma's norm offset, sandwich
 norms, embedding scale and soft-capping, per-layer sliding windows and RoPE, the MLP activation); the
-family modules (llama.py, qwen3.py, phi3.py, gemma.py) only name their checkpoint layout and, where a
-family has one, their own attention or MLP class. A family with another MLP (Mixture-of-Experts) overrides
+family modules (llama.py, qwen2.py, qwen3.py, phi3.py, gemma.py, ...) say how their config.json sets those
+fields (`config_rules`, family.py), name their checkpoint layout and, where a family has one, their own
+attention or MLP class. A family with another MLP (Mixture-of-Experts) overrides
 `DecoderForCausalLM.make_mlp`; one with another attention, `make_attention`.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +21,7 @@ from torch import nn
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.layer import Attention
 from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.family import FamilyRules
 from hpi_runtime.models.layers import GATED_ACTIVATIONS, LMHead, RMSNorm, VocabEmbedding, softcap
 from hpi_runtime.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from hpi_runtime.models.parallel import SINGLE, Span, TensorParallel, balanced_span, mlp_span, split_heads
@@ -137,7 +141,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A dense decoder family; subclasses set the checkpoint layout and may override the attention or MLP."""
+    """A dense decoder family; subclasses set their config rules and checkpoint layout and may override the
+    attention or MLP. The base class is Llama's."""
+
+    config_rules: ClassVar[FamilyRules] = FamilyRules()  # how the family reads config.json (family.py)
 
     # checkpoint tensor name part -> (our parameter name part, shard id) for merged projections
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {

@@ -1,7 +1,7 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, SmolLM): the shared decoder with Llama's checkpoint layout.
+"""The Llama family (Llama 2/3/3.1, Mistral, SmolLM): the shared decoder with Llama's checkpoint layout.
 
-Mistral and Qwen2 differ from Llama only in config values (biases, sliding window) that ModelConfig reads.
-The architecture registry (config.json's `architectures` -> model class) is models/registry.py.
+Mistral differs from Llama only in config values (a sliding window) that Llama's rules already read. The
+architecture registry (config.json's `architectures` -> model class) is models/registry.py.
 """
 
 from __future__ import annotations
@@ -10,4 +10,5 @@ from hpi_runtime.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Separate q/k/v and gate/up projections in the checkpoint, merged here (DecoderForCausalLM's default)."""
+    """Separate q/k/v and gate/up projections in the checkpoint, merged here (DecoderForCausalLM's default);
+    config.json read by the base FamilyRules (Llama's)."""

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from hpi_kernels.quant import pack_int4
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.linear import LinearBase, default_weight_loader
-from hpi_runtime.models.llama import LlamaForCausalLM
 from hpi_runtime.models.parallel import SINGLE, TensorParallel
-from hpi_runtime.models.registry import MODEL_CLASSES
+from hpi_runtime.models.registry import model_class
 from hpi_runtime.models.rotary import RotaryEmbedding
 from hpi_runtime.quantization.checkpoint import (
     QUANTIZED_MARKERS,
@@ -107,7 +107,7 @@ def iter_checkpoint(files: list[Path], skip: frozenset[str] = frozenset()) -> It
                     progress.update(tensor.numel() * tensor.element_size())
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], already_loaded: frozenset[str] = frozenset()) -> None:
+def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: frozenset[str] = frozenset()) -> None:
     """Copy every checkpoint tensor into its parameter; ValueError on unknown or missing tensors. Tensors
     named in `already_loaded` (a pre-quantized checkpoint's linears) and QuantizedLinear modules are skipped."""
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -158,7 +158,7 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     tp: TensorParallel = SINGLE,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """Build this rank's part of the model for `config` directly in `dtype` on `device` and fill it from the
     (unsharded) checkpoint."""
     files = safetensors_files(config.model_dir)
@@ -166,7 +166,7 @@ def load_model(
     if checkpoint_quantization is not None:
         return _load_prequantized(config, checkpoint_quantization, (dtype, device), backend, tp, files)
     with _default_dtype(dtype), torch.device(device):
-        model = MODEL_CLASSES[config.architecture](config, backend, tp)
+        model = model_class(config.architecture)(config, backend, tp)
     load_weights(model, files)
     return model.eval()
 
@@ -212,7 +212,7 @@ def _merged_weight(
 
 
 def _swap_in_quantized_linears(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     quantization: CheckpointQuantization,
     checkpoint: tuple[TensorGetter, frozenset[str]],  # (get, all tensor names)
     where: tuple[torch.dtype, torch.device],
@@ -275,12 +275,12 @@ def _load_prequantized(
     backend: AttentionBackend,
     tp: TensorParallel,
     files: list[Path],
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     dtype, device = where
     if tp.size > 1:
         raise ValueError(f"pre-quantized ({quantization.scheme}) checkpoints load with tensor_parallel_size 1 only")
     with _default_dtype(dtype), torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config, backend, tp)
+        model = model_class(config.architecture)(config, backend, tp)
     with _open_checkpoint(files) as (get, names, got):
         _swap_in_quantized_linears(model, quantization, (get, names), (dtype, torch.device(device)))
         _materialize(model, config, dtype, torch.device(device))

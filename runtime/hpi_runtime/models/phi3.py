@@ -8,10 +8,20 @@ qkv_proj is cut into its q, k and v rows and gate_up_proj into its halves, each 
 from __future__ import annotations
 
 from hpi_runtime.models.decoder import DecoderForCausalLM
+from hpi_runtime.models.family import FamilyRules
 from hpi_runtime.models.linear import FUSED_GATE_UP, FUSED_QKV
 
 
+class Phi3Rules(FamilyRules):
+    __slots__ = ()
+
+    def rope_type(self, rope_type: str) -> str:
+        # transformers' Phi3Config maps "yarn" onto LongRoPE too.
+        return "longrope" if rope_type == "yarn" else rope_type
+
+
 class Phi3ForCausalLM(DecoderForCausalLM):
+    config_rules = Phi3Rules()
     packed_modules_mapping = {
         "qkv_proj": ("qkv_proj", FUSED_QKV),
         "gate_up_proj": ("gate_up_proj", FUSED_GATE_UP),

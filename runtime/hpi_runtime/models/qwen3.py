@@ -1,4 +1,5 @@
-"""Qwen3 (dense): Llama's layout plus an RMSNorm over each q and k head before RoPE, no qkv bias.
+"""Qwen3 (dense): Llama's layout plus an RMSNorm over each q and k head before RoPE, no qkv bias, and Qwen's
+sliding-window rule (qwen2.py).
 
 `Qwen3Attention` is the attention Qwen3-MoE shares (a MoE family builds on `Qwen3ForCausalLM` and overrides
 `make_mlp`). The q/k norms themselves live in DecoderAttention, switched on by `ModelConfig.qk_norm`.
@@ -6,10 +7,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.decoder import DecoderAttention, DecoderForCausalLM
 from hpi_runtime.models.parallel import TensorParallel
+from hpi_runtime.models.qwen2 import QwenRules
+
+
+class Qwen3Rules(QwenRules):
+    __slots__ = ()
+
+    def fields(self, raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
+        return {"qk_norm": True}
 
 
 class Qwen3Attention(DecoderAttention):
@@ -22,6 +33,8 @@ class Qwen3Attention(DecoderAttention):
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
+    config_rules = Qwen3Rules()
+
     def make_attention(
         self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel
     ) -> Qwen3Attention:

@@ -21,13 +21,13 @@ from collections.abc import Callable
 import torch
 
 from hpi_runtime.attention.op import PagedAttentionInputs
-from hpi_runtime.models.llama import LlamaForCausalLM
+from hpi_runtime.models.decoder import DecoderForCausalLM
 
 
 class CompiledForward:
     """`model(input_ids, positions, metadata)`, compiled on first call (the runner's warm-up)."""
 
-    def __init__(self, model: LlamaForCausalLM, freeze_weights: bool) -> None:
+    def __init__(self, model: DecoderForCausalLM, freeze_weights: bool) -> None:
         # The model object itself stays eager (perplexity and tests call it directly).
         self._compiled = torch.compile(_own_code(model), fullgraph=True)
         self._freeze_weights = freeze_weights
@@ -57,7 +57,7 @@ class CompiledForward:
             return self._compiled(input_ids, positions, metadata)
 
 
-def _own_code(model: LlamaForCausalLM) -> Callable[..., torch.Tensor]:
+def _own_code(model: DecoderForCausalLM) -> Callable[..., torch.Tensor]:
     """`model`'s forward behind a function whose code object is this model's alone.
 
     Dynamo keeps compiled graphs per code object with a limit of 8 (then, with fullgraph, it fails): every

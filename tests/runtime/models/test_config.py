@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpi_runtime.models.config import SUPPORTED_ARCHITECTURES, load_model_config
+from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.loader import safetensors_files
+from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES
 
 
 def _copy_with_config(src: Path, dst: Path, **changes) -> Path:

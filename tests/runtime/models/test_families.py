@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hpi_runtime.llm import LLM
-from hpi_runtime.models.config import SUPPORTED_ARCHITECTURES, load_model_config
-from hpi_runtime.models.registry import MODEL_CLASSES
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.models.decoder import DecoderForCausalLM
+from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES, model_class
 from hpi_runtime.sampling_params import SamplingParams
 
 from .conftest import HandScheduler
@@ -100,8 +101,11 @@ def family_dir(tiny_model_factory):
     return get
 
 
-def test_registry_covers_every_supported_architecture() -> None:
-    assert set(MODEL_CLASSES) >= set(SUPPORTED_ARCHITECTURES)
+def test_registry_resolves_every_supported_architecture() -> None:
+    for architecture in SUPPORTED_ARCHITECTURES:
+        assert issubclass(model_class(architecture), DecoderForCausalLM)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        model_class("GPT2LMHeadModel")
 
 
 def test_configs_read_family_choices(family_dir) -> None:

@@ -19,7 +19,7 @@ from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
-from ..model.conftest import HandScheduler
+from ..models.conftest import HandScheduler
 
 pytestmark = pytest.mark.slow  # each compiled runner compiles a 2-layer model (seconds)
 
