@@ -18,9 +18,9 @@ import torch
 from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime import cpu_features
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
+from hpi_runtime.frontend.engine import LLMEngine, QueueFullError
 from hpi_runtime.models.config import ModelConfig, load_model_config
 from hpi_runtime.models.parallel import split_heads
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind

@@ -2,7 +2,7 @@
 
 The offline `LLM` and the engine tests use it: frontend (request validation, detokenizing, stop strings) and
 `EngineCore` driven by the caller's thread, one step at a time. The server runs the same two halves with the
-core in its own process (core/async_engine.py, core/core_process.py).
+core in its own process (frontend/async_engine.py, core/core_process.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from hpi_runtime.core.block_pool import BlockHash, HashFn, sha256_hash
 from hpi_runtime.core.engine_core import EngineCore, EngineError, QueueFullError
 from hpi_runtime.core.engine_io import EngineCoreRequest, EngineStats
 from hpi_runtime.core.interface import ModelExecutor
-from hpi_runtime.core.output_processor import OutputProcessor, make_core_request
+from hpi_runtime.frontend.input_processor import make_core_request
+from hpi_runtime.frontend.output_processor import OutputProcessor
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.structured.compiler import GrammarCompiler
@@ -83,10 +84,12 @@ class LLMEngine:
     ) -> None:
         """Queue a request; among waiting ones a lower `priority` is admitted first (vLLM's convention)."""
         request = self.make_request(request_id, prompt_token_ids, sampling_params, arrival_time, priority)
-        if request_id in self.output_processor:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.add_request(request)
-        self.output_processor.add_request(request, output_kind)
+        self.output_processor.add_request(request, output_kind)  # refuses an id in use
+        try:
+            self.core.add_request(request)
+        except BaseException:  # queue full, or a grammar the core cannot compile: the request never existed
+            self.output_processor.abort_requests([request_id])
+            raise
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         if isinstance(request_ids, str):

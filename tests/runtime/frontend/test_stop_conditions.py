@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.detokenizer import IncrementalDetokenizer
-from hpi_runtime.core.engine import LLMEngine
+from hpi_runtime.frontend.detokenizer import IncrementalDetokenizer
+from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
 TEXT = "Hello world! Stop here. STOP. The end."

@@ -1,9 +1,9 @@
-"""The frontend half of a request: validate and build `EngineCoreRequest`s, turn core deltas into outputs.
+"""The frontend's record of every live request: turn the core's deltas into outputs.
 
-`make_core_request` checks a tokenized request against the engine's limits. `OutputProcessor` holds, per
-request, what the core does not: the detokenizer, stop-string matching and the accumulated output. It runs
-in the API server's process (and in the offline `LLM`), so none of this work sits inside the engine step.
-A stop string found here finishes the request at once; the caller then aborts it in the core.
+`OutputProcessor` holds, per request, what the core does not: the detokenizer, stop-string matching and the
+accumulated output. It runs in the API server's process (and in the offline `LLM`), so none of this work sits
+inside the engine step. A stop string found here finishes the request at once; the caller then aborts it in
+the core. It is also the one check that a request id is not already in use: it knows every live request.
 """
 
 from __future__ import annotations
@@ -11,39 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.detokenizer import IncrementalDetokenizer
 from hpi_runtime.core.engine_io import EngineCoreOutput, EngineCoreRequest
 from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.frontend.detokenizer import IncrementalDetokenizer
 from hpi_runtime.outputs import FINISH_ABORT, FINISH_STOP, RequestOutput, RequestOutputKind
-from hpi_runtime.sampling_params import SamplingParams
-
-
-def make_core_request(
-    config: EngineConfig,
-    request_id: str,
-    prompt_token_ids: list[int],
-    sampling_params: SamplingParams,
-    arrival_time: float,
-    priority: int = 0,
-) -> EngineCoreRequest:
-    """Validate a request against the config (not against the queues); ValueError says what is wrong."""
-    num_prompt = len(prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("prompt_token_ids must not be empty")
-    if num_prompt >= config.max_model_len:
-        raise ValueError(
-            f"prompt of {num_prompt} tokens does not fit max_model_len={config.max_model_len} "
-            "(at least one output token must fit)"
-        )
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(prompt_token_ids),
-        sampling_params=sampling_params,
-        max_tokens=min(sampling_params.max_tokens, config.max_model_len - num_prompt),
-        arrival_time=arrival_time,
-        priority=priority,
-    )
 
 
 class _RequestState:
@@ -108,6 +79,7 @@ class OutputProcessor:
         return len(self._requests)
 
     def add_request(self, request: EngineCoreRequest, kind: RequestOutputKind) -> None:
+        """Track a request from here on; ValueError when its id is already in use (before any side effect)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = _RequestState(request, kind, self.tokenizer)

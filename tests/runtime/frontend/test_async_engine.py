@@ -11,9 +11,9 @@ import time
 import pytest
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError, EngineError
-from hpi_runtime.core.engine import QueueFullError
 from hpi_runtime.core.engine_core import EngineCore
+from hpi_runtime.frontend.async_engine import AsyncLLM, EngineDeadError, EngineError
+from hpi_runtime.frontend.engine import QueueFullError
 from hpi_runtime.sampling_params import SamplingParams
 
 

@@ -8,8 +8,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import EngineError, EngineStats, LLMEngine, QueueFullError
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
+from hpi_runtime.frontend.engine import EngineError, EngineStats, LLMEngine, QueueFullError
 from hpi_runtime.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -32,7 +32,8 @@ from hpi_runtime.core.engine_io import (
     RequestRejected,
     StepFailed,
 )
-from hpi_runtime.core.output_processor import OutputProcessor, make_core_request
+from hpi_runtime.frontend.input_processor import make_core_request
+from hpi_runtime.frontend.output_processor import OutputProcessor
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -116,13 +117,11 @@ class AsyncLLM:
         """
         if self.dead_error is not None or self._stopping or not self._started:
             raise EngineDeadError("the engine core is not running") from self.dead_error
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request = make_core_request(
             self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority
         )
         queue: asyncio.Queue = asyncio.Queue()
-        self.output_processor.add_request(request, RequestOutputKind.DELTA)
+        self.output_processor.add_request(request, RequestOutputKind.DELTA)  # refuses an id in use
         self._queues[request_id] = queue
         self.client.send(AddRequest(request))
         finished = False
