@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from hpi_kernels.cpu import cpu_capability, load_extension, paged_attention_cpu
-from hpi_runtime.model.attention import AttentionMetadata, TorchAttentionBackend, TorchAttentionMetadata
+from hpi_runtime.attention.metadata import AttentionMetadata
+from hpi_runtime.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import LLMEngine
 from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
 

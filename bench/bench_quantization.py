@@ -4,7 +4,7 @@ For each method (and dtype) the embedded SmolLM2-135M-Instruct is loaded through
 weight bytes are what the engine reports (`hpi:model_weight_bytes`); tokens/s is generated tokens over
 wall time for N concurrent short prompts (~6 tokens) decoding `--max-tokens` greedy tokens each (EOS
 ignored), all variants loaded at once and timed in alternation (median of `--rounds`); perplexity is over
-the fixed text the tests ship (tests/runtime/quant/data/ppl_text.txt), one prefill. Ratios are against
+the fixed text the tests ship (tests/runtime/quantization/data/ppl_text.txt), one prefill. Ratios are against
 `none` at the same dtype, same machine, same run. int4 variants are named by scheme
 (`int4-g<group>-<fit>-<policy>`): `--int4-schemes minmax-uniform mse-mixed` compares the min/max rounding of
 before issue 17 with the MSE fit and the mixed-precision policy. The answer column is the greedy answer to
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from hpi_runtime.evaluation.perplexity import perplexity
 from hpi_runtime.llm import LLM
-from hpi_runtime.model.perplexity import perplexity
-from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE
+from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
 from hpi_runtime.sampling_params import SamplingParams
 
-TEXT_PATH = Path(__file__).resolve().parent.parent / "tests/runtime/quant/data/ppl_text.txt"
+TEXT_PATH = Path(__file__).resolve().parent.parent / "tests/runtime/quantization/data/ppl_text.txt"
 PROMPTS = ["The capital of France is", "Once upon a time, there", "The best way to learn is", "Rivers flow"]
 
 

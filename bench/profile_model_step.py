@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.embedded import ensure_embedded_model
-from hpi_runtime.model.config import load_model_config
+from hpi_runtime.models.config import load_model_config
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.sampler import Sampler

@@ -9,7 +9,7 @@ Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) hold every expert in m
 (what the memory arithmetic uses) counts all of them; each token runs only the router's top-k experts, so
 `active_parameters` (the compute per token: about 2 FLOPs per active parameter) is far smaller.
 
-Tensor parallelism follows the runtime's rule (runtime/hpi_runtime/model/parallel.py, `split_heads`; not
+Tensor parallelism follows the runtime's rule (runtime/hpi_runtime/models/parallel.py, `split_heads`; not
 imported: the operator installs without torch): attention is split along KV-head groups, so a replica of N
 GPUs works when N <= num_kv_heads, or when N is a multiple of num_kv_heads whose share divides the query
 heads per KV head. Every rank holds as many KV blocks as the rank with the most KV heads affords, so uneven

@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Mapping
 
-from hpi_runtime.model.config import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
+from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -156,7 +156,7 @@ def serve(args: argparse.Namespace) -> int:
         import torch
 
         from hpi_runtime.llm import LoadConfig, default_max_model_len, prepare_engine, resolve_model_dir
-        from hpi_runtime.model.config import load_model_config
+        from hpi_runtime.models.config import load_model_config
 
         model_dir, _ = resolve_model_dir(args.model)
         max_model_len = args.max_model_len or default_max_model_len(load_model_config(model_dir))

@@ -218,7 +218,7 @@ def is_complete(local_dir: Path) -> bool:
 
 def weight_files(snapshot: Snapshot, local_dir: Path) -> list[HubFile]:
     """The shards the loader will read, by its own rule, given the already fetched index (if any)."""
-    from hpi_runtime.model.loader import INDEX_FILE, weight_file_patterns  # imports torch: only here
+    from hpi_runtime.models.loader import INDEX_FILE, weight_file_patterns  # imports torch: only here
 
     index_path = local_dir / INDEX_FILE
     index = json.loads(index_path.read_text()) if index_path.is_file() else None

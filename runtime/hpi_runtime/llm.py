@@ -18,14 +18,14 @@ import torch
 from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime import cpu_features
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import LLMEngine, QueueFullError
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
-from hpi_runtime.model.config import ModelConfig, load_model_config
-from hpi_runtime.model.parallel import split_heads
-from hpi_runtime.model.quant_policy import DEFAULT_INT4_POLICY
-from hpi_runtime.model.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, resolve_quantization
+from hpi_runtime.frontend.engine import LLMEngine, QueueFullError
+from hpi_runtime.models.config import ModelConfig, load_model_config
+from hpi_runtime.models.parallel import split_heads
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
+from hpi_runtime.quantization.policy import DEFAULT_INT4_POLICY
+from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE, QuantizationConfig, resolve_quantization
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.factory import make_executor
@@ -130,7 +130,7 @@ def _check_lm_head_quantization(model_config: ModelConfig, config: QuantizationC
 
 
 def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) -> None:
-    """ValueError when the model cannot be split over `tensor_parallel_size` ranks (see model/parallel.py)."""
+    """ValueError when the model cannot be split over `tensor_parallel_size` ranks (see models/parallel.py)."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     for rank in range(tensor_parallel_size):
@@ -165,13 +165,13 @@ class LoadConfig:
     kv_offload_bytes: int = 0  # per rank: the host-memory KV tier behind the device cache; 0 turns it off
     seed: int = 0
     attention_backend: str = "auto"  # the Triton kernels on CUDA, the torch backend (the reference) on CPU
-    quantization: str = "none"  # "none" | "int8" | "int4" weight-only (hpi_runtime.model.quantization)
+    quantization: str = "none"  # "none" | "int8" | "int4" weight-only (hpi_runtime.quantization.quantize)
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
     # Also quantize an untied LM head: off by default, its error lands directly on the logits (a tied head is
     # the embedding, which stays in float).
     quantize_lm_head: bool = False
-    int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales/zeros are chosen (model/int4_fit.py)
-    int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at int8 (model/quant_policy.py)
+    int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales/zeros are chosen (quantization/int4_fit.py)
+    int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at int8 (quantization/policy.py)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # vLLM's name: run the model step without torch.compile
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpi_runtime.model.attention import AttentionMetadata, TorchAttentionBackend
-from hpi_runtime.model.triton_backend import TritonAttentionBackend
+from hpi_runtime.attention.metadata import AttentionMetadata
+from hpi_runtime.attention.torch_backend import TorchAttentionBackend
+from hpi_runtime.attention.triton_backend import TritonAttentionBackend
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, 2.0)], ids=["global", "sliding-window-softcap"])

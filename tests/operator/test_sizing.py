@@ -27,7 +27,7 @@ def shape(num_heads: int, num_kv_heads: int) -> ModelShape:
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_SHAPES)
 def test_splits_heads_agrees_with_the_runtime(num_heads: int, num_kv_heads: int) -> None:
-    parallel = pytest.importorskip("hpi_runtime.model.parallel")  # the runtime needs torch; the operator not
+    parallel = pytest.importorskip("hpi_runtime.models.parallel")  # the runtime needs torch; the operator not
 
     def runtime_splits(tp_size: int) -> bool:
         try:
@@ -43,7 +43,7 @@ def test_splits_heads_agrees_with_the_runtime(num_heads: int, num_kv_heads: int)
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_SHAPES)
 def test_fullest_rank_holds_as_many_kv_heads_as_the_runtime_gives_it(num_heads: int, num_kv_heads: int) -> None:
-    parallel = pytest.importorskip("hpi_runtime.model.parallel")
+    parallel = pytest.importorskip("hpi_runtime.models.parallel")
     model = shape(num_heads, num_kv_heads)
     for tp_size in (n for n in range(1, 17) if splits_heads(model, n)):
         sizes = [parallel.split_heads(num_heads, num_kv_heads, tp_size, r).kv.size for r in range(tp_size)]

@@ -4,7 +4,7 @@ It knows nothing of text: requests arrive tokenized (`EngineCoreRequest`) and ea
 that changed, only what is new (`EngineCoreOutput`: new token ids, their logprobs, a finish reason). The
 frontend (`OutputProcessor`) detokenizes, matches stop strings and aborts a request here when one matches.
 The core runs in its own process under the server (core/core_process.py) and in the caller's process for the
-offline `LLM` and for tests (core/engine.py); both drive the same object.
+offline `LLM` and for tests (frontend/engine.py); both drive the same object.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class EngineCore:
         self.grammar_compiler = grammar_compiler
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # The frontend's OutputProcessor refuses ids in use, and it forgets a request only after the core has.
+        assert request.request_id not in self.scheduler.requests, f"request id {request.request_id!r} in use"
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(
                 f"{len(self.scheduler.waiting)} requests are waiting (max_num_waiting="

@@ -9,8 +9,8 @@ import time
 
 from aiohttp import web
 
-from hpi_runtime.core.async_engine import EngineDeadError
-from hpi_runtime.core.engine import EngineError, QueueFullError
+from hpi_runtime.frontend.async_engine import EngineDeadError
+from hpi_runtime.frontend.engine import EngineError, QueueFullError
 from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
 from hpi_runtime.server.errors import REQUEST_ID, ApiError

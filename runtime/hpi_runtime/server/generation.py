@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
+from hpi_runtime.frontend.input_processor import RequestError, check_max_tokens, check_prompt
 from hpi_runtime.outputs import FINISH_ABORT, RequestOutput
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.errors import ApiError, bad_request
@@ -43,8 +44,8 @@ def plan_choices(
     model: ServedModel,
     prompt_param: str,
 ) -> list[Choice]:
-    """One Choice per (prompt, i < n); validates token ids against the vocabulary and lengths against
-    max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
+    """One Choice per (prompt, i < n); the input processor checks token ids against the vocabulary and lengths
+    against max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
     max_model_len, vocab_size = model.max_model_len, model.vocab_size
     sent = {
         "temperature": fields.temperature, "top_p": fields.top_p, "top_k": fields.top_k, "min_p": fields.min_p,
@@ -60,27 +61,13 @@ def plan_choices(
                           "logit_bias")
     choices = []
     for p, prompt_ids in enumerate(prompts):
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", prompt_param)
-        if max(prompt_ids) >= vocab_size:
-            raise bad_request(f"token id {max(prompt_ids)} is outside the vocabulary of {vocab_size}", prompt_param)
         num_prompt = len(prompt_ids)
-        if num_prompt >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                f"{num_prompt} tokens. Please shorten the prompt.",
-                prompt_param,
-                "context_length_exceeded",
-            )
         max_tokens = fields.max_tokens if fields.max_tokens is not None else max_model_len - num_prompt
-        if num_prompt + max_tokens > max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
-                "completion). Please reduce the prompt or the completion length.",
-                "max_tokens",
-                "context_length_exceeded",
-            )
+        try:
+            check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param)
+            check_max_tokens(num_prompt, max_tokens, max_model_len)
+        except RequestError as exc:
+            raise bad_request(str(exc), exc.param, exc.code) from exc
         for i in range(n):
             seed = None if fields.seed is None else fields.seed + i  # n choices: reproducible, yet distinct
             try:

@@ -73,8 +73,8 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
 async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     """Check the settings and load the tokenizer here (`prepare` returns a PreparedEngine), then start the
     engine core in its own process, which loads the weights and allocates the KV cache."""
-    from hpi_runtime.core.async_engine import AsyncLLM
     from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
+    from hpi_runtime.frontend.async_engine import AsyncLLM
 
     engine = None
     try:

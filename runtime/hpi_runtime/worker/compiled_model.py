@@ -1,6 +1,6 @@
 """The model step under torch.compile (Inductor): one graph over all layers for every step shape.
 
-Attention is one opaque op per layer (model/attention_op.py), so the graph has no breaks. Every size that
+Attention is one opaque op per layer (attention/op.py), so the graph has no breaks. Every size that
 changes per step is unbacked-dynamic: the token count and the per-request attention tensors (see
 PagedAttentionInputs). So no guard reads them, one graph serves every step, and a one-token step is not
 specialised (a backed size seen as 1 is) nor padded to two rows: a one-row matmul runs MKL's GEMV, 1.4x
@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-from hpi_runtime.model.attention_op import PagedAttentionInputs
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.models.decoder import DecoderForCausalLM
 
 
 class CompiledForward:
     """`model(input_ids, positions, metadata)`, compiled on first call (the runner's warm-up)."""
 
-    def __init__(self, model: LlamaForCausalLM, freeze_weights: bool) -> None:
+    def __init__(self, model: DecoderForCausalLM, freeze_weights: bool) -> None:
         # The model object itself stays eager (perplexity and tests call it directly).
         self._compiled = torch.compile(_own_code(model), fullgraph=True)
         self._freeze_weights = freeze_weights
@@ -57,7 +57,7 @@ class CompiledForward:
             return self._compiled(input_ids, positions, metadata)
 
 
-def _own_code(model: LlamaForCausalLM) -> Callable[..., torch.Tensor]:
+def _own_code(model: DecoderForCausalLM) -> Callable[..., torch.Tensor]:
     """`model`'s forward behind a function whose code object is this model's alone.
 
     Dynamo keeps compiled graphs per code object with a limit of 8 (then, with fullgraph, it fails): every

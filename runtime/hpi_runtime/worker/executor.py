@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
+from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
-from hpi_runtime.model.attention import get_attention_backend
-from hpi_runtime.model.config import ModelConfig
-from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
-from hpi_runtime.model.llama import LlamaForCausalLM
-from hpi_runtime.model.loader import load_model, weight_bytes
-from hpi_runtime.model.parallel import SINGLE, TensorParallel
-from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
+from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
+from hpi_runtime.models.decoder import DecoderForCausalLM
+from hpi_runtime.models.loader import load_model, weight_bytes
+from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
@@ -57,7 +57,7 @@ class ExecutorConfig:
     freeze_weights: bool = False
 
 
-def rank_kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
+def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
     """K and V of one token over all layers, for the KV heads this rank holds (with tensor parallelism, a
     share of the model's that may differ between ranks or repeat a replicated head)."""
     layers = model.attention_layers()

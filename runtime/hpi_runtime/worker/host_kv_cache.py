@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_runtime.core.interface import KVTransfers
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.models.decoder import DecoderForCausalLM
 
 
 def num_host_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -39,7 +39,7 @@ def num_host_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 class HostKVCache:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, model: DecoderForCausalLM, num_blocks: int, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
         self.layers = []  # (attention layer, host k, host v)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from hpi_runtime.attention.backend import AttentionBackend
+from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
-from hpi_runtime.model.attention import AttentionBackend, AttentionMetadata
-from hpi_runtime.model.llama import LlamaForCausalLM
+from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
@@ -65,7 +66,7 @@ class KVCacheSpec:
     dtype: torch.dtype
 
 
-def allocate_kv_caches(model: LlamaForCausalLM, spec: KVCacheSpec, device: torch.device) -> int:
+def allocate_kv_caches(model: DecoderForCausalLM, spec: KVCacheSpec, device: torch.device) -> int:
     """Allocate and bind each layer's k/v cache (for the KV heads this rank holds); returns the bytes allocated."""
     total_bytes = 0
     for attn in model.attention_layers():
@@ -79,7 +80,7 @@ def allocate_kv_caches(model: LlamaForCausalLM, spec: KVCacheSpec, device: torch
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         backend: AttentionBackend,
         block_size: int,
         eos_token_ids: frozenset[int],

@@ -66,7 +66,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _start(spec: WorkerSpec):
-    from hpi_runtime.model.parallel import TensorParallel
+    from hpi_runtime.models.parallel import TensorParallel
     from hpi_runtime.worker.executor import LocalExecutor
 
     config = spec.config

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError
 from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
+from hpi_runtime.frontend.async_engine import AsyncLLM, EngineDeadError
 from hpi_runtime.llm import LoadConfig, create_engine, prepare_engine
 from hpi_runtime.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import EngineError, LLMEngine
+from hpi_runtime.frontend.engine import EngineError, LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
 from .conftest import drain_engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine import LLMEngine
+from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -10,10 +10,10 @@ import pytest
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import sha256_hash
-from hpi_runtime.core.engine import LLMEngine
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request
+from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.sampling_params import SamplingParams
 
 from .conftest import drain_engine

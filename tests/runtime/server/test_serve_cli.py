@@ -29,7 +29,7 @@ def test_help_does_not_print_the_api_key_from_the_environment() -> None:
 
 
 def test_help_lists_the_supported_architectures() -> None:
-    from hpi_runtime.model.config import SUPPORTED_ARCHITECTURES
+    from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES
 
     serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve_parser.format_help().split())  # argparse re-wraps the description

@@ -10,16 +10,16 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from hpi_runtime.model.attention import get_attention_backend
-from hpi_runtime.model.config import load_model_config
-from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
-from hpi_runtime.model.loader import load_model
-from hpi_runtime.model.quant_linear import CPU_INT8_DEQUANT_MIN_ROWS
-from hpi_runtime.model.quantization import QuantizationConfig, quantize_model
+from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
+from hpi_runtime.models.loader import load_model
+from hpi_runtime.quantization.linear import CPU_INT8_DEQUANT_MIN_ROWS
+from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 
-from ..model.conftest import HandScheduler
+from ..models.conftest import HandScheduler
 
 pytestmark = pytest.mark.slow  # each compiled runner compiles a 2-layer model (seconds)
 

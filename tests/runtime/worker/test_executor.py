@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.core.kv_budget import kv_bytes_per_token
-from hpi_runtime.model.attention import get_attention_backend
-from hpi_runtime.model.config import ModelConfig, RopeConfig
-from hpi_runtime.model.llama import LlamaForCausalLM
-from hpi_runtime.model.parallel import TensorParallel, split_heads
+from hpi_runtime.models.config import ModelConfig, RopeConfig
+from hpi_runtime.models.llama import LlamaForCausalLM
+from hpi_runtime.models.parallel import TensorParallel, split_heads
 from hpi_runtime.worker.executor import rank_kv_bytes_per_token
 
 # SmolLM2's head layout (9 query, 3 KV heads) at toy width: 2 ranks hold 2 + 1 KV heads, 9 ranks replicate them.

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpi_runtime.core.async_engine import AsyncLLM, EngineDeadError
 from hpi_runtime.core.interface import ExecutorDeadError
+from hpi_runtime.frontend.async_engine import AsyncLLM, EngineDeadError
 from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.tp_executor import STRAGGLER_TIMEOUT_S

@@ -1,0 +1,86 @@
+"""How the float weights of a loaded CPU model are laid out for its GEMMs: packed into column panels for
+hpi_kernels' C++ packed_linear where the CPU kernels build; else fp32 column-major for MKL's sgemm.
+
+Both run once, after loading and quantization (executor.LocalExecutor). bf16 weights are packed too, except
+on CPUs with AMX, whose tiles torch's own bf16 GEMMs (oneDNN) use; fp16 weights stay as loaded; quantized
+layers keep their own packed formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hpi_kernels.cpu import cpu_kernels_available, pack_linear_weight
+from hpi_runtime import cpu_features
+from hpi_runtime.models.layers import LMHead, VocabEmbedding
+from hpi_runtime.models.linear import LinearBase
+
+
+def _is_float32_cpu(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    """Whether pack_cpu_weights packs this weight (given the C++ kernels): fp32, or bf16 without AMX."""
+    if weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and not cpu_features.has_amx())
+
+
+def _unpacked_linears(model: nn.Module, keep: Callable[[torch.Tensor], bool]) -> list[LinearBase]:
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, LinearBase) and module.packed_out_features is None and keep(module.weight)
+    ]
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Replace the fp32 (and, without AMX, bf16) CPU weights of the linear layers and the LM head (with an
+    embedding that shares it) by hpi_kernels' packed column panels; returns how many matrices were packed, 0
+    where the C++ kernels do not build (use_sgemm_layout is the fallback then).
+
+    The packed weight is no [out, in] matrix any more: loaders and quantization cannot read it, so this runs
+    after both. Each panel streams once per step while the kernel computes: a 32-row decode step's linears
+    ran 1.5x faster than MKL over column-major weights, and its LM head 1.3x; one row as fast; prefill-sized
+    inputs go to MKL (bench/results/hot_path.md, fourth pass). bf16 panels are widened to fp32 in registers:
+    without AMX, torch's bf16 GEMMs run at half fp32's speed, and these at fp32's over half the bytes
+    (fifth pass). A tied embedding then looks tokens up in the panels (packed_weight_rows).
+    """
+    linears = _unpacked_linears(model, _packs)
+    heads = [m for m in model.modules() if isinstance(m, LMHead) and not m.packed and _packs(m.weight)]
+    if not (linears or heads) or not cpu_kernels_available():
+        return 0
+    for module in linears:
+        out_features = module.weight.shape[0]
+        module.weight = nn.Parameter(pack_linear_weight(module.weight.detach()), requires_grad=False)
+        module.packed_out_features = out_features
+    embeddings = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
+    for head in heads:
+        tied = [e for e in embeddings if e.weight is head.weight]
+        head.weight = nn.Parameter(pack_linear_weight(head.weight.detach()), requires_grad=False)
+        head.packed = True
+        for embedding in tied:
+            embedding.weight, embedding.packed = head.weight, True
+    return len(linears) + len(heads)
+
+
+def use_sgemm_layout(model: nn.Module) -> int:
+    """Store the fp32 weights of the model's CPU linear layers column-major; returns how many moved.
+
+    The logical [out, in] parameter stays (loaders, quantization and tensor parallelism see no change);
+    only its storage becomes [in, out]-contiguous, so `F.linear` hands MKL's sgemm an untransposed B. At the
+    4-128 rows of a decode step that runs the model's linears 1.1-1.3x faster (AVX512 here; the layout is
+    MKL's, not the ISA's: bench/results/hot_path.md). pack_cpu_weights, where the C++ kernels build, is
+    faster still; this is its fallback.
+    """
+    moved = 0
+    for module in _unpacked_linears(model, _is_float32_cpu):
+        weight = module.weight
+        if weight.stride() != (1, weight.shape[0]):
+            weight.data = weight.data.t().contiguous().t()
+            moved += 1
+    return moved

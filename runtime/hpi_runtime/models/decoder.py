@@ -1,0 +1,191 @@
+"""The shared decoder-only transformer every dense family is built from, over flat token batches and a paged KV cache.
+
+Inputs are flat: all requests' new tokens concatenated ([num_tokens]), with their positions and the
+attention metadata saying which request each token belongs to. No batch or sequence axis, no padding.
+
+What differs between families is read from ModelConfig (biases, q/k norms, Gemma's norm offset, sandwich
+norms, embedding scale and soft-capping, per-layer sliding windows and RoPE, the MLP activation); the
+family modules (llama.py, qwen2.py, qwen3.py, phi3.py, gemma.py, ...) say how their config.json sets those
+fields (`config_rules`, family.py), name their checkpoint layout and, where a family has one, their own
+attention or MLP class. A family with another MLP (Mixture-of-Experts) overrides
+`DecoderForCausalLM.make_mlp`; one with another attention, `make_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hpi_runtime.attention.backend import AttentionBackend
+from hpi_runtime.attention.layer import Attention
+from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.family import FamilyRules
+from hpi_runtime.models.layers import GATED_ACTIVATIONS, LMHead, RMSNorm, VocabEmbedding, softcap
+from hpi_runtime.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from hpi_runtime.models.parallel import SINGLE, Span, TensorParallel, balanced_span, mlp_span, split_heads
+from hpi_runtime.models.rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, rotary_dim // 2] for this step's positions
+
+
+class DecoderAttention(nn.Module):
+    """Fused qkv projection, optional per-head q/k RMSNorm (`config.qk_norm`), RoPE, paged attention with the
+    layer's sliding window and soft-cap, output projection. Heads are split over tensor-parallel ranks."""
+
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel) -> None:
+        super().__init__()
+        heads = split_heads(config.num_heads, config.num_kv_heads, tp.size, tp.rank)
+        self.tp, self.head_dim = tp, config.head_dim
+        self.num_heads, self.num_kv_heads = heads.q.size, heads.kv.size  # this rank's
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, heads, bias=config.qkv_bias, total_q_heads=config.num_heads
+        )
+        self.o_proj = RowParallelLinear(
+            Span(heads.q.start * config.head_dim, heads.q.size * config.head_dim),
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            holds_bias=tp.is_first,
+        )
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            config.head_dim,
+            backend,
+            scale=config.attention_scale,
+            sliding_window=config.layer_sliding_windows[layer],
+            logit_softcap=config.attn_logit_softcap,
+        )
+
+    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        # q and k rotate together: one set of element-wise ops instead of two.
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, metadata)
+        return self.tp.all_reduce(self.o_proj(out.view(-1, q_size)))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up in one column-parallel matrix."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        span = mlp_span(config.intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [span, span], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(span, config.hidden_size, bias=config.mlp_bias, holds_bias=tp.is_first)
+        self.act_and_mul = GATED_ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block. With `config.sandwich_norms` (Gemma 2/3) the attention and MLP outputs are
+    normed too before they join the residual, and the MLP input has its own norm."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
+        attended = self.self_attn(rope, self.input_layernorm(hidden), metadata)
+        if self.pre_feedforward_layernorm is None:
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+        vocab_span = balanced_span(config.vocab_size, tp.size, tp.rank)
+        embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
+        self.embed_tokens = VocabEmbedding(vocab_span, config.hidden_size, config.vocab_size, embed_scale)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.sliding_rotary = None
+        if config.sliding_rope is not None:
+            self.sliding_rotary = RotaryEmbedding(config.sliding_rope, config.head_dim, config.max_position_embeddings)
+        # per layer: whether it takes the sliding-window layers' RoPE
+        self._uses_sliding_rope = tuple(config.layer_rope(i) is not config.rope for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+        hidden = self.tp.all_reduce(self.embed_tokens(input_ids))
+        rope = self.rotary(positions)  # looked up once per step, used by every layer
+        sliding_rope = self.sliding_rotary(positions) if self.sliding_rotary is not None else rope
+        for layer, uses_sliding_rope in zip(self.layers, self._uses_sliding_rope, strict=True):
+            hidden = layer(sliding_rope if uses_sliding_rope else rope, hidden, metadata)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A dense decoder family; subclasses set their config rules and checkpoint layout and may override the
+    attention or MLP. The base class is Llama's."""
+
+    config_rules: ClassVar[FamilyRules] = FamilyRules()  # how the family reads config.json (family.py)
+
+    # checkpoint tensor name part -> (our parameter name part, shard id) for merged projections
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+        layers = [
+            DecoderLayer(config, self.make_attention(config, i, backend, tp), self.make_mlp(config, i, tp))
+            for i in range(config.num_layers)
+        ]
+        self.model = DecoderModel(config, layers, tp)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(self.model.embed_tokens.vocab_span, config.hidden_size, config.vocab_size, tied)
+        self._vocab_sizes = [balanced_span(config.vocab_size, tp.size, r).size for r in range(tp.size)]
+
+    def make_attention(
+        self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel
+    ) -> nn.Module:
+        return DecoderAttention(config, layer, backend, tp)
+
+    def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
+        return GatedMLP(config, tp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
+
+        `metadata`: the step's attention metadata as the attention backend built it (build_metadata)."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size] on rank 0 (None on the others)."""
+        logits = self.tp.gather_columns(self.lm_head(hidden), self._vocab_sizes)
+        cap = self.config.final_logit_softcap
+        return softcap(logits, cap) if cap is not None and logits is not None else logits
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

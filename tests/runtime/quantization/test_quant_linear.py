@@ -1,0 +1,149 @@
+"""The runtime step: quantized linears against dequantize-then-matmul, and swapping them into a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.models.linear import LinearBase
+from hpi_runtime.models.loader import load_model, weight_bytes
+from hpi_runtime.quantization.linear import CPU_INT8_DEQUANT_MIN_ROWS, QuantizedLinear, op_dtype
+from hpi_runtime.quantization.quantize import (
+    QuantizationConfig,
+    QuantizedLMHead,
+    check_model_supported,
+    quantize_model,
+    quantize_weight,
+    quantized_state_dict,
+)
+
+CONFIGS = [QuantizationConfig("int8"), QuantizationConfig("int4", 32), QuantizationConfig("int4", 64)]
+
+
+def _reference(x: torch.Tensor, layer_weight, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize, then matmul in fp32 on the activations as the op sees them (rounded to its dtype)."""
+    out = x.to(compute_dtype).float() @ layer_weight.dequantize().T
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-g{c.group_size}")
+def test_quantized_linear_matches_dequantize_then_matmul(config, dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 128, generator=generator).to(dtype)  # N = 40: the CPU int4 op pads N to 48
+    bias = torch.randn(40, generator=generator).to(dtype)
+    compute_dtype = op_dtype(torch.device("cpu"), dtype)
+    qw = quantize_weight(weight, config, compute_dtype)
+    layer = QuantizedLinear(qw, bias, dtype, torch.device("cpu"))
+    for num_tokens in (1, 7, 33):
+        x = torch.randn(num_tokens, 128, generator=generator).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (num_tokens, 40)
+        expected = _reference(x, qw, bias, compute_dtype)
+        # The only differences: fp32 vs bf16 output rounding (2**-8 relative) and summation order.
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=8e-3)
+    assert layer(torch.empty(0, 128, dtype=dtype)).shape == (0, 40)
+    assert layer(torch.randn(2, 3, 128).to(dtype)).shape == (2, 3, 40)
+
+
+def test_int8_prefill_on_cpu_runs_fp32_over_dequantized_weights() -> None:
+    """Many rows, fp32 activations: torch's fp32 GEMM over the dequantized layer (exact up to fp32 rounding);
+    few rows: the packed op, which rounds activations to bf16."""
+    generator = torch.Generator().manual_seed(1)
+    qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig("int8"), torch.bfloat16)
+    bias = torch.randn(40, generator=generator)
+    layer = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"))
+    x = torch.randn(CPU_INT8_DEQUANT_MIN_ROWS, 128, generator=generator)
+    exact = x @ qw.dequantize().T + bias
+    torch.testing.assert_close(layer(x), exact, atol=1e-4, rtol=1e-5)
+    assert (layer(x[:8]) - exact[:8]).abs().max() > 1e-3  # the bf16 path, visibly
+
+
+def _tiny_model(model_dir: Path):
+    config = load_model_config(model_dir)
+    return load_model(config, torch.float32, torch.device("cpu"), get_attention_backend("torch", torch.float32))
+
+
+@pytest.fixture(scope="module")
+def qwen_untied_dir(tiny_model_factory) -> Path:
+    """qkv bias (Qwen2) and an untied LM head: the cases the Llama default does not cover."""
+    return tiny_model_factory("qwen2", tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-g{c.group_size}")
+def test_swap_keeps_structure_and_frees_float_weights(config, qwen_untied_dir: Path) -> None:
+    model = _tiny_model(qwen_untied_dir)
+    float_bytes = weight_bytes(model)
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    old_weights = [m.weight for m in model.modules() if isinstance(m, LinearBase)]
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert len(linear_names) == 4 * model.config.num_layers
+
+    assert quantize_model(model, config) is model
+    swapped = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert swapped == linear_names
+    assert not any(isinstance(m, LinearBase) for m in model.modules())
+    assert all(w.untyped_storage().nbytes() == 0 for w in old_weights)  # released at once, not at gc time
+    assert model.model.embed_tokens.weight is embed and model.lm_head.weight is head  # kept in float
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None  # Qwen2's qkv bias survives
+    assert weight_bytes(model) < float_bytes
+
+
+def test_quantized_model_stays_close_to_the_float_model(qwen_untied_dir: Path) -> None:
+    from hpi_runtime.evaluation.perplexity import perplexity
+
+    ids = torch.randint(3, 200, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    backend = get_attention_backend("torch", torch.float32)
+    reference = perplexity(_tiny_model(qwen_untied_dir), backend, ids)
+    for config in CONFIGS:
+        quantized = perplexity(quantize_model(_tiny_model(qwen_untied_dir), config), backend, ids)
+        assert abs(quantized / reference - 1) < 0.05, (config, quantized, reference)
+
+
+def test_lm_head_quantized_only_when_asked_and_untied(qwen_untied_dir: Path, tiny_model_dir: Path) -> None:
+    model = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int8", quantize_lm_head=True))
+    assert isinstance(model.lm_head, QuantizedLMHead)
+    assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32
+    with pytest.raises(ValueError, match="untied"):
+        quantize_model(_tiny_model(tiny_model_dir), QuantizationConfig("int8", quantize_lm_head=True))
+
+
+def test_quantized_state_dict_names(tiny_model_dir: Path) -> None:
+    model = _tiny_model(tiny_model_dir)
+    state = quantized_state_dict(model, QuantizationConfig("int4", 32, int4_policy="uniform"))
+    prefix = "model.layers.0.mlp.down_proj"
+    assert state[f"{prefix}.qweight"].dtype == torch.uint8
+    assert {f"{prefix}.scales", f"{prefix}.zeros"} <= state.keys()
+    assert not any(k.startswith(("lm_head", "model.embed_tokens")) for k in state)
+
+
+def test_group_size_must_divide_every_k_before_loading(tiny_model_dir: Path) -> None:
+    config = load_model_config(tiny_model_dir)  # hidden 64: group 128 cannot tile it
+    with pytest.raises(ValueError, match="does not divide"):
+        check_model_supported(config, QuantizationConfig("int4", 128))
+    check_model_supported(config, QuantizationConfig("int4", 32))
+    check_model_supported(config, QuantizationConfig("int8", 128))  # group size is int4's only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-g{c.group_size}")
+def test_quantized_linear_on_cuda_uses_the_triton_kernels(config, dtype) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 256, generator=generator).to(dtype)
+    qw = quantize_weight(weight, config)
+    layer = QuantizedLinear(qw, None, dtype, device)
+    assert layer.qweight.is_cuda
+    for num_tokens in (1, 16, 80):
+        x = torch.randn(num_tokens, 256, generator=generator).to(dtype)
+        out = layer(x.to(device))
+        expected = (x.float() @ qw.dequantize().T).to(dtype)
+        tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(out.cpu(), expected, atol=tol * 16, rtol=tol)

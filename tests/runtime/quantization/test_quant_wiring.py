@@ -1,0 +1,100 @@
+"""Quantization through the public edges: `hpi serve` flags, create_engine's footprint, LLM generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpi_runtime.cli import build_parser
+from hpi_runtime.llm import LLM, LoadConfig, create_engine, prepare_engine
+from hpi_runtime.quantization.linear import QuantizedLinear
+from hpi_runtime.quantization.policy import _RULES, DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
+from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE, INT4_FITS, INT4_GROUP_SIZES, QuantizationConfig
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.server.metrics import ServingMetrics
+
+
+def test_serve_flags() -> None:
+    args = build_parser().parse_args(["serve", "--quantization", "int4", "--quantization-group-size", "64"])
+    assert (args.quantization, args.quantization_group_size) == ("int4", 64)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.quantization, defaults.quantization_group_size, defaults.quantize_lm_head) == (
+        "none", DEFAULT_INT4_GROUP_SIZE, False
+    )  # fmt: skip
+    assert build_parser().parse_args(["serve", "--quantize-lm-head"]).quantize_lm_head
+    # The CLI spells the group sizes out (it must not import torch to parse); they must stay the library's.
+    for size in (16, *INT4_GROUP_SIZES, 256):
+        if size in INT4_GROUP_SIZES:
+            assert build_parser().parse_args(["serve", "--quantization-group-size", str(size)])
+        else:
+            with pytest.raises(SystemExit):
+                build_parser().parse_args(["serve", "--quantization-group-size", str(size)])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "fp8"])
+    # The int4 fit and policy choices are spelled out in the CLI too: they must stay the library's.
+    assert (defaults.int4_fit, defaults.int4_policy) == (INT4_FITS[0], DEFAULT_INT4_POLICY)
+    for fit in INT4_FITS:
+        assert build_parser().parse_args(["serve", "--int4-fit", fit]).int4_fit == fit
+    for policy in INT4_POLICIES:
+        assert build_parser().parse_args(["serve", "--int4-policy", policy]).int4_policy == policy
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--int4-policy", "q4_k_m"])
+
+
+def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> None:
+    footprints = {}
+    for method in ("none", "int8", "int4"):
+        load = LoadConfig(dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20, enforce_eager=True)
+        bundle = create_engine(tiny_model_dir, load=load)
+        footprints[method] = bundle.weight_bytes
+        assert bundle.quantization == method
+    # Tiny model: 2 layers of 64x(128 qkv + 64 o + 256 gate_up) + 128x64 down linears = 73728 weights, the
+    # float embedding (vocab x 64) is shared by the LM head and stays fp32.
+    linear_weights = 2 * (64 * (128 + 64 + 256) + 128 * 64)
+    assert footprints["none"] - footprints["int8"] >= linear_weights * (4 - 1) - 2 * 2 * (128 + 64 + 256 + 64)
+    assert footprints["int4"] < footprints["int8"]
+
+
+def test_llm_generates_with_quantized_linears(tiny_model_dir: Path) -> None:
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    model = llm.engine.executor.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 8
+
+
+def test_int4_scheme_and_policy_are_named_for_the_metric_and_the_log(tiny_model_dir: Path) -> None:
+    prepared = prepare_engine(tiny_model_dir, load=LoadConfig(quantization="int4"))
+    assert prepared.quantization == "int4"
+    assert prepared.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
+    assert "int8: qkv_proj of layers 0-1" in prepared.quantization_detail
+    uniform = QuantizationConfig("int4", int4_policy="uniform", int4_fit="minmax")
+    assert uniform.scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-minmax-uniform"
+    assert prepare_engine(tiny_model_dir).quantization_scheme == "none"
+    metrics = ServingMetrics("tiny")
+    metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
+    rendered = metrics.render().decode()
+    scheme = prepared.quantization_scheme
+    assert f'hpi:quantization_info{{method="int4",model_name="tiny",scheme="{scheme}"}} 1.0' in rendered
+
+
+def test_mixed_policy_keeps_qkv_at_int8(tiny_model_dir: Path) -> None:
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", kv_cache_memory_bytes=1 << 20, max_model_len=64,
+              enforce_eager=True)  # fmt: skip
+    layers = llm.engine.executor.model.model.layers
+    assert {layer.self_attn.qkv_proj.method for layer in layers} == {"int8"}
+    assert {layer.mlp.gate_up_proj.method for layer in layers} == {layer.mlp.down_proj.method for layer in layers} == {
+        "int4"
+    }  # fmt: skip
+    assert layer_method("int4", "uniform", "model.layers.1.self_attn.qkv_proj", 30) == "int4"
+    assert layer_method("int8", "mixed", "model.layers.1.mlp.down_proj", 30) == "int8"  # policies are int4's
+
+
+def test_policy_rules_pick_layers_by_position() -> None:
+    rules = {"all": [True] * 30, "edges": [i < 4 or i >= 26 for i in range(30)]}
+    rules["more_bits"] = [edge or (i - 4) % 3 == 2 for i, edge in enumerate(rules["edges"])]
+    for rule, expected in rules.items():
+        assert [_RULES[rule](i, 30) for i in range(30)] == expected, rule
+    assert describe_policy("uniform", 30) == "all linears int4"
+    assert describe_policy("mixed", 30) == "int8: qkv_proj of layers 0-29"
