@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hpi_contracts import kv_cache
+
 from .spec import ModelSize, ModelSpec, SpecError, base_model_name
 
 GIB = 2**30
@@ -179,7 +181,7 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1) -> int:
     affords, so a replica pays num_gpus x the fullest rank's share (the plain K and V size when even)."""
     num_ranks = max(num_gpus, 1)
     num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
-    return 2 * shape.num_layers * num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]  # K and V
+    return kv_cache.kv_bytes_per_token(shape.num_layers, num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype])
 
 
 def kv_cache_bytes(shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1) -> int:

@@ -239,7 +239,8 @@ def test_tensor_parallel_replica_asks_for_its_gpus_and_passes_the_size() -> None
 )
 def test_kv_cache_memory_is_per_rank_and_every_rank_holds_the_profiles_tokens(size: dict[str, Any] | None) -> None:
     parallel = pytest.importorskip("hpi_runtime.model.parallel")
-    from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+    from hpi_contracts.kv_cache import kv_bytes_per_token
+    from hpi_runtime.core.kv_budget import num_blocks_for_budget
 
     plan = tensor_parallel_plan(size)
     [choice] = plan.choices

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hpi_contracts.kv_cache import kv_bytes_per_token
 from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
-from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import ModelConfig
 from hpi_runtime.model.cpu_layout import pack_cpu_weights, use_sgemm_layout
