@@ -13,21 +13,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from hpi_contracts import metrics as names
+from hpi_runtime.core.interface import MemoryFootprint
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-@dataclass(frozen=True)
-class ModelFootprint:
-    weight_bytes: int
-    kv_cache_bytes: int
-    num_kv_blocks: int
-    block_size: int
-    host_kv_cache_bytes: int = 0
-    num_host_kv_blocks: int = 0
 
 
 class ServingMetrics:
@@ -109,7 +100,7 @@ class ServingMetrics:
         for gauge in (self._running, self._waiting, self._kv_usage):
             gauge.labels(model_name).set(0)
 
-    def set_footprint(self, footprint: ModelFootprint) -> None:
+    def set_footprint(self, footprint: MemoryFootprint) -> None:
         self._weight_bytes.labels(self._model).set(footprint.weight_bytes)
         self._kv_bytes.labels(self._model).set(footprint.kv_cache_bytes)
         self._kv_blocks.labels(self._model).set(footprint.num_kv_blocks)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_contracts.kv_cache import kv_bytes_per_token
-from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.model.attention import get_attention_backend
 from hpi_runtime.model.config import ModelConfig
@@ -92,7 +92,6 @@ class LocalExecutor:
         self.model = load_model(model_config, config.dtype, device, backend, tp)
         quantize_model(self.model, config.quantization)  # in place, one layer at a time
         pack_cpu_weights(self.model) or use_sgemm_layout(self.model)
-        self.weight_bytes = weight_bytes(self.model)
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
@@ -102,16 +101,22 @@ class LocalExecutor:
                 config.kv_tokens_per_request or config.max_model_len,
             )
         )
-        self.kv_cache_bytes = allocate_kv_caches(
+        kv_cache_bytes = allocate_kv_caches(
             self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), device
         )
         block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.block_size
         self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.kv_offload_bytes, block_bytes))
         self.host_kv_cache = None
-        self.host_kv_cache_bytes = 0
         if self._num_host_kv_blocks:
             self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
-            self.host_kv_cache_bytes = self.host_kv_cache.num_bytes
+        self.footprint = MemoryFootprint(
+            weight_bytes=weight_bytes(self.model),
+            kv_cache_bytes=kv_cache_bytes,
+            num_kv_blocks=self._num_kv_blocks,
+            block_size=config.block_size,
+            host_kv_cache_bytes=0 if self.host_kv_cache is None else self.host_kv_cache.num_bytes,
+            num_host_kv_blocks=self._num_host_kv_blocks,
+        )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         self.runner = ModelRunner(
             self.model, backend, config.block_size, eos_token_ids, config.seed, compile_config(config, device)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpi_runtime.llm import check_tensor_parallel
+from hpi_runtime.engine_factory import check_tensor_parallel
 from hpi_runtime.model.attention import TorchAttentionBackend
 from hpi_runtime.model.config import load_model_config
 from hpi_runtime.model.loader import load_model
