@@ -178,21 +178,19 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         model_config=model_config.for_max_model_len(max_model_len),  # LongRoPE picks its factors
         dtype=resolve_dtype(load.dtype, device, model_config.torch_dtype),
         device=device,
-        block_size=engine_config.block_size,
         max_model_len=max_model_len,
+        cache=args.cache,
+        parallel=args.parallel,
         kv_tokens_per_request=kv_tokens_per_request(
             max_model_len, engine_config.block_size, engine_config.kv_sliding_window,
             engine_config.max_num_batched_tokens,
         ),  # fmt: skip
-        kv_cache_memory_bytes=args.cache.kv_cache_memory_bytes,
-        kv_offload_bytes=args.cache.kv_offload_bytes,
         # The Triton kernels on CUDA, the torch backend (the reference) on CPU.
         attention_backend=load.attention_backend if load.attention_backend != "auto" else
         ("triton" if device.type == "cuda" else "torch"),  # fmt: skip
         seed=load.seed,
         eos_token_ids=eos_token_ids,
         quantization=quantization.config,
-        tensor_parallel_size=tensor_parallel_size,
         enforce_eager=load.enforce_eager,
     )
     return ResolvedEngine(

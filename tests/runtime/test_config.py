@@ -121,3 +121,15 @@ def test_the_int4_choices_are_the_quantizers() -> None:
     assert specs["quantization_group_size"].default == DEFAULT_INT4_GROUP_SIZE
     assert specs["int4_fit"].info.choices == INT4_FITS
     assert set(specs["int4_policy"].info.choices) == set(INT4_POLICIES)
+
+
+def test_the_config_tree_imports_no_torch_and_the_server_not_the_offline_api() -> None:
+    """`hpi serve --help` and `make contracts` stay fast; the server assembles its engine without `LLM`."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hpi_runtime.cli, hpi_runtime.serve_contract; assert 'torch' not in sys.modules, 'torch'; "
+            "import hpi_runtime.server.main, hpi_runtime.engine_factory; "
+            "assert 'hpi_runtime.llm' not in sys.modules, 'llm'")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

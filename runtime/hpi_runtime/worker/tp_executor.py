@@ -59,7 +59,7 @@ class _Worker:
 
 class MultiprocExecutor:
     def __init__(self, config: ExecutorConfig) -> None:
-        size = config.tensor_parallel_size
+        size = config.parallel.tensor_parallel_size
         if size < 2:
             raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {size}")
         if config.device.type == "cuda" and torch.cuda.device_count() < size:
@@ -108,7 +108,7 @@ class MultiprocExecutor:
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return self.config.cache.block_size
 
     @property
     def num_host_kv_blocks(self) -> int:

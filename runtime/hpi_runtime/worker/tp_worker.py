@@ -60,7 +60,7 @@ def _start(spec: WorkerSpec):
     from hpi_runtime.worker.executor import LocalExecutor
 
     config = spec.config
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     if config.device.type == "cuda":
         device, backend = torch.device("cuda", spec.rank), "nccl"
         torch.cuda.set_device(device)
