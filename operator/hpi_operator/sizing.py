@@ -22,12 +22,14 @@ import math
 from dataclasses import dataclass
 
 from hpi_contracts import kv_cache
+from hpi_contracts.serve_flags import SERVE_FLAGS
 
 from .spec import ModelSize, ModelSpec, SpecError, base_model_name
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-INT4_GROUP_SIZE = 32  # the runtime's default --quantization-group-size
+# The operator never passes --quantization-group-size: the runtime's default is what its pods use.
+INT4_GROUP_SIZE = SERVE_FLAGS["--quantization-group-size"].default
 # Bytes per quantized weight, scales included (int8 scales are per output channel: negligible).
 # int4 keeps a 16-bit scale and a 16-bit zero per group (hpi_kernels.quant's asymmetric format).
 QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
