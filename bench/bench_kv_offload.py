@@ -165,7 +165,7 @@ def run_chat(plan: ChatPlan, user_turns: list[list[str]], kv_bytes: int, offload
 def run_kv_offload(plan: ChatPlan, log_dir: Path, progress=print) -> dict:
     from transformers import AutoTokenizer
 
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     model_dir, _ = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

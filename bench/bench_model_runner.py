@@ -94,7 +94,8 @@ def main() -> None:
                       max_num_seqs=max(args.concurrency), **flag)  # fmt: skip
             startup_s = time.perf_counter() - start
             if hf_model is None:
-                hf_model = AutoModelForCausalLM.from_pretrained(llm.bundle.model_dir, dtype=getattr(torch, dtype))
+                model_dir = llm.bundle.resolved.model_dir
+                hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
                 hf_model = hf_model.to(args.device).eval()
                 _transformers(hf_model, llm.tokenizer.pad_token_id or 0, _prompts(llm, 2), 4)  # warm-up
             pad_id = llm.tokenizer.pad_token_id or 0

@@ -103,8 +103,8 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         ppl = perplexity(executor.model, executor.runner.backend, ids)
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
-                              llm.bundle.quantization_scheme, llm.bundle.weight_bytes, load_s, tokens_per_s, ppl,
-                              answer))  # fmt: skip
+                              llm.bundle.resolved.quantization_scheme, llm.bundle.footprint.weight_bytes, load_s,
+                              tokens_per_s, ppl, answer))  # fmt: skip
         llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
     return results

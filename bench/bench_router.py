@@ -315,7 +315,7 @@ def run(plan: Plan, log_dir: Path, sections: tuple[str, ...], fleet_name: str = 
     from transformers import AutoTokenizer
 
     from bench.report import machine_description
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     fleet = FLEETS[fleet_name]
     results: dict = {"machine": machine_description(), "plan": asdict(plan),

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, hpi_command
-from hpi_runtime.llm import resolve_model_dir
+from hpi_runtime.model_source import resolve_model_dir
 
 
 def _cpu_s(process: psutil.Process) -> float:

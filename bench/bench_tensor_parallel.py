@@ -61,7 +61,7 @@ def markdown(results: dict) -> str:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory; default: the embedded model")

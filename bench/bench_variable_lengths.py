@@ -66,7 +66,7 @@ def run_transformers(requests, tokenizer, args: argparse.Namespace, model_dir: P
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=64)

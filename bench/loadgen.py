@@ -262,7 +262,7 @@ def summarize(run: RunResult) -> dict:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", required=True)

@@ -70,7 +70,7 @@ def run_prefix_cache(plan: PrefixPlan, model_dir: Path, log_dir: Path, progress=
 
 
 def main() -> None:
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in asdict(PrefixPlan()).items():

@@ -30,6 +30,7 @@ import unittest.mock
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from hpi_runtime.config import CacheConfig
 from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.embedded import ensure_embedded_model
 from hpi_runtime.models.config import load_model_config
@@ -135,7 +136,8 @@ UNPACKED_LAYOUTS = {  # what the executor's fp32 CPU weight layout functions do 
 
 def _executor(mode: str, dtype: torch.dtype) -> LocalExecutor:
     settings = dict(model_config=load_model_config(ensure_embedded_model()), dtype=dtype, device=torch.device("cpu"),
-                    block_size=BLOCK_SIZE, max_model_len=2048, kv_cache_memory_bytes=512 << 20)  # fmt: skip
+                    max_model_len=2048,
+                    cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=512 << 20))  # fmt: skip
     if "enforce_eager" in {f.name for f in dataclasses.fields(ExecutorConfig)}:
         settings.update(MODES[mode])
     elif mode != "eager":

@@ -139,7 +139,7 @@ def batch1_floor(model_dir: Path, dtypes=(torch.float32, torch.bfloat16), repeat
 
 
 if __name__ == "__main__":
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     model_dir, _ = resolve_model_dir(None)
     print(model_flops_per_token(model_dir))

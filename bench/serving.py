@@ -122,8 +122,8 @@ def run_transformers(plan: ServingPlan, tokenizer, model_dir: Path, dtype: torch
 def run_hpi_offline(plan: ServingPlan, tokenizer, progress) -> dict:
     """hpi's offline `LLM.generate` (no HTTP, no second process) on the requests of each closed-loop run, with
     max_num_seqs = N: what the server would reach if serving cost nothing. Same dtype (auto) and KV size."""
-    from hpi_runtime.cli import parse_bytes
     from hpi_runtime.llm import LLM
+    from hpi_runtime.options import parse_bytes
     from hpi_runtime.sampling_params import SamplingParams
 
     runs = []
@@ -223,7 +223,8 @@ def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir:
 
 
 def main() -> None:
-    from hpi_runtime.llm import resolve_dtype, resolve_model_dir
+    from hpi_runtime.engine_factory import resolve_dtype
+    from hpi_runtime.model_source import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(ServingPlan.concurrencies))

@@ -30,10 +30,8 @@ def test_every_linked_doc_exists() -> None:
     assert not missing, f"docs/architecture.md links to missing docs: {missing}"
 
 
-# The design lives in the repository (docs/). Files still citing an outside design document, each waiting on
-# the change that owns it: llm.py is rewritten by issue 32's config-tree work, which points its dtype note at
-# docs/engine.md ("dtype on CPU"). An entry that no longer cites it fails below: delete the entry then.
-CITES_OUTSIDE_DESIGN = {"runtime/hpi_runtime/llm.py"}
+# The design lives in the repository (docs/): no file cites a design document outside it.
+CITES_OUTSIDE_DESIGN: set[str] = set()
 
 
 def test_nothing_cites_a_design_document_outside_the_repository() -> None:

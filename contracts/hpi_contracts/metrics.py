@@ -35,6 +35,8 @@ def total(counter: str) -> str:
 
 
 # Everything the operator (reconciler and autoscaler) may read from a runtime pod's /metrics.
-READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, NUM_PREEMPTIONS)
+# The counters (request_success, prompt_tokens, generation_tokens) are the fleet optimizer's demand.
+READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, NUM_PREEMPTIONS,
+                                     REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS)  # fmt: skip
 # Everything the router reads.
 READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY)

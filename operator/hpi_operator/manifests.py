@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpi_contracts.serve import serve_args
+
 from .names import (
     ANNOTATION_SPEC_HASH,
     LABEL_COMPONENT,
@@ -152,34 +154,31 @@ def model_dir(spec: InferenceSpec, cached_dir: str | None = None) -> str | None:
 
 
 def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None) -> list[str]:
-    """Arguments of `hpi serve` (runtime/hpi_runtime/cli.py) for one profile."""
+    """Arguments of `hpi serve` for one profile, through the flag contract (hpi_contracts.serve_flags, generated
+    from the runtime's config tree): a flag the runtime lacks is a ValueError here. None leaves a flag out."""
     engine = spec.engine
-    args = ["serve", "--host", "0.0.0.0", "--port", str(RUNTIME_PORT)]
-    directory = model_dir(spec, cached_dir)
-    if directory:
-        args += ["--model", directory]
-    args += [
-        "--served-model-name", served_model_name(owner_name, spec),
-        "--device", profile.device,
-        "--dtype", RUNTIME_DTYPES[profile.dtype],
-        "--max-model-len", str(engine.max_model_len),
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--block-size", str(engine.block_size),
+    prequantized_or_none = profile.quantization == "none" or profile.prequantized
+    flags = serve_args({
+        "--host": "0.0.0.0",
+        "--port": RUNTIME_PORT,
+        "--model": model_dir(spec, cached_dir) or None,
+        "--served-model-name": served_model_name(owner_name, spec),
+        "--device": profile.device,
+        "--dtype": RUNTIME_DTYPES[profile.dtype],
+        "--max-model-len": engine.max_model_len,
+        "--max-num-seqs": engine.max_num_seqs,
+        "--block-size": engine.block_size,
         # Per tensor-parallel rank, as the runtime reads it: the profile's KV bytes are the whole replica's.
-        "--kv-cache-memory", str(profile.kv_cache_bytes_per_gpu),
-        "--drain-timeout", str(spec.runtime.drain_timeout_s),
-    ]  # fmt: skip
-    if profile.kv_offload_bytes:
-        args += ["--kv-offload-bytes", str(profile.kv_offload_bytes_per_gpu)]
-    # Weight-only int8/int4 applied by the runtime at load time; a pre-quantized checkpoint is detected by the
-    # runtime from its config.json and needs (and takes) no flag.
-    if profile.quantization != "none" and not profile.prequantized:
-        args += ["--quantization", profile.quantization]
-    if engine.max_num_batched_tokens:
-        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
-    if profile.num_gpus > 1:
-        args += ["--tensor-parallel-size", str(profile.num_gpus)]
-    return args + list(spec.runtime.extra_args)
+        "--kv-cache-memory": profile.kv_cache_bytes_per_gpu,
+        "--drain-timeout": spec.runtime.drain_timeout_s,
+        "--kv-offload-bytes": profile.kv_offload_bytes_per_gpu if profile.kv_offload_bytes else None,
+        # Weight-only int8/int4 applied by the runtime at load time; a pre-quantized checkpoint is detected by
+        # the runtime from its config.json and needs (and takes) no flag.
+        "--quantization": None if prequantized_or_none else profile.quantization,
+        "--max-num-batched-tokens": engine.max_num_batched_tokens or None,
+        "--tensor-parallel-size": profile.num_gpus if profile.num_gpus > 1 else None,
+    })  # fmt: skip
+    return ["serve", *flags, *spec.runtime.extra_args]
 
 
 # The runtime's own downloader (same image, runtime/hpi_runtime/download.py): configs first, then only the

@@ -1,4 +1,4 @@
-"""The operator's own Prometheus metrics (not the runtime's: those are in metric_names.py)."""
+"""The operator's own Prometheus metrics (not the runtime's: those are in hpi_contracts.metrics)."""
 
 from __future__ import annotations
 

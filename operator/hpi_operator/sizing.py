@@ -21,11 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hpi_contracts import kv_cache
+from hpi_contracts.serve_flags import SERVE_FLAGS
+
 from .spec import ModelSize, ModelSpec, SpecError, base_model_name
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-INT4_GROUP_SIZE = 32  # the runtime's default --quantization-group-size
+# The operator never passes --quantization-group-size: the runtime's default is what its pods use.
+INT4_GROUP_SIZE = SERVE_FLAGS["--quantization-group-size"].default
 # Bytes per quantized weight, scales included (int8 scales are per output channel: negligible).
 # int4 keeps a 16-bit scale and a 16-bit zero per group (hpi_kernels.quant's asymmetric format).
 QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
@@ -179,7 +183,7 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1) -> int:
     affords, so a replica pays num_gpus x the fullest rank's share (the plain K and V size when even)."""
     num_ranks = max(num_gpus, 1)
     num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
-    return 2 * shape.num_layers * num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]  # K and V
+    return kv_cache.kv_bytes_per_token(shape.num_layers, num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype])
 
 
 def kv_cache_bytes(shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1) -> int:

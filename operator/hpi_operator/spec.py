@@ -15,6 +15,8 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from hpi_contracts.kv_cache import BLOCK_SIZES
+
 from .crd_defaults import crd_default, with_defaults
 from .fleet.performance import Slo
 from .fleet.settings import PoolSettings, parse_pools, parse_slo
@@ -28,7 +30,6 @@ ROUTING_MODES = ("router", "inferencePool", "service")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
-BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 _PARAM_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 

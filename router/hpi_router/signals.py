@@ -11,15 +11,17 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpi_contracts import metrics
+from hpi_contracts.metrics import (
+    GENERATION_TOKENS,
+    KV_CACHE_USAGE,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    READ_BY_ROUTER,
+    READY,
+    total,
+)
 
-RUNNING = metrics.NUM_REQUESTS_RUNNING
-WAITING = metrics.NUM_REQUESTS_WAITING
-KV_USAGE = metrics.KV_CACHE_USAGE
-GENERATION_TOKENS = metrics.total(metrics.GENERATION_TOKENS)  # a counter: its sample carries `_total`
-READY = metrics.READY
-# The families the parser is handed: the contract's list of what the router reads.
-_FAMILIES = metrics.READ_BY_ROUTER
+GENERATION_TOKENS_SAMPLE = total(GENERATION_TOKENS)  # a counter's samples carry _total
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,8 @@ class ScrapeSample:
 def _wanted(line: str) -> bool:
     if line.startswith("#"):
         parts = line.split(" ", 3)
-        return len(parts) > 2 and parts[2] in _FAMILIES
-    return line.startswith(_FAMILIES)
+        return len(parts) > 2 and parts[2] in READ_BY_ROUTER
+    return line.startswith(READ_BY_ROUTER)
 
 
 def parse_metrics(text: str) -> ScrapeSample:
@@ -46,15 +48,15 @@ def parse_metrics(text: str) -> ScrapeSample:
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
-            if sample.name == KV_USAGE:  # a fraction: the fullest cache is the one that matters
+            if sample.name == KV_CACHE_USAGE:  # a fraction: the fullest cache is the one that matters
                 sums[sample.name] = max(sums.get(sample.name, 0.0), sample.value)
             else:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     ready = sums.get(READY)
     return ScrapeSample(
-        num_running=sums.get(RUNNING),
-        num_waiting=sums.get(WAITING),
-        kv_usage=sums.get(KV_USAGE),
-        generation_tokens=sums.get(GENERATION_TOKENS),
+        num_running=sums.get(NUM_REQUESTS_RUNNING),
+        num_waiting=sums.get(NUM_REQUESTS_WAITING),
+        kv_usage=sums.get(KV_CACHE_USAGE),
+        generation_tokens=sums.get(GENERATION_TOKENS_SAMPLE),
         ready=None if ready is None else ready > 0,
     )

@@ -116,14 +116,14 @@ def test_embedded_model_on_cuda_in_16_bit_matches_transformers(dtype: str) -> No
         max_model_len=512,
         kv_cache_memory_bytes=64 * 2**20,
     )
-    assert llm.bundle.dtype == dtype
+    assert llm.bundle.resolved.dtype == dtype
     answer = llm.chat(WIDE_MARGIN_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert "Paris" in answer.text, answer.text
     # min_tokens bans EOS so that every prompt yields num_compared tokens to compare.
     params = SamplingParams(temperature=0.0, max_tokens=num_compared, min_tokens=num_compared)
     outputs = llm.chat(WIDE_MARGIN_PROMPTS, params)
     llm.shutdown()
-    hf_model = AutoModelForCausalLM.from_pretrained(llm.bundle.model_dir, dtype=getattr(torch, dtype))
+    hf_model = AutoModelForCausalLM.from_pretrained(llm.bundle.resolved.model_dir, dtype=getattr(torch, dtype))
     hf_model = hf_model.to("cuda").eval()
     for output in outputs:
         prompt = torch.tensor([output.prompt_token_ids], device="cuda")

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from hpi_contracts.metrics import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
 from hpi_operator.autoscaling.manifests import (
     ANNOTATION_PROMETHEUS_URL,
     HPA_KV_METRIC,
@@ -22,7 +23,6 @@ from hpi_operator.autoscaling.manifests import (
     milli,
 )
 from hpi_operator.manifests import Owner
-from hpi_operator.metric_names import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
 from hpi_operator.names import ANNOTATION_SPEC_HASH
 from hpi_operator.spec import AutoscalingSpec, parse_spec
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp.web
 import pytest
 
+from hpi_contracts.metrics import KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from hpi_operator.autoscaling.decision import PodLoad
 from hpi_operator.autoscaling.scrape import (
     UNPARSABLE,
@@ -22,7 +23,6 @@ from hpi_operator.autoscaling.scrape import (
     ready_pod_targets,
     scrape_pods,
 )
-from hpi_operator.metric_names import KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
 
 def vllm_metrics(kv: float, waiting: float = 0, running: float = 0, model: str = "llama") -> str:
@@ -83,7 +83,7 @@ def test_parse_vllm_text() -> None:
 
 
 def test_parse_runtime_text_uses_only_the_shared_names() -> None:
-    # Exactly the names the runtime exports (metric_names.py): a rename on either side fails here.
+    # Exactly the names the runtime exports (hpi_contracts.metrics): a rename on either side fails here.
     text = f"{KV_CACHE_USAGE}{{model_name=\"m\"}} 0.5\n{NUM_REQUESTS_WAITING}{{model_name=\"m\"}} 1\n" \
            f"{NUM_REQUESTS_RUNNING}{{model_name=\"m\"}} 2\n"  # fmt: skip
     assert parse_load("p", text) == PodLoad("p", 0.5, 1.0, 2.0)
@@ -179,7 +179,7 @@ def test_ready_pod_targets() -> None:
 
 
 def test_parse_the_runtimes_own_exposition() -> None:
-    """The operator reads what hpi_runtime's /metrics writes (both sides of the metric_names contract)."""
+    """The operator reads what hpi_runtime's /metrics writes (both sides of the hpi_contracts.metrics contract)."""
     metrics = pytest.importorskip("hpi_runtime.server.metrics", reason="the runtime package is not installed")
     from hpi_runtime.core.engine_io import EngineStats  # the engine's own stats: new fields keep their defaults
 

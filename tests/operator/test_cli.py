@@ -10,7 +10,7 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from hpi_operator import metric_names
+from hpi_contracts import metrics
 from hpi_operator.cli import main, render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,8 +87,8 @@ def test_operator_package_imports_no_torch() -> None:
 
 
 def test_metric_names_are_vllm_names() -> None:
-    assert metric_names.READ_BY_OPERATOR == (
+    assert metrics.READ_BY_OPERATOR == (
         "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_preemptions",
         "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
     )  # fmt: skip
-    assert all(name.startswith("vllm:") for name in metric_names.READ_BY_OPERATOR)
+    assert all(name.startswith("vllm:") for name in metrics.READ_BY_OPERATOR)

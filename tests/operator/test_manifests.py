@@ -8,6 +8,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from hpi_contracts.serve import serve_args
+from hpi_contracts.serve_flags import SERVE_FLAGS
 from hpi_operator.manifests import short_name, spec_hash
 from hpi_operator.names import ANNOTATION_SPEC_HASH
 from hpi_operator.nodes import node_info
@@ -239,7 +241,8 @@ def test_tensor_parallel_replica_asks_for_its_gpus_and_passes_the_size() -> None
 )
 def test_kv_cache_memory_is_per_rank_and_every_rank_holds_the_profiles_tokens(size: dict[str, Any] | None) -> None:
     parallel = pytest.importorskip("hpi_runtime.models.parallel")
-    from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+    from hpi_contracts.kv_cache import kv_bytes_per_token
+    from hpi_runtime.core.kv_budget import num_blocks_for_budget
 
     plan = tensor_parallel_plan(size)
     [choice] = plan.choices
@@ -275,6 +278,24 @@ def test_runtime_parser_accepts_the_rendered_args() -> None:
             assert args.command == "serve" and args.port == 8000
             assert unknown == [], unknown
             assert args.tensor_parallel_size == int(main["resources"]["limits"].get("nvidia.com/gpu", 1))
+
+
+def test_every_flag_the_operator_emits_is_in_the_runtime_flag_contract() -> None:
+    """The contract is generated from the runtime's config tree (tests/runtime/test_config.py keeps it fresh), so a
+    flag renamed or removed in the runtime fails here, without importing the runtime."""
+    plans = [plan_for(key) for key in SPECS] + [tensor_parallel_plan()]
+    emitted = {a for plan in plans for dep in plan.deployments for a in container(dep)["args"] if a.startswith("--")}
+    assert {"--block-size", "--kv-cache-memory", "--served-model-name", "--drain-timeout"} <= emitted
+    assert emitted <= set(SERVE_FLAGS), emitted - set(SERVE_FLAGS)
+
+
+def test_serve_args_refuses_what_the_runtime_would_refuse() -> None:
+    assert serve_args({"--block-size": 32, "--model": None, "--enforce-eager": True}) == [
+        "--block-size", "32", "--enforce-eager"]  # fmt: skip
+    with pytest.raises(ValueError, match="no flag --block-sise"):
+        serve_args({"--block-sise": 16})
+    with pytest.raises(ValueError, match="--block-size must be one of 8, 16, 32, 64, 128; got 12"):
+        serve_args({"--block-size": 12})
 
 
 def test_service_and_pdb_select_every_pool() -> None:

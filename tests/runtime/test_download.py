@@ -196,7 +196,7 @@ async def test_serve_by_hub_id_uses_this_downloader(
     """`hpi serve org/name` (llm.resolve_model_dir) goes through the same verified download, into HF_HOME."""
     import huggingface_hub.constants
 
-    from hpi_runtime.llm import resolve_model_dir
+    from hpi_runtime.model_source import resolve_model_dir
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))

@@ -32,15 +32,18 @@ RUNTIME_LAYERS = (
         "hpi_runtime.core.interface",  # scheduler <-> model runner
         "hpi_runtime.core.engine_io",  # frontend <-> engine core
         "hpi_runtime.core.kv_budget",  # the KV-bytes formula
+        "hpi_runtime.options",  # how a config field becomes a flag and an LLM argument
     ),
     ("hpi_runtime.attention",),
     # The model on one device: families, weights, quantization, and the engine settings beside them.
-    ("hpi_runtime.models", "hpi_runtime.quantization", "hpi_runtime.config", "hpi_runtime.download"),
+    ("hpi_runtime.models", "hpi_runtime.quantization", "hpi_runtime.config", "hpi_runtime.download",
+     "hpi_runtime.model_source"),
     ("hpi_runtime.worker",),  # model runner, executors
     ("hpi_runtime.core",),  # scheduler, KV cache manager, engine core and its process
     ("hpi_runtime.frontend",),  # input and output processors, AsyncLLM, LLMEngine
-    ("hpi_runtime.server", "hpi_runtime.llm", "hpi_runtime.router"),  # the HTTP server, the offline LLM
-    ("hpi_runtime.cli",),
+    ("hpi_runtime.engine_factory",),  # EngineArgs -> the resolved engine, for the server and LLM
+    ("hpi_runtime.server", "hpi_runtime.llm"),  # the HTTP server, the offline LLM
+    ("hpi_runtime.cli", "hpi_runtime.serve_contract"),
     ("hpi_runtime.evaluation",),  # measurements over a loaded model: never imported by serving code
 )
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import kopf
 
+from hpi_contracts.metrics import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING
+
 from ..manifests import Owner, common_labels, served_model_name, short_name, stamp_hash
-from ..metric_names import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING
 from ..names import API_VERSION, GROUP, KIND
 from ..spec import AutoscalingSpec, InferenceSpec
 

@@ -1,7 +1,7 @@
 """Reading the runtime pods' KV-cache load: which pods to ask (pure, from the Pod objects), and an async scrape
 of each one's /metrics (aiohttp, prometheus_client's text parser) into a per-pod result.
 
-Only the names in metric_names.py are read. They are vLLM's, so stock vLLM pods scrape the same way. A pod
+Only the names in hpi_contracts.metrics are read. They are vLLM's, so stock vLLM pods scrape the same way. A pod
 that does not answer, answers badly, or lacks the KV gauge is a `ScrapeFailed`, never a zero load.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..metric_names import (
+from hpi_contracts.metrics import (
     GENERATION_TOKENS,
     KV_CACHE_USAGE,
     MODEL_NAME_LABEL,
@@ -25,6 +25,7 @@ from ..metric_names import (
     PROMPT_TOKENS,
     REQUEST_SUCCESS,
 )
+
 from ..names import RUNTIME_PORT, RUNTIME_PORT_NAME
 from .decision import Observation, PodLoad
 

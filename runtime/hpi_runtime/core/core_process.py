@@ -43,7 +43,7 @@ from hpi_runtime.core.engine_io import (
     Shutdown,
     StepFailed,
 )
-from hpi_runtime.core.interface import ExecutorDeadError
+from hpi_runtime.core.interface import ExecutorDeadError, MemoryFootprint
 
 if TYPE_CHECKING:
     from hpi_runtime.worker.executor import ExecutorConfig
@@ -127,7 +127,8 @@ class ThreadCoreClient:
             target=run_core_loop, args=(self.core, self._inbox, emit), name="hpi-engine-core", daemon=True
         )
         self._thread.start()
-        return CoreInfo(0, 0, self.core.kv_cache_manager.num_blocks)
+        manager = self.core.kv_cache_manager  # a core built by the caller: its executor's bytes are not known here
+        return CoreInfo(MemoryFootprint(0, 0, manager.num_blocks, self.core.config.block_size))
 
     def send(self, message: AddRequest | AbortRequests) -> None:
         self._inbox.put(message)
@@ -163,8 +164,7 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
         logger.exception("loading the model in the engine core failed")
         conn.send(CoreDead(f"loading failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(CoreInfo(executor.weight_bytes, executor.kv_cache_bytes, executor.num_kv_blocks,
-                       executor.host_kv_cache_bytes, executor.num_host_kv_blocks))  # fmt: skip
+    conn.send(CoreInfo(executor.footprint))
     # The model and everything loaded so far live as long as the process: keep them out of the GC's way.
     gc.collect()
     gc.freeze()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from hpi_runtime.core.interface import TokenLogprobs
+from hpi_runtime.core.interface import MemoryFootprint, TokenLogprobs
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -87,11 +87,7 @@ class Shutdown:
 class CoreInfo:
     """Sent once by a core process when its model is loaded and its KV cache allocated."""
 
-    weight_bytes: int
-    kv_cache_bytes: int
-    num_kv_blocks: int
-    host_kv_cache_bytes: int = 0  # the host-memory KV tier, 0 when off
-    num_host_kv_blocks: int = 0
+    footprint: MemoryFootprint
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, gc=False):

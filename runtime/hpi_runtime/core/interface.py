@@ -101,6 +101,20 @@ class ModelRunnerOutput:
     prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MemoryFootprint:
+    """What a loaded model holds, measured by its executor: the one record the workers, the core process, the
+    server's metrics and `LLM` all report. Bytes are summed over tensor-parallel ranks; block counts are per
+    rank (every rank holds the same blocks)."""
+
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    block_size: int
+    host_kv_cache_bytes: int = 0  # the host-memory KV tier, 0 when off
+    num_host_kv_blocks: int = 0
+
+
 class ExecutorDeadError(RuntimeError):
     """The executor can never run another step (a tensor-parallel worker process died). Unlike a failed
     step, which fails only its own requests, this ends the engine: the server reports itself unhealthy

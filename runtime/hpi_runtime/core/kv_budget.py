@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token across all layers. The runtime's one formula (ModelConfig and each rank's executor
-    call it); the operator, which cannot import the runtime, mirrors it and test_manifests checks they agree."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
 def num_blocks_for_budget(kv_cache_memory_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int) -> int:
     for name, value in (
         ("kv_cache_memory_bytes", kv_cache_memory_bytes),

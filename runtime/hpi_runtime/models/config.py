@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpi_runtime.core import kv_budget
+from hpi_contracts import kv_cache
 from hpi_runtime.models import registry
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers, unsharded."""
-        return kv_budget.kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+        return kv_cache.kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

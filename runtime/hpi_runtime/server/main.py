@@ -19,7 +19,6 @@ from aiohttp import web
 
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.app import build_app
-from hpi_runtime.server.metrics import ModelFootprint
 from hpi_runtime.server.state import ServedModel, ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -71,8 +70,8 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
 
 
 async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
-    """Check the settings and load the tokenizer here (`prepare` returns a PreparedEngine), then start the
-    engine core in its own process, which loads the weights and allocates the KV cache."""
+    """Check the settings and load the tokenizer here (`prepare` returns engine_factory's ResolvedEngine), then
+    start the engine core in its own process, which loads the weights and allocates the KV cache."""
     from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
     from hpi_runtime.frontend.async_engine import AsyncLLM
 
@@ -90,9 +89,8 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         if engine is not None:
             await engine.shutdown()
         return
-    state.metrics.set_footprint(ModelFootprint(info.weight_bytes, info.kv_cache_bytes, info.num_kv_blocks,
-                                               prepared.engine_config.block_size, info.host_kv_cache_bytes,
-                                               info.num_host_kv_blocks))
+    footprint = info.footprint
+    state.metrics.set_footprint(footprint)
     state.metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
     vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)
@@ -109,11 +107,11 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     gc.freeze()
     logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB in %d blocks, "
                 "max_model_len %d; engine core in its own process", state.settings.served_model_name,
-                prepared.dtype, prepared.quantization_detail, prepared.device, info.weight_bytes / 2**20,
-                info.kv_cache_bytes / 2**20, info.num_kv_blocks, max_model_len)
-    if info.num_host_kv_blocks:
+                prepared.dtype, prepared.quantization_detail, prepared.device, footprint.weight_bytes / 2**20,
+                footprint.kv_cache_bytes / 2**20, footprint.num_kv_blocks, max_model_len)
+    if footprint.num_host_kv_blocks:
         logger.info("host KV tier: %.1f MiB of host memory in %d blocks (offloaded prefix blocks, swapped-out "
-                    "requests)", info.host_kv_cache_bytes / 2**20, info.num_host_kv_blocks)
+                    "requests)", footprint.host_kv_cache_bytes / 2**20, footprint.num_host_kv_blocks)
 
 
 async def _warm_up(engine, tokenizer) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus metrics under vLLM's names (the ecosystem's contract) plus `hpi:` extras.
+"""Prometheus metrics under vLLM's names (the ecosystem's contract, spelled in hpi_contracts.metrics) plus
+`hpi:` extras.
 
 Each server owns its own CollectorRegistry (no process-global state). Gauges and counters are brought up
 to date from the engine's cumulative stats whenever /metrics is scraped, so the numbers are exact at scrape
@@ -11,48 +12,41 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from hpi_contracts import metrics as names
+from hpi_runtime.core.interface import MemoryFootprint
+
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
-@dataclass(frozen=True)
-class ModelFootprint:
-    weight_bytes: int
-    kv_cache_bytes: int
-    num_kv_blocks: int
-    block_size: int
-    host_kv_cache_bytes: int = 0
-    num_host_kv_blocks: int = 0
-
-
 class ServingMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = [names.MODEL_NAME_LABEL]
         reg = self.registry
-        self._running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=reg)
-        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+        self._running = Gauge(names.NUM_REQUESTS_RUNNING, "Requests in the running batch.", labels, registry=reg)
+        self._waiting = Gauge(names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.", labels,
                               registry=reg)
-        self._kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", labels,
+        self._kv_usage = Gauge(names.KV_CACHE_USAGE, "KV-cache usage, 0 to 1 (1 = full).", labels,
                                registry=reg)
-        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
-        self._generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=reg)
-        self._preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", labels, registry=reg)
-        self._prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", labels,
+        self._prompt_tokens = Counter(names.PROMPT_TOKENS, "Prefill tokens processed.", labels, registry=reg)
+        self._generation_tokens = Counter(names.GENERATION_TOKENS, "Generated tokens.", labels, registry=reg)
+        self._preemptions = Counter(names.NUM_PREEMPTIONS, "Preemptions (recompute).", labels, registry=reg)
+        self._prefix_queries = Counter(names.PREFIX_CACHE_QUERIES, "Prefix-cache queries, in tokens.", labels,
                                        registry=reg)
-        self._prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
+        self._prefix_hits = Counter(names.PREFIX_CACHE_HITS, "Prefix-cache hits, in tokens.", labels,
                                     registry=reg)
-        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+        self._success = Counter(names.REQUEST_SUCCESS, "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=reg)
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+        self._ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Time to first token.", labels,
                                buckets=LATENCY_BUCKETS_S, registry=reg)
-        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+        self._itl = Histogram(names.INTER_TOKEN_LATENCY, "Time between output tokens.", labels,
                               buckets=ITL_BUCKETS_S, registry=reg)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+        self._e2e = Histogram(names.E2E_REQUEST_LATENCY, "End-to-end request latency.", labels,
                               buckets=LATENCY_BUCKETS_S, registry=reg)
-        self._queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting before scheduling.",
+        self._queue = Histogram(names.REQUEST_QUEUE_TIME, "Time spent waiting before scheduling.",
                                 labels, buckets=LATENCY_BUCKETS_S, registry=reg)
         self._weight_bytes = Gauge("hpi:model_weight_bytes", "Bytes of model weights on the device.", labels,
                                    registry=reg)
@@ -61,7 +55,7 @@ class ServingMetrics:
         self._kv_blocks = Gauge("hpi:kv_cache_blocks", "KV-cache blocks in the pool.", labels, registry=reg)
         self._block_size = Gauge("hpi:kv_cache_block_size_tokens", "Tokens per KV-cache block.", labels,
                                  registry=reg)
-        self._ready = Gauge("hpi:ready", "1 when the server accepts requests.", labels, registry=reg)
+        self._ready = Gauge(names.READY, "1 when the server accepts requests.", labels, registry=reg)
         self._quantization = Gauge("hpi:quantization_info", "1, labelled with the weights' quantization: method "
                                    "(none|int8|int4) and scheme (e.g. int4-g32-mse-mixed, gptq-int4-g128).",
                                    labels + ["method", "scheme"], registry=reg)  # fmt: skip
@@ -106,7 +100,7 @@ class ServingMetrics:
         for gauge in (self._running, self._waiting, self._kv_usage):
             gauge.labels(model_name).set(0)
 
-    def set_footprint(self, footprint: ModelFootprint) -> None:
+    def set_footprint(self, footprint: MemoryFootprint) -> None:
         self._weight_bytes.labels(self._model).set(footprint.weight_bytes)
         self._kv_bytes.labels(self._model).set(footprint.kv_cache_bytes)
         self._kv_blocks.labels(self._model).set(footprint.num_kv_blocks)

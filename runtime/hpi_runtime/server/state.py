@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hpi_runtime.config import ServerConfig
 from hpi_runtime.server.errors import ApiError
 from hpi_runtime.server.metrics import ServingMetrics
 
@@ -28,10 +29,13 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """config.ServerConfig resolved for serving: the name fixed, the API key read, the origins split. Its
+    defaults are ServerConfig's (tests build it directly)."""
+
     served_model_name: str
     api_key: str | None = None
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    drain_timeout_s: float = 30.0
+    max_request_body_bytes: int = ServerConfig.max_request_body_bytes
+    drain_timeout_s: float = ServerConfig.drain_timeout_s
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral: enables tool_choice "auto"
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); empty: no CORS
 

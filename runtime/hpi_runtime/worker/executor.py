@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hpi_contracts.kv_cache import kv_bytes_per_token
 from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.core.interface import ModelRunnerOutput, SchedulerOutput
-from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+from hpi_runtime.config import CacheConfig, ParallelConfig
+from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
@@ -30,23 +32,25 @@ CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weight
 
 @dataclass(frozen=True)
 class ExecutorConfig:
+    """What an executor is built from: the options resolved for torch (dtype, device, backend, quantization
+    plan) beside the config tree's cache and parallel sections as given (hpi_runtime/config.py)."""
+
     model_config: ModelConfig
     dtype: torch.dtype
     device: torch.device  # the device type; tensor-parallel rank r uses CUDA device r
-    block_size: int
     max_model_len: int
+    # block_size; per rank: kv_cache_memory_bytes (None: 1 GiB on CPU, on CUDA a share of what the loaded
+    # weights leave free, measured after loading so it holds for quantized weights too) and kv_offload_bytes
+    # (the host-memory KV tier, host_kv_cache.py; 0 turns it off).
+    cache: CacheConfig = CacheConfig()
+    parallel: ParallelConfig = ParallelConfig()
     # KV token slots one request needs at once (less than max_model_len when blocks behind a sliding window
     # are freed: kv_budget.kv_tokens_per_request); None: max_model_len.
     kv_tokens_per_request: int | None = None
-    # Per rank: the KV cache gets as many blocks as fit in this. None: 1 GiB on CPU, on CUDA a share of
-    # what the loaded weights leave free (measured after loading, so it holds for quantized weights too).
-    kv_cache_memory_bytes: int | None = None
-    kv_offload_bytes: int = 0  # per rank: the host-memory KV tier (host_kv_cache.py); 0 turns it off
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # resolved: "torch" or "triton", never "auto"
     seed: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # banned before a request's min_tokens
     quantization: QuantizationConfig = QuantizationConfig()  # weight-only int8/int4, applied after loading
-    tensor_parallel_size: int = 1
     enforce_eager: bool = False  # vLLM's name: no torch.compile of the model step
     # Compiled CPU step: Inductor freezing (weights as constants, prepacked for oneDNN). Off: in fp32 on the
     # CPU measured (AVX512-BF16 without AMX, 2 cores; bench/results/hot_path.md) oneDNN's prepacked linears
@@ -65,8 +69,8 @@ def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> in
 
 
 def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
+    if config.cache.kv_cache_memory_bytes is not None:
+        return config.cache.kv_cache_memory_bytes
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
     free_bytes, _ = torch.cuda.mem_get_info(device)
@@ -91,29 +95,34 @@ class LocalExecutor:
         self.model = load_model(model_config, config.dtype, device, backend, tp)
         quantize_model(self.model, config.quantization)  # in place, one layer at a time
         pack_cpu_weights(self.model) or use_sgemm_layout(self.model)
-        self.weight_bytes = weight_bytes(self.model)
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
                 kv_budget_bytes(config, device),
                 rank_kv_bytes_per_token(self.model, config.dtype),
-                config.block_size,
+                config.cache.block_size,
                 config.kv_tokens_per_request or config.max_model_len,
             )
         )
-        self.kv_cache_bytes = allocate_kv_caches(
-            self.model, KVCacheSpec(self._num_kv_blocks, config.block_size, config.dtype), device
+        kv_cache_bytes = allocate_kv_caches(
+            self.model, KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.dtype), device
         )
-        block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.block_size
-        self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.kv_offload_bytes, block_bytes))
+        block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.cache.block_size
+        self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.cache.kv_offload_bytes, block_bytes))
         self.host_kv_cache = None
-        self.host_kv_cache_bytes = 0
         if self._num_host_kv_blocks:
             self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
-            self.host_kv_cache_bytes = self.host_kv_cache.num_bytes
+        self.footprint = MemoryFootprint(
+            weight_bytes=weight_bytes(self.model),
+            kv_cache_bytes=kv_cache_bytes,
+            num_kv_blocks=self._num_kv_blocks,
+            block_size=config.cache.block_size,
+            host_kv_cache_bytes=0 if self.host_kv_cache is None else self.host_kv_cache.num_bytes,
+            num_host_kv_blocks=self._num_host_kv_blocks,
+        )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         self.runner = ModelRunner(
-            self.model, backend, config.block_size, eos_token_ids, config.seed, compile_config(config, device)
+            self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
         )
 
     @property
@@ -122,7 +131,7 @@ class LocalExecutor:
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return self.config.cache.block_size
 
     @property
     def num_host_kv_blocks(self) -> int:

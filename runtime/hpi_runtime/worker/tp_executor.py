@@ -12,6 +12,7 @@ steps through the failure callbacks, so an idle server notices too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -58,7 +59,7 @@ class _Worker:
 
 class MultiprocExecutor:
     def __init__(self, config: ExecutorConfig) -> None:
-        size = config.tensor_parallel_size
+        size = config.parallel.tensor_parallel_size
         if size < 2:
             raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {size}")
         if config.device.type == "cuda" and torch.cuda.device_count() < size:
@@ -90,11 +91,12 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._num_kv_blocks = infos[0].num_kv_blocks
-        self.weight_bytes = sum(info.weight_bytes for info in infos)
-        self.kv_cache_bytes = sum(info.kv_cache_bytes for info in infos)
-        self._num_host_kv_blocks = infos[0].num_host_kv_blocks
-        self.host_kv_cache_bytes = sum(info.host_kv_cache_bytes for info in infos)
+        self.footprint = dataclasses.replace(
+            infos[0],  # block counts: every rank holds the same
+            weight_bytes=sum(info.weight_bytes for info in infos),
+            kv_cache_bytes=sum(info.kv_cache_bytes for info in infos),
+            host_kv_cache_bytes=sum(info.host_kv_cache_bytes for info in infos),
+        )
         self._monitor = threading.Thread(target=self._watch, name="hpi-tp-monitor", daemon=True)
         self._monitor.start()
         logger.info("tensor parallel: %d worker processes ready (%s), pids %s", size,
@@ -102,15 +104,15 @@ class MultiprocExecutor:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self._num_kv_blocks
+        return self.footprint.num_kv_blocks
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return self.config.cache.block_size
 
     @property
     def num_host_kv_blocks(self) -> int:
-        return self._num_host_kv_blocks
+        return self.footprint.num_host_kv_blocks
 
     @property
     def worker_pids(self) -> list[int]:

@@ -1,9 +1,10 @@
 """One tensor-parallel rank in its own process: join the process group, load this rank's shard, then run
 every step the engine sends until told to stop (or until the engine process goes away).
 
-Protocol over the worker's pipe (pickled tuples): after start-up the worker sends (READY, WorkerInfo) or
-(FAILED, the exception) and exits; then, for every pickled SchedulerOutput received, (OK, ModelRunnerOutput
-on rank 0, None elsewhere) or (FAILED, an exception naming the rank). The bytes b"shutdown" end the loop.
+Protocol over the worker's pipe (pickled tuples): after start-up the worker sends (READY, this rank's
+MemoryFootprint) or (FAILED, the exception) and exits; then, for every pickled SchedulerOutput received,
+(OK, ModelRunnerOutput on rank 0, None elsewhere) or (FAILED, an exception naming the rank). The bytes
+b"shutdown" end the loop.
 """
 
 from __future__ import annotations
@@ -35,15 +36,6 @@ class WorkerSpec:
     num_threads: int  # torch intra-op threads on CPU
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    num_kv_blocks: int  # already the minimum over ranks
-    weight_bytes: int
-    kv_cache_bytes: int
-    num_host_kv_blocks: int = 0  # the host KV tier's, also the minimum over ranks
-    host_kv_cache_bytes: int = 0
-
-
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """The process target."""
     # Ctrl-C reaches the whole foreground process group; the engine process decides when workers stop
@@ -55,9 +47,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         logger.error("tensor-parallel rank %d failed to start:\n%s", spec.rank, traceback.format_exc())
         _send(conn, (FAILED, _portable(exc, f"tensor-parallel rank {spec.rank} failed to start")))
         raise SystemExit(1) from None
-    info = WorkerInfo(executor.num_kv_blocks, executor.weight_bytes, executor.kv_cache_bytes,
-                      executor.num_host_kv_blocks, executor.host_kv_cache_bytes)  # fmt: skip
-    _send(conn, (READY, info))
+    _send(conn, (READY, executor.footprint))  # its block counts are already the minimum over ranks
     try:
         _serve(executor, conn, spec.rank)
     finally:
@@ -70,7 +60,7 @@ def _start(spec: WorkerSpec):
     from hpi_runtime.worker.executor import LocalExecutor
 
     config = spec.config
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     if config.device.type == "cuda":
         device, backend = torch.device("cuda", spec.rank), "nccl"
         torch.cuda.set_device(device)

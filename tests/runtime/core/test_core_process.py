@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from hpi_runtime.config import EngineArgs
 from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
+from hpi_runtime.engine_factory import create_engine, resolve_engine
 from hpi_runtime.frontend.async_engine import AsyncLLM, EngineDeadError
-from hpi_runtime.llm import LoadConfig, create_engine, prepare_engine
 from hpi_runtime.sampling_params import SamplingParams
 
-LOAD = LoadConfig(dtype="float32", kv_cache_memory_bytes=1 << 20)
+OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 1 << 20}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 60))]
 
 
-def _spec(model_dir: Path, load: LoadConfig = LOAD) -> tuple[CoreProcessSpec, object]:
-    prepared = prepare_engine(model_dir, load=load)
+def _spec(model_dir: Path, **options) -> tuple[CoreProcessSpec, object]:
+    prepared = resolve_engine(EngineArgs.from_options(model=str(model_dir), **{**OPTIONS, **options}))
     return CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids), prepared
 
 
@@ -49,7 +50,7 @@ async def _run(llm: AsyncLLM, request_id: str, prompt: list[int], params: Sampli
 async def test_process_core_matches_in_process_engine(core_llm: AsyncLLM, tiny_model_dir: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     streamed = await asyncio.gather(*(_run(core_llm, f"r{i}", p, params) for i, p in enumerate(PROMPTS)))
-    bundle = create_engine(tiny_model_dir, load=LOAD)
+    bundle = create_engine(EngineArgs.from_options(model=str(tiny_model_dir), **OPTIONS))
     for i, prompt in enumerate(PROMPTS):
         bundle.engine.add_request(f"r{i}", prompt, params)
     expected = {}
@@ -65,7 +66,7 @@ async def test_process_core_matches_in_process_engine(core_llm: AsyncLLM, tiny_m
         assert final.output_token_ids == expected[f"r{i}"].output_token_ids
         assert "".join(o.text_delta for o in outputs) == final.text == expected[f"r{i}"].text
         assert len([lp for o in outputs for lp in o.new_logprobs]) == 12
-    assert core_llm.core_info.num_kv_blocks > 0 and core_llm.core_info.weight_bytes > 0
+    assert core_llm.core_info.footprint.num_kv_blocks > 0 and core_llm.core_info.footprint.weight_bytes > 0
     await _eventually(lambda: core_llm.get_stats().num_generation_tokens == 36)
     assert core_llm.get_stats().kv_cache_usage == 0.0
 
@@ -93,7 +94,7 @@ async def test_abort_and_stop_string_free_the_core_blocks(core_llm: AsyncLLM, ti
 
 
 async def test_core_that_fails_to_load_says_why(tiny_model_dir: Path) -> None:
-    spec, prepared = _spec(tiny_model_dir, LoadConfig(dtype="float32", kv_cache_memory_bytes=1 << 10))
+    spec, prepared = _spec(tiny_model_dir, kv_cache_memory_bytes=1 << 10)
     llm = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
     with pytest.raises(RuntimeError, match="loading failed.*max_model_len"):
         await llm.start()

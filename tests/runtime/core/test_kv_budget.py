@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpi_runtime.core.kv_budget import kv_bytes_per_token, num_blocks_for_budget
+from hpi_contracts.kv_cache import kv_bytes_per_token
+from hpi_runtime.core.kv_budget import num_blocks_for_budget
 
 
 def test_smollm2_budget_in_bf16():

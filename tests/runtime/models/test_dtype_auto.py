@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hpi_kernels.cpu import cpu_kernels_available
-from hpi_runtime import cpu_features, llm
-from hpi_runtime.llm import resolve_dtype
+from hpi_runtime import cpu_features, engine_factory
+from hpi_runtime.engine_factory import resolve_dtype
 
 CPU = torch.device("cpu")
 AVX512_BF16 = {"avx2", "avx512f", "avx512_bf16"}
@@ -35,7 +35,7 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}
 )
 def test_auto_picks_bf16_where_it_is_fast(monkeypatch, flags: set[str], kernels: bool, expected: torch.dtype) -> None:
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(llm, "cpu_kernels_available", lambda: kernels)
+    monkeypatch.setattr(engine_factory, "cpu_kernels_available", lambda: kernels)
     assert resolve_dtype("auto", CPU, "bfloat16") == expected
     assert resolve_dtype("float32", CPU, "bfloat16") == torch.float32
     assert resolve_dtype("bfloat16", CPU, "float32") == torch.bfloat16

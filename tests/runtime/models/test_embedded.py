@@ -53,7 +53,7 @@ def test_greedy_equals_transformers(embedded_llm: LLM, embedded_model_dir: Path,
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     ours = [list(o.output_token_ids) for o in embedded_llm.generate(prompt_token_ids, params)]
     hf_model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
-    eos_ids = sorted(embedded_llm.bundle.eos_token_ids)
+    eos_ids = sorted(embedded_llm.bundle.resolved.eos_token_ids)
     for prompt, generated in zip(prompt_token_ids, ours, strict=True):
         # Teacher-forced greedy: one forward over prompt + our tokens; transformers' argmax at every
         # position must be our next token, which is exactly what its token-by-token greedy search checks.

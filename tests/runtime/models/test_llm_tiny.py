@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_runtime.config import EngineConfig
-from hpi_runtime.llm import LLM, LoadConfig, create_engine
+from hpi_runtime.config import EngineArgs
+from hpi_runtime.engine_factory import create_engine
+from hpi_runtime.llm import LLM
 from hpi_runtime.models.linear import LinearBase
 from hpi_runtime.quantization.linear import QuantizedLinear
 from hpi_runtime.quantization.quantize import QuantizedLMHead
@@ -103,27 +104,31 @@ def test_generation_stops_and_min_tokens(tiny_llm: LLM) -> None:
 
 
 def test_create_engine_bundle_and_errors(tiny_model_dir: Path) -> None:
-    bundle = create_engine(tiny_model_dir, load=LoadConfig(dtype="float32", kv_cache_memory_bytes=1 << 20))
-    assert bundle.model_name == tiny_model_dir.name and bundle.model_dir == tiny_model_dir
-    assert bundle.max_model_len == 512 and bundle.eos_token_ids == frozenset({2})
-    assert (bundle.dtype, bundle.device) == ("float32", "cpu")
-    assert bundle.num_kv_blocks == (1 << 20) // (16 * 512) and bundle.kv_cache_bytes == bundle.num_kv_blocks * 16 * 512
-    assert bundle.weight_bytes == sum(p.numel() * 4 for p in bundle.engine.executor.model.parameters())
+    bundle = create_engine(
+        EngineArgs.from_options(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    )
+    assert bundle.resolved.model_name == tiny_model_dir.name and bundle.resolved.model_dir == tiny_model_dir
+    assert bundle.resolved.max_model_len == 512 and bundle.resolved.eos_token_ids == frozenset({2})
+    assert (bundle.resolved.dtype, bundle.resolved.device) == ("float32", "cpu")
+    footprint = bundle.footprint
+    assert footprint.num_kv_blocks == (1 << 20) // (16 * 512)
+    assert footprint.kv_cache_bytes == footprint.num_kv_blocks * 16 * 512
+    assert bundle.footprint.weight_bytes == sum(p.numel() * 4 for p in bundle.engine.executor.model.parameters())
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
-        create_engine(tiny_model_dir, engine_config=EngineConfig(max_model_len=1024))
+        create_engine(EngineArgs.from_options(model=str(tiny_model_dir), max_model_len=1024))
     with pytest.raises(ValueError, match="dtype must be"):
-        create_engine(tiny_model_dir, load=LoadConfig(dtype="float64"))
+        create_engine(EngineArgs.from_options(model=str(tiny_model_dir), dtype="float64"))
     with pytest.raises(ValueError, match="KV cache budget"):
-        create_engine(tiny_model_dir, load=LoadConfig(kv_cache_memory_bytes=1 << 10))
+        create_engine(EngineArgs.from_options(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 10))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        create_engine(tiny_model_dir / "nope")
+        create_engine(EngineArgs.from_options(model=str(tiny_model_dir / "nope")))
 
 
 def test_bfloat16_tracks_float32(tiny_model_dir: Path, tiny_llm: LLM) -> None:
     prompt = _prompts(len(tiny_llm.tokenizer), [11], seed=6)[0]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     bf16 = LLM(tiny_model_dir, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 20)
-    assert bf16.bundle.dtype == "bfloat16"
+    assert bf16.bundle.resolved.dtype == "bfloat16"
     reference = tiny_llm.generate([prompt], params)[0]
     output = bf16.generate([prompt], params)[0]
     assert output.output_token_ids[:3] == reference.output_token_ids[:3]
@@ -222,10 +227,12 @@ def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir
         llm.shutdown()
     with pytest.raises(ValueError, match="untied LM head"):
         create_engine(
-            tiny_model_dir, load=LoadConfig(quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20)
+            EngineArgs.from_options(
+                model=str(tiny_model_dir), quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20
+            )
         )
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
-        create_engine(untied, load=LoadConfig(quantize_lm_head=True, kv_cache_memory_bytes=1 << 20))
+        create_engine(EngineArgs.from_options(model=str(untied), quantize_lm_head=True, kv_cache_memory_bytes=1 << 20))
 
 
 def test_priority_orders_admission_in_the_offline_api(tiny_model_dir: Path) -> None:

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpi_runtime.attention.torch_backend import TorchAttentionBackend
-from hpi_runtime.llm import check_tensor_parallel
+from hpi_runtime.engine_factory import check_tensor_parallel
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.loader import load_model
 from hpi_runtime.models.parallel import TensorParallel, balanced_span, split_heads

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.llm import LLM, LoadConfig, prepare_engine
+from hpi_runtime.config import EngineArgs
+from hpi_runtime.engine_factory import resolve_engine
+from hpi_runtime.llm import LLM
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.loader import load_model
 from hpi_runtime.quantization.checkpoint import parse_quantization_config, read_checkpoint_quantization
@@ -118,14 +120,14 @@ def test_engine_serves_a_pre_quantized_checkpoint_without_requantizing(float_dir
     model_dir = tmp_path / "awq"
     write_quantized_checkpoint(float_dir, model_dir, FORMATS[2])
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=64, enforce_eager=True)
-    assert llm.bundle.quantization == "int4"
-    assert llm.bundle.quantization_scheme == "awq-int4-g128"
+    assert llm.bundle.resolved.quantization == "int4"
+    assert llm.bundle.resolved.quantization_scheme == "awq-int4-g128"
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 4
     # Asking for the checkpoint's own precision is fine; asking to re-quantize it to another is not.
-    prepare_engine(model_dir, load=LoadConfig(quantization="int4"))
+    resolve_engine(EngineArgs.from_options(model=str(model_dir), quantization="int4"))
     with pytest.raises(ValueError, match="pre-quantized"):
-        prepare_engine(model_dir, load=LoadConfig(quantization="int8"))
+        resolve_engine(EngineArgs.from_options(model=str(model_dir), quantization="int8"))
 
 
 @pytest.mark.parametrize(
@@ -156,4 +158,4 @@ def test_unsupported_checkpoint_fails_before_loading_weights(float_dir: Path, tm
     config["quantization_config"] = {**gptq_config(), "bits": 3}
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="only 4-bit GPTQ"):
-        prepare_engine(model_dir)
+        resolve_engine(EngineArgs.from_options(model=str(model_dir)))

@@ -25,8 +25,10 @@ import pytest
 import torch
 
 from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.config import EngineArgs
+from hpi_runtime.engine_factory import create_engine
 from hpi_runtime.evaluation.perplexity import perplexity
-from hpi_runtime.llm import LLM, LoadConfig, create_engine
+from hpi_runtime.llm import LLM
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.loader import load_model
 from hpi_runtime.sampling_params import SamplingParams
@@ -65,7 +67,7 @@ def test_embedded_model_answers_paris_and_keeps_perplexity(
 ) -> None:
     llm = LLM(None, dtype=dtype, quantization=method, kv_cache_memory_bytes=16 << 20, max_model_len=256,
               enforce_eager=True)  # fmt: skip
-    assert llm.bundle.quantization == method and llm.bundle.dtype == dtype
+    assert llm.bundle.resolved.quantization == method and llm.bundle.resolved.dtype == dtype
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     for question in ("What is the capital of France?", "What is the capital of France? Answer in one word."):
         answer = llm.chat([{"role": "user", "content": question}], greedy)[0].text
@@ -103,6 +105,8 @@ def test_quantized_embedded_model_on_cuda_answers_paris_and_keeps_perplexity(
 
 def test_create_engine_rejects_bad_quantization_settings(embedded_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
-        create_engine(embedded_model_dir, load=LoadConfig(quantization="fp8"))
+        create_engine(EngineArgs.from_options(model=str(embedded_model_dir), quantization="fp8"))
     with pytest.raises(ValueError, match="does not divide"):  # hidden 576 is not a multiple of 128
-        create_engine(embedded_model_dir, load=LoadConfig(quantization="int4", quantization_group_size=128))
+        create_engine(
+            EngineArgs.from_options(model=str(embedded_model_dir), quantization="int4", quantization_group_size=128)
+        )

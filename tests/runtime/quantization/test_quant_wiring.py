@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from hpi_runtime.cli import build_parser
-from hpi_runtime.llm import LLM, LoadConfig, create_engine, prepare_engine
+from hpi_runtime.config import EngineArgs
+from hpi_runtime.engine_factory import create_engine, resolve_engine
+from hpi_runtime.llm import LLM
 from hpi_runtime.quantization.linear import QuantizedLinear
 from hpi_runtime.quantization.policy import _RULES, DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE, INT4_FITS, INT4_GROUP_SIZES, QuantizationConfig
@@ -45,10 +47,11 @@ def test_serve_flags() -> None:
 def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> None:
     footprints = {}
     for method in ("none", "int8", "int4"):
-        load = LoadConfig(dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20, enforce_eager=True)
-        bundle = create_engine(tiny_model_dir, load=load)
-        footprints[method] = bundle.weight_bytes
-        assert bundle.quantization == method
+        args = EngineArgs.from_options(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                       kv_cache_memory_bytes=1 << 20, enforce_eager=True)
+        bundle = create_engine(args)
+        footprints[method] = bundle.footprint.weight_bytes
+        assert bundle.resolved.quantization == method
     # Tiny model: 2 layers of 64x(128 qkv + 64 o + 256 gate_up) + 128x64 down linears = 73728 weights, the
     # float embedding (vocab x 64) is shared by the LM head and stays fp32.
     linear_weights = 2 * (64 * (128 + 64 + 256) + 128 * 64)
@@ -65,13 +68,13 @@ def test_llm_generates_with_quantized_linears(tiny_model_dir: Path) -> None:
 
 
 def test_int4_scheme_and_policy_are_named_for_the_metric_and_the_log(tiny_model_dir: Path) -> None:
-    prepared = prepare_engine(tiny_model_dir, load=LoadConfig(quantization="int4"))
+    prepared = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4"))
     assert prepared.quantization == "int4"
     assert prepared.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
     assert "int8: qkv_proj of layers 0-1" in prepared.quantization_detail
     uniform = QuantizationConfig("int4", int4_policy="uniform", int4_fit="minmax")
     assert uniform.scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-minmax-uniform"
-    assert prepare_engine(tiny_model_dir).quantization_scheme == "none"
+    assert resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir))).quantization_scheme == "none"
     metrics = ServingMetrics("tiny")
     metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
     rendered = metrics.render().decode()

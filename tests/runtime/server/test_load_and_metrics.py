@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hpi_operator.metric_names import READ_BY_OPERATOR  # the names the operator reads
+from hpi_contracts.metrics import READ_BY_OPERATOR  # the names the operator reads
 from hpi_testing.server import RuntimeServer, metric_samples
 
 VLLM_CONTRACT = [

@@ -11,6 +11,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.config import CacheConfig
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.loader import load_model
@@ -117,7 +118,7 @@ def test_no_recompilation_across_step_shapes(tiny_model_dir: Path) -> None:
 
 def _executor(model_dir: Path, enforce_eager: bool) -> LocalExecutor:
     config = ExecutorConfig(model_config=load_model_config(model_dir), dtype=torch.float32, device=torch.device("cpu"),
-                            block_size=BLOCK_SIZE, max_model_len=64, kv_cache_memory_bytes=1 << 20,
+                            max_model_len=64, cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20),
                             enforce_eager=enforce_eager)  # fmt: skip
     return LocalExecutor(config)
 

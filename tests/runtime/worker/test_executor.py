@@ -1,4 +1,4 @@
-"""LocalExecutor's KV sizing: each rank's bytes per token come from the one formula in core/kv_budget.py."""
+"""LocalExecutor's KV sizing: each rank's bytes per token come from the one formula in hpi_contracts.kv_cache."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpi_contracts.kv_cache import kv_bytes_per_token
 from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.core.kv_budget import kv_bytes_per_token
 from hpi_runtime.models.config import ModelConfig, RopeConfig
 from hpi_runtime.models.llama import LlamaForCausalLM
 from hpi_runtime.models.parallel import TensorParallel, split_heads

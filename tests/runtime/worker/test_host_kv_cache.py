@@ -111,6 +111,6 @@ def test_tensor_parallel_ranks_copy_their_own_shards(tiny_model_dir: Path) -> No
     sharded = LLM(tiny_model_dir, tensor_parallel_size=2, kv_offload_bytes=128 * BLOCK * TOKEN_BYTES // 2, **options)
     answers_sharded, stats = _conversations(sharded, num_turns=2)
     sharded.shutdown()
-    assert sharded.bundle.num_kv_blocks == 24
+    assert sharded.bundle.footprint.num_kv_blocks == 24
     assert answers_sharded == answers_single
     assert stats.kv_blocks_to_device > 0 and stats.prefix_cache_host_hits > 0

@@ -74,7 +74,7 @@ def test_tensor_parallel_matches_one_process(tiny_model_factory, arch, overrides
     with _tiny_llm(model_dir, 1) as llm:
         expected = _collect_logprobs(llm, SAMPLING)
     with _tiny_llm(model_dir, tp_size) as llm:
-        assert llm.bundle.num_kv_blocks > 0
+        assert llm.bundle.footprint.num_kv_blocks > 0
         got = _collect_logprobs(llm, SAMPLING)
     for (want_ids, want_lps), (got_ids, got_lps) in zip(expected, got, strict=True):
         assert got_ids == want_ids
