@@ -9,6 +9,9 @@ CACHE := $(CURDIR)/.cache
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): two halve the wall time the suite spends waiting on servers, operators and
+# subprocesses on a 2-core machine (10:51 -> 8:24 for the whole suite, measured); 0 runs in this process.
+PYTEST_WORKERS ?= 2
 # The embedded model is converted once into this folder; helm and kubectl land in $(CACHE)/bin.
 export HPI_CACHE_DIR ?= $(CACHE)
 
@@ -70,7 +73,7 @@ lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .
 
 test: $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
-	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Bench-only installs, kept out of the test requirements: matplotlib, psutil (bench_served_cpu.py) and llguidance
 # (bench/bench_grammar.py compares it with xgrammar) in the venv, and llama-cpp-python (the

@@ -1,5 +1,6 @@
-"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a fitting status, and the
-error middleware the server and the router share (each maps its own exceptions onto an ApiError)."""
+"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a fitting status (the shape
+and the status -> type table are hpi_contracts.openai_errors', which the router answers with too), and the
+server's error middleware (mapping the engine's exceptions onto an ApiError)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,12 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from hpi_contracts.openai_errors import error_body
+
 logger = logging.getLogger(__name__)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, else ours
 ErrorMapper = Callable[[Exception, str], "ApiError | None"]  # (exception, request id) -> the error, or None
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
 
 
 class ApiError(Exception):
@@ -38,14 +29,7 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> web.Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
