@@ -1,4 +1,5 @@
-"""Start `hpi serve` as a real subprocess on a free loopback port and wait until it is ready."""
+"""Start `hpi serve` as a real subprocess on a free loopback port and wait until it is ready; and a loopback
+/metrics endpoint that plays a runtime pod for the operator's scrapers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import aiohttp.web
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -126,3 +128,19 @@ def metric_samples(text: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
+
+
+async def serve_metrics(render: Callable[[], str]) -> tuple[aiohttp.web.AppRunner, int]:
+    """A loopback aiohttp server answering GET /metrics with `render()` (Prometheus text): a fake runtime pod's
+    metrics for the operator's scrapers. Returns (the runner to clean up, its port)."""
+
+    async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(text=render(), content_type="text/plain")
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port

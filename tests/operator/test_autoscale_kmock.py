@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +28,7 @@ from hpi_operator.names import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_testing.cluster_state import autoscaler_polls, field_owners, operator_writes
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
+from hpi_testing.server import serve_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +51,10 @@ class FakeRuntime:
     async def start(self, pod: str, kv: float) -> int:
         self.kv[pod] = kv
 
-        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        def render() -> str:
             kv = self.kv[pod]
             running = 4 if kv > 0.01 else 0
-            text = (
+            return (
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f'vllm:kv_cache_usage_perc{{model_name="m",engine="0"}} {kv}\n'
                 "# TYPE vllm:num_requests_waiting gauge\n"
@@ -62,18 +62,9 @@ class FakeRuntime:
                 "# TYPE vllm:num_requests_running gauge\n"
                 f'vllm:num_requests_running{{model_name="m",engine="0"}} {running}\n'
             )
-            return aiohttp.web.Response(text=text, content_type="text/plain")
 
-        app = aiohttp.web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
-        self.runners[pod], self.ports[pod] = runner, port
-        return port
+        self.runners[pod], self.ports[pod] = await serve_metrics(render)
+        return self.ports[pod]
 
     async def stop(self, pod: str) -> None:
         await self.runners.pop(pod).cleanup()

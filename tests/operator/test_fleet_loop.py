@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp.web
 import kopf
 import pytest
 
@@ -30,6 +28,7 @@ from hpi_operator.op_metrics import OperatorMetrics
 from hpi_operator.plan import make_plan
 from hpi_operator.spec import SpecError, parse_spec
 from hpi_testing.kube_emulator import H200, L4, eventually, make_node, operator_thread
+from hpi_testing.server import serve_metrics
 
 NS = "default"
 CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
@@ -144,24 +143,16 @@ class CountingRuntime:
     async def start(self) -> int:
         started = time.time()
 
-        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        def render() -> str:
             done = self.rate * (time.time() - started)
-            text = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.3\n"
+            return ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.3\n"
                     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n"
                     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
                     f"# TYPE vllm:request_success counter\nvllm:request_success_total {done}\n"
                     f"# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total {done * 500}\n"
                     f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total {done * 200}\n")  # fmt: skip
-            return aiohttp.web.Response(text=text, content_type="text/plain")
 
-        app = aiohttp.web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_metrics(render)
         self.runners.append(runner)
         return port
 
