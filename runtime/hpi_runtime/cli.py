@@ -1,4 +1,4 @@
-"""`hpi`: the runtime's command line (`hpi serve`; the router is its own package, `hpi-router`)."""
+"""`hpi`: the runtime's command line (`hpi serve`, `hpi profile`; the router is its own package, `hpi-router`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from hpi_runtime.config import API_KEY_ENV, EngineArgs, ServerConfig, engine_options, server_options
 from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
 from hpi_runtime.options import OptionSpec, add_flags
+from hpi_runtime.profiling import DEFAULT_BATCH_SIZES, DEFAULT_PROMPT_LENGTHS  # imports no torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,40 @@ def build_parser() -> argparse.ArgumentParser:
         sections.setdefault(spec.section, []).append(spec)
     for section, specs in sections.items():
         add_flags(serve.add_argument_group(section), specs)
+    profile = sub.add_parser(
+        "profile",
+        help="measure this replica's speed for the operator's fleet optimizer",
+        description="Load the model as `hpi serve` would and measure its decode step time against the batch size "
+        "(fitted as ITL = alpha + beta x batch), its prefill throughput and the sequences its KV cache holds; print "
+        "JSON whose first four fields are spec.placement.pools[].performance (docs/autoscaling.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    engine_sections: dict[str, list[OptionSpec]] = {}
+    for spec in engine_options():
+        engine_sections.setdefault(spec.section, []).append(spec)
+    for section, specs in engine_sections.items():
+        add_flags(profile.add_argument_group(section), specs)
+    measured = profile.add_argument_group("profile")
+    measured.add_argument("--context-tokens", type=int, default=1024,
+                          help="prompt + output tokens per sequence the KV capacity is counted at")
+    measured.add_argument("--batch-sizes", type=_int_list, default=list(DEFAULT_BATCH_SIZES),
+                          help="comma-separated decode batch sizes to time (each <= --max-num-seqs)")
+    measured.add_argument("--prompt-lengths", type=_int_list, default=list(DEFAULT_PROMPT_LENGTHS),
+                          help="comma-separated prompt lengths to time the prefill of")
+    measured.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    measured.add_argument("--output", default=None, help="write the JSON here as well as to stdout")
+    measured.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("at least one value")
+    return values
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -68,11 +102,41 @@ def serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(settings, resolve, server.host, server.port))
 
 
+def profile(args: argparse.Namespace) -> int:
+    import json
+
+    from hpi_runtime.engine_factory import create_engine
+    from hpi_runtime.profiling import machine, measure
+
+    try:
+        engine_args = EngineArgs.from_options(**{spec.name: getattr(args, spec.name) for spec in engine_options()})
+        bundle = create_engine(engine_args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hpi profile: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = measure(bundle, args.context_tokens, args.batch_sizes, args.prompt_lengths, args.steps)
+    except ValueError as exc:
+        print(f"hpi profile: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bundle.engine.shutdown()
+    resolved = bundle.resolved
+    text = json.dumps(result.as_json({"device": resolved.device, "dtype": resolved.dtype, **machine()}), indent=1)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         sys.exit(serve(args))
+    if args.command == "profile":
+        sys.exit(profile(args))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ RUNTIME_LAYERS = (
     ("hpi_runtime.core",),  # scheduler, KV cache manager, engine core and its process
     ("hpi_runtime.frontend",),  # input and output processors, AsyncLLM, LLMEngine
     ("hpi_runtime.engine_factory",),  # EngineArgs -> the resolved engine, for the server and LLM
-    ("hpi_runtime.server", "hpi_runtime.llm"),  # the HTTP server, the offline LLM
+    ("hpi_runtime.server", "hpi_runtime.llm", "hpi_runtime.profiling"),  # the HTTP server, the offline LLM,
+    # and `hpi profile`'s measurements
     ("hpi_runtime.cli", "hpi_runtime.serve_contract"),
     ("hpi_runtime.evaluation",),  # measurements over a loaded model: never imported by serving code
 )
