@@ -106,15 +106,6 @@ def builtin_schema(api_version: str, kind: str) -> Schema | None:
     return Schema(_definitions()[name], name) if name else None
 
 
-def schema_at(schema: Schema | None, path: tuple[str, ...]) -> Schema | None:
-    """The schema of the field at `path` (list items: any non-field segment steps into `items`)."""
-    for key in path:
-        if schema is None:
-            return None
-        schema = schema.field(key) if key.isidentifier() or key in (schema.node.get("properties") or {}) else None
-    return schema
-
-
 @functools.cache
 def _validator(api_version: str, kind: str) -> Any:
     """A JSON Schema validator of the kind's strict published schema (unknown fields are errors), built once."""

@@ -843,6 +843,17 @@ def make_node(
     }
 
 
+def runtime_pod(name: str, port: int, labels: dict[str, str], namespace: str = "default") -> dict[str, Any]:
+    """A runtime pod as the Deployment controller and kubelet would leave it: Running, Ready, with a loopback IP
+    and its metrics on `port` (the container port named http), e.g. a hpi_testing.server.serve_metrics one."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"containers": [{"name": "runtime", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }  # fmt: skip
+
+
 H100 = ("NVIDIA-H100-80GB-HBM3", 81559, 8)
 H200 = ("NVIDIA-H200", 143771, 8)
 A100_40 = ("NVIDIA-A100-SXM4-40GB", 40960, 8)

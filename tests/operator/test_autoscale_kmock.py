@@ -28,6 +28,7 @@ from hpi_operator.names import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_testing.cluster_state import autoscaler_polls, field_owners, operator_writes
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
+from hpi_testing.kube_emulator import runtime_pod as make_runtime_pod
 from hpi_testing.server import serve_metrics
 
 pytestmark = pytest.mark.slow
@@ -106,15 +107,7 @@ async def autoscaling_operator(api: kubernetes.client.ApiClient) -> AsyncIterato
 
 
 def runtime_pod(owner: str, name: str, port: int) -> dict[str, Any]:
-    """A runtime pod as the Deployment controller and kubelet would leave it: Running, Ready, with an IP."""
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": {**common_labels(owner), "serving.hpi.dev/pool": "p"}},
-        "spec": {"containers": [{"name": "runtime", "image": "x",
-                                 "ports": [{"name": "http", "containerPort": port}]}]},
-        "status": {"phase": "Running", "podIP": "127.0.0.1",
-                   "conditions": [{"type": "Ready", "status": "True"}]},
-    }  # fmt: skip
+    return make_runtime_pod(name, port, {**common_labels(owner), "serving.hpi.dev/pool": "p"}, NS)
 
 
 def autoscaled_cr(name: str, window_s: int = WINDOW_S) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from hpi_operator.kube import KubeClient
 from hpi_operator.names import FIELD_MANAGER
 from hpi_operator.nodes import node_info
 from hpi_operator.reconcile import reconcile
-from hpi_testing.cluster_state import field_owners, object_path, running_operator
+from hpi_testing.cluster_state import field_owners, object_path, operator_write_records, running_operator
 from hpi_testing.kube_emulator import L4, eventually, make_node
 
 NS = "default"
@@ -66,7 +66,7 @@ class Cluster:
         return await asyncio.to_thread(lambda: [reconcile(body, nodes, self.operator, utc_now()) for _ in range(count)])
 
     def operator_writes(self, since: int) -> list[Any]:
-        return [w for w in self.emulator.writes[since:] if w.manager == FIELD_MANAGER]
+        return operator_write_records(self.emulator, since)
 
 
 async def cluster_with(kube: KubeClient, api: Any, emulator: Any, name: str, spec: dict[str, Any]) -> Cluster:

@@ -27,7 +27,7 @@ from hpi_operator.nodes import node_info
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_operator.plan import make_plan
 from hpi_operator.spec import SpecError, parse_spec
-from hpi_testing.kube_emulator import H200, L4, eventually, make_node, operator_thread
+from hpi_testing.kube_emulator import H200, L4, eventually, make_node, operator_thread, runtime_pod
 from hpi_testing.server import serve_metrics
 
 NS = "default"
@@ -179,12 +179,7 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
     async with counting_runtime() as runtime:
         runtime.rate = 12.0
         port = await runtime.start()
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "fleet-0", "namespace": NS, "labels": common_labels("fleet")},
-               "spec": {"containers": [{"name": "runtime", "image": "x",
-                                        "ports": [{"name": "http", "containerPort": port}]}]},
-               "status": {"phase": "Running", "podIP": "127.0.0.1",
-                          "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+        pod = runtime_pod("fleet-0", port, common_labels("fleet"), NS)
         await asyncio.to_thread(kube.request, "POST", f"/api/v1/namespaces/{NS}/pods", pod)
         context = operator_thread(registry, memo=memo)
         await asyncio.to_thread(context.__enter__)

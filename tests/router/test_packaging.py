@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import tomllib
+from packaging.requirements import Requirement
+
+from hpi_testing.packaging import dependency_closure
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -27,27 +30,8 @@ def test_router_imports_without_torch_or_the_runtime() -> None:
 
 def test_router_dependency_closure_has_no_torch() -> None:
     """Walk the requirements of router/pyproject.toml through the installed distributions' metadata."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
     project = tomllib.loads((REPO / "router" / "pyproject.toml").read_text())["project"]
-    seen: set[str] = set()
-    todo = [Requirement(line).name for line in project["dependencies"]]
-    while todo:
-        name = canonicalize_name(todo.pop())
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            requires = distribution(name).requires or []
-        except PackageNotFoundError:  # an optional dependency of some package, not installed here
-            continue
-        for line in requires:
-            requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
+    seen = dependency_closure(Requirement(line).name for line in project["dependencies"])
     assert {"aiohttp", "kubernetes", "hpi-contracts"} <= seen
     assert not seen & {"torch", "triton", "hpi-runtime", "hpi-kernels"}, "the router's dependencies pull in torch"
 

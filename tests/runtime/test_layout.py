@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hpi_testing.import_graph import import_cycles, import_graph, layer_of, module_names, upward_imports
+from hpi_testing.packaging import dependency_closure
 
 REPO = Path(__file__).resolve().parent.parent.parent
 PROJECT_PACKAGES = ("hpi_contracts", "hpi_kernels", "hpi_runtime", "hpi_operator")
@@ -74,26 +75,7 @@ def test_torch_and_stdlib_operator_import_from_repo_root() -> None:
 def test_operator_dependency_closure_has_no_torch() -> None:
     """The operator image installs hpi-operator alone: nothing it requires, directly or transitively, may be
     torch or triton (its import-time check is in tests/operator/test_cli.py)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    seen: set[str] = set()
-    todo = ["hpi-operator"]
-    while todo:
-        name = canonicalize_name(todo.pop())
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            requires = distribution(name).requires or []
-        except PackageNotFoundError:  # an optional dependency of some package, not installed here
-            continue
-        for line in requires:
-            requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
+    seen = dependency_closure(["hpi-operator"])
     assert {"kopf", "kubernetes", "aiohttp"} <= seen  # the walk really followed the operator's requirements
     assert not seen & {"torch", "triton"}, "the operator's dependencies pull in torch"
 

@@ -50,10 +50,6 @@ class FleetPlan:
     reason: str | None = None  # why not: "capacity: ..." or "no pool fast enough: ..."
     capacities: Mapping[str, ReplicaCapacity] = field(default_factory=dict)  # one replica of each pool
 
-    def cost_per_million_tokens(self, demand: Demand) -> float | None:
-        tokens_per_hour = demand.request_rate * demand.mean_output_tokens * 3600
-        return self.cost_per_hour / tokens_per_hour * 1e6 if tokens_per_hour > 0 else None
-
 
 def _solve(rates: Sequence[float], costs: Sequence[float], lows: Sequence[int], highs: Sequence[int],
            needed: float) -> list[int] | None:  # fmt: skip

@@ -15,7 +15,6 @@ whose time to first token (its prompt's prefill plus one step) stays within the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 SOURCES = ("measured", "assumed", "override")
@@ -50,15 +49,10 @@ class Demand:
     request_rate: float  # requests per second
     mean_prompt_tokens: float
     mean_output_tokens: float
-    p90_prompt_tokens: float | None = None  # the TTFT check's prompt; None: the mean
 
     def __post_init__(self) -> None:
         if self.request_rate < 0 or self.mean_prompt_tokens < 0 or self.mean_output_tokens < 1:
             raise ValueError("demand needs request_rate >= 0, mean_prompt_tokens >= 0, mean_output_tokens >= 1")
-
-    @property
-    def ttft_prompt_tokens(self) -> float:
-        return self.mean_prompt_tokens if self.p90_prompt_tokens is None else self.p90_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -94,7 +88,7 @@ def _rate(perf: PoolPerformance, demand: Demand, batch: int) -> tuple[float, flo
 
 def replica_capacity(perf: PoolPerformance, demand: Demand, slo: Slo) -> ReplicaCapacity:
     """One replica's sustainable request rate within `slo` (the largest batch that keeps both targets)."""
-    ttft_prefill_s = demand.ttft_prompt_tokens / perf.prefill_tokens_per_s
+    ttft_prefill_s = demand.mean_prompt_tokens / perf.prefill_tokens_per_s
     best: ReplicaCapacity | None = None
     low, high = 1, perf.max_num_seqs
     while low <= high:  # step time grows with the batch: binary search the largest batch within the targets
@@ -113,15 +107,7 @@ def replica_capacity(perf: PoolPerformance, demand: Demand, slo: Slo) -> Replica
     if step_one > slo.itl_p90_s:
         reasons.append(f"{step_one * 1e3:.0f} ms per token with one sequence (itlP90 {slo.itl_p90_s * 1e3:.0f} ms)")
     if ttft_prefill_s + step_one > slo.ttft_p90_s:
-        reasons.append(f"a {demand.ttft_prompt_tokens:.0f}-token prompt takes {ttft_prefill_s * 1e3:.0f} ms to "
+        reasons.append(f"a {demand.mean_prompt_tokens:.0f}-token prompt takes {ttft_prefill_s * 1e3:.0f} ms to "
                        f"prefill (ttftP90 {slo.ttft_p90_s * 1e3:.0f} ms)")  # fmt: skip
     why = ", ".join(reasons)
     return ReplicaCapacity(rate, perf.max_num_seqs, step, ttft_prefill_s + step, False, why)
-
-
-def tokens_per_s(capacity: ReplicaCapacity, demand: Demand) -> float:
-    return capacity.request_rate * demand.mean_output_tokens
-
-
-def ceil_div(value: float, per: float) -> int:
-    return math.ceil(value / per - 1e-9) if per > 0 else 0
