@@ -27,6 +27,13 @@ E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 # The project's own: 1 while the server is ready to take requests (the router reads it).
 READY = "hpi:ready"
+# The pool profile the pod was started with (`hpi serve --pool-profile`, hpi_contracts.pool_profile), labelled
+# `source` (measured, assumed, override); absent when none was given. The router's prior for a new backend's speed.
+PROFILE_ITL_ALPHA = "hpi:profile_itl_alpha_seconds"
+PROFILE_ITL_BETA = "hpi:profile_itl_beta_seconds"
+PROFILE_PREFILL_RATE = "hpi:profile_prefill_tokens_per_second"
+PROFILE_MAX_NUM_SEQS = "hpi:profile_max_num_seqs"
+PROFILE_GAUGES: tuple[str, ...] = (PROFILE_ITL_ALPHA, PROFILE_ITL_BETA, PROFILE_PREFILL_RATE, PROFILE_MAX_NUM_SEQS)
 
 
 def total(counter: str) -> str:
@@ -39,4 +46,5 @@ def total(counter: str) -> str:
 READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, NUM_PREEMPTIONS,
                                      REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS)  # fmt: skip
 # Everything the router reads.
-READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY)
+READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY,
+                                   *PROFILE_GAUGES)  # fmt: skip

@@ -37,5 +37,6 @@ _FLAGS = (
     ServeFlag('--allowed-origins', 'allowed_origins', 'str', None),
     ServeFlag('--tool-call-parser', 'tool_call_parser', 'str', None, choices=('hermes', 'llama3_json', 'mistral')),
     ServeFlag('--log-level', 'log_level', 'str', 'info', choices=('debug', 'info', 'warning', 'error')),
+    ServeFlag('--pool-profile', 'pool_profile', 'str', None),
 )
 SERVE_FLAGS: dict[str, ServeFlag] = {flag.name: flag for flag in _FLAGS}

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from hpi_contracts.pool_profile import parse_pool_profile
 from hpi_runtime.config import API_KEY_ENV, EngineArgs, ServerConfig, engine_options, server_options
 from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
 from hpi_runtime.options import OptionSpec, add_flags
@@ -91,6 +92,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, api_key=api_key(args, os.environ),
                               max_request_body_bytes=server.max_request_body_bytes,
                               drain_timeout_s=server.drain_timeout_s, tool_call_parser=server.tool_call_parser,
+                              pool_profile=None if server.pool_profile is None else parse_pool_profile(
+                                  server.pool_profile),
                               allowed_origins=tuple(o.strip() for o in (server.allowed_origins or "").split(",")
                                                     if o.strip()))  # fmt: skip
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpi_contracts.kv_cache import BLOCK_SIZES
+from hpi_contracts.pool_profile import parse_pool_profile
 from hpi_runtime.options import OptionSpec, check_choices, option, option_specs, parse_bytes, positive_int
 
 API_KEY_ENV = "HPI_API_KEY"
@@ -187,9 +188,15 @@ class ServerConfig:
         "llama3_json for Llama 3.1+, mistral for Mistral; 'required' and a named function work without it (the "
         "grammar enforces them)", choices=("hermes", "llama3_json", "mistral"))  # fmt: skip
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+    pool_profile: str | None = option(
+        None, "this replica's measured speed as JSON (hpi profile's itlAlphaMs, itlBetaMs, prefillTokensPerSecond, "
+        "maxNumSeqs, source), exported as hpi:profile_* gauges so the router knows a new replica's speed before "
+        "any traffic; the operator sets it from the pool's profile")  # fmt: skip
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.pool_profile is not None:
+            parse_pool_profile(self.pool_profile)  # a bad profile fails `hpi serve` before the model loads
 
 
 def server_options() -> list[OptionSpec]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from hpi_contracts import metrics as names
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_runtime.core.interface import MemoryFootprint
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -82,6 +83,18 @@ class ServingMetrics:
         self._prefill_computed = Counter("hpi:prefill_tokens_computed", "Tokens run through the model to build "
                                          "the KV of known tokens (prompts, recomputes after preemption): what "
                                          "prefix caching and the host tier save.", labels, registry=reg)
+        profile_labels = labels + ["source"]
+        self._profile = {
+            names.PROFILE_ITL_ALPHA: Gauge(names.PROFILE_ITL_ALPHA, "Pool profile: decode step time with an empty "
+                                           "batch (ITL = alpha + beta x batch).", profile_labels, registry=reg),
+            names.PROFILE_ITL_BETA: Gauge(names.PROFILE_ITL_BETA, "Pool profile: decode step time added per "
+                                          "sequence in the batch.", profile_labels, registry=reg),
+            names.PROFILE_PREFILL_RATE: Gauge(names.PROFILE_PREFILL_RATE, "Pool profile: prefill tokens per "
+                                              "second.", profile_labels, registry=reg),
+            names.PROFILE_MAX_NUM_SEQS: Gauge(names.PROFILE_MAX_NUM_SEQS, "Pool profile: the most sequences the "
+                                              "KV cache holds at the profiled context.", profile_labels,
+                                              registry=reg),
+        }  # fmt: skip
         self._model = model_name
         self._block_bytes = 0  # bytes of one KV block over all ranks, once the footprint is known
         self._last: dict[str, int] = {}
@@ -108,6 +121,14 @@ class ServingMetrics:
         self._host_bytes.labels(self._model).set(footprint.host_kv_cache_bytes)
         self._host_blocks.labels(self._model).set(footprint.num_host_kv_blocks)
         self._block_bytes = footprint.kv_cache_bytes // max(footprint.num_kv_blocks, 1)
+
+    def set_pool_profile(self, profile: PoolProfile) -> None:
+        values = {names.PROFILE_ITL_ALPHA: profile.itl_alpha_ms / 1000,
+                  names.PROFILE_ITL_BETA: profile.itl_beta_ms / 1000,
+                  names.PROFILE_PREFILL_RATE: profile.prefill_tokens_per_s,
+                  names.PROFILE_MAX_NUM_SEQS: profile.max_num_seqs}  # fmt: skip
+        for name, value in values.items():
+            self._profile[name].labels(self._model, profile.source).set(value)
 
     def set_quantization(self, method: str, scheme: str) -> None:
         self._quantization.labels(self._model, method, scheme).set(1)

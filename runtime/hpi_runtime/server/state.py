@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_runtime.config import ServerConfig
 from hpi_runtime.server.errors import ApiError
 from hpi_runtime.server.metrics import ServingMetrics
@@ -38,6 +39,7 @@ class ServerSettings:
     drain_timeout_s: float = ServerConfig.drain_timeout_s
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral: enables tool_choice "auto"
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); empty: no CORS
+    pool_profile: PoolProfile | None = None  # exported as hpi:profile_* gauges (the router's speed prior)
 
 
 class ServerState:
@@ -46,6 +48,8 @@ class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.metrics = ServingMetrics(settings.served_model_name)
+        if settings.pool_profile is not None:
+            self.metrics.set_pool_profile(settings.pool_profile)
         self.model: ServedModel | None = None
         self.draining = False
         self.load_error: str | None = None

@@ -55,3 +55,14 @@ def test_bad_engine_flags_stop_before_the_model_loads() -> None:
     assert result.returncode == 2
     assert "kv_admission_watermark must be in [0, 1), got 1.5" in result.stderr
     assert serve_args("--kv-admission-watermark", "0").kv_admission_watermark == 0.0
+
+
+def test_a_bad_pool_profile_stops_before_the_model_loads() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hpi_runtime.cli", "serve", "--pool-profile", '{"itlAlphaMs": 1}', "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "a pool profile needs itlBetaMs, prefillTokensPerSecond, maxNumSeqs" in result.stderr

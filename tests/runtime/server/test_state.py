@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hpi_contracts import metrics as names
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_runtime.server.state import ServerSettings, ServerState
 
 
@@ -17,3 +23,23 @@ def test_wait_idle_times_out_while_busy_and_returns_once_idle() -> None:
         return timed_out, await state.wait_idle(10)
 
     assert asyncio.run(run()) == (False, True)
+
+
+def _samples(state: ServerState) -> dict[tuple[str, str | None], float]:
+    text = generate_latest(state.metrics.registry).decode()
+    return {(s.name, s.labels.get("source")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_pool_profile_is_exported_as_gauges_in_seconds_with_its_source() -> None:
+    profile = PoolProfile(19.4, 2.5, 760.0, 45, "assumed")
+    state = ServerState(ServerSettings(served_model_name="m", pool_profile=profile))
+    samples = _samples(state)
+    assert samples[(names.PROFILE_ITL_ALPHA, "assumed")] == pytest.approx(0.0194)
+    assert samples[(names.PROFILE_ITL_BETA, "assumed")] == pytest.approx(0.0025)
+    assert samples[(names.PROFILE_PREFILL_RATE, "assumed")] == 760.0
+    assert samples[(names.PROFILE_MAX_NUM_SEQS, "assumed")] == 45
+
+
+def test_without_a_pool_profile_no_profile_gauge_is_exported() -> None:
+    samples = _samples(ServerState(ServerSettings(served_model_name="m")))
+    assert not [name for name, _ in samples if name in names.PROFILE_GAUGES]
