@@ -1,6 +1,6 @@
 """`hpi-router` against round-robin on a mixed fleet, prefix affinity's cache-hit gain, the router's own cost.
 
-Three parts, written to bench/results/router.json (+ a Markdown summary printed for bench/results/router.md):
+Four parts, written to bench/results/router.json (+ a Markdown summary printed for bench/results/router.md):
 1. Mixed fleet: three local `hpi serve` backends of different speed on the embedded model, the same closed-loop
    workload (bench/loadgen.py) through `hpi-router --strategy round-robin` (what a plain Service does, per
    request), through `hpi-router` with affinity off, and with its defaults (affinity on), in rounds that
@@ -12,9 +12,15 @@ Three parts, written to bench/results/router.json (+ a Markdown summary printed 
 3. Overhead: a trivially fast fake backend (its own process) called directly and through the router at
    concurrency 1 (added latency per request), then at concurrency 32 (requests/s, and the router process's
    CPU seconds per request read from /proc: requests per core-second, which survives a noisy machine).
+4. Pick cost (in process, no servers): one request's routing work (pick, start, finish) at 10, 100 and 1,000
+   backends, the scan as the router did it at 3c2a292 (a view of every backend, the ring's full order, the
+   median per request: policy.pick) against the pool's index (BackendPool.choose + started + finished), in
+   alternating blocks in the same process so the machine's swings fall on both; and the once-per-round
+   rescale the index needs instead.
 
     .venv/bin/python -m bench.bench_router                 # modest sizes, ~5-10 min on 2 busy cores
     .venv/bin/python -m bench.bench_router --quick         # a smoke run
+    .venv/bin/python -m bench.bench_router --sections pick # part 4 alone, ~1 min
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import urllib.request
@@ -308,6 +315,90 @@ def overhead(plan: Plan, log_dir: Path, progress) -> dict:
     return out
 
 
+# -- 4. pick cost -------------------------------------------------------------------------------------------------
+
+
+PICK_FLEET_SIZES = (10, 100, 1000)
+PICK_BLOCKS = 7  # alternating blocks per implementation; the median block is reported
+PICK_BLOCK_S = 0.05  # each block runs about this long
+
+
+def pick_fleet(num_backends: int, seed: int):
+    """A ready fleet of `num_backends` in a plausible mid-run state: speeds measured or not, some profiles, a
+    few requests running on each, as the pool holds it after a scrape round."""
+    from hpi_contracts.pool_profile import PoolProfile
+    from hpi_router.affinity import HashRing
+    from hpi_router.config import PolicySettings
+    from hpi_router.pool import BackendPool
+
+    rng = random.Random(seed)
+    profiles = (None, PoolProfile(10.0, 1.0, 1000.0, 64), PoolProfile(80.0, 8.0, 100.0, 4, "assumed"))
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(num_backends)]
+    pool = BackendPool(PolicySettings())
+    pool.apply(urls)
+    for url in urls:
+        backend = pool.get(url)
+        backend.ready, backend.ejected_reason = True, None
+        backend.decode_speed = rng.choice((None, rng.uniform(5, 100)))
+        backend.profile = rng.choice(profiles)
+        backend.num_running = float(rng.randint(0, 6))
+    pool.rescale()
+    return pool, HashRing(urls)
+
+
+def pick_cost(progress) -> dict:
+    from hpi_router.config import PolicySettings
+    from hpi_router.policy import pick
+
+    settings = PolicySettings()
+    keys = [f"system prompt {i}" for i in range(40)]
+
+    def scan(pool, ring, key):  # RouterState.choose + proxy at 3c2a292
+        views = [b.view() for b in pool.ready()]
+        backend = pool.get(pick(views, ring.order(key) if key else None, settings).url)
+        backend.in_flight += 1
+        backend.num_picks += 1
+        backend.in_flight -= 1
+
+    def indexed(pool, ring, key):  # RouterState.choose + proxy now
+        backend = pool.get(pool.choose(ring.walk(key) if key else None).url)
+        pool.started(backend)
+        pool.finished(backend)
+
+    def block_us(one, pool, ring, with_key: bool, num: int) -> float:
+        start = time.perf_counter()
+        for i in range(num):
+            one(pool, ring, keys[i % len(keys)] if with_key else None)
+        return (time.perf_counter() - start) / num * 1e6
+
+    out = {}
+    for n in PICK_FLEET_SIZES:
+        row = {}
+        for with_key in (False, True):
+            label = "affinity_key" if with_key else "no_key"
+            fleets = {"scan": pick_fleet(n, seed=n), "index": pick_fleet(n, seed=n)}
+            impls = {"scan": scan, "index": indexed}
+            reps = {name: max(20, int(PICK_BLOCK_S * 1e6 / block_us(impls[name], *fleets[name], with_key, 20)))
+                    for name in impls}
+            times: dict[str, list[float]] = {name: [] for name in impls}
+            for _ in range(PICK_BLOCKS):
+                for name, one in impls.items():
+                    times[name].append(block_us(one, *fleets[name], with_key, reps[name]))
+            scan_us, index_us = statistics.median(times["scan"]), statistics.median(times["index"])
+            row[label] = {"scan_us": round(scan_us, 2), "index_us": round(index_us, 2),
+                          "ratio_scan_over_index": round(scan_us / index_us, 1)}
+        pool, _ = pick_fleet(n, seed=n)
+        rounds = max(3, int(PICK_BLOCK_S / max(1e-6, n * 5e-6)))
+        start = time.perf_counter()
+        for _ in range(rounds):
+            pool.rescale()
+        row["rescale_per_round_us"] = round((time.perf_counter() - start) / rounds * 1e6, 1)
+        out[str(n)] = row
+        progress(f"pick at {n} backends: no key {row['no_key']}, affinity key {row['affinity_key']}, "
+                 f"rescale {row['rescale_per_round_us']} us per round")
+    return out
+
+
 # -- all ----------------------------------------------------------------------------------------------------------
 
 
@@ -318,11 +409,16 @@ def run(plan: Plan, log_dir: Path, sections: tuple[str, ...], fleet_name: str = 
     from hpi_runtime.model_source import resolve_model_dir
 
     fleet = FLEETS[fleet_name]
-    results: dict = {"machine": machine_description(), "plan": asdict(plan),
-                     f"fleet_{fleet_name}": [asdict(b) for b in fleet]}
+    results: dict = {}
+    # The router-only sections carry their own machine record: a partial run must not restamp the one the
+    # served sections (fleet, prefix) were measured on.
+    if "pick" in sections:
+        results["pick_cost"] = {"machine": machine_description(), **pick_cost(progress)}
     if "overhead" in sections:
-        results["overhead"] = overhead(plan, log_dir, progress)
+        results["overhead"] = {"machine": machine_description(), **overhead(plan, log_dir, progress)}
     if {"fleet", "prefix"} & set(sections):
+        results.update({"machine": machine_description(), "plan": asdict(plan),
+                        f"fleet_{fleet_name}": [asdict(b) for b in fleet]})
         model_dir, _ = resolve_model_dir(None)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         with ExitStack() as stack:
@@ -340,11 +436,13 @@ def run(plan: Plan, log_dir: Path, sections: tuple[str, ...], fleet_name: str = 
     return results
 
 
+SECTIONS = ("overhead", "fleet", "prefix", "pick")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes, results into bench/results/tmp/")
-    parser.add_argument("--sections", nargs="+", default=["overhead", "fleet", "prefix"],
-                        choices=["overhead", "fleet", "prefix"])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--slow-backend", default="batch1", choices=sorted(FLEETS),
                         help="how the third backend is made the weak one (see FLEETS)")
     parser.add_argument("--fake-backend", type=int, default=None, help=argparse.SUPPRESS)
@@ -357,7 +455,7 @@ def main() -> None:
     results = run(QUICK if args.quick else Plan(), log_dir, tuple(args.sections), args.slow_backend)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "router.json"
-    if path.exists() and set(args.sections) != {"overhead", "fleet", "prefix"}:  # a partial run updates its parts
+    if path.exists() and set(args.sections) != set(SECTIONS):  # a partial run updates its parts
         results = {**json.loads(path.read_text()), **results}
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {out_dir / 'router.json'}")

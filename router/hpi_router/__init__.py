@@ -4,6 +4,8 @@ Its own package and image: it needs aiohttp, prometheus-client, the kubernetes c
 never torch or hpi_runtime (tests/router/test_packaging.py checks), so a router pod starts in a second.
 
 Flow, one direction: sources (static --backend list, EndpointSlice watcher) -> `BackendPool` <- monitor
-(scrapes /metrics, probes /ready of ejected backends); request -> `proxy` -> `policy.pick` over frozen
-`BackendView`s (+ affinity ring order) -> forward, stream back, retry elsewhere before the first byte.
+(scrapes /metrics, probes /ready of ejected backends; the pool re-ranks each backend it touches and rescales
+once per round); request -> `proxy` -> `RouterState.choose` -> `BackendPool.choose` (a few backends along the
+affinity ring, then the lowest rank in the pool's index, O(log n); `policy` holds the rules) -> forward, stream
+back, retry elsewhere before the first byte; `pool.started` / `pool.finished` around each attempt.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 VIRTUAL_NODES = 64  # ring points per backend: spreads keys evenly and moves only ~1/n of them on a change
 MAX_TOKEN_IDS = 64  # a prompt given as token ids: this many ids make the key
@@ -65,7 +65,7 @@ def prefix_key(body: dict, num_chars: int) -> str | None:
 
 
 class HashRing:
-    """Consistent hashing: `order(key)` lists all backends, starting at the key's point on the ring."""
+    """Consistent hashing: `walk(key)` yields the backends in ring order from the key's point, each once."""
 
     def __init__(self, urls: Iterable[str]):
         points = sorted((_hash(f"{url}#{i}"), url) for url in set(urls) for i in range(VIRTUAL_NODES))
@@ -73,13 +73,22 @@ class HashRing:
         self._urls = [u for _, u in points]
         self.num_backends = len(set(self._urls))
 
-    def order(self, key: str) -> list[str]:
+    def walk(self, key: str) -> Iterator[str]:
+        """Lazily: a bisect (O(log n)), then a step per ring point. A caller that stops after k backends has
+        stepped over about k points plus the repeats among them (few while k is much smaller than the fleet:
+        each backend's points are spread over the ring), never over the whole ring."""
         if not self._urls:
-            return []
+            return
         start = bisect.bisect(self._hashes, _hash(key))
-        seen: dict[str, None] = {}
+        seen: set[str] = set()
         for i in range(len(self._urls)):
-            seen.setdefault(self._urls[(start + i) % len(self._urls)], None)
-            if len(seen) == self.num_backends:
-                break
-        return list(seen)
+            url = self._urls[(start + i) % len(self._urls)]
+            if url not in seen:
+                seen.add(url)
+                yield url
+                if len(seen) == self.num_backends:
+                    return
+
+    def order(self, key: str) -> list[str]:
+        """All backends in ring order from the key's point (the whole walk)."""
+        return list(self.walk(key))

@@ -36,7 +36,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE_KEY]
-    num_ready = len(state.pool.ready())
+    num_ready = state.pool.num_ready()
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     if num_ready == 0:

@@ -1,20 +1,19 @@
-"""The live backend set: one `Backend` per upstream URL, fed by sources through `BackendPool.apply`.
+"""One backend: a `Backend` per upstream URL (the pool, pool.py, holds them and keeps its pick index in step).
 
 A `Backend` owns what the router knows about one replica: requests in flight through this router, the
-last scraped gauges, its measured decode speed and whether it is ejected. Policy code never sees these
-objects, only the frozen `BackendView` snapshots they hand out.
+last scraped gauges, its pool profile (a prior for its speed), its measured decode speed and whether it is
+ejected. Policy code never sees these objects, only the frozen `BackendView` snapshots they hand out. Only
+`BackendPool` changes them (its `started`, `finished`, `observe`, `eject`, `restore`), so that the index it
+picks from never holds a stale rank.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_router.signals import ScrapeSample
-
-logger = logging.getLogger(__name__)
 
 SPEED_EWMA_WEIGHT = 0.3  # weight of the newest decode-speed sample
 
@@ -31,6 +30,7 @@ class BackendView:
     decode_speed: float | None  # tokens/s one busy request sees there; None until measured
     in_flight_at_scrape: int = 0  # this router's in-flight count when the gauges were scraped
     num_picks: int = 0  # requests this router has sent it, ever (breaks ties: idle backends take turns)
+    profile: PoolProfile | None = None  # its pool's profile (scraped): the prior speed until one is measured
 
 
 class Backend:
@@ -43,25 +43,28 @@ class Backend:
         self.num_waiting = 0.0
         self.kv_usage = 0.0
         self.decode_speed: float | None = None
+        self.profile: PoolProfile | None = None
         self.in_flight_at_scrape = 0
         self.num_picks = 0
         self._last_tokens: tuple[float, float] | None = None  # (monotonic s, generation tokens)
 
     def view(self) -> BackendView:
         return BackendView(self.url, self.in_flight, self.num_running, self.num_waiting, self.kv_usage,
-                           self.decode_speed, self.in_flight_at_scrape, self.num_picks)
+                           self.decode_speed, self.in_flight_at_scrape, self.num_picks, self.profile)
 
     def observe(self, sample: ScrapeSample, now_s: float | None = None) -> None:
         """Take one scrape: gauges as they are; decode speed from the generation-token counter's delta over the
         interval, divided by the requests busy there: the larger of the scraped running batch and this router's
         requests in flight, so that requests stuck before the engine runs them (queued in its frontend, a
         starved CPU) slow the estimate down too. An interval busy at both ends with no token out is a speed of
-        0; idle ones are skipped (they measure nothing)."""
+        0; idle ones are skipped (they measure nothing). The pool profile, when the page has one, is kept as
+        the prior that the first measurement corrects."""
         now_s = time.monotonic() if now_s is None else now_s
         previous_busy = max(self.num_running, self.in_flight_at_scrape)
         self.num_running = sample.num_running or 0.0
         self.num_waiting = sample.num_waiting or 0.0
         self.kv_usage = sample.kv_usage or 0.0
+        self.profile = sample.profile
         self.in_flight_at_scrape = self.in_flight
         if sample.generation_tokens is None:
             return
@@ -72,9 +75,16 @@ class Backend:
         new_tokens = sample.generation_tokens - last[1]
         if new_tokens < 0 or (new_tokens == 0 and min(previous_busy, busy) == 0):
             return  # a restart (counter reset), or (maybe) idle
-        speed = new_tokens / (now_s - last[0]) / max(1.0, (previous_busy + busy) / 2)
-        self.decode_speed = speed if self.decode_speed is None else (
-            SPEED_EWMA_WEIGHT * speed + (1 - SPEED_EWMA_WEIGHT) * self.decode_speed)
+        batch = max(1.0, (previous_busy + busy) / 2)
+        speed = new_tokens / (now_s - last[0]) / batch
+        previous = self.decode_speed
+        if previous is None and self.profile is not None:
+            # Start the average from the prior (at the batch measured), not from this first sample: one short
+            # interval is the noisiest reading there is (a prefill inside it reads as a stall, speed 0), and
+            # the prior is the best estimate held until now; a wrong one fades like any older sample (0.7^k).
+            previous = self.profile.tokens_per_s_per_sequence(min(batch, self.profile.max_num_seqs))
+        self.decode_speed = speed if previous is None else (
+            SPEED_EWMA_WEIGHT * speed + (1 - SPEED_EWMA_WEIGHT) * previous)
 
     def eject(self, reason: str) -> bool:
         """Stop sending it traffic until a /ready probe passes; True if it was taking traffic."""
@@ -84,37 +94,3 @@ class Backend:
 
     def restore(self) -> None:
         self.ready, self.ejected_reason = True, None
-
-
-class BackendPool:
-    """The backend set. Sources call `apply(urls)` with the full current set; removed backends' requests in
-    flight finish on their own (the objects live on in those requests)."""
-
-    def __init__(self, on_change: Callable[[], None] | None = None):
-        self._backends: dict[str, Backend] = {}
-        self._on_change = on_change
-
-    def apply(self, urls: Iterable[str]) -> None:
-        wanted = {url.rstrip("/") for url in urls}
-        added = wanted - self._backends.keys()
-        removed = self._backends.keys() - wanted
-        for url in removed:
-            del self._backends[url]
-        for url in sorted(added):
-            self._backends[url] = Backend(url)
-        if added or removed:
-            logger.info("backends: %d (+%s -%s)", len(self._backends), sorted(added), sorted(removed))
-            if self._on_change is not None:
-                self._on_change()
-
-    def all(self) -> list[Backend]:
-        return list(self._backends.values())
-
-    def ready(self) -> list[Backend]:
-        return [b for b in self._backends.values() if b.ready]
-
-    def get(self, url: str) -> Backend | None:
-        return self._backends.get(url)
-
-    def urls(self) -> list[str]:
-        return sorted(self._backends)

@@ -13,30 +13,32 @@ import time
 
 import aiohttp
 
-from hpi_router.backends import Backend, BackendPool
+from hpi_router.backends import Backend
 from hpi_router.config import RouterSettings
 from hpi_router.metrics import RouterMetrics
+from hpi_router.pool import BackendPool
 from hpi_router.signals import parse_metrics
 
 logger = logging.getLogger(__name__)
 
 
-def eject(backend: Backend, reason: str, metrics: RouterMetrics) -> None:
-    if backend.eject(reason):
+def eject(pool: BackendPool, backend: Backend, reason: str, metrics: RouterMetrics) -> None:
+    if pool.eject(backend, reason):
         metrics.ejections.labels(backend.url).inc()
         logger.warning("ejected %s: %s", backend.url, reason)
 
 
-async def _scrape(session: aiohttp.ClientSession, backend: Backend, metrics: RouterMetrics) -> None:
+async def _scrape(session: aiohttp.ClientSession, pool: BackendPool, backend: Backend,
+                  metrics: RouterMetrics) -> None:
     try:
         async with session.get(f"{backend.url}/metrics") as response:
             if response.status != 200:
                 if response.status >= 500:
-                    eject(backend, f"/metrics answered {response.status}", metrics)
+                    eject(pool, backend, f"/metrics answered {response.status}", metrics)
                 return
             text = await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        eject(backend, f"/metrics failed: {type(exc).__name__}: {exc}", metrics)
+        eject(pool, backend, f"/metrics failed: {type(exc).__name__}: {exc}", metrics)
         return
     try:
         sample = parse_metrics(text)
@@ -44,19 +46,19 @@ async def _scrape(session: aiohttp.ClientSession, backend: Backend, metrics: Rou
         logger.debug("unparsable /metrics from %s: %s", backend.url, exc)
         return
     if sample.ready is False:
-        eject(backend, "hpi:ready is 0 (loading, draining or failed)", metrics)
+        eject(pool, backend, "hpi:ready is 0 (loading, draining or failed)", metrics)
         return
-    backend.observe(sample)
+    pool.observe(backend, sample)
 
 
-async def _probe(session: aiohttp.ClientSession, backend: Backend) -> None:
+async def _probe(session: aiohttp.ClientSession, pool: BackendPool, backend: Backend) -> None:
     try:
         async with session.get(f"{backend.url}/ready") as response:
             ok = response.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         ok = False
     if ok:
-        backend.restore()
+        pool.restore(backend)
         logger.info("backend %s is ready", backend.url)
 
 
@@ -71,10 +73,11 @@ async def monitor(pool: BackendPool, settings: RouterSettings, metrics: RouterMe
             for backend in pool.all():
                 if backend.ready:
                     next_probe.pop(backend.url, None)
-                    jobs.append(_scrape(session, backend, metrics))
+                    jobs.append(_scrape(session, pool, backend, metrics))
                 elif now >= next_probe.get(backend.url, 0.0):
                     next_probe[backend.url] = now + settings.probe_interval_s
-                    jobs.append(_probe(session, backend))
+                    jobs.append(_probe(session, pool, backend))
             await asyncio.gather(*jobs)
+            pool.rescale()  # the round's fleet-wide speed scale: once per round, not per request
             metrics.refresh(pool.all())
             await asyncio.sleep(max(0.0, settings.scrape_interval_s - (time.monotonic() - now)))

@@ -102,7 +102,7 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                 # Past the first byte nothing can be retried: cut the client off rather than end cleanly. (Only
                 # the upstream read is guarded: a client that goes away must not eject the backend.)
                 metrics.stream_failures.labels(backend.url).inc()
-                eject(backend, f"failed mid-stream: {type(exc).__name__}", metrics)
+                eject(state.pool, backend, f"failed mid-stream: {type(exc).__name__}", metrics)
                 logger.warning("request %s: %s failed mid-stream (%s); closing the client connection",
                                request[REQUEST_ID], backend.url, exc)
                 if request.transport is not None:
@@ -134,19 +134,18 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         backend, pick = choice
         tried.add(backend.url)
         state.metrics.picks.labels(backend.url, pick.reason).inc()
-        backend.in_flight += 1
-        backend.num_picks += 1
+        state.pool.started(backend)
         try:
             return await _attempt(request, state, backend, raw)
         except AttemptFailed as exc:
             last = exc
             state.metrics.retries.labels(backend.url, exc.reason).inc()
             if exc.eject:
-                eject(backend, exc.detail, state.metrics)
+                eject(state.pool, backend, exc.detail, state.metrics)
             logger.info("request %s: %s failed before the first byte (%s); trying another backend",
                         request[REQUEST_ID], backend.url, exc.detail)
         finally:
-            backend.in_flight -= 1
+            state.pool.finished(backend)
     if last is None:
         state.metrics.unrouted.labels("no_ready_backend").inc()
         raise ApiError(503, "no backend is ready to take the request", code="no_backend")

@@ -6,17 +6,18 @@ import aiohttp
 from aiohttp import web
 
 from hpi_router.affinity import HashRing
-from hpi_router.backends import Backend, BackendPool
+from hpi_router.backends import Backend
 from hpi_router.config import RouterSettings
 from hpi_router.metrics import RouterMetrics
-from hpi_router.policy import Pick, pick
+from hpi_router.policy import Pick
+from hpi_router.pool import BackendPool
 
 
 class RouterState:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.pool = BackendPool(on_change=self._rebuild_ring)
+        self.pool = BackendPool(settings.policy, on_change=self._rebuild_ring)
         self.ring = HashRing(())
         self.session: aiohttp.ClientSession | None = None  # opened on app startup, in the serving loop
         self.draining = False
@@ -27,9 +28,10 @@ class RouterState:
         self.metrics.refresh(self.pool.all())
 
     def choose(self, affinity_key: str | None, exclude: set[str]) -> tuple[Backend, Pick] | None:
-        ready = self.pool.ready()
-        order = self.ring.order(affinity_key) if affinity_key is not None else None
-        choice = pick([b.view() for b in ready], order, self.settings.policy, exclude)
+        """The backend for one request (O(log n): BackendPool.choose), or None when none is ready outside
+        `exclude`. The caller reports what it does with it: `pool.started(backend)`, then `pool.finished`."""
+        walk = self.ring.walk(affinity_key) if affinity_key is not None else None
+        choice = self.pool.choose(walk, exclude)
         if choice is None:
             return None
         return self.pool.get(choice.url), choice

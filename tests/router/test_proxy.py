@@ -181,10 +181,10 @@ async def test_bad_input_gets_a_4xx_with_a_message(router, fake_backends, body, 
     assert backend.num_requests == 0
 
 
-async def probe_passing_whatever_it_reads(session: aiohttp.ClientSession, backend) -> None:
+async def probe_passing_whatever_it_reads(session: aiohttp.ClientSession, pool, backend) -> None:
     """A deliberately wrong probe: any answer from /ready lets the backend back in."""
     async with session.get(f"{backend.url}/ready"):
-        backend.restore()
+        pool.restore(backend)
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["router", "broken-probe-ignores-status"])

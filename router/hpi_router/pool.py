@@ -1,0 +1,135 @@
+"""The live backend set and its pick index: one `Backend` per upstream URL, fed by sources through `apply`.
+
+Every change that moves a backend's rank goes through a method here, so the index (index.py) always holds
+each ready backend's exact rank under the round's `SpeedScale`: `started` / `finished` around each request
+(the proxy), `observe` / `eject` / `restore` from the monitor, and `rescale` once per scrape round, which
+recomputes the fleet-wide scale (O(n log n)) and re-ranks everyone. A pick (`choose`) is then O(log n): at most
+MAX_AFFINITY_PROBES backends read along the ring, and the index's lowest rank outside the excluded ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable
+from itertools import islice
+
+from hpi_router.backends import Backend
+from hpi_router.config import PolicySettings
+from hpi_router.index import RankIndex
+from hpi_router.policy import MAX_AFFINITY_PROBES, Pick, SpeedScale, affinity_fits, load_of, rank, speed_scale
+from hpi_router.signals import ScrapeSample
+
+logger = logging.getLogger(__name__)
+
+
+class BackendPool:
+    """The backend set. Sources call `apply(urls)` with the full current set; removed backends' requests in
+    flight finish on their own (the objects live on in those requests, outside the index)."""
+
+    def __init__(self, settings: PolicySettings = PolicySettings(), on_change: Callable[[], None] | None = None):
+        self._backends: dict[str, Backend] = {}
+        self._settings = settings
+        self._on_change = on_change
+        self.index = RankIndex()  # the ready backends, by rank
+        self.scale = SpeedScale()  # this round's
+        self._loads: dict[str, float] = {}  # load_of each indexed backend, as last ranked
+        self._fleet_load = 0.0  # their sum (integral values: exact under + and -)
+
+    def apply(self, urls: Iterable[str]) -> None:
+        wanted = {url.rstrip("/") for url in urls}
+        added = wanted - self._backends.keys()
+        removed = self._backends.keys() - wanted
+        for url in removed:
+            del self._backends[url]
+            self._unindex(url)
+        for url in sorted(added):
+            self._backends[url] = Backend(url)
+        if added or removed:
+            logger.info("backends: %d (+%s -%s)", len(self._backends), sorted(added), sorted(removed))
+            if self._on_change is not None:
+                self._on_change()
+
+    def all(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def ready(self) -> list[Backend]:
+        return [b for b in self._backends.values() if b.ready]
+
+    def num_ready(self) -> int:
+        return len(self.index)
+
+    def get(self, url: str) -> Backend | None:
+        return self._backends.get(url)
+
+    def urls(self) -> list[str]:
+        return sorted(self._backends)
+
+    # -- the changes that move a rank ----------------------------------------------------------------------------
+
+    def started(self, backend: Backend) -> None:
+        """A request was sent to `backend`."""
+        backend.in_flight += 1
+        backend.num_picks += 1
+        self._rerank(backend)
+
+    def finished(self, backend: Backend) -> None:
+        """A request sent to `backend` ended (answered, failed or cancelled)."""
+        backend.in_flight -= 1
+        self._rerank(backend)
+
+    def observe(self, backend: Backend, sample: ScrapeSample, now_s: float | None = None) -> None:
+        """One scrape of `backend` (Backend.observe)."""
+        backend.observe(sample, now_s)
+        self._rerank(backend)
+
+    def eject(self, backend: Backend, reason: str) -> bool:
+        """Take it out of rotation until a /ready probe passes; True if it was taking traffic."""
+        was_ready = backend.eject(reason)
+        self._rerank(backend)
+        return was_ready
+
+    def restore(self, backend: Backend) -> None:
+        backend.restore()
+        self._rerank(backend)
+
+    def rescale(self) -> None:
+        """Once per scrape round: the fleet-wide speed scale from the ready backends, and every rank under it."""
+        views = [b.view() for b in self._backends.values() if b.ready]
+        self.scale = speed_scale(views)
+        self.index.rebuild((v.url, rank(v, self.scale, self._settings)) for v in views)
+        self._loads = {v.url: load_of(v) for v in views}
+        self._fleet_load = sum(self._loads.values())
+
+    # -- the pick ------------------------------------------------------------------------------------------------
+
+    def choose(self, ring_walk: Iterable[str] | None, exclude: Collection[str] = ()) -> Pick | None:
+        """policy.pick's decision over the ready backends, without a scan. `ring_walk`: the backends in ring
+        order from the request's affinity key (HashRing.walk), or None; only its first MAX_AFFINITY_PROBES
+        are read."""
+        round_robin = self._settings.strategy == "round-robin"
+        if ring_walk is not None and not round_robin:
+            for url in islice(ring_walk, MAX_AFFINITY_PROBES):
+                if url in self._loads and url not in exclude:
+                    view = self._backends[url].view()
+                    if affinity_fits(view, self.scale, self._fleet_load, self._settings):
+                        return Pick(url, "affinity")
+        url = self.index.lowest(exclude)
+        if url is None:
+            return None
+        return Pick(url, "round_robin" if round_robin else "load")
+
+    def _rerank(self, backend: Backend) -> None:
+        if self._backends.get(backend.url) is not backend:
+            return  # it left the set; its last requests are finishing
+        if not backend.ready:
+            self._unindex(backend.url)
+            return
+        view = backend.view()
+        self.index.set(backend.url, rank(view, self.scale, self._settings))
+        load = load_of(view)
+        self._fleet_load += load - self._loads.get(backend.url, 0.0)
+        self._loads[backend.url] = load
+
+    def _unindex(self, url: str) -> None:
+        self.index.remove(url)
+        self._fleet_load -= self._loads.pop(url, 0.0)
