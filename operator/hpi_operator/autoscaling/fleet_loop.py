@@ -18,6 +18,7 @@ from ..fleet.demand import read_demand
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
 from ..fleet.performance import Demand
+from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
@@ -60,8 +61,9 @@ def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand
 
 
 def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], current: Mapping[str, int],
-               now_s: float) -> FleetPoll:  # fmt: skip
-    """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads."""
+               now_s: float, prices: NodePrices | None = None) -> FleetPoll:  # fmt: skip
+    """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads; `prices`: the
+    nodes' price labels, for pools whose spec sets no costPerHour."""
     spec = plan.spec
     assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
     memory = optimizer_memory(status)
@@ -69,7 +71,9 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     window_s = now_s - memory.at_s if memory.at_s is not None else None
     latency = read_latency(loads, memory.histograms, window_s, spec.slo)
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
-    offered = pool_offers(spec, serving, plan.shape, reading.demand)
+    label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
+                    if prices is not None and c.profile is not None}  # fmt: skip
+    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices)
     fleet = optimize(reading.demand, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
@@ -92,7 +96,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "demand": {"requestRate": round(demand.request_rate, 4),
                    "meanPromptTokens": round(demand.mean_prompt_tokens, 1),
                    "meanOutputTokens": round(demand.mean_output_tokens, 1)},  # fmt: skip
-        "pools": {o.name: {"source": o.performance.source, "costPerHour": o.cost_per_hour,
+        "pools": {o.name: {"source": o.performance.source, "costPerHour": round(o.cost_per_hour, 6),
+                           **_cost_source(spec.placement.pool(o.name).cost_per_hour, label_prices.get(o.name)),
                            "requestRatePerReplica": round(fleet.capacities[o.name].request_rate, 4),
                            "meetsSLO": fleet.capacities[o.name].meets_slo} for o in offered.offers},  # fmt: skip
         "leftOut": dict(offered.left_out) or None,
@@ -123,3 +128,16 @@ def _floor_total(recommended: dict[str, int], floor: int, bounds: Mapping[str, t
     for pool in sorted(recommended, key=price_per_request):
         while sum(recommended.values()) < floor and recommended[pool] < bounds[pool][1]:
             recommended[pool] += 1
+
+
+def _cost_source(spec_cost: float | None, label: LabelPrice | None) -> dict[str, Any]:
+    """Where a pool's price came from, and the node labels that could not be used (an offered pool's price is the
+    spec's or, failing that, its labels')."""
+    if spec_cost is not None:
+        return {"costSource": "spec"}
+    out: dict[str, Any] = {"costSource": "nodeLabel"}
+    if label is not None:
+        out["pricedNodes"] = label.num_priced_nodes
+        if label.ignored:
+            out["ignoredPrices"] = list(label.ignored)
+    return out
