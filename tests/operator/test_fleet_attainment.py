@@ -13,10 +13,10 @@ from hpi_operator.autoscaling.fleet_status import optimizer_memory
 from hpi_operator.autoscaling.scrape import parse_load
 from hpi_operator.fleet.attainment import (
     attainment_lower_bound,
-    buckets_from_status,
-    buckets_to_status,
     diff,
     histogram_quantile,
+    histograms_from_status,
+    histograms_to_status,
     merge,
     num_over,
     read_latency,
@@ -86,15 +86,16 @@ def test_read_latency_reports_the_window_since_the_last_poll() -> None:
     assert idle is not None and idle.requests == 0 and idle.attainment is None
 
 
-def test_the_buckets_survive_the_status_round_trip() -> None:
-    status = {"autoscaling": {"optimizer": {"histograms": {
-        "a": {"ttft": buckets_to_status(TTFT), "tpot": buckets_to_status(TPOT)},
-        "b": {"ttft": [[1.0, 2.0]], "tpot": buckets_to_status(TPOT)},  # mangled: no +Inf bucket
-    }}}}  # fmt: skip
-    assert buckets_to_status(TTFT)[-1] == ["+Inf", 100.0]
-    assert optimizer_memory(status).histograms == {"a": (TTFT, TPOT)}
-    with pytest.raises(ValueError):
-        buckets_from_status([[0.5, 1.0]])
+def test_the_buckets_survive_the_status_round_trip_with_the_bounds_written_once() -> None:
+    other = ((2.0, 1.0), (INF, 1.0))
+    written = histograms_to_status({"a": (TTFT, TPOT), "b": (TTFT, TPOT), "c": (other, TPOT)})
+    assert written == {"bounds": {"ttft": [0.5, 1.0, 2.5], "tpot": [0.05, 0.1]},
+                       "pods": {"a": [[60.0, 85.0, 95.0, 100.0], [50.0, 80.0, 90.0]],
+                                "b": [[60.0, 85.0, 95.0, 100.0], [50.0, 80.0, 90.0]]}}  # c: other bounds  # fmt: skip
+    assert histograms_from_status(written) == {"a": (TTFT, TPOT), "b": (TTFT, TPOT)}
+    written["pods"]["b"] = [[1.0, 2.0], [1.0]]  # mangled: a count short
+    assert optimizer_memory({"autoscaling": {"optimizer": {"histograms": written}}}).histograms == {"a": (TTFT, TPOT)}
+    assert histograms_from_status("garbage") == {} and histograms_to_status({}) is None
 
 
 def test_the_scrape_reads_both_histograms_and_drops_one_that_reads_badly() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..fleet.attainment import ObservedSlo, buckets_to_status, describe, observed_to_status, read_latency
+from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, observed_to_status, read_latency
 from ..fleet.demand import read_demand
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
@@ -104,8 +104,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "slo": None if latency.observed is None else observed_to_status(latency.observed),
         "recommendations": {p: [[round(at, 3), n] for at, n in recs] for p, recs in histories.items()},
         "counters": {pod: list(values) for pod, values in reading.counters.items()},
-        "histograms": {pod: {"ttft": buckets_to_status(ttft), "tpot": buckets_to_status(tpot)}
-                       for pod, (ttft, tpot) in latency.histograms.items()} or None,  # fmt: skip
+        "histograms": histograms_to_status(latency.histograms),
         "lastPollEpoch": round(now_s, 3),
         "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],
     }

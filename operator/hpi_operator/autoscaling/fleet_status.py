@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..autoscaling.decision import Buckets
-from ..fleet.attainment import buckets_from_status
+from ..fleet.attainment import histograms_from_status
 from ..fleet.demand import Counters
 from ..fleet.stabilize import Recommendations
 
@@ -54,15 +54,5 @@ def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
         mix = (float(mix_raw[0]), float(mix_raw[1])) if mix_raw else None
     except (TypeError, ValueError, KeyError, IndexError):
         return OptimizerMemory({}, {}, None, None)  # unreadable: decide afresh
-    return OptimizerMemory(recommendations, counters, at_s, mix, _histograms(raw.get("histograms")))  # type: ignore[arg-type]
+    return OptimizerMemory(recommendations, counters, at_s, mix, histograms_from_status(raw.get("histograms")))  # type: ignore[arg-type]
 
-
-def _histograms(raw: Any) -> dict[str, tuple[Buckets, Buckets]]:
-    """Each pod's (TTFT, TPOT) buckets at the last poll; a mangled entry is dropped (that pod restarts its diff)."""
-    out = {}
-    for pod, pair in (raw.items() if isinstance(raw, Mapping) else ()):
-        try:
-            out[str(pod)] = (buckets_from_status(pair["ttft"]), buckets_from_status(pair["tpot"]))
-        except (TypeError, ValueError, KeyError):
-            continue
-    return out

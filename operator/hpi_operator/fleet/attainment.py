@@ -23,6 +23,7 @@ poll. All pure; the scrape reads the buckets (autoscaling/scrape.py), fleet_loop
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -138,21 +139,41 @@ def read_latency(loads: Sequence[PodLoad], previous: Mapping[str, tuple[Buckets,
 # -- the resource representation ------------------------------------------------------------------------------
 
 
-def _bound_to_json(upper: float) -> float | str:
-    return "+Inf" if math.isinf(upper) else upper
+def histograms_to_status(histograms: Mapping[str, tuple[Buckets, Buckets]]) -> dict[str, Any] | None:
+    """Each pod's buckets for status.autoscaling.optimizer.histograms, compactly: the finite bounds once, then per
+    pod its cumulative counts (the last one +Inf's), so a fleet of hundreds of pods keeps a small status. The bounds
+    are the ones most pods share; a pod with others is not remembered (merge would leave it out anyway)."""
+    if not histograms:
+        return None
+    shapes = Counter(tuple(tuple(upper for upper, _ in b[:-1]) for b in pair) for pair in histograms.values())
+    (ttft_bounds, tpot_bounds), _ = shapes.most_common(1)[0]
+    pods = {pod: [[count for _, count in ttft], [count for _, count in tpot]]
+            for pod, (ttft, tpot) in sorted(histograms.items())
+            if tuple(u for u, _ in ttft[:-1]) == ttft_bounds and tuple(u for u, _ in tpot[:-1]) == tpot_bounds}
+    return {"bounds": {"ttft": list(ttft_bounds), "tpot": list(tpot_bounds)}, "pods": pods}  # fmt: skip
 
 
-def buckets_to_status(buckets: Buckets) -> list[list[float | str]]:
-    """[[upper bound, count], ...] with +Inf as the string Prometheus writes (JSON has no infinity)."""
-    return [[_bound_to_json(upper), count] for upper, count in buckets]
+def _buckets(bounds: Sequence[Any], counts: Sequence[Any]) -> Buckets:
+    if len(counts) != len(bounds) + 1:
+        raise ValueError("a histogram has one count per finite bound and one for +Inf")
+    return tuple(zip((*(float(b) for b in bounds), math.inf), (float(c) for c in counts), strict=True))
 
 
-def buckets_from_status(raw: Any) -> Buckets:
-    """Inverse of `buckets_to_status`; raises ValueError/TypeError on a mangled value."""
-    buckets = tuple((float(upper), float(count)) for upper, count in raw)
-    if not buckets or not math.isinf(buckets[-1][0]):
-        raise ValueError("a histogram ends in a +Inf bucket")
-    return buckets
+def histograms_from_status(raw: Any) -> dict[str, tuple[Buckets, Buckets]]:
+    """Inverse of `histograms_to_status`; whatever is mangled reads as not remembered (those pods restart their
+    diff at this poll), never raises."""
+    try:
+        bounds = raw["bounds"]
+        pods = dict(raw["pods"])
+    except (TypeError, KeyError, ValueError):
+        return {}
+    out = {}
+    for pod, pair in pods.items():
+        try:
+            out[str(pod)] = (_buckets(bounds["ttft"], pair[0]), _buckets(bounds["tpot"], pair[1]))
+        except (TypeError, KeyError, ValueError, IndexError):
+            continue
+    return out
 
 
 def observed_to_status(observed: ObservedSlo) -> dict[str, Any]:
