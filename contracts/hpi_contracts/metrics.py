@@ -25,6 +25,10 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+# Per request with at least two output tokens, once when it finishes: its mean inter-token latency,
+# (e2e - TTFT) / (output tokens - 1). The per-token ITL histogram weighs long answers more; SLO attainment
+# ("mean ITL within the target") counts requests, so the operator reads this one.
+REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
 # The project's own: 1 while the server is ready to take requests (the router reads it).
 READY = "hpi:ready"
 # The pool profile the pod was started with (`hpi serve --pool-profile`, hpi_contracts.pool_profile), labelled
@@ -42,9 +46,11 @@ def total(counter: str) -> str:
 
 
 # Everything the operator (reconciler and autoscaler) may read from a runtime pod's /metrics.
-# The counters (request_success, prompt_tokens, generation_tokens) are the fleet optimizer's demand.
+# The counters (request_success, prompt_tokens, generation_tokens) are the fleet optimizer's demand; the TTFT and
+# per-request time-per-output-token histograms its observed SLO attainment.
 READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, NUM_PREEMPTIONS,
-                                     REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS)  # fmt: skip
+                                     REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN,
+                                     REQUEST_TIME_PER_OUTPUT_TOKEN)  # fmt: skip
 # Everything the router reads.
 READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY,
                                    *PROFILE_GAUGES)  # fmt: skip

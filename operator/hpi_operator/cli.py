@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from .names import KIND
+from .names import KIND, NODE_PRICE_LABEL
 from .nodes import node_info
 from .plan import make_plan
 from .reconcile import unplaceable_message
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from .handlers import OperatorConfig, build_registry
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
-    config = OperatorConfig(resync_interval_s=args.resync_interval, metrics_port=args.metrics_port or None)
+    config = OperatorConfig(resync_interval_s=args.resync_interval, metrics_port=args.metrics_port or None,
+                            node_price_label=args.node_price_label)  # fmt: skip
     kopf.run(
         registry=build_registry(config),
         standalone=True,  # one replica (the chart's Deployment uses the Recreate strategy): no peering CRD
@@ -98,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--resync-interval", type=float, default=10.0,
         help="the longest an InferenceDeployment waits for its next reconcile without an event of its own or of a "
         "child (node inventory changes are picked up then)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--node-price-label", default=os.environ.get("HPI_NODE_PRICE_LABEL", NODE_PRICE_LABEL),
+        help="the node label holding a node's price per node-hour as a decimal string, which the fleet optimizer "
+        "prices pools without spec.placement.pools[].costPerHour from ('' reads none; env HPI_NODE_PRICE_LABEL)",
     )  # fmt: skip
     run_parser.add_argument("-v", "--verbose", action="store_true")
     run_parser.add_argument("--debug", action="store_true")

@@ -28,7 +28,7 @@ import kopf
 from .autoscaling.handlers import register_autoscaler
 from .cache import RETRY_BASE_DELAY_S
 from .kube import KubeClient, load_api_client
-from .names import GROUP, LABEL_MANAGED_BY, OPERATOR_NAME, PLURAL, VERSION
+from .names import GROUP, LABEL_MANAGED_BY, NODE_PRICE_LABEL, OPERATOR_NAME, PLURAL, VERSION
 from .nodes import NodeInfo, node_info
 from .op_metrics import OperatorMetrics
 from .reconcile import Outcome, reconcile
@@ -59,6 +59,7 @@ class OperatorConfig:
     autoscale_tick_s: float = 1.0  # how often a builtin-autoscaled resource checks whether a poll is due
     cache_retry_base_s: float = RETRY_BASE_DELAY_S  # backoff after the first failed model-cache download
     debounce_s: float = 0.05  # after a wake-up: let the burst of events (its own writes) settle into one pass
+    node_price_label: str = NODE_PRICE_LABEL  # the fleet optimizer's node price label ("" reads none)
 
 
 def utc_now() -> str:
@@ -148,5 +149,6 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         outcome = await asyncio.to_thread(reconcile, snapshot, nodes, memo.kube, utc_now(), config.cache_retry_base_s)
         _finish(outcome, body, patch, memo, logger)
 
-    register_autoscaler(registry, tick_s=config.autoscale_tick_s)  # autoscaling/handlers.py
+    register_autoscaler(registry, tick_s=config.autoscale_tick_s,
+                        node_price_label=config.node_price_label)  # autoscaling/handlers.py
     return registry

@@ -31,7 +31,7 @@ from .names import (
     RUNTIME_PORT,
     RUNTIME_PORT_NAME,
 )
-from .nodes import GPU_RESOURCE, Pool
+from .nodes import Pool
 from .profiles import GPU_HOST_MEMORY_BYTES, Profile
 from .sizing import EMBEDDED_MODEL_NAME
 from .spec import InferenceSpec
@@ -191,7 +191,7 @@ def _fetch_container(spec: InferenceSpec, container: dict[str, Any]) -> dict[str
     mounts = [{k: v for k, v in m.items() if k != "readOnly"} for m in container["volumeMounts"]]
     return {
         "name": "fetch-model",
-        "image": spec.runtime.image,
+        "image": container["image"],  # the pod's own image: an AMD node pulls only the ROCm one
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": DOWNLOADER,
         "args": ["fetch", spec.model.hf_id or "", model_dir(spec) or "", "--revision", spec.model.hf_revision],
@@ -216,7 +216,13 @@ def _check_cache_container(container: dict[str, Any], directory: str) -> dict[st
     }
 
 
-def _resources(spec: InferenceSpec, profile: Profile) -> dict[str, Any]:
+def runtime_image(spec: InferenceSpec, pool: Pool) -> str:
+    """The runtime image for a pool: torch is built for one GPU platform, so AMD pools run the ROCm build
+    (spec.runtime.rocmImage), every other pool (NVIDIA, CPU) the CUDA one (spec.runtime.image)."""
+    return spec.runtime.rocm_image if pool.device == "cuda" and pool.gpu_vendor == "amd" else spec.runtime.image
+
+
+def _resources(spec: InferenceSpec, profile: Profile, gpu_resource: str) -> dict[str, Any]:
     user = copy.deepcopy(dict(spec.resources))
     requests: dict[str, Any] = dict(user.get("requests") or {})
     limits: dict[str, Any] = dict(user.get("limits") or {})
@@ -230,8 +236,8 @@ def _resources(spec: InferenceSpec, profile: Profile) -> dict[str, Any]:
     requests.setdefault("memory", limits.get("memory", memory))
     limits.setdefault("memory", requests["memory"])
     if profile.num_gpus:
-        requests[GPU_RESOURCE] = str(profile.num_gpus)
-        limits[GPU_RESOURCE] = str(profile.num_gpus)
+        requests[gpu_resource] = str(profile.num_gpus)
+        limits[gpu_resource] = str(profile.num_gpus)
     return {"requests": requests, "limits": limits}
 
 
@@ -304,13 +310,13 @@ def build_deployment(
     volumes, mounts = _volumes(owner.name, spec, profile)
     container = {
         "name": "runtime",
-        "image": spec.runtime.image,
+        "image": runtime_image(spec, pool),
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["hpi"],
         "args": runtime_args(owner.name, spec, profile, cached_dir),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": _resources(spec, profile),
+        "resources": _resources(spec, profile, pool.gpu_resource),
         # Loading a large model takes minutes: the startup probe holds liveness off until /health answers.
         "startupProbe": _probe("/health", 10, 90),
         "livenessProbe": _probe("/health", 10, 3),

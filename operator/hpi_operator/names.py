@@ -32,3 +32,8 @@ ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 
 # A node label that names its pool explicitly, overriding the grouping by accelerator/CPU features.
 NODE_POOL_LABEL = f"{GROUP}/pool"
+# The default node label the fleet optimizer reads a node's price per node-hour from (a decimal string, e.g.
+# "2.48"), for pools whose spec sets no costPerHour. Kubernetes has no standard one; `hpi-operator run
+# --node-price-label` (env HPI_NODE_PRICE_LABEL, chart value operator.nodePriceLabel) names another, e.g. the
+# label a Karpenter NodePool or a cloud price table writes (fleet/pricing.py).
+NODE_PRICE_LABEL = f"{GROUP}/price-per-hour"

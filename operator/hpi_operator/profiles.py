@@ -220,7 +220,7 @@ def choose_profile(pool: Pool, spec: InferenceSpec, shape: ModelShape) -> PoolCh
     if stored != "none":  # the runtime loads pre-quantized checkpoints on one device per replica
         gpu_counts = [n for n in gpu_counts if n <= 1]
     if not gpu_counts:
-        return PoolChoice(pool, None, "no allocatable nvidia.com/gpu on these nodes")
+        return PoolChoice(pool, None, f"no allocatable {pool.gpu_resource} on these nodes")
     engine = spec.engine
     closest: _Attempt | None = None
     for quantization in quantizations:

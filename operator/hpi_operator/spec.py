@@ -89,6 +89,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class RuntimeSpec:
     image: str = crd_default("runtime.image")
+    rocm_image: str = crd_default("runtime.rocmImage")  # for AMD GPU pools (manifests.runtime_image)
     image_pull_policy: str = crd_default("runtime.imagePullPolicy")
     image_pull_secrets: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
@@ -490,6 +491,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         replicas=replicas,
         runtime=RuntimeSpec(
             image=_get(runtime_raw, "image", RuntimeSpec.image),
+            rocm_image=_get(runtime_raw, "rocmImage", RuntimeSpec.rocm_image),
             image_pull_policy=_get(runtime_raw, "imagePullPolicy", RuntimeSpec.image_pull_policy),
             image_pull_secrets=tuple(s["name"] for s in _get(runtime_raw, "imagePullSecrets", ())),
             extra_args=tuple(str(a) for a in _get(runtime_raw, "extraArgs", ())),

@@ -49,11 +49,21 @@ def slo_condition(status: Mapping[str, Any]) -> dict[str, str]:
     optimizer = ((status.get("autoscaling") or {}).get("optimizer") or {}) if isinstance(status, Mapping) else {}
     if "feasible" not in optimizer:
         return condition(SLO_ATTAINABLE, False, "NotYetDecided", "the fleet optimizer has not decided yet")
+    observed = _observed(optimizer.get("slo"))
     if optimizer["feasible"]:
-        return condition(SLO_ATTAINABLE, True, "WithinSLO", "the chosen replicas meet spec.slo for the demand")
+        return condition(SLO_ATTAINABLE, True, "WithinSLO",
+                         "the chosen replicas meet spec.slo for the demand" + observed)  # fmt: skip
     reason = str(optimizer.get("reason") or "")
     code = "NoPoolFastEnough" if reason.startswith("no pool fast enough") else "InsufficientCapacity"
-    return condition(SLO_ATTAINABLE, False, code, reason)
+    return condition(SLO_ATTAINABLE, False, code, reason + observed)
+
+
+def _observed(slo: Any) -> str:
+    """The attainment the pods observed, for the condition's message: the condition itself says whether the plan
+    can meet the SLO (a prediction), this what the last window delivered (a measured lower bound)."""
+    if not isinstance(slo, Mapping) or not isinstance(slo.get("attainment"), (int, float)):
+        return ""
+    return f"; observed attainment >= {slo['attainment']:.1%} of {slo.get('requests', 0)} requests"
 
 
 def condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:

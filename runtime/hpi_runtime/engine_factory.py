@@ -22,6 +22,7 @@ from hpi_runtime.config import EngineArgs, EngineConfig
 from hpi_runtime.core.interface import MemoryFootprint
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.frontend.engine import LLMEngine
+from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_backend, resolve_device
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
 from hpi_runtime.models.parallel import split_heads
@@ -106,16 +107,6 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> to
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def resolve_device(device: str) -> torch.device:
-    """"auto": cuda when a GPU is visible, else cpu. ValueError for cuda without one."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' requested but no CUDA device is available")
-    return resolved
-
-
 def _check_lm_head_quantization(model_config: ModelConfig, config: QuantizationConfig) -> None:
     if not config.quantize_lm_head:
         return
@@ -167,7 +158,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     quantization = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)
     max_model_len = resolve_max_model_len(args.scheduler.max_model_len, model_config)
     engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config))
-    device = resolve_device(load.device)
+    device = resolve_device(load.device, current_gpu_platform())  # a ROCm build's GPU is device type "cuda" too
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -185,9 +176,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
             max_model_len, engine_config.block_size, engine_config.kv_sliding_window,
             engine_config.max_num_batched_tokens,
         ),  # fmt: skip
-        # The Triton kernels on CUDA, the torch backend (the reference) on CPU.
         attention_backend=load.attention_backend if load.attention_backend != "auto" else
-        ("triton" if device.type == "cuda" else "torch"),  # fmt: skip
+        default_attention_backend(device),  # fmt: skip
         seed=load.seed,
         eos_token_ids=eos_token_ids,
         quantization=quantization.config,

@@ -59,6 +59,7 @@ ALL_FEATURES: dict[str, Any] = {
         "enabled": True,
         "replicas": 2,
         "runtimeImage": "registry.example.com/hpi/runtime:0.1.0",
+        "rocmRuntimeImage": "registry.example.com/hpi/runtime:0.1.0-rocm",
         "routerImage": "registry.example.com/hpi/router:0.1.0",
         "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
     },

@@ -270,6 +270,7 @@ def test_default_inference_deployment_serves_the_embedded_model(render, env):
     assert idp["spec"]["model"] == {"source": "embedded"}
     assert idp["spec"]["replicas"] == 2
     assert idp["spec"]["runtime"]["image"] == "registry.example.com/hpi/runtime:0.1.0"
+    assert idp["spec"]["runtime"]["rocmImage"] == "registry.example.com/hpi/runtime:0.1.0-rocm"  # AMD GPU pools
     assert idp["spec"]["routing"] == {"router": {"image": "registry.example.com/hpi/router:0.1.0"}}
 
 

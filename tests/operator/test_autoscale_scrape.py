@@ -3,6 +3,7 @@ plus a pod that serves garbage and one that does not answer at all."""
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import AsyncIterator, Callable
 
@@ -79,7 +80,7 @@ async def serve() -> AsyncIterator[Callable[..., object]]:
 
 def test_parse_vllm_text() -> None:
     load = parse_load("p", vllm_metrics(0.42, waiting=3, running=7))
-    assert load == PodLoad("p", 0.42, 3.0, 7.0)
+    assert load == PodLoad("p", 0.42, 3.0, 7.0, ttft_buckets=((0.1, 5.0), (math.inf, 7.0)))
 
 
 def test_parse_runtime_text_uses_only_the_shared_names() -> None:
@@ -91,7 +92,9 @@ def test_parse_runtime_text_uses_only_the_shared_names() -> None:
 
 def test_parse_several_engines_and_other_models() -> None:
     text = vllm_metrics(0.2, 1, 2, model="a") + vllm_metrics(0.6, 3, 4, model="a").replace('engine="0"', 'engine="1"')
-    assert parse_load("p", text) == PodLoad("p", pytest.approx(0.4), 4.0, 6.0)
+    # two engines' TTFT buckets add up bound by bound
+    assert parse_load("p", text) == PodLoad("p", pytest.approx(0.4), 4.0, 6.0,
+                                            ttft_buckets=((0.1, 10.0), (math.inf, 14.0)))  # fmt: skip
     other = vllm_metrics(0.9, model="b")
     assert parse_load("p", text + other.replace("# ", "#x "), model_name="a").kv_utilization == pytest.approx(0.4)
 
@@ -118,8 +121,9 @@ async def test_scrape_real_servers_incl_an_unparsable_and_an_unreachable_pod(ser
                PodTarget("d", dead), PodTarget("e", erroring)]  # fmt: skip
     results = await scrape_pods(targets, timeout_s=2.0)
     assert [r.pod for r in results] == ["a", "b", "c", "d", "e"]
-    assert results[0] == Scraped("a", PodLoad("a", 0.8, 2.0, 9.0))
-    assert results[1] == Scraped("b", PodLoad("b", 0.1, 0.0, 1.0))
+    ttft = ((0.1, 5.0), (math.inf, 7.0))
+    assert results[0] == Scraped("a", PodLoad("a", 0.8, 2.0, 9.0, ttft_buckets=ttft))
+    assert results[1] == Scraped("b", PodLoad("b", 0.1, 0.0, 1.0, ttft_buckets=ttft))
     assert isinstance(results[2], ScrapeFailed) and results[2].kind == UNPARSABLE
     assert isinstance(results[3], ScrapeFailed) and results[3].kind == UNREACHABLE
     assert isinstance(results[4], ScrapeFailed) and "500" in results[4].detail
@@ -189,8 +193,12 @@ def test_parse_the_runtimes_own_exposition() -> None:
                                 num_generation_tokens=20))  # fmt: skip
     text = serving.render().decode()
     # The counters the fleet optimizer's demand comes from, too: nothing finished yet, 10 prompt, 20 generated.
+    # And the latency histograms its observed SLO attainment comes from: exported empty before any request.
+    empty_ttft = tuple((le, 0.0) for le in (*metrics.LATENCY_BUCKETS_S, math.inf))
+    empty_tpot = tuple((le, 0.0) for le in (*metrics.ITL_BUCKETS_S, math.inf))
     assert parse_load("p", text, model_name="SmolLM2-135M-Instruct") == PodLoad(
-        "p", 0.625, 2.0, 5.0, num_finished=0.0, prompt_tokens=10.0, generation_tokens=20.0)
+        "p", 0.625, 2.0, 5.0, num_finished=0.0, prompt_tokens=10.0, generation_tokens=20.0,
+        ttft_buckets=empty_ttft, tpot_buckets=empty_tpot)
 
 
 def test_the_autoscaler_never_imports_torch() -> None:

@@ -89,6 +89,7 @@ def test_operator_package_imports_no_torch() -> None:
 def test_metric_names_are_vllm_names() -> None:
     assert metrics.READ_BY_OPERATOR == (
         "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_preemptions",
-        "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
+        "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+        "vllm:request_time_per_output_token_seconds",
     )  # fmt: skip
     assert all(name.startswith("vllm:") for name in metrics.READ_BY_OPERATOR)

@@ -120,6 +120,8 @@ def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> N
                                                if current[p] != n))  # fmt: skip
     assert "demand 12.00 req/s (500 prompt, 200 output tokens)" in second.message
     assert second.status["pools"][l4]["source"] == "override"
+    assert second.status["slo"] == {"attainment": None, "ttftP90": None, "itlP90": None, "requests": 0,
+                                    "window": 10.0}  # these loads carry no histograms  # fmt: skip
 
 
 def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
@@ -132,6 +134,19 @@ def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> N
     assert not poll.feasible and poll.status["reason"].startswith("capacity:")
     assert poll.replicas[l4] == 6 and poll.replicas[h200] == 0  # every L4 it has; the H200 has no price
     assert "no price" in poll.status["leftOut"][h200] and "SLO not attainable" in poll.message
+
+
+# The fake pods' latency, as the share of requests at or below each bound: 4% of TTFTs above 1 s and 2% of mean
+# ITLs above 100 ms, so the attainment bound is 1 - 0.04 - 0.02 = 0.94 whatever the request count. p90 TTFT: rank
+# 0.9 lies in (0.25, 1.0] holding 0.6..0.96: 0.25 + 0.75 x 0.3 / 0.36 = 0.875 s; p90 ITL in (0.05, 0.1] holding
+# 0.5..0.98: 0.05 + 0.05 x 0.4 / 0.48 = 0.0917 s.
+TTFT_SHARES = ((0.25, 0.6), (1.0, 0.96), ("+Inf", 1.0))
+TPOT_SHARES = ((0.05, 0.5), (0.1, 0.98), ("+Inf", 1.0))
+
+
+def histogram(name: str, shares: tuple[tuple[float | str, float], ...], done: float) -> str:
+    lines = [f"# TYPE {name} histogram"] + [f'{name}_bucket{{le="{le}"}} {share * done}' for le, share in shares]
+    return "\n".join([*lines, f"{name}_count {done}", f"{name}_sum {done * 0.1}"]) + "\n"
 
 
 class CountingRuntime:
@@ -150,7 +165,9 @@ class CountingRuntime:
                     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
                     f"# TYPE vllm:request_success counter\nvllm:request_success_total {done}\n"
                     f"# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total {done * 500}\n"
-                    f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total {done * 200}\n")  # fmt: skip
+                    f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total {done * 200}\n"
+                    + histogram("vllm:time_to_first_token_seconds", TTFT_SHARES, done)
+                    + histogram("vllm:request_time_per_output_token_seconds", TPOT_SHARES, done))  # fmt: skip
 
         runner, port = await serve_metrics(render)
         self.runners.append(runner)
@@ -199,8 +216,16 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
             assert optimizer["replicas"] == dict(expected) and optimizer["feasible"] is True
             assert optimizer["demand"]["requestRate"] == pytest.approx(12.0, rel=0.05)  # from the pod's counters
             assert "req/s (500 prompt, 200 output tokens)" in optimizer["message"]
-            await eventually(lambda: {c["type"]: c["status"] for c in kube.get(f"{CRS}/fleet")["status"]["conditions"]}
-                             .get("SLOAttainable") == "True")  # fmt: skip
+            await eventually(lambda: (kube.get(f"{CRS}/fleet")["status"]["autoscaling"]["optimizer"].get("slo")
+                                      or {}).get("requests", 0) > 0)  # fmt: skip
+            status = (await asyncio.to_thread(kube.get, f"{CRS}/fleet"))["status"]
+            slo = status["autoscaling"]["optimizer"]["slo"]
+            assert slo["attainment"] == pytest.approx(0.94, abs=1e-3) and slo["window"] > 0
+            assert slo["ttftP90"] == pytest.approx(0.875, abs=1e-3) and slo["itlP90"] == pytest.approx(0.0917, abs=1e-3)
+            assert "observed: SLO attainment >= 94.0%" in status["autoscaling"]["optimizer"]["message"]
+            await eventually(lambda: {c["type"]: (c["status"], "observed attainment >= 94.0%" in c["message"])
+                                      for c in kube.get(f"{CRS}/fleet")["status"]["conditions"]}
+                             .get("SLOAttainable") == ("True", True))  # fmt: skip
             events = (await asyncio.to_thread(kube.request, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
             assert any(e["reason"] == "FleetScaled" for e in events)
         finally:

@@ -29,6 +29,7 @@ RUNTIME_LAYERS = (
         "hpi_runtime.structured",
         "hpi_runtime.tools",
         "hpi_runtime.cpu_features",
+        "hpi_runtime.gpu_platform",
         "hpi_runtime.embedded",
         "hpi_runtime.core.interface",  # scheduler <-> model runner
         "hpi_runtime.core.engine_io",  # frontend <-> engine core

@@ -29,6 +29,10 @@ TOLERANCE = 0.1  # the HPA's default: no change while utilisation is within 10% 
 SATURATION_KV = 0.95  # a pod this full admits no new sequences: its real demand is unknown (censored)
 _EPS = 1e-9  # float noise must not add a replica: ceil(2.0000000001) would
 
+# A Prometheus histogram's cumulative buckets: (upper bound `le`, samples at or below it), ascending, the last
+# bound +Inf (its count is the histogram's _count).
+Buckets = tuple[tuple[float, float], ...]
+
 
 @dataclass(frozen=True)
 class PodLoad:
@@ -43,6 +47,9 @@ class PodLoad:
     num_finished: float | None = None  # vllm:request_success_total, all finish reasons
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total
     generation_tokens: float | None = None  # vllm:generation_tokens_total
+    # The latency histograms since the pod started (None where absent): the optimizer's observed SLO attainment.
+    ttft_buckets: Buckets | None = None  # vllm:time_to_first_token_seconds
+    tpot_buckets: Buckets | None = None  # vllm:request_time_per_output_token_seconds (per-request mean ITL)
 
     @property
     def idle(self) -> bool:

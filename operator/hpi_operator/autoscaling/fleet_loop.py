@@ -2,7 +2,8 @@
 
 scraped pod loads + the memory on the resource -> demand (fleet/demand.py) -> the serving pools as offers
 (fleet/offers.py) -> the cheapest replicas per pool that meet spec.slo (fleet/optimizer.py) -> stabilized per
-pool (fleet/stabilize.py, the autoscaling windows and step) -> status.autoscaling.optimizer, which the plan runs.
+pool (fleet/stabilize.py, the autoscaling windows and step) -> status.autoscaling.optimizer, which the plan runs;
+beside it, the SLO attainment the pods' latency histograms show since the last poll (fleet/attainment.py).
 Everything here is a pure function of its arguments; handlers.py scrapes, writes and posts the Events.
 """
 
@@ -12,10 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, observed_to_status, read_latency
 from ..fleet.demand import read_demand
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
 from ..fleet.performance import Demand
+from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
@@ -34,7 +37,8 @@ class FleetPoll:
 
 
 def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, plan: FleetPlan,
-             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float) -> str:  # fmt: skip
+             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
+             observed: ObservedSlo | None) -> str:  # fmt: skip
     moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
     head = moves or "no change"
     parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
@@ -51,18 +55,25 @@ def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand
     held = [p for p, n in after.items() if n != recommended.get(p, n)]
     if held:
         parts.append(f"held by the stabilization window or step: {', '.join(held)}")
+    if observed is not None:
+        parts.append(describe(observed))
     return "; ".join(parts)
 
 
 def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], current: Mapping[str, int],
-               now_s: float) -> FleetPoll:  # fmt: skip
-    """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads."""
+               now_s: float, prices: NodePrices | None = None) -> FleetPoll:  # fmt: skip
+    """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads; `prices`: the
+    nodes' price labels, for pools whose spec sets no costPerHour."""
     spec = plan.spec
     assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
     memory = optimizer_memory(status)
     reading = read_demand(loads, memory.counters, memory.at_s, now_s, memory.mix)
+    window_s = now_s - memory.at_s if memory.at_s is not None else None
+    latency = read_latency(loads, memory.histograms, window_s, spec.slo)
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
-    offered = pool_offers(spec, serving, plan.shape, reading.demand)
+    label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
+                    if prices is not None and c.profile is not None}  # fmt: skip
+    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices)
     fleet = optimize(reading.demand, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
@@ -72,7 +83,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
     message = _explain(current, replicas, reading.demand, fleet, offered.left_out, recommended,
-                       spec.slo.itl_p90_s * 1e3)  # fmt: skip
+                       spec.slo.itl_p90_s * 1e3, latency.observed)  # fmt: skip
     demand = reading.demand
     status_patch = {
         "replicas": replicas,
@@ -85,12 +96,15 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "demand": {"requestRate": round(demand.request_rate, 4),
                    "meanPromptTokens": round(demand.mean_prompt_tokens, 1),
                    "meanOutputTokens": round(demand.mean_output_tokens, 1)},  # fmt: skip
-        "pools": {o.name: {"source": o.performance.source, "costPerHour": o.cost_per_hour,
+        "pools": {o.name: {"source": o.performance.source, "costPerHour": round(o.cost_per_hour, 6),
+                           **_cost_source(spec.placement.pool(o.name).cost_per_hour, label_prices.get(o.name)),
                            "requestRatePerReplica": round(fleet.capacities[o.name].request_rate, 4),
                            "meetsSLO": fleet.capacities[o.name].meets_slo} for o in offered.offers},  # fmt: skip
         "leftOut": dict(offered.left_out) or None,
+        "slo": None if latency.observed is None else observed_to_status(latency.observed),
         "recommendations": {p: [[round(at, 3), n] for at, n in recs] for p, recs in histories.items()},
         "counters": {pod: list(values) for pod, values in reading.counters.items()},
+        "histograms": histograms_to_status(latency.histograms),
         "lastPollEpoch": round(now_s, 3),
         "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],
     }
@@ -113,3 +127,16 @@ def _floor_total(recommended: dict[str, int], floor: int, bounds: Mapping[str, t
     for pool in sorted(recommended, key=price_per_request):
         while sum(recommended.values()) < floor and recommended[pool] < bounds[pool][1]:
             recommended[pool] += 1
+
+
+def _cost_source(spec_cost: float | None, label: LabelPrice | None) -> dict[str, Any]:
+    """Where a pool's price came from, and the node labels that could not be used (an offered pool's price is the
+    spec's or, failing that, its labels')."""
+    if spec_cost is not None:
+        return {"costSource": "spec"}
+    out: dict[str, Any] = {"costSource": "nodeLabel"}
+    if label is not None:
+        out["pricedNodes"] = label.num_priced_nodes
+        if label.ignored:
+            out["ignoredPrices"] = list(label.ignored)
+    return out

@@ -1,14 +1,17 @@
 """The fleet optimizer's state on the resource: status.autoscaling.optimizer holds its last decision (replicas
-per pool, which the plan runs), the demand it planned for, whether the SLO is attainable and why not, and its
-memory (per-pool recommendations for the stabilization windows, each pod's counters at the last poll).
+per pool, which the plan runs), the demand it planned for, whether the SLO is attainable and why not, the SLO
+attainment the pods observed, and its memory (per-pool recommendations for the stabilization windows, each pod's
+counters and latency histograms at the last poll).
 Kept on the cluster, so a restarted operator decides as the old one would have."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..autoscaling.decision import Buckets
+from ..fleet.attainment import histograms_from_status
 from ..fleet.demand import Counters
 from ..fleet.stabilize import Recommendations
 
@@ -19,6 +22,7 @@ class OptimizerMemory:
     counters: Mapping[str, Counters]  # per pod
     at_s: float | None  # the last poll
     mix: tuple[float, float] | None  # the last measured (prompt, output) tokens per request
+    histograms: Mapping[str, tuple[Buckets, Buckets]] = field(default_factory=dict)  # per pod: (TTFT, TPOT)
 
 
 def _optimizer(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -50,4 +54,5 @@ def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
         mix = (float(mix_raw[0]), float(mix_raw[1])) if mix_raw else None
     except (TypeError, ValueError, KeyError, IndexError):
         return OptimizerMemory({}, {}, None, None)  # unreadable: decide afresh
-    return OptimizerMemory(recommendations, counters, at_s, mix)  # type: ignore[arg-type]
+    return OptimizerMemory(recommendations, counters, at_s, mix, histograms_from_status(raw.get("histograms")))  # type: ignore[arg-type]
+

@@ -9,7 +9,8 @@
     (field manager `hpi-autoscaler`; the reconciler then spreads them over the pools) and status (current KV
     utilisation, the last decision with its reason, unreachable pods, and the scaler's memory);
   - optimizer: decides replicas per pool (fleet_loop.py) and writes them, explained, to
-    status.autoscaling.optimizer, which the reconciler's plan runs (spec.replicas is not used);
+    status.autoscaling.optimizer, which the reconciler's plan runs (spec.replicas is not used), pricing pools
+    without spec.placement.pools[].costPerHour from their nodes' price label (`node_price_label`);
   and posts an Event on every scale (and when the SLO becomes unattainable).
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import kopf
 
+from ..fleet.pricing import NodePrices, node_prices
 from ..kube import KubeClient, object_path, with_query
 from ..manifests import short_name
 from ..names import (
@@ -30,6 +32,7 @@ from ..names import (
     GROUP,
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
+    NODE_PRICE_LABEL,
     OPERATOR_NAME,
     PLURAL,
     VERSION,
@@ -73,7 +76,10 @@ def write_replicas(kube: KubeClient, namespace: str, name: str, replicas: int) -
 
 
 def register_autoscaler(
-    registry: kopf.OperatorRegistry, tick_s: float = DEFAULT_TICK_S, scrape_timeout_s: float = DEFAULT_TIMEOUT_S
+    registry: kopf.OperatorRegistry,
+    tick_s: float = DEFAULT_TICK_S,
+    scrape_timeout_s: float = DEFAULT_TIMEOUT_S,
+    node_price_label: str = NODE_PRICE_LABEL,
 ) -> None:
     @kopf.index("", "v1", "pods", id="runtime_pods", labels={LABEL_MANAGED_BY: OPERATOR_NAME}, registry=registry)
     def runtime_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Any, list[PodTarget]]:
@@ -108,7 +114,8 @@ def register_autoscaler(
         scraper = functools.partial(scrape_pods, timeout_s=scrape_timeout_s)
         if parsed.optimized:
             nodes = [info for store in kwargs["node_inventory"].values() for info in store]
-            await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger)
+            prices = node_prices(node_price_label, nodes)
+            await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger, prices)
             return
         result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper)
         decision = result.decision
@@ -136,6 +143,7 @@ async def optimize_fleet(
     now_s: float,
     scraper: Any,
     logger: kopf.Logger,
+    prices: NodePrices | None = None,
 ) -> None:
     """One poll of the fleet optimizer: decide replicas per pool and write them, explained, to status."""
     try:
@@ -147,7 +155,7 @@ async def optimize_fleet(
     results = await scraper(targets) if targets else []
     loads = [r.load for r in results if isinstance(r, Scraped)]
     current = optimizer_replicas(status) or dict(plan.replicas_by_pool)
-    result = fleet_poll(plan, loads, status, current, now_s)
+    result = fleet_poll(plan, loads, status, current, now_s, prices)
     old = (status.get("autoscaling") or {}).get("optimizer") or {}
     patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status)}
     if result.changed:

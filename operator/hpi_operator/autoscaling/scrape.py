@@ -24,10 +24,12 @@ from hpi_contracts.metrics import (
     NUM_REQUESTS_WAITING,
     PROMPT_TOKENS,
     REQUEST_SUCCESS,
+    REQUEST_TIME_PER_OUTPUT_TOKEN,
+    TIME_TO_FIRST_TOKEN,
 )
 
 from ..names import RUNTIME_PORT, RUNTIME_PORT_NAME
-from .decision import Observation, PodLoad
+from .decision import Buckets, Observation, PodLoad
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a runtime's /metrics is tens of KiB; anything huge is not one
@@ -95,6 +97,21 @@ def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
 
 # The counters the fleet optimizer reads its demand from, as prometheus-client names their samples.
 _COUNTERS = (f"{REQUEST_SUCCESS}_total", f"{PROMPT_TOKENS}_total", f"{GENERATION_TOKENS}_total")
+# The histograms its observed SLO attainment is read from, by their bucket samples' name.
+_HISTOGRAMS = (f"{TIME_TO_FIRST_TOKEN}_bucket", f"{REQUEST_TIME_PER_OUTPUT_TOKEN}_bucket")
+
+
+def _buckets(counts: dict[float, float]) -> Buckets | None:
+    """Bucket samples (several per bound when a pod serves several models: summed) -> cumulative buckets; None
+    when there is no +Inf bucket or a count is not a finite, non-negative, non-decreasing number (a histogram
+    that reads badly is left out of the attainment, never a failed scrape: the KV load is still good)."""
+    buckets = tuple(sorted(counts.items()))
+    if not buckets or not math.isinf(buckets[-1][0]):
+        return None
+    values = [count for _, count in buckets]
+    if not all(math.isfinite(v) and v >= 0 for v in values) or values != sorted(values):
+        return None
+    return buckets
 
 
 def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
@@ -106,12 +123,17 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
     """
     values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_REQUESTS_WAITING: [], NUM_REQUESTS_RUNNING: [],
                                       **{name: [] for name in _COUNTERS}}  # fmt: skip
+    histograms: dict[str, dict[float, float]] = {name: {} for name in _HISTOGRAMS}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name not in values:
+                if sample.name not in values and sample.name not in histograms:
                     continue
                 if model_name is not None and sample.labels.get(MODEL_NAME_LABEL, model_name) != model_name:
+                    continue
+                if sample.name in histograms:
+                    le = float(sample.labels["le"])
+                    histograms[sample.name][le] = histograms[sample.name].get(le, 0.0) + float(sample.value)
                     continue
                 values[sample.name].append(float(sample.value))
     except (ValueError, TypeError, IndexError, KeyError) as e:
@@ -131,6 +153,8 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
         num_finished=finished,
         prompt_tokens=prompt,
         generation_tokens=generation,
+        ttft_buckets=_buckets(histograms[_HISTOGRAMS[0]]),
+        tpot_buckets=_buckets(histograms[_HISTOGRAMS[1]]),
     )
 
 

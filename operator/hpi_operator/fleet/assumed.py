@@ -8,8 +8,17 @@ PREFILL_FLOPS_EFFICIENCY); a measured profile (`hpi profile`, issue "fleet optim
 figures (spec.placement.pools[].performance) replace the estimate. CPU pools have no entry: their speed
 varies too much with the part (AVX2, AVX512-BF16, AMX) to assume one; they need a measurement or an override.
 
-The figures below are NVIDIA's datasheet values (memory bandwidth; dense bf16/fp16 tensor throughput, without
-sparsity), read 2026-12.
+The figures below are the vendors' datasheet values (memory bandwidth; dense bf16/fp16 matrix throughput,
+without sparsity): NVIDIA's, read 2026-12; AMD Instinct's are the figures of AMD's product pages
+    https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html    (5.3 TB/s, 1307.4 TFLOPS)
+    https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html    (6.0 TB/s, 1307.4 TFLOPS)
+    https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html    (3.2 TB/s, 383 TFLOPS per module)
+    https://www.amd.com/en/products/accelerators/instinct/mi200/mi210.html     (1.6 TB/s, 181 TFLOPS)
+as of 2026-12-01. This machine reaches no vendor site, so they were checked that day against copies: MI300X's and
+MI325X's in docs.vultr.com's ROCm inference cookbook ("Specifications from AMD MI325X product page") and a public
+MI300X-vs-H200 report; MI250X's in ROCm's MI250 microarchitecture page (1.6 TB/s per die); MI210's were not
+re-checked here. An MI250X module is two dies that the device plugin exposes as two `amd.com/gpu` (64 GiB each),
+so its row holds half a module's figures.
 """
 
 from __future__ import annotations
@@ -30,8 +39,13 @@ class GpuFigures:
     dense_tflops_16bit: float  # bf16/fp16 tensor cores, dense
 
 
-# Matched against nvidia.com/gpu.product (GPU Feature Discovery), most specific first.
+# Matched against the pool's product name (nvidia.com/gpu.product from GPU Feature Discovery, amd.com/gpu.product-name
+# from the AMD node labeller: e.g. AMD_Instinct_MI300X_OAM, AMD_Instinct_MI325_OAM), most specific first.
 GPU_FIGURES: tuple[tuple[str, GpuFigures], ...] = (
+    ("MI325", GpuFigures(6000, 1307.4)),  # the labeller writes MI325X as "MI325_OAM"
+    ("MI300X", GpuFigures(5300, 1307.4)),  # not MI300A, the APU
+    ("MI250X", GpuFigures(1638.4, 191.5)),  # one of the module's two dies: one amd.com/gpu
+    ("MI210", GpuFigures(1638.4, 181)),
     ("H200", GpuFigures(4800, 989)),
     ("H100-PCIE", GpuFigures(2000, 756)),
     ("H100", GpuFigures(3350, 989)),  # SXM5 80GB HBM3

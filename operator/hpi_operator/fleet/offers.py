@@ -1,6 +1,7 @@
 """The pools a Plan serves from, as the optimizer sees them: each pool's performance (the spec's figures, else
-an estimate from the GPU's published figures, fleet/assumed.py), its price and its replica bounds. A pool
-without a price or without performance is left out, with the reason, and keeps its minimum replicas."""
+an estimate from the GPU's published figures, fleet/assumed.py), its price (the spec's costPerHour, else its
+nodes' price labels, fleet/pricing.py) and its replica bounds. A pool without a price or without performance is
+left out, with the reason, and keeps its minimum replicas."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ..spec import InferenceSpec
 from .assumed import assumed_performance
 from .optimizer import PoolOffer
 from .performance import Demand
+from .pricing import LabelPrice
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,9 @@ class Offers:
     bounds: Mapping[str, tuple[int, int]]  # every serving pool's [min, max] replicas
 
 
-def pool_offers(spec: InferenceSpec, serving: Sequence[PoolChoice], shape: ModelShape, demand: Demand) -> Offers:
-    """`serving`: the plan's pools with a profile (eligible, ranked)."""
+def pool_offers(spec: InferenceSpec, serving: Sequence[PoolChoice], shape: ModelShape, demand: Demand,
+                label_prices: Mapping[str, LabelPrice] | None = None) -> Offers:  # fmt: skip
+    """`serving`: the plan's pools with a profile (eligible, ranked); `label_prices`: per pool, from its nodes."""
     context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
     offers, left_out, bounds = [], {}, {}
     for choice in serving:
@@ -37,11 +40,19 @@ def pool_offers(spec: InferenceSpec, serving: Sequence[PoolChoice], shape: Model
         if performance is None:
             left_out[choice.pool.name] = ("no performance figures: set spec.placement.pools[].performance "
                                           "(hpi profile measures them)")  # fmt: skip
-        elif settings.cost_per_hour is None:
-            left_out[choice.pool.name] = "no price: set spec.placement.pools[].costPerHour"
+        elif (cost := _cost(settings.cost_per_hour, (label_prices or {}).get(choice.pool.name))) is None:
+            label = (label_prices or {}).get(choice.pool.name)
+            ignored = f" ({'; '.join(label.ignored)})" if label is not None and label.ignored else ""
+            left_out[choice.pool.name] = ("no price: set spec.placement.pools[].costPerHour or label its nodes "
+                                          f"with a price per node-hour{ignored}")  # fmt: skip
         else:
-            offers.append(PoolOffer(choice.pool.name, performance, settings.cost_per_hour, high, low))
+            offers.append(PoolOffer(choice.pool.name, performance, cost, high, low))
     for settings in spec.placement.pools:  # a typo in a pool name must not pass silently
         if settings.name not in bounds:
             left_out[settings.name] = "spec.placement.pools names no serving pool (see status.pools)"
     return Offers(tuple(offers), left_out, bounds)
+
+
+def _cost(spec_cost: float | None, label: LabelPrice | None) -> float | None:
+    """The spec's price overrides the nodes' labels."""
+    return spec_cost if spec_cost is not None else label.cost_per_hour if label is not None else None

@@ -114,6 +114,7 @@ class _Timer:
         self.last: float | None = None
         self.gaps: list[float] = []
         self.queue_s: float | None = None
+        self.num_tokens = 0
 
     def tick(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -121,6 +122,7 @@ class _Timer:
             self.queue_s = max(0.0, out.first_scheduled_time - out.arrival_time)
         if not out.new_token_ids:
             return
+        self.num_tokens += len(out.new_token_ids)
         if self.first is None:
             self.first = now
         elif self.last is not None:
@@ -131,7 +133,7 @@ class _Timer:
 
     def timing(self) -> RequestTiming:
         first = None if self.first is None else self.first - self.start
-        return RequestTiming(first, tuple(self.gaps), time.monotonic() - self.start, self.queue_s)
+        return RequestTiming(first, tuple(self.gaps), time.monotonic() - self.start, self.queue_s, self.num_tokens)
 
 
 async def stream_choices(

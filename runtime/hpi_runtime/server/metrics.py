@@ -45,6 +45,9 @@ class ServingMetrics:
                                buckets=LATENCY_BUCKETS_S, registry=reg)
         self._itl = Histogram(names.INTER_TOKEN_LATENCY, "Time between output tokens.", labels,
                               buckets=ITL_BUCKETS_S, registry=reg)
+        self._tpot = Histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "Mean time per output token of each request "
+                               "with two or more: (e2e - TTFT) / (output tokens - 1).", labels,
+                               buckets=ITL_BUCKETS_S, registry=reg)  # fmt: skip
         self._e2e = Histogram(names.E2E_REQUEST_LATENCY, "End-to-end request latency.", labels,
                               buckets=LATENCY_BUCKETS_S, registry=reg)
         self._queue = Histogram(names.REQUEST_QUEUE_TIME, "Time spent waiting before scheduling.",
@@ -108,7 +111,7 @@ class ServingMetrics:
                 counter.labels(model_name, value)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
-        for histogram in (self._ttft, self._itl, self._e2e, self._queue):
+        for histogram in (self._ttft, self._itl, self._tpot, self._e2e, self._queue):
             histogram.labels(model_name)  # empty buckets from the start, so queries over them never go missing
         for gauge in (self._running, self._waiting, self._kv_usage):
             gauge.labels(model_name).set(0)
@@ -183,6 +186,9 @@ class ServingMetrics:
         for gap in timing.inter_token_s:
             self._itl.labels(model).observe(gap)
         self._e2e.labels(model).observe(timing.e2e_s)
+        tpot = timing.time_per_output_token_s
+        if tpot is not None:
+            self._tpot.labels(model).observe(tpot)
         if timing.queue_s is not None:
             self._queue.labels(model).observe(timing.queue_s)
 
@@ -196,3 +202,12 @@ class RequestTiming:
     inter_token_s: tuple[float, ...]
     e2e_s: float
     queue_s: float | None
+    num_output_tokens: int = 0
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        """vLLM's per-request mean ITL: the time after the first token over the tokens after it; None below two
+        tokens (no gap to average)."""
+        if self.first_token_s is None or self.num_output_tokens < 2:
+            return None
+        return max(0.0, self.e2e_s - self.first_token_s) / (self.num_output_tokens - 1)

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from hpi_contracts.metrics import READ_BY_OPERATOR  # the names the operator reads
-from hpi_testing.server import RuntimeServer, metric_samples
+from hpi_testing.server import RuntimeServer, metric_samples, post_json
 
 VLLM_CONTRACT = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -20,6 +20,7 @@ VLLM_CONTRACT = [
     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
     "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_bucket",
 ]
 
 
@@ -55,6 +56,22 @@ def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
     for name in READ_BY_OPERATOR:
         assert any(n == name or n.startswith(name + "_") for n in names), f"operator reads {name}"
     assert values["hpi:kv_cache_blocks"] > 0 and values["hpi:model_weight_bytes"] > 0
+
+
+def test_a_finished_request_observes_its_mean_time_per_output_token_once(busy_server) -> None:
+    tpot, e2e, ttft = ("vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                       "vllm:time_to_first_token_seconds")  # fmt: skip
+    before = wait_for_idle(busy_server)
+    for max_tokens in (6, 1):  # one token has no gap to average: no sample for the second request
+        body = {"model": "tiny-llama", "prompt": "one two three", "max_tokens": max_tokens, "ignore_eos": True}
+        status, answer = post_json(busy_server.base_url, "/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == max_tokens, answer
+    after = wait_for_idle(busy_server)
+    grew = {name: after[name] - before[name] for name in (f"{tpot}_count", f"{tpot}_sum", f"{e2e}_sum", f"{ttft}_sum",
+                                                          f"{e2e}_count")}  # fmt: skip
+    assert grew[f"{tpot}_count"] == 1 and grew[f"{e2e}_count"] == 2
+    # (e2e - TTFT) / 5 for the six-token request: at most the time both requests spent after their first token.
+    assert 0 < grew[f"{tpot}_sum"] * 5 <= grew[f"{e2e}_sum"] - grew[f"{ttft}_sum"] + 1e-6
 
 
 def test_concurrent_streams_with_disconnects(busy_server) -> None:
@@ -123,7 +140,8 @@ def test_concurrent_streams_with_disconnects(busy_server) -> None:
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert after["vllm:time_to_first_token_seconds_count"] >= survivors
     assert after["vllm:e2e_request_latency_seconds_count"] >= survivors
-    for name in ("vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count"):
+    for name in ("vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count"):
         assert after[name] - before[name] >= survivors, name
     assert metric_names(after) >= set(VLLM_CONTRACT)
     assert busy_server.process.poll() is None
