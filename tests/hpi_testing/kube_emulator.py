@@ -198,6 +198,7 @@ RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
     ("v1/services", True, "Service", ("status",)),
     ("v1/pods", True, "Pod", ("status",)),
     ("v1/secrets", True, "Secret", ()),
+    ("v1/configmaps", True, "ConfigMap", ()),
     ("v1/serviceaccounts", True, "ServiceAccount", ()),
     ("rbac.authorization.k8s.io/v1/roles", True, "Role", ()),
     ("rbac.authorization.k8s.io/v1/rolebindings", True, "RoleBinding", ()),

@@ -19,6 +19,7 @@ from ..fleet.performance import Demand
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
+from ..profiling import as_performance
 from .decision import PodLoad
 from .fleet_status import optimizer_memory
 from .loop import rfc3339
@@ -62,7 +63,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     memory = optimizer_memory(status)
     reading = read_demand(loads, memory.counters, memory.at_s, now_s, memory.mix)
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
-    offered = pool_offers(spec, serving, plan.shape, reading.demand)
+    measured = {pool: as_performance(profile) for pool, profile in plan.measured.items()}
+    offered = pool_offers(spec, serving, plan.shape, reading.demand, measured)
     fleet = optimize(reading.demand, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
