@@ -116,11 +116,11 @@ def reconcile(
             if report.served_path != plan.cached_dir:  # the fill Job just completed: pods move to it
                 body = _with_served_path(body, report.served_path)
                 plan = make_plan(body, nodes)
-        if plan.profile_targets:
-            measurements = sync_profiles(kube, plan, metadata.get("uid"), old_status, now, profile_retry_base_s)
-            measured = {pool: m.profile for pool, m in measurements.items() if m.profile is not None}
-            if measured != dict(plan.measured):  # figures newly measured (or cached): the pools' ConfigMaps follow
-                plan = make_plan(body, nodes, measured=measured)
+        # Also without targets: it deletes the profiling Jobs of pools (or of a profiling mode) no longer wanted.
+        measurements = sync_profiles(kube, plan, metadata.get("uid"), old_status, now, profile_retry_base_s)
+        measured = {pool: m.profile for pool, m in measurements.items() if m.profile is not None}
+        if measured != dict(plan.measured):  # figures newly measured (or cached): the pools' ConfigMaps follow
+            plan = make_plan(body, nodes, measured=measured)
         applied = apply_plan(kube, plan, metadata.get("uid"))
         if report is not None:
             report = collect_old_revision(kube, plan, applied.states, report)

@@ -855,6 +855,30 @@ def runtime_pod(name: str, port: int, labels: dict[str, str], namespace: str = "
     }  # fmt: skip
 
 
+def finished_job_pod(job: Mapping[str, Any], message: str, ok: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pod of `job` as the Job controller creates it and the kubelet leaves it once its one container ended with
+    `message` as its termination message: (the pod to create, its status to patch)."""
+    name, template = job["metadata"]["name"], job["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{name}-{job['metadata']['uid'][:5]}", "namespace": job["metadata"]["namespace"],
+                        "labels": {**template["metadata"]["labels"], "batch.kubernetes.io/job-name": name}},
+           "spec": {"containers": template["spec"]["containers"], "restartPolicy": "Never"}}  # fmt: skip
+    terminated = {"exitCode": 0 if ok else 1, "reason": "Completed" if ok else "Error", "message": message,
+                  "startedAt": _now(), "finishedAt": _now()}  # fmt: skip
+    container_status = {"name": container["name"], "image": container["image"], "imageID": "", "ready": False,
+                        "restartCount": 0, "state": {"terminated": terminated}}  # fmt: skip
+    status = {"phase": "Succeeded" if ok else "Failed", "containerStatuses": [container_status]}
+    return pod, {"status": status}
+
+
+def finished_job_status(ok: bool, message: str = "") -> dict[str, Any]:
+    """A Job's status once it completed, or failed (`message`: why) after its pod retries."""
+    cond = {"type": "Complete" if ok else "Failed", "status": "True", "reason": "" if ok else "DeadlineExceeded",
+            "message": message, "lastTransitionTime": _now()}  # fmt: skip
+    return {"status": {"conditions": [cond], "succeeded" if ok else "failed": 1}}
+
+
 H100 = ("NVIDIA-H100-80GB-HBM3", 81559, 8)
 H200 = ("NVIDIA-H200", 143771, 8)
 A100_40 = ("NVIDIA-A100-SXM4-40GB", 40960, 8)

@@ -8,7 +8,6 @@ operator does through the API, as on a cluster.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,14 @@ from hpi_operator.kube import KubeClient
 from hpi_operator.nodes import node_info
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_operator.plan import make_plan
-from hpi_testing.kube_emulator import L4, eventually, make_node, operator_thread
+from hpi_testing.kube_emulator import (
+    L4,
+    eventually,
+    finished_job_pod,
+    finished_job_status,
+    make_node,
+    operator_thread,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,34 +109,16 @@ async def off(fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def run_job(api: Api, job: dict[str, Any], message: str | None, ok: bool = True) -> None:
     """Play the Job controller and the kubelet: the Job's pod ran `hpi profile` and left `message`, then the Job
-    completed (or failed after its pod retries)."""
+    completed (or failed after its pod retries, its deadline)."""
     name = job["metadata"]["name"]
     if message is not None:
-        pod_spec = job["spec"]["template"]["spec"]
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"{name}-{job['metadata']['uid'][:5]}", "namespace": NS,
-                            "labels": {**job["spec"]["template"]["metadata"]["labels"],
-                                       "batch.kubernetes.io/job-name": name}},
-               "spec": {"containers": pod_spec["containers"], "restartPolicy": "Never"}}  # fmt: skip
+        pod, status = finished_job_pod(job, message, ok)
         await api.call("POST", PODS, pod)
-        terminated = {"exitCode": 0 if ok else 1, "reason": "Completed" if ok else "Error", "message": message,
-                      "startedAt": _now(), "finishedAt": _now()}  # fmt: skip
-        status = {"phase": "Succeeded" if ok else "Failed",
-                  "containerStatuses": [{"name": "profile", "image": pod_spec["containers"][0]["image"],
-                                         "imageID": "", "ready": False, "restartCount": 0,
-                                         "state": {"terminated": terminated}}]}  # fmt: skip
-        await api.patch(f"{PODS}/{pod['metadata']['name']}/status", {"status": status})
-    kind = "Complete" if ok else "Failed"
-    cond = {"type": kind, "status": "True", "reason": "" if ok else "DeadlineExceeded",
-            "message": "" if ok else "Job was active longer than specified deadline", "lastTransitionTime": _now()}
-    status = {"conditions": [cond], "succeeded" if ok else "failed": 1}
-    await api.patch(f"{JOBS}/{name}/status", {"status": status})
+        await api.patch(f"{PODS}/{pod['metadata']['name']}/status", status)
+    reason = "" if ok else "Job was active longer than specified deadline"
+    await api.patch(f"{JOBS}/{name}/status", finished_job_status(ok, reason))
 
 
 async def test_a_pool_is_measured_once_cached_and_served_to_its_pods(kube: KubeClient, operator: Any) -> None:
@@ -176,9 +164,12 @@ async def test_a_pool_is_measured_once_cached_and_served_to_its_pods(kube: KubeC
     nodes = [node_info(make_node("gpu-l4-0", gpu=L4)), node_info(make_node("cpu-0", bf16=True))]
     plan = make_plan(body, nodes)
     loads = [PodLoad("p", 0.2, 0, 1, num_finished=0, prompt_tokens=0, generation_tokens=0)]
-    poll = fleet_poll(plan, loads, {}, dict(plan.replicas_by_pool), 1000.0)
+    first = fleet_poll(plan, loads, {}, dict(plan.replicas_by_pool), 1000.0)
+    busy = [PodLoad("p", 0.2, 0, 1, num_finished=50, prompt_tokens=25_000, generation_tokens=10_000)]
+    poll = fleet_poll(plan, busy, {"autoscaling": {"optimizer": first.status}}, dict(plan.replicas_by_pool), 1010.0)
     assert poll.status["pools"]["gpu-l4"]["source"] == "measured"
     assert poll.status["pools"]["cpu-amd64-bf16"]["source"] == "override"
+    assert "(measured figures)" in poll.message, poll.message  # the explanation says what the choice rests on
 
     # A second resource of the same model on the same node kind reuses the cache: measured, without a Job.
     await api.call("POST", CRS, cr("second", pools))

@@ -35,17 +35,20 @@ class FleetPoll:
 
 
 def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, plan: FleetPlan,
-             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float) -> str:  # fmt: skip
+             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
+             sources: Mapping[str, str]) -> str:  # fmt: skip
     moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
     head = moves or "no change"
     parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
              f"{demand.mean_output_tokens:.0f} output tokens)"]  # fmt: skip
     for pool, cap in plan.capacities.items():
         want = recommended.get(pool, 0)
+        figures = f"{sources.get(pool, 'unknown')} figures"  # measured, assumed or override: how far to trust it
         if cap.meets_slo and want:
-            parts.append(f"{pool} x{want} at {cap.request_rate:.2f} req/s each within itlP90 {itl_ms:.0f} ms")
+            parts.append(f"{pool} x{want} at {cap.request_rate:.2f} req/s each within itlP90 {itl_ms:.0f} ms "
+                         f"({figures})")  # fmt: skip
         elif not cap.meets_slo:
-            parts.append(f"{pool} misses the SLO ({cap.why_not})")
+            parts.append(f"{pool} misses the SLO ({cap.why_not}; {figures})")
     parts += [f"{pool} left out ({why})" for pool, why in left_out.items()]
     if not plan.feasible:
         parts.append(f"SLO not attainable: {plan.reason}")
@@ -73,8 +76,9 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     if not reading.measured:  # the first poll only starts the counters: keep what runs
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
+    sources = {o.name: o.performance.source for o in offered.offers}
     message = _explain(current, replicas, reading.demand, fleet, offered.left_out, recommended,
-                       spec.slo.itl_p90_s * 1e3)  # fmt: skip
+                       spec.slo.itl_p90_s * 1e3, sources)  # fmt: skip
     demand = reading.demand
     status_patch = {
         "replicas": replicas,
