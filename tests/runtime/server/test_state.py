@@ -85,3 +85,23 @@ def test_a_bad_profile_file_keeps_the_last_good_profile_and_warns(tmp_path, capl
     assert _profiles(state) == {"measured": pytest.approx(0.02)}
     _write(path, "")
     assert _profiles(state) == {}  # emptied on purpose: no profile any more
+
+
+def test_metrics_scrapes_pick_up_a_profile_file_written_after_start(tmp_path) -> None:
+    """The wiring: GET /metrics re-checks the file (no model needed, as while the server loads)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from hpi_runtime.server.app import build_app
+
+    path = tmp_path / "profile.json"
+    state = ServerState(ServerSettings(served_model_name="m", pool_profile_path=str(path)))
+
+    async def scrape() -> str:
+        async with TestClient(TestServer(build_app(state))) as client:
+            response = await client.get("/metrics")
+            return await response.text()
+
+    assert names.PROFILE_ITL_ALPHA + "{" not in asyncio.run(scrape())
+    _write(path, '{"itlAlphaMs": 8, "itlBetaMs": 1, "prefillTokensPerSecond": 500, "maxNumSeqs": 8}')
+    text = asyncio.run(scrape())
+    assert f'{names.PROFILE_ITL_ALPHA}{{model_name="m",source="measured"}} 0.008' in text
