@@ -102,7 +102,7 @@ def test_pools_serve_their_profile_configmap_through_a_mounted_file() -> None:
     args = pod["containers"][0]["args"]
     assert args[args.index("--pool-profile") + 1] == "@/etc/hpi/pool-profile/profile.json"
     assert {"name": "pool-profile", "configMap": {"name": "demo-gpu-l4-profile", "optional": True}} in pod["volumes"]
-    for child in plan.children:  # the mounted ConfigMap volume and the ConfigMaps as an API server takes them
+    for child in (*plan.deployments, *plan.profile_configmaps):  # the mounted volume, the ConfigMaps: valid
         kubernetes_validate.validate(child, kubernetes_validate.latest_version(), strict=True)
     configmaps = {c["metadata"]["name"]: c for c in plan.profile_configmaps}
     assert set(configmaps) == {"demo-gpu-l4-profile", "demo-cpu-amd64-bf16-profile"}
