@@ -31,16 +31,17 @@ from hpi_contracts.pool_profile import PoolProfile, pool_profile_flag, profile_f
 
 from .fleet.assumed import assumed_performance
 from .fleet.performance import PoolPerformance
-from .manifests import (
+from .manifests import Owner, build_deployment, common_labels, engine_args, short_name, stamp_hash
+from .names import (
+    GROUP,
     LABEL_COMPONENT,
-    Owner,
-    build_deployment,
-    common_labels,
-    engine_args,
-    short_name,
-    stamp_hash,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_POOL,
+    OPERATOR_NAME,
+    RUNTIME_NAME,
 )
-from .names import GROUP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_POOL, OPERATOR_NAME, RUNTIME_NAME
 from .nodes import Pool
 from .profiles import PoolChoice, Profile
 from .sizing import ModelShape
