@@ -158,7 +158,7 @@ def profiled_condition(plan: Plan, found: Mapping[str, PoolMeasurement]) -> dict
         return condition(POOLS_PROFILED, False, reason, "; ".join(parts) + "; the pools serve meanwhile")
     waiting = [m for m in found.values() if m.profile is None]
     if waiting:
-        parts = [f"{m.pool}: Job {m.job} (attempt {m.attempt}), serving on {_source(plan, m.pool)} figures meanwhile"
+        parts = [f"{m.pool}: Job {m.job} (attempt {m.attempt}), serving meanwhile {_meanwhile(plan, m.pool)}"
                  for m in waiting]  # fmt: skip
         return condition(POOLS_PROFILED, False, "Measuring", "; ".join(parts))
     if not found:
@@ -167,9 +167,9 @@ def profiled_condition(plan: Plan, found: Mapping[str, PoolMeasurement]) -> dict
     return condition(POOLS_PROFILED, True, "Measured", "measured: " + "; ".join(parts))
 
 
-def _source(plan: Plan, pool: str) -> str:
+def _meanwhile(plan: Plan, pool: str) -> str:
     figures = plan.figures.get(pool)
-    return figures.source if figures else "no"
+    return f"on {figures.source} figures" if figures else "without figures"
 
 
 def profile_events(old_status: Mapping[str, Any], found: Mapping[str, PoolMeasurement]) -> list[tuple[str, str, str]]:
