@@ -168,7 +168,7 @@ def plan_cache(owner: Owner, spec: InferenceSpec, shape: ModelShape) -> CachePla
 
 @dataclass(frozen=True)
 class JobState:
-    """What the operator needs from a cache Job."""
+    """What the operator needs from one of its Jobs (a cache Job's, or a profiling Job's: profiling.py)."""
 
     name: str
     phase: str  # Pending | Running | Complete | Failed
@@ -178,7 +178,7 @@ class JobState:
     message: str  # why it failed, from the Job's Failed condition
 
     @classmethod
-    def from_job(cls, obj: Mapping[str, Any]) -> JobState:
+    def from_job(cls, obj: Mapping[str, Any], attempt_annotation: str = ANNOTATION_ATTEMPT) -> JobState:
         meta = obj.get("metadata") or {}
         status = obj.get("status") or {}
         conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
@@ -191,7 +191,7 @@ class JobState:
         return cls(
             name=meta.get("name", ""),
             phase=phase,
-            attempt=int((meta.get("annotations") or {}).get(ANNOTATION_ATTEMPT) or 1),
+            attempt=int((meta.get("annotations") or {}).get(attempt_annotation) or 1),
             num_failed_pods=int(status.get("failed") or 0),
             finished_at=cond.get("lastTransitionTime") or status.get("completionTime"),
             message=" ".join(filter(None, (cond.get("reason"), cond.get("message")))) or "",

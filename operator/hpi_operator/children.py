@@ -8,8 +8,10 @@ Deployments' spec.replicas; spec.replicas of the InferenceDeployment belongs to 
 the builtin autoscaler, an HPA or KEDA through the scale subresource), and the operator never writes it.
 
 The prune deletes every object of PRUNED_KINDS that carries this InferenceDeployment's selector label and an
-owner reference to it, and that the plan does not want. The model cache's claim is never pruned (it holds
-downloaded weights; it goes with the resource) and its Jobs are cache_sync.py's.
+owner reference to it, and that the plan does not want (a dropped pool's profile ConfigMap among them). The model
+cache's claim is never pruned (it holds downloaded weights; it goes with the resource) and its Jobs are
+cache_sync.py's; the profiling Jobs are profile_sync.py's, and the profile cache's ConfigMaps carry neither
+this label nor an owner: they outlive the resource on purpose (profiling.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .status import ChildState
 
 APPLY_PATCH = "application/apply-patch+yaml"
 PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool", "HorizontalPodAutoscaler", "ScaledObject")  # fmt: skip
+                "InferencePool", "HorizontalPodAutoscaler", "ScaledObject", "ConfigMap")  # fmt: skip
 
 
 def apply_object(kube: KubeClient, desired: Mapping[str, Any]) -> tuple[dict[str, Any], str]:

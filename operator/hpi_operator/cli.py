@@ -61,6 +61,8 @@ def render(cr_path: str, nodes_path: str, out: Any = None, err: Any = None) -> i
         manifests.extend(plan.children)
         if plan.cache:
             manifests.append(plan.cache.fill_job)
+        # The profiling Jobs a first reconcile would create (one per pool the profile cache has no figures for).
+        manifests.extend(target.job for target in plan.profile_targets)
     yaml.safe_dump_all(manifests, out, sort_keys=False)
     return 2 if failed else 0
 

@@ -31,6 +31,7 @@ from .kube import KubeClient, load_api_client
 from .names import GROUP, LABEL_MANAGED_BY, NODE_PRICE_LABEL, OPERATOR_NAME, PLURAL, VERSION
 from .nodes import NodeInfo, node_info
 from .op_metrics import OperatorMetrics
+from .profiling import RETRY_BASE_DELAY_S as PROFILE_RETRY_BASE_DELAY_S
 from .reconcile import Outcome, reconcile
 from .status import status_changes
 from .wakeups import Wakeups, owner_uids
@@ -58,6 +59,7 @@ class OperatorConfig:
     metrics_port: int | None = None  # the operator's own /metrics; None: not served
     autoscale_tick_s: float = 1.0  # how often a builtin-autoscaled resource checks whether a poll is due
     cache_retry_base_s: float = RETRY_BASE_DELAY_S  # backoff after the first failed model-cache download
+    profile_retry_base_s: float = PROFILE_RETRY_BASE_DELAY_S  # backoff after the first failed profiling Job
     debounce_s: float = 0.05  # after a wake-up: let the burst of events (its own writes) settle into one pass
     node_price_label: str = NODE_PRICE_LABEL  # the fleet optimizer's node price label ("" reads none)
 
@@ -146,7 +148,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo.metrics.set_nodes("gpu", sum(1 for n in nodes if n.gpu_product))
         memo.metrics.set_nodes("cpu", sum(1 for n in nodes if not n.gpu_product))
         snapshot = copy.deepcopy(dict(body))  # the body is a live view: one pass decides on one state
-        outcome = await asyncio.to_thread(reconcile, snapshot, nodes, memo.kube, utc_now(), config.cache_retry_base_s)
+        outcome = await asyncio.to_thread(reconcile, snapshot, nodes, memo.kube, utc_now(), config.cache_retry_base_s,
+                                          config.profile_retry_base_s)  # fmt: skip
         _finish(outcome, body, patch, memo, logger)
 
     register_autoscaler(registry, tick_s=config.autoscale_tick_s,

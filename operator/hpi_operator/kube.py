@@ -22,6 +22,10 @@ _PATHS = {
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
     "PersistentVolumeClaim": "/api/v1/namespaces/{namespace}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{namespace}/jobs",
+    # Pool profiles (profiling.py): the cache and the pools' ConfigMaps; the profiling Jobs' pods, read for their
+    # termination message.
+    "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps",
+    "Pod": "/api/v1/namespaces/{namespace}/pods",
     # The routing objects (routing_manifests.py).
     "ServiceAccount": "/api/v1/namespaces/{namespace}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",

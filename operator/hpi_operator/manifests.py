@@ -153,12 +153,34 @@ def model_dir(spec: InferenceSpec, cached_dir: str | None = None) -> str | None:
     return None
 
 
-def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None) -> list[str]:
+# --pool-profile @file: the pool's profile ConfigMap (profiling.py) mounted as a directory, so the kubelet's in-place
+# updates reach the running pods (a subPath mount would never see them).
+POOL_PROFILE_MOUNT = "/etc/hpi/pool-profile"
+POOL_PROFILE_FILE = "profile.json"
+# The flags of `hpi serve` that are the HTTP server's: `hpi profile` takes the rest (the engine's) alone.
+SERVER_ONLY_FLAGS = ("--host", "--port", "--served-model-name", "--drain-timeout", "--pool-profile")
+
+
+def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None,
+                 pool_profile: str | None = None) -> list[str]:  # fmt: skip
     """Arguments of `hpi serve` for one profile, through the flag contract (hpi_contracts.serve_flags, generated
-    from the runtime's config tree): a flag the runtime lacks is a ValueError here. None leaves a flag out."""
+    from the runtime's config tree): a flag the runtime lacks is a ValueError here. None leaves a flag out.
+    `pool_profile`: the --pool-profile value (the mounted file, @PATH)."""
+    flags = serve_args({**_serve_values(owner_name, spec, profile, cached_dir), "--pool-profile": pool_profile})
+    return ["serve", *flags, *spec.runtime.extra_args]
+
+
+def engine_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None) -> list[str]:
+    """The engine flags of `runtime_args` alone: what `hpi profile` needs to load and run the model exactly as the
+    pool's pods do (spec.runtime.extraArgs are left out: they may hold server flags `hpi profile` lacks)."""
+    values = _serve_values(owner_name, spec, profile, cached_dir)
+    return serve_args({flag: value for flag, value in values.items() if flag not in SERVER_ONLY_FLAGS})
+
+
+def _serve_values(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None) -> dict[str, Any]:
     engine = spec.engine
     prequantized_or_none = profile.quantization == "none" or profile.prequantized
-    flags = serve_args({
+    return {
         "--host": "0.0.0.0",
         "--port": RUNTIME_PORT,
         "--model": model_dir(spec, cached_dir) or None,
@@ -177,8 +199,7 @@ def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_
         "--quantization": None if prequantized_or_none else profile.quantization,
         "--max-num-batched-tokens": engine.max_num_batched_tokens or None,
         "--tensor-parallel-size": profile.num_gpus if profile.num_gpus > 1 else None,
-    })  # fmt: skip
-    return ["serve", *flags, *spec.runtime.extra_args]
+    }  # fmt: skip
 
 
 # The runtime's own downloader (same image, runtime/hpi_runtime/download.py): configs first, then only the
@@ -301,19 +322,23 @@ def _affinity(pool: Pool) -> dict[str, Any] | None:
 
 
 def build_deployment(
-    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None
+    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None,
+    pool_profile_configmap: str | None = None,
 ) -> dict[str, Any]:
     """The Deployment that runs `replicas` runtime pods with `profile` on `pool` (from `cached_dir`, the complete
-    revision on the shared model cache, when there is one)."""
+    revision on the shared model cache, when there is one). `pool_profile_configmap`: the pool's profile
+    ConfigMap, mounted and passed as `--pool-profile @file` (the template stays the same when the figures change:
+    no rollout)."""
     labels = {**common_labels(owner.name), LABEL_POOL: short_name(pool.name)}
     pod_selector = {**selector_labels(owner.name), LABEL_POOL: short_name(pool.name)}
     volumes, mounts = _volumes(owner.name, spec, profile)
+    pool_profile = f"@{POOL_PROFILE_MOUNT}/{POOL_PROFILE_FILE}" if pool_profile_configmap else None
     container = {
         "name": "runtime",
         "image": runtime_image(spec, pool),
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["hpi"],
-        "args": runtime_args(owner.name, spec, profile, cached_dir),
+        "args": runtime_args(owner.name, spec, profile, cached_dir, pool_profile),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec, profile, pool.gpu_resource),
@@ -348,6 +373,9 @@ def build_deployment(
         pod_spec["initContainers"] = [_check_cache_container(container, model_dir(spec, cached_dir) or "")]
     elif spec.model.source == "huggingface":  # node-local cache, or a download into the pod's own volume
         pod_spec["initContainers"] = [_fetch_container(spec, container)]
+    if pool_profile_configmap:  # the runtime container's alone (after the init containers copied its mounts)
+        volumes.append({"name": "pool-profile", "configMap": {"name": pool_profile_configmap, "optional": True}})
+        mounts.append({"name": "pool-profile", "mountPath": POOL_PROFILE_MOUNT, "readOnly": True})
     affinity = _affinity(pool)
     if affinity:
         pod_spec["affinity"] = affinity

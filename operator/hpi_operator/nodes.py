@@ -31,6 +31,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 CPU_AVX512BF16 = "feature.node.kubernetes.io/cpu-cpuid.AVX512BF16"
 CPU_AMXBF16 = "feature.node.kubernetes.io/cpu-cpuid.AMXBF16"
 ARCH = "kubernetes.io/arch"
+INSTANCE_TYPE = "node.kubernetes.io/instance-type"  # the cloud's machine type (well-known label)
 # GPUs before Ampere (compute capability < 8) have no bf16; GFD may lack the compute label on old setups.
 _PRE_AMPERE = re.compile(r"(^|-)(T4|V100|P100|P40|P4|K80|M60|TITAN-V|QUADRO-RTX|RTX-20)", re.IGNORECASE)
 # The toleration every GPU pool carries: the NVIDIA GPU operator and most clouds taint GPU nodes so.
@@ -177,6 +178,7 @@ class Pool:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     match_expressions: tuple[Mapping[str, Any], ...] = ()
     tolerations: tuple[Mapping[str, Any], ...] = ()
+    instance_type: str | None = None  # shared by every node of the pool, else None
 
     @property
     def num_nodes(self) -> int:
@@ -276,6 +278,11 @@ def _selection(key: tuple[Any, ...], node: NodeInfo) -> tuple[dict[str, str], tu
     return {ARCH: node.arch}, (no_gpu, no_amd_gpu, bf16, not_labelled)
 
 
+def _shared(values: Iterable[str | None]) -> str | None:
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else None
+
+
 def group_pools(
     nodes: Iterable[NodeInfo],
     node_selector: Mapping[str, str] | None = None,
@@ -313,6 +320,7 @@ def group_pools(
                 node_selector={**selector, **node_selector},
                 match_expressions=expressions,
                 tolerations=tolerations + ((GPU_TOLERATIONS[first.gpu_vendor],) if is_gpu else ()),
+                instance_type=_shared(n.labels.get(INSTANCE_TYPE) for n in members),
             )
         )
     return sorted(pools, key=lambda p: p.name)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
+from hpi_contracts.pool_profile import PoolProfile
 
 from .autoscaling.fleet_status import optimizer_replicas
 from .autoscaling.manifests import autoscaler_child
@@ -22,6 +24,16 @@ from .names import ANNOTATION_SPEC_HASH
 from .nodes import NodeInfo, group_pools
 from .placement import Slot, eligible_choices, rank_choices, spread_replicas
 from .profiles import PoolChoice, choose_profile
+from .profiling import (
+    ProfileTarget,
+    build_pool_configmap,
+    build_profile_job,
+    cache_key,
+    measured_from_status,
+    node_kind,
+    pool_configmap_name,
+    pool_figures,
+)
 from .routing_manifests import routing_children
 from .sizing import ModelShape, model_shape
 from .spec import InferenceSpec, SpecError, effective_routing_mode, parse_spec
@@ -42,6 +54,12 @@ class Plan:
     cache: CachePlan | None = None  # spec.model.cache with a claim: the claim and the Job that fills it
     cached_dir: str | None = None  # the complete revision on the cache that pods run from (None: none yet)
     shape: ModelShape | None = None  # what the sizing arithmetic used
+    # spec.placement.profiling in effect (profiling.py): per serving pool the figures it runs on (None: none yet),
+    # the measured ones among them, the pools to measure, and the ConfigMaps that hand the figures to the pods.
+    figures: Mapping[str, PoolProfile | None] = field(default_factory=dict)
+    measured: Mapping[str, PoolProfile] = field(default_factory=dict)
+    profile_targets: tuple[ProfileTarget, ...] = ()
+    profile_configmaps: tuple[dict[str, Any], ...] = ()
 
     @property
     def placeable(self) -> bool:
@@ -59,10 +77,11 @@ class Plan:
 
     @property
     def children(self) -> tuple[dict[str, Any], ...]:
-        """What children.apply_plan writes (the cache's Jobs are created and retried by cache_sync.py instead)."""
+        """What children.apply_plan writes (the cache's and the profiling Jobs are created and retried by
+        cache_sync.py and profile_sync.py instead)."""
         claim = [self.cache.pvc] if self.cache and self.cache.pvc else []
         autoscaler = [self.autoscaler] if self.autoscaler else []
-        return (*claim, *self.deployments, *self.routing, self.pdb, *autoscaler)
+        return (*claim, *self.profile_configmaps, *self.deployments, *self.routing, self.pdb, *autoscaler)
 
     @property
     def service(self) -> dict[str, Any]:
@@ -86,10 +105,12 @@ class Plan:
         return next(c for c in self.choices if c.pool.name == pool_name)
 
 
-def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached: bool = False) -> Plan:
+def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached: bool = False,
+              measured: Mapping[str, PoolProfile] | None = None) -> Plan:  # fmt: skip
     """Decide everything for `body` (an InferenceDeployment as a dict); raises SpecError on a bad spec.
 
-    `assume_cached`: plan the Deployments as if the model cache held the wanted revision (offline renders)."""
+    `assume_cached`: plan the Deployments as if the model cache held the wanted revision (offline renders).
+    `measured`: the pools' measured figures as profile_sync.py just found them; None: as status.pools records."""
     metadata = body.get("metadata") or {}
     owner = Owner(name=metadata["name"], namespace=metadata.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
@@ -107,12 +128,29 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
     cached_dir = ((body.get("status") or {}).get("modelCache") or {}).get("servedPath") if cache else None
     if cache and assume_cached:
         cached_dir = cache.path
-    deployments = []
+    deployments, started = [], []
     for choice in serving:
         assert choice.profile is not None  # eligible_choices keeps pools with a profile only
         if cache is None or cached_dir:  # never a pod on a partial cache
             replicas = replicas_by_pool[choice.pool.name]
-            deployments.append(build_deployment(owner, spec, choice.pool, choice.profile, replicas, cached_dir))
+            configmap = pool_configmap_name(owner.name, choice.pool.name) if spec.profiled else None
+            deployments.append(build_deployment(owner, spec, choice.pool, choice.profile, replicas, cached_dir,
+                                                configmap))  # fmt: skip
+            started.append(choice)
+    figures: dict[str, PoolProfile | None] = {}
+    targets, profile_configmaps = [], []
+    if spec.profiled:  # measured on the pools pods run on (not before the model cache is filled)
+        keys = {c.pool.name: cache_key(spec, c.profile, c.pool) for c in started if c.profile is not None}
+        measured = measured_from_status(body.get("status"), keys) if measured is None else {
+            pool: figures for pool, figures in measured.items() if pool in keys}  # fmt: skip
+        for choice in started:
+            pool_name = choice.pool.name
+            figures[pool_name] = pool_figures(spec, choice, shape, measured.get(pool_name))
+            profile_configmaps.append(build_pool_configmap(owner, pool_name, figures[pool_name]))
+            if spec.placement.pool(pool_name).performance is None and choice.profile is not None:
+                job = build_profile_job(owner, spec, choice.pool, choice.profile, cached_dir)
+                targets.append(ProfileTarget(pool_name, keys[pool_name], node_kind(choice.pool), job))
+    measured = measured if spec.profiled and measured else {}
     routing_mode = effective_routing_mode(spec, len(replicas_by_pool))
     routing = routing_children(owner, spec, routing_mode)
     runtime_names = {d["metadata"]["name"] for d in deployments}
@@ -124,7 +162,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
             "(node label serving.hpi.dev/pool) or set spec.routing.mode: service"
         )
     pdb = build_pdb(owner)
-    children = [*deployments, *routing, pdb, *([cache.pvc] if cache and cache.pvc else [])]
+    children = [*deployments, *routing, pdb, *([cache.pvc] if cache and cache.pvc else []), *profile_configmaps,
+                *(t.job for t in targets)]  # fmt: skip
     if cache is not None:
         children.append(cache.fill_job)
     if metadata.get("uid"):  # offline renders of a CR that was never created have no owner to point at
@@ -145,4 +184,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         cache=cache,
         shape=shape,
         cached_dir=cached_dir,
+        figures=figures,
+        measured=measured,
+        profile_targets=tuple(targets),
+        profile_configmaps=tuple(profile_configmaps),
     )

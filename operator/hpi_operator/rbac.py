@@ -41,7 +41,7 @@ RULES: tuple[Rule, ...] = (
     # The node inventory (a kopf index fed by a watch).
     Rule("", "nodes", ("list", "watch"), "node pools from GFD/NFD labels"),
     # The builtin autoscaler's index of ready runtime pods to scrape (autoscaling/handlers.py).
-    Rule("", "pods", ("list", "watch"), "scrape targets of the builtin KV-cache autoscaler"),
+    Rule("", "pods", ("list", "watch"), "scrape targets of the builtin KV-cache autoscaler; profiling Jobs' results"),
     # Children (children.py): read, applied when they drift, pruned when the plan drops them, watched.
     Rule("apps", "deployments", _CHILD, "one per node pool; the router's or endpoint picker's"),
     Rule("", "services", _CHILD, "user-facing, headless, endpoint picker"),
@@ -71,7 +71,12 @@ RULES: tuple[Rule, ...] = (
         ("get", "list", "watch", "create", "patch"),
         "the model cache claim, unless one is named",
     ),
-    Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"), "model cache downloads, old-revision removal"),
+    Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"),
+         "model cache downloads, old-revision removal, pool profiling (profile_sync.py)"),
+    # spec.placement.profiling (profile_sync.py): the cache of measured profiles (read, applied) and each pool's
+    # profile ConfigMap (applied, pruned). Pods: the profiling Jobs' pods are listed (the rule above, the
+    # autoscaler's) for their termination message.
+    Rule("", "configmaps", ("get", "list", "create", "patch", "delete"), "pool profiles: the cache, the pools' own"),
     # Events: ours (kopf.event) and kopf's own.
     Rule("", "events", ("create",), "Events on InferenceDeployments"),
     # kopf resolves its resources at start-up and watches for new ones; it lists and watches namespaces whenever

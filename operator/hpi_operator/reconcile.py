@@ -18,6 +18,9 @@ from .children import apply_plan
 from .kube import KubeClient, KubeError
 from .nodes import NodeInfo
 from .plan import Plan, make_plan
+from .profile_sync import profile_events, profiled_condition, sync_profiles
+from .profiling import RETRY_BASE_DELAY_S as PROFILE_RETRY_BASE_DELAY_S
+from .profiling import PoolMeasurement
 from .spec import SpecError
 from .status import DEGRADED, READY, build_status, failed_status, pool_statuses
 
@@ -84,6 +87,7 @@ def reconcile(
     kube: KubeClient,
     now: str,
     cache_retry_base_s: float = RETRY_BASE_DELAY_S,
+    profile_retry_base_s: float = PROFILE_RETRY_BASE_DELAY_S,
 ) -> Outcome:
     """Bring the children of `body` to the plan for the current inventory; never raises for bad input."""
     metadata = body.get("metadata") or {}
@@ -104,12 +108,19 @@ def reconcile(
         events = () if _reported(old_status, message) else (Event("Warning", "NoFittingPool", message),)
         return Outcome(status, events, kopf.PermanentError(message), "unplaceable")
     report: CacheReport | None = None
+    measurements: dict[str, PoolMeasurement] = {}
     try:
         if plan.cache is not None:
             old_cache = old_status.get("modelCache") or {}
             report = sync_cache(kube, plan, metadata.get("uid"), old_cache, now, cache_retry_base_s)
             if report.served_path != plan.cached_dir:  # the fill Job just completed: pods move to it
-                plan = make_plan(_with_served_path(body, report.served_path), nodes)
+                body = _with_served_path(body, report.served_path)
+                plan = make_plan(body, nodes)
+        # Also without targets: it deletes the profiling Jobs of pools (or of a profiling mode) no longer wanted.
+        measurements = sync_profiles(kube, plan, metadata.get("uid"), old_status, now, profile_retry_base_s)
+        measured = {pool: m.profile for pool, m in measurements.items() if m.profile is not None}
+        if measured != dict(plan.measured):  # figures newly measured (or cached): the pools' ConfigMaps follow
+            plan = make_plan(body, nodes, measured=measured)
         applied = apply_plan(kube, plan, metadata.get("uid"))
         if report is not None:
             report = collect_old_revision(kube, plan, applied.states, report)
@@ -120,8 +131,10 @@ def reconcile(
         events = () if transient or _reported(old_status, message) else (Event("Warning", "ApplyFailed", message),)
         return Outcome(status, events, kopf.TemporaryError(message), "error")
     cache = cache_status(plan, report) if report is not None else None
-    status = build_status(plan, applied.states, generation, old_status, now, cache)
+    profiled = profiled_condition(plan, measurements) if plan.spec.profiled and plan.deployments else None
+    status = build_status(plan, applied.states, generation, old_status, now, cache, measurements, profiled)
     changes = [f"{action} {name}" for name, action in applied.actions.items() if action != "unchanged"]
     events = [Event("Normal", "Applied", "; ".join(changes))] if changes else []
     events += _transition_events(old_status, status)
+    events += [Event(*event) for event in profile_events(old_status, measurements)]
     return Outcome(status, tuple(events), None, "applied" if changes else "unchanged")

@@ -27,6 +27,7 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 AUTOSCALING_MODES = ("builtin", "hpa", "keda", "optimizer")
 ROUTING_MODES = ("router", "inferencePool", "service")
+PROFILING_MODES = ("auto", "always", "never")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
@@ -124,6 +125,7 @@ class PlacementSpec:
     pins: ProfilePins = field(default_factory=ProfilePins)
     forbidden_quantizations: tuple[str, ...] = ()
     pools: tuple[PoolSettings, ...] = ()  # per-pool price, bounds and performance (the fleet optimizer's)
+    profiling: str = crd_default("placement.profiling")  # auto | always | never: measure pools (profiling.py)
 
     def pool(self, name: str) -> PoolSettings:
         return next((p for p in self.pools if p.name == name), PoolSettings(name))
@@ -177,6 +179,12 @@ class InferenceSpec:
     def optimized(self) -> bool:
         """Replicas per pool come from the fleet optimizer (autoscaling mode optimizer), not spec.replicas."""
         return self.autoscaling.enabled and self.autoscaling.mode == "optimizer"
+
+    @property
+    def profiled(self) -> bool:
+        """Pools are measured and their figures handed to the pods (spec.placement.profiling; auto: where the
+        fleet optimizer uses them)."""
+        return self.placement.profiling == "always" or (self.placement.profiling == "auto" and self.optimized)
 
 
 def effective_routing_mode(spec: InferenceSpec, num_pools: int) -> str:
@@ -412,7 +420,14 @@ def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
         pins=pins,
         forbidden_quantizations=forbidden,
         pools=_fleet(parse_pools, raw.get("pools")),
+        profiling=_profiling(_get(raw, "profiling", PlacementSpec.profiling)),
     )
+
+
+def _profiling(value: Any) -> str:
+    if value not in PROFILING_MODES:
+        raise SpecError(f"spec.placement.profiling must be one of {', '.join(PROFILING_MODES)}; got {value!r}")
+    return str(value)
 
 
 def _fleet(parse: Any, raw: Any) -> Any:

@@ -1,8 +1,8 @@
 """The InferenceDeployment's status, computed purely from a Plan and the observed children.
 
 Conditions follow the Kubernetes API conventions (type/status/reason/message/lastTransitionTime, and
-lastTransitionTime only moves when status flips): Ready, Progressing, Degraded, and ModelCached with a
-shared model cache (its entry and condition come from cache_sync.py).
+lastTransitionTime only moves when status flips): Ready, Progressing, Degraded, ModelCached with a shared model
+cache (its entry and condition come from cache_sync.py), PoolsProfiled where pools are measured (profile_sync.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from .manifests import deployment_name, served_model_name
 from .plan import Plan
+from .profiling import PoolMeasurement, performance_status
 from .sizing import active_parameters
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
@@ -108,8 +109,10 @@ def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
     return changed
 
 
-def pool_statuses(plan: Plan, states: Mapping[str, ChildState]) -> list[dict[str, Any]]:
-    """One entry per usable pool: its profile (or why none) and its replicas."""
+def pool_statuses(plan: Plan, states: Mapping[str, ChildState],
+                  measurements: Mapping[str, PoolMeasurement] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One entry per usable pool: its profile (or why none), its replicas, and with spec.placement.profiling in
+    effect the figures it runs on (`measurements`: where each measured pool stands, profile_sync.py)."""
     entries = []
     for choice in plan.choices:
         pool, profile = choice.pool, choice.profile
@@ -140,6 +143,8 @@ def pool_statuses(plan: Plan, states: Mapping[str, ChildState]) -> list[dict[str
             )
         elif profile is not None:
             entry["reason"] = f"not allowed by spec.placement.allowedPools; {choice.reason}"
+        if pool.name in plan.figures:
+            entry["performance"] = performance_status(plan.figures[pool.name], (measurements or {}).get(pool.name))
         entries.append(entry)
     return entries
 
@@ -161,8 +166,11 @@ def build_status(
     old_status: Mapping[str, Any],
     now: str,
     cache: tuple[Mapping[str, Any], Mapping[str, str]] | None = None,
+    measurements: Mapping[str, PoolMeasurement] | None = None,
+    profiled: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful apply (or a resync) of `plan`; `cache`: status.modelCache and ModelCached."""
+    """Status after a successful apply (or a resync) of `plan`; `cache`: status.modelCache and ModelCached;
+    `measurements` and `profiled`: the pools' measurements and the PoolsProfiled condition (profile_sync.py)."""
     desired = plan.desired_replicas
     wanted = [d["metadata"]["name"] for d in plan.deployments]
     present = [states[name] for name in wanted if name in states]
@@ -207,6 +215,8 @@ def build_status(
         conditions.append(cache[1])
     if plan.spec.optimized:
         conditions.append(slo_condition(old_status))
+    if profiled is not None:
+        conditions.append(profiled)
     if plan.shape is not None:
         extra["modelParameters"] = {"total": plan.shape.num_parameters, "active": active_parameters(plan.shape)}
     return {
@@ -217,7 +227,7 @@ def build_status(
         "selector": plan.selector,
         "model": served_model_name(plan.owner.name, plan.spec),
         "profile": profile_summary(plan),
-        "pools": pool_statuses(plan, states),
+        "pools": pool_statuses(plan, states, measurements),
         "appliedHash": plan.fingerprint,
         "conditions": merge_conditions(old_status.get("conditions") or [], conditions, now),
     }

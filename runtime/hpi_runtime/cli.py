@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="comma-separated prompt lengths to time the prefill of")
     measured.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     measured.add_argument("--output", default=None, help="write the JSON here as well as to stdout")
+    measured.add_argument("--compact", action="store_true",
+                          help="one line within 4096 bytes (the points dropped if need be): the operator's profiling "
+                          "Job writes it to /dev/termination-log, Kubernetes' termination message")  # fmt: skip
     measured.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -92,8 +95,9 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, api_key=api_key(args, os.environ),
                               max_request_body_bytes=server.max_request_body_bytes,
                               drain_timeout_s=server.drain_timeout_s, tool_call_parser=server.tool_call_parser,
-                              pool_profile=None if server.pool_profile is None else parse_pool_profile(
-                                  server.pool_profile),
+                              pool_profile=None if server.pool_profile is None or server.pool_profile_path
+                              else parse_pool_profile(server.pool_profile),
+                              pool_profile_path=server.pool_profile_path,
                               allowed_origins=tuple(o.strip() for o in (server.allowed_origins or "").split(",")
                                                     if o.strip()))  # fmt: skip
 
@@ -109,7 +113,7 @@ def profile(args: argparse.Namespace) -> int:
     import json
 
     from hpi_runtime.engine_factory import create_engine
-    from hpi_runtime.profiling import machine, measure
+    from hpi_runtime.profiling import compact_json, machine, measure
 
     try:
         engine_args = EngineArgs.from_options(**{spec.name: getattr(args, spec.name) for spec in engine_options()})
@@ -125,7 +129,8 @@ def profile(args: argparse.Namespace) -> int:
     finally:
         bundle.engine.shutdown()
     resolved = bundle.resolved
-    text = json.dumps(result.as_json({"device": resolved.device, "dtype": resolved.dtype, **machine()}), indent=1)
+    payload = result.as_json({"device": resolved.device, "dtype": resolved.dtype, **machine()})
+    text = compact_json(payload) if args.compact else json.dumps(payload, indent=1)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")

@@ -191,12 +191,20 @@ class ServerConfig:
     pool_profile: str | None = option(
         None, "this replica's measured speed as JSON (hpi profile's itlAlphaMs, itlBetaMs, prefillTokensPerSecond, "
         "maxNumSeqs, source), exported as hpi:profile_* gauges so the router knows a new replica's speed before "
-        "any traffic; the operator sets it from the pool's profile")  # fmt: skip
+        "any traffic; or @PATH: a file holding that JSON, re-read when it changes (a missing or empty file: no "
+        "profile yet); the operator mounts the pool's profile so")  # fmt: skip
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.pool_profile is not None:
+        if self.pool_profile is not None and not self.pool_profile.startswith("@"):
             parse_pool_profile(self.pool_profile)  # a bad profile fails `hpi serve` before the model loads
+        if self.pool_profile == "@":
+            raise ValueError("--pool-profile @PATH needs a path after the @")
+
+    @property
+    def pool_profile_path(self) -> str | None:
+        """--pool-profile @PATH: the file to read (and re-read) the profile from."""
+        return self.pool_profile[1:] if self.pool_profile and self.pool_profile.startswith("@") else None
 
 
 def server_options() -> list[OptionSpec]:

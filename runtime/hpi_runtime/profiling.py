@@ -13,6 +13,7 @@ its ISA beside them, as `cpu` in the output does).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -52,6 +53,21 @@ class ProfileResult:
             "prefillPoints": [[n, round(tps, 1)] for n, tps in self.prefill_points],
             **(extra or {}),
         }
+
+
+TERMINATION_MESSAGE_LIMIT_BYTES = 4096  # what Kubernetes keeps of /dev/termination-log
+
+
+def compact_json(payload: dict[str, object], limit_bytes: int = TERMINATION_MESSAGE_LIMIT_BYTES) -> str:
+    """`hpi profile --compact`: one line without spaces, within `limit_bytes` (a Job's termination message, which
+    the operator reads instead of pod logs). Should the points not fit, they go first: the fitted figures are
+    what the operator needs."""
+    text = json.dumps(payload, separators=(",", ":"))
+    if len(text.encode()) > limit_bytes:
+        text = json.dumps({k: v for k, v in payload.items() if not k.endswith("Points")}, separators=(",", ":"))
+    if len(text.encode()) > limit_bytes:
+        raise ValueError(f"the profile is {len(text.encode())} bytes, over the {limit_bytes}-byte limit")
+    return text
 
 
 def fit_itl(points: Sequence[tuple[int, float]]) -> tuple[float, float]:

@@ -210,8 +210,9 @@ def _example_inputs(repo: Path) -> Iterable[tuple[dict[str, Any], list[Any]]]:
 
 
 def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
-    """Each example as written, with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child), and
-    with each spec.routing.mode (the router's or the endpoint picker's objects, an InferencePool)."""
+    """Each example as written, with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child), with
+    each spec.routing.mode (the router's or the endpoint picker's objects, an InferencePool), and with
+    spec.placement.profiling always (profiling Jobs, the profile cache, the pools' profile ConfigMaps)."""
     for body, nodes in inputs:
         yield body, nodes
         for mode in ("hpa", "keda"):
@@ -219,6 +220,9 @@ def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
             yield {**body, "spec": {**body["spec"], "autoscaling": autoscaling}}, nodes
         for mode in ("router", "inferencePool", "service"):
             yield {**body, "spec": {**body["spec"], "routing": {"mode": mode}}}, nodes
+        # spec.placement.profiling: the profiling Jobs, the profile cache and the pools' profile ConfigMaps.
+        placement = {**(body["spec"].get("placement") or {}), "profiling": "always"}
+        yield {**body, "spec": {**body["spec"], "placement": placement}}, nodes
 
 
 def reconciler_rules(repo: Path) -> set[Rule]:

@@ -198,6 +198,7 @@ RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
     ("v1/services", True, "Service", ("status",)),
     ("v1/pods", True, "Pod", ("status",)),
     ("v1/secrets", True, "Secret", ()),
+    ("v1/configmaps", True, "ConfigMap", ()),
     ("v1/serviceaccounts", True, "ServiceAccount", ()),
     ("rbac.authorization.k8s.io/v1/roles", True, "Role", ()),
     ("rbac.authorization.k8s.io/v1/rolebindings", True, "RoleBinding", ()),
@@ -852,6 +853,30 @@ def runtime_pod(name: str, port: int, labels: dict[str, str], namespace: str = "
         "spec": {"containers": [{"name": "runtime", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
         "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
     }  # fmt: skip
+
+
+def finished_job_pod(job: Mapping[str, Any], message: str, ok: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pod of `job` as the Job controller creates it and the kubelet leaves it once its one container ended with
+    `message` as its termination message: (the pod to create, its status to patch)."""
+    name, template = job["metadata"]["name"], job["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{name}-{job['metadata']['uid'][:5]}", "namespace": job["metadata"]["namespace"],
+                        "labels": {**template["metadata"]["labels"], "batch.kubernetes.io/job-name": name}},
+           "spec": {"containers": template["spec"]["containers"], "restartPolicy": "Never"}}  # fmt: skip
+    terminated = {"exitCode": 0 if ok else 1, "reason": "Completed" if ok else "Error", "message": message,
+                  "startedAt": _now(), "finishedAt": _now()}  # fmt: skip
+    container_status = {"name": container["name"], "image": container["image"], "imageID": "", "ready": False,
+                        "restartCount": 0, "state": {"terminated": terminated}}  # fmt: skip
+    status = {"phase": "Succeeded" if ok else "Failed", "containerStatuses": [container_status]}
+    return pod, {"status": status}
+
+
+def finished_job_status(ok: bool, message: str = "") -> dict[str, Any]:
+    """A Job's status once it completed, or failed (`message`: why) after its pod retries."""
+    cond = {"type": "Complete" if ok else "Failed", "status": "True", "reason": "" if ok else "DeadlineExceeded",
+            "message": message, "lastTransitionTime": _now()}  # fmt: skip
+    return {"status": {"conditions": [cond], "succeeded" if ok else "failed": 1}}
 
 
 H100 = ("NVIDIA-H100-80GB-HBM3", 81559, 8)

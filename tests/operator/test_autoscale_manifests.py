@@ -174,6 +174,8 @@ def test_build_autoscaler_by_mode_from_a_parsed_spec() -> None:
 
     assert build_autoscaler(OWNER, parsed(enabled=False, mode="hpa"), "m") is None
     assert build_autoscaler(OWNER, parsed(enabled=True), "m") is None  # builtin: the operator itself
+    optimizer = replace(parsed(enabled=True), mode="optimizer")  # (parse_spec wants spec.slo with it)
+    assert build_autoscaler(OWNER, optimizer, "m") is None  # the operator's own timer, as builtin
     assert build_autoscaler(OWNER, parsed(enabled=True, mode="hpa"), "m")["kind"] == "HorizontalPodAutoscaler"
     keda = build_autoscaler(OWNER, parsed(enabled=True, mode="keda", targetKVUtilization=0.8), "m")
     assert keda["kind"] == "ScaledObject" and keda["spec"]["triggers"][0]["metadata"]["threshold"] == "0.8"

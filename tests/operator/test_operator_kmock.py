@@ -15,7 +15,7 @@ import pytest
 from hpi_operator import reconcile as reconcile_module
 from hpi_operator.kube import KubeClient, KubeError
 from hpi_testing.cluster_state import operator_write_records, reconciles
-from hpi_testing.kube_emulator import H100, L4, eventually, make_node
+from hpi_testing.kube_emulator import H100, L4, eventually, finished_job_pod, finished_job_status, make_node
 
 pytestmark = pytest.mark.slow
 
@@ -343,10 +343,26 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(emulator: Any, kub
     ):
         await api.patch(f"{CRS}/audit", {"spec": {"routing": routing}})
         await eventually(check)
+    # spec.placement.profiling: a Job per pool; one completes (its pod read, the cache written); never: the pools'
+    # profile ConfigMaps pruned.
+    jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"
+    configmaps = f"/api/v1/namespaces/{NS}/configmaps"
+    await api.patch(f"{CRS}/audit", {"spec": {"placement": {"profiling": "always"}}})
+    profiling = await eventually(lambda: [j for j in kube.request("GET", jobs)["items"] if "-profile-gpu" in
+                                          j["metadata"]["name"]])  # fmt: skip
+    pod, pod_status = finished_job_pod(profiling[0], '{"itlAlphaMs":9,"itlBetaMs":0.3,"prefillTokensPerSecond":'
+                                                     '5000,"maxNumSeqs":100}')  # fmt: skip
+    await api.call("POST", f"/api/v1/namespaces/{NS}/pods", pod)
+    await api.patch(f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}/status", pod_status)
+    await api.patch(f"{jobs}/{profiling[0]['metadata']['name']}/status", finished_job_status(True))
+    await eventually(lambda: [c for c in kube.request("GET", configmaps)["items"]
+                              if c["metadata"]["name"].startswith("hpi-pool-profile-")])  # fmt: skip
+    await api.patch(f"{CRS}/audit", {"spec": {"placement": {"profiling": "never"}}})
+    await eventually(lambda: not [c for c in kube.request("GET", configmaps)["items"]
+                                  if c["metadata"]["name"].startswith("audit-")])  # fmt: skip
     await api.call("DELETE", "/api/v1/nodes/gpu-0")
     await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
     # spec.model.cache: a claim and a fill Job; a revision change replaces the Job, a size change patches the claim.
-    jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"
     pvc = f"/api/v1/namespaces/{NS}/persistentvolumeclaims/audit-model-cache"
     hub_model = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     model = {"source": "huggingface", "huggingface": hub_model, "cache": {"enabled": True}}

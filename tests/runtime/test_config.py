@@ -133,3 +133,17 @@ def test_the_config_tree_imports_no_torch_and_the_server_not_the_offline_api() -
             "assert 'hpi_runtime.llm' not in sys.modules, 'llm'")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_pool_profile_takes_json_or_a_file_to_read_later() -> None:
+    from hpi_runtime.config import ServerConfig
+
+    assert ServerConfig(pool_profile="@/etc/hpi/pool-profile/profile.json").pool_profile_path == (
+        "/etc/hpi/pool-profile/profile.json")  # not read now: the file may appear after the server starts
+    literal = ServerConfig(pool_profile='{"itlAlphaMs": 1, "itlBetaMs": 0, "prefillTokensPerSecond": 9, '
+                                        '"maxNumSeqs": 2}')
+    assert literal.pool_profile_path is None
+    with pytest.raises(ValueError, match="needs a path"):
+        ServerConfig(pool_profile="@")
+    with pytest.raises(ValueError, match="needs itlBetaMs"):
+        ServerConfig(pool_profile='{"itlAlphaMs": 1}')

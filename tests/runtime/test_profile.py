@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from hpi_contracts.pool_profile import profile_from_json
 from hpi_runtime.config import EngineArgs
 from hpi_runtime.engine_factory import create_engine
-from hpi_runtime.profiling import fit_itl, kv_bound_num_seqs, measure
+from hpi_runtime.profiling import compact_json, fit_itl, kv_bound_num_seqs, measure
 
 PERFORMANCE_FIELDS = ("itlAlphaMs", "itlBetaMs", "prefillTokensPerSecond", "maxNumSeqs")
 
@@ -30,6 +31,16 @@ def test_kv_bound_batch_counts_whole_blocks() -> None:
     assert kv_bound_num_seqs(num_kv_blocks=1000, block_size=16, context_tokens=1000, max_num_seqs=64) == 15
     assert kv_bound_num_seqs(num_kv_blocks=10_000, block_size=16, context_tokens=100, max_num_seqs=64) == 64
     assert kv_bound_num_seqs(num_kv_blocks=3, block_size=16, context_tokens=1000, max_num_seqs=64) == 1
+
+
+def test_compact_json_fits_the_termination_message_dropping_the_points_first() -> None:
+    payload = {"itlAlphaMs": 1.5, "itlBetaMs": 0.25, "prefillTokensPerSecond": 900.0, "maxNumSeqs": 8,
+               "decodePoints": [[b, 1.5 + 0.25 * b] for b in range(1, 400)], "prefillPoints": [[128, 900.0]]}
+    assert json.loads(compact_json(payload, limit_bytes=100_000)) == payload
+    short = compact_json(payload, limit_bytes=4096)
+    assert len(short.encode()) <= 4096 and json.loads(short) == {k: payload[k] for k in list(payload)[:4]}
+    with pytest.raises(ValueError, match="over the 40-byte limit"):
+        compact_json(payload, limit_bytes=40)
 
 
 def test_measure_times_each_batch_and_prompt_and_leaves_the_engine_idle(tiny_model_dir: Path) -> None:
@@ -59,11 +70,14 @@ def test_hpi_profile_prints_what_the_operator_reads(tiny_model_dir: Path, tmp_pa
     out = tmp_path / "profile.json"
     command = [sys.executable, "-m", "hpi_runtime.cli", "profile", "--model", str(tiny_model_dir), "--dtype", "float32",
                "--enforce-eager", "--max-model-len", "64", "--max-num-seqs", "4", "--batch-sizes", "1,2",
-               "--prompt-lengths", "8", "--steps", "2", "--context-tokens", "32", "--output", str(out)]  # fmt: skip
+               "--prompt-lengths", "8", "--steps", "2", "--context-tokens", "32", "--compact",
+               "--output", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert printed == json.loads(out.read_text())
+    assert len(done.stdout.strip().splitlines()) == 1 and ", " not in done.stdout  # --compact: one line
+    assert profile_from_json(printed).source == "measured"  # as the operator reads the profiling Job's message
     assert list(printed)[:4] == list(PERFORMANCE_FIELDS) and printed["device"] == "cpu"
     (pool,) = fleet_settings.parse_pools([{"name": "cpu", "costPerHour": 0.1,
                                           "performance": {k: printed[k] for k in PERFORMANCE_FIELDS}}])  # fmt: skip

@@ -22,6 +22,7 @@ from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
+from ..profiling import as_performance
 from .decision import PodLoad
 from .fleet_status import optimizer_memory
 from .loop import rfc3339
@@ -38,17 +39,19 @@ class FleetPoll:
 
 def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, plan: FleetPlan,
              left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
-             observed: ObservedSlo | None) -> str:  # fmt: skip
+             observed: ObservedSlo | None, sources: Mapping[str, str]) -> str:  # fmt: skip
     moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
     head = moves or "no change"
     parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
              f"{demand.mean_output_tokens:.0f} output tokens)"]  # fmt: skip
     for pool, cap in plan.capacities.items():
         want = recommended.get(pool, 0)
+        figures = f"{sources.get(pool, 'unknown')} figures"  # measured, assumed or override: how far to trust it
         if cap.meets_slo and want:
-            parts.append(f"{pool} x{want} at {cap.request_rate:.2f} req/s each within itlP90 {itl_ms:.0f} ms")
+            parts.append(f"{pool} x{want} at {cap.request_rate:.2f} req/s each within itlP90 {itl_ms:.0f} ms "
+                         f"({figures})")  # fmt: skip
         elif not cap.meets_slo:
-            parts.append(f"{pool} misses the SLO ({cap.why_not})")
+            parts.append(f"{pool} misses the SLO ({cap.why_not}; {figures})")
     parts += [f"{pool} left out ({why})" for pool, why in left_out.items()]
     if not plan.feasible:
         parts.append(f"SLO not attainable: {plan.reason}")
@@ -73,7 +76,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
                     if prices is not None and c.profile is not None}  # fmt: skip
-    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices)
+    measured = {pool: as_performance(profile) for pool, profile in plan.measured.items()}
+    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices=label_prices, measured=measured)
     fleet = optimize(reading.demand, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
@@ -82,8 +86,9 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     if not reading.measured:  # the first poll only starts the counters: keep what runs
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
+    sources = {o.name: o.performance.source for o in offered.offers}
     message = _explain(current, replicas, reading.demand, fleet, offered.left_out, recommended,
-                       spec.slo.itl_p90_s * 1e3, latency.observed)  # fmt: skip
+                       spec.slo.itl_p90_s * 1e3, latency.observed, sources)  # fmt: skip
     demand = reading.demand
     status_patch = {
         "replicas": replicas,

@@ -159,8 +159,9 @@ def build_scaled_object(
 def build_autoscaler(
     owner: Owner, settings: AutoscalingSpec, served_model: str, prometheus_url: str = DEFAULT_PROMETHEUS_URL
 ) -> dict[str, Any] | None:
-    """The child the spec asks for: an HPA, a ScaledObject, or None (builtin or autoscaling disabled)."""
-    if not settings.enabled or settings.mode == "builtin":
+    """The child the spec asks for: an HPA, a ScaledObject, or None (builtin or optimizer: the operator's own
+    timer scales; or autoscaling disabled)."""
+    if not settings.enabled or settings.mode in ("builtin", "optimizer"):
         return None
     if settings.mode == "hpa":
         return build_hpa(owner, settings)

@@ -1,7 +1,8 @@
 """The pools a Plan serves from, as the optimizer sees them: each pool's performance (the spec's figures, else
-an estimate from the GPU's published figures, fleet/assumed.py), its price (the spec's costPerHour, else its
-nodes' price labels, fleet/pricing.py) and its replica bounds. A pool without a price or without performance is
-left out, with the reason, and keeps its minimum replicas."""
+an estimate from the GPU's published figures, fleet/assumed.py; what a profiling Job measured on the pool's node
+kind wins over the estimate), its price (the spec's costPerHour, else its nodes' price labels, fleet/pricing.py)
+and its replica bounds. A pool without a price or without performance is left out, with the reason, and keeps its
+minimum replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..sizing import ModelShape
 from ..spec import InferenceSpec
 from .assumed import assumed_performance
 from .optimizer import PoolOffer
-from .performance import Demand
+from .performance import Demand, PoolPerformance
 from .pricing import LabelPrice
 
 
@@ -25,8 +26,11 @@ class Offers:
 
 
 def pool_offers(spec: InferenceSpec, serving: Sequence[PoolChoice], shape: ModelShape, demand: Demand,
-                label_prices: Mapping[str, LabelPrice] | None = None) -> Offers:  # fmt: skip
-    """`serving`: the plan's pools with a profile (eligible, ranked); `label_prices`: per pool, from its nodes."""
+                *, label_prices: Mapping[str, LabelPrice] | None = None,
+                measured: Mapping[str, PoolPerformance] | None = None) -> Offers:  # fmt: skip
+    """`serving`: the plan's pools with a profile (eligible, ranked); `label_prices`: per pool, from its nodes;
+    `measured`: the figures profiling Jobs measured on the pools' node kinds (profiling.py). Per pool: the spec's
+    override, else measured, else assumed."""
     context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
     offers, left_out, bounds = [], {}, {}
     for choice in serving:
@@ -35,11 +39,11 @@ def pool_offers(spec: InferenceSpec, serving: Sequence[PoolChoice], shape: Model
         high = choice.capacity if settings.max_replicas is None else min(choice.capacity, settings.max_replicas)
         low = min(settings.min_replicas, high)
         bounds[choice.pool.name] = (low, high)
-        performance = settings.performance or assumed_performance(choice.pool.gpu_product, choice.profile, shape,
-                                                                  context)  # fmt: skip
+        performance = (settings.performance or (measured or {}).get(choice.pool.name)
+                       or assumed_performance(choice.pool.gpu_product, choice.profile, shape, context))  # fmt: skip
         if performance is None:
-            left_out[choice.pool.name] = ("no performance figures: set spec.placement.pools[].performance "
-                                          "(hpi profile measures them)")  # fmt: skip
+            left_out[choice.pool.name] = ("no performance figures: set spec.placement.pools[].performance, or let "
+                                          "spec.placement.profiling measure the pool")  # fmt: skip
         elif (cost := _cost(settings.cost_per_hour, (label_prices or {}).get(choice.pool.name))) is None:
             label = (label_prices or {}).get(choice.pool.name)
             ignored = f" ({'; '.join(label.ignored)})" if label is not None and label.ignored else ""

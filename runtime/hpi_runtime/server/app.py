@@ -127,6 +127,7 @@ async def metrics(request: web.Request) -> web.Response:
     if state.model is not None:
         state.metrics.refresh(state.model.engine.get_stats())
     state.metrics.set_ready(state.ready)
+    state.refresh_pool_profile()
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

@@ -125,7 +125,13 @@ class ServingMetrics:
         self._host_blocks.labels(self._model).set(footprint.num_host_kv_blocks)
         self._block_bytes = footprint.kv_cache_bytes // max(footprint.num_kv_blocks, 1)
 
-    def set_pool_profile(self, profile: PoolProfile) -> None:
+    def set_pool_profile(self, profile: PoolProfile | None) -> None:
+        """Export `profile` as the only profile series (None: none): a profile that moved from assumed to
+        measured must not leave its assumed series behind for the router to read."""
+        for gauge in self._profile.values():
+            gauge.clear()
+        if profile is None:
+            return
         values = {names.PROFILE_ITL_ALPHA: profile.itl_alpha_ms / 1000,
                   names.PROFILE_ITL_BETA: profile.itl_beta_ms / 1000,
                   names.PROFILE_PREFILL_RATE: profile.prefill_tokens_per_s,

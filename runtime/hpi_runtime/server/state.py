@@ -13,6 +13,7 @@ from hpi_contracts.pool_profile import PoolProfile
 from hpi_runtime.config import ServerConfig
 from hpi_runtime.server.errors import ApiError
 from hpi_runtime.server.metrics import ServingMetrics
+from hpi_runtime.server.profile_file import PoolProfileFile
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral: enables tool_choice "auto"
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); empty: no CORS
     pool_profile: PoolProfile | None = None  # exported as hpi:profile_* gauges (the router's speed prior)
+    pool_profile_path: str | None = None  # --pool-profile @PATH: the profile from this file, re-read on change
 
 
 class ServerState:
@@ -48,14 +50,21 @@ class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.metrics = ServingMetrics(settings.served_model_name)
+        self._profile_file = PoolProfileFile(settings.pool_profile_path) if settings.pool_profile_path else None
         if settings.pool_profile is not None:
             self.metrics.set_pool_profile(settings.pool_profile)
+        self.refresh_pool_profile()
         self.model: ServedModel | None = None
         self.draining = False
         self.load_error: str | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def refresh_pool_profile(self) -> None:
+        """With --pool-profile @PATH: export the file's profile if it changed (before each /metrics answer)."""
+        if self._profile_file is not None and self._profile_file.check():
+            self.metrics.set_pool_profile(self._profile_file.profile)
 
     @property
     def ready(self) -> bool:
