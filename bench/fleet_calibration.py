@@ -138,15 +138,24 @@ def compare(real: dict, simulated: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes, results into bench/results/tmp/")
+    parser.add_argument("--resimulate", action="store_true",
+                        help="keep the saved profile and real run, simulate again (after a simulator change)")
     args = parser.parse_args()
     plan = QUICK if args.quick else Plan()
     out_dir = RESULTS / "tmp" if args.quick else RESULTS
+    path = out_dir / "fleet_calibration.json"
     log_dir = RESULTS / "tmp" / "calibration-logs"
-    profile = measure_profile(plan, plan.cores[0])
-    rate = plan.load * capacity_rps(profile, plan, len(plan.cores))
-    print(f"profile {profile['itlAlphaMs']:.1f} + {profile['itlBetaMs']:.2f} x b ms, "
-          f"{profile['prefillTokensPerSecond']:.0f} prefill tok/s; open loop at {rate:.2f} req/s")  # fmt: skip
-    real = real_run(plan, rate, log_dir)
+    if args.resimulate:
+        saved = json.loads(path.read_text())
+        profile, rate, real = saved["profile"], saved["rate_rps"], saved["real"]
+    else:
+        profile = measure_profile(plan, plan.cores[0])
+        rate = plan.load * capacity_rps(profile, plan, len(plan.cores))
+        print(f"profile {profile['itlAlphaMs']:.1f} + {profile['itlBetaMs']:.2f} x b ms, "
+              f"{profile['prefillTokensPerSecond']:.0f} prefill tok/s; open loop at {rate:.2f} req/s")  # fmt: skip
+        real = real_run(plan, rate, log_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"plan": asdict(plan), "profile": profile, "rate_rps": rate, "real": real}))
     simulated = simulate(plan, profile, real)
     rows = compare(real, simulated)
     for row in rows:
@@ -154,8 +163,6 @@ def main() -> None:
               f"error {row['error']:+.1%}{'' if row['within'] else '  (outside 15%)'}")  # fmt: skip
     result = {"plan": asdict(plan), "cpu": profile.get("cpu"), "profile": profile, "rate_rps": rate,
               "comparison": rows, "simulated": simulated, "real": real}  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "fleet_calibration.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 
