@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--utilization", type=float, default=None, help="optimizer: planned share of capacity")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
+    parser.add_argument("--baseline", default=None, help="report: the full-scale KV run to compare against")
     parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="where run JSON files go (report reads them)")
     args = parser.parse_args()
     day_s = scenarios.DURATION_S
@@ -93,7 +94,7 @@ def main() -> None:
                    "replicas": scenarios.ROUTING_REPLICAS, "rate_rps": scenarios.ROUTING_RPS},
                    scenarios.ROUTING_DURATION_S, args.runs)  # fmt: skip
     else:
-        write_report(args.runs)
+        write_report(args.runs, args.baseline)
 
 
 if __name__ == "__main__":

@@ -158,4 +158,3 @@ def headline_pools(context_tokens: float, h200_max: int = 8, l4_max: int = 400, 
         ),
         cpu_pool("cpu-bf16", price=3.2845, max_replicas=cpu_max, cold_start_s=180),
     ]
-
