@@ -33,6 +33,7 @@ def record(name: str, result: RunResult, seed: int, extra: dict, duration_s: flo
         "peak_replicas": result.peak_replicas,
         "num_events": result.num_events,
         "wall_s": round(result.wall_s, 1),
+        "cpu_s": round(result.cpu_s, 1),
         "events_per_s": round(result.num_events / result.wall_s) if result.wall_s else None,
         "timeline": result.timeline,
         "machine": machine(),
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--control", choices=("optimizer", "kv", "gpu-only"), default="optimizer")
     parser.add_argument("--target", type=float, default=0.3, help="kv control: target KV utilisation")
+    parser.add_argument("--target-waiting", type=int, default=None, help="kv control: targetWaitingRequests")
     parser.add_argument("--utilization", type=float, default=None, help="optimizer: planned share of capacity")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
@@ -65,8 +67,9 @@ def main() -> None:
         scale = args.scale or 1.0
         tag = "" if scale == 1.0 else f"@{scale:g}"
         if args.control == "kv":
-            result = scenarios.headline_baseline(args.seed, args.target, scale)
-            name = f"headline-kv-{args.target:g}{tag}"
+            result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting)
+            waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
+            name = f"headline-kv-{args.target:g}{waiting}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
             result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util)
@@ -75,6 +78,7 @@ def main() -> None:
             "scale": scale,
             "control": args.control,
             "target": args.target if args.control == "kv" else None,
+            "target_waiting": args.target_waiting,
             "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
         }
         record(name, result, args.seed, extra, day_s, args.runs)

@@ -59,10 +59,11 @@ def _window() -> Window:
     return Window(scale_up_s=0, scale_down_s=300, max_step=MAX_STEP)
 
 
-def _settings(target: float, pools: Sequence[SimPool]) -> AutoscalingSpec:
+def _settings(target: float, pools: Sequence[SimPool], target_waiting: int | None = None) -> AutoscalingSpec:
     return AutoscalingSpec(enabled=True, mode="builtin", min_replicas=1,
                            max_replicas=sum(p.max_replicas for p in pools),
-                           target_kv_utilization=target, scale_up_stabilization_s=0, scale_down_stabilization_s=300,
+                           target_kv_utilization=target, target_waiting_requests=target_waiting,
+                           scale_up_stabilization_s=0, scale_down_stabilization_s=300,
                            max_scale_step=MAX_STEP, poll_interval_s=15, scale_to_zero=False,
                            scale_to_zero_idle_s=300)  # fmt: skip
 
@@ -92,9 +93,11 @@ def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False,
     return _run(offered, day(seed, scale), control, initial)
 
 
-def headline_baseline(seed: int, target: float, scale: float = 1.0) -> RunResult:
+def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None) -> RunResult:
+    """`target_waiting`: the autoscaler's targetWaitingRequests per pod (None: its default, where any queued
+    request asks for one more replica)."""
     pools = pools_at(scale)
-    control = KvControl(pools, _settings(target, pools), name=f"kv-baseline@{target:g}")
+    control = KvControl(pools, _settings(target, pools, target_waiting), name=f"kv-baseline@{target:g}")
     total = sum(_start_plan(pools, scale).values())
     slots = [Slot(c.pool.name, c.capacity) for c in rank_choices([p.choice for p in pools], [])]
     return _run(pools, day(seed, scale), control, spread_replicas(total, slots))
