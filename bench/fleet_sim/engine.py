@@ -94,7 +94,7 @@ class Simulation:
         config, start, cpu_start = self.config, time.perf_counter(), time.process_time()
         self._scale(config.initial_replicas, 0.0)
         for member in list(self.fleet.members.values()):  # the day starts warm
-            self.fleet.mark_ready(member.replica.name, 0.0)
+            self.fleet.mark_ready(member.replica.name)
         self._ready_changed()
         requests = config.requests
         if requests:
@@ -122,7 +122,7 @@ class Simulation:
                     self._scale(config.control.poll(ready, self.fleet.counts(), now), now)
                     self._push(now + config.poll_interval_s, POLL)
                 elif kind == READY:
-                    if self.fleet.mark_ready(obj, now):
+                    if self.fleet.mark_ready(obj):
                         self._ready_changed()
                 elif kind == SAMPLE:
                     self._sample(now)

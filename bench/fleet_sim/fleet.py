@@ -70,7 +70,7 @@ class Fleet:
                     draining.append(member)
         return started, draining
 
-    def mark_ready(self, name: str, now_s: float) -> bool:
+    def mark_ready(self, name: str) -> bool:
         member = self.members.get(name)
         if member is None or member.state != "starting":
             return False

@@ -34,10 +34,9 @@ def _url(name: str) -> str:
 class SimRouter:
     def __init__(self, strategy: str = "load", scrape_interval_s: float | None = None):
         policy = PolicySettings(strategy=strategy, affinity_prefix_chars=0)
-        settings = RouterSettings(discovery=DiscoverySettings(service="fleet-sim", namespace="sim"), policy=policy)
-        if scrape_interval_s is not None:
-            settings = RouterSettings(discovery=settings.discovery, policy=policy, scrape_interval_s=scrape_interval_s)
-        self.state = RouterState(settings)
+        interval = {} if scrape_interval_s is None else {"scrape_interval_s": scrape_interval_s}  # None: the router's
+        discovery = DiscoverySettings(service="fleet-sim", namespace="sim")
+        self.state = RouterState(RouterSettings(discovery=discovery, policy=policy, **interval))
 
     @property
     def scrape_interval_s(self) -> float:

