@@ -10,9 +10,11 @@ Token lengths: lognormals fitted to the statistics published for the Azure LLM i
 - conversation: median 1020 prompt tokens and 129 output tokens (Splitwise, section III "Workload
   characterization"); means about 1155 and 211 from the dataset's notebook;
 - code: median 1500 prompt tokens and 13 output tokens; means about 2048 and 28.
-A lognormal with median m and mean u has mu = ln m and sigma = sqrt(2 ln(u / m)). The medians are the paper's
-figures; the means were recalled from the published notebook, not re-read in this session (the traces cannot be
-downloaded here), so the spreads are the soft part of the fit. Draws are clipped to the stated maxima.
+A lognormal with median m and mean u has mu = ln m and sigma = sqrt(2 ln(u / m)). Provenance, plainly: the
+search in this session found the dataset's README (which names the Splitwise paper as its analysis) but neither
+the traces (they cannot be downloaded here) nor the figures themselves; the medians are the paper's as
+recalled, the means as recalled from the dataset's notebook. Treat the fit as unverified until someone with the
+CSVs checks it (a two-line pandas describe()). Draws are clipped to the stated maxima.
 """
 
 from __future__ import annotations
