@@ -1,0 +1,105 @@
+"""Command line: run one scenario and write its figures as JSON (one file per run), or build the report.
+
+    python -m bench.fleet_sim headline --control optimizer --seed 1      # also: kv --target 0.3, gpu-only
+    python -m bench.fleet_sim sweep --seed 1 --scale 0.1                  # the baseline's target utilisation
+    python -m bench.fleet_sim routing --seed 1                            # capacity-aware vs round-robin
+    python -m bench.fleet_sim scale --seed 1                              # = headline optimizer, timed
+    python -m bench.fleet_sim report                                      # runs -> bench/results/fleet.{md,json}
+
+Run with PYTHONPATH holding the repository root and the components (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from . import scenarios
+from .engine import RunResult
+from .metrics import summarize
+from .report import machine, write_report
+
+RUNS_DIR = Path("/tmp/fleet_sim_runs")
+
+
+def record(name: str, result: RunResult, seed: int, extra: dict, duration_s: float, out: Path) -> dict:
+    figures = {
+        "name": name,
+        "seed": seed,
+        **extra,
+        "summary": summarize(result.results, result.num_unserved, scenarios.SLO, result.cost_usd, duration_s),
+        "peak_replicas": result.peak_replicas,
+        "num_events": result.num_events,
+        "wall_s": round(result.wall_s, 1),
+        "cpu_s": round(result.cpu_s, 1),
+        "events_per_s": round(result.num_events / result.wall_s) if result.wall_s else None,
+        "timeline": result.timeline,
+        "machine": machine(),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    s = figures["summary"]
+    print(f"{name}: slo {s['slo_attainment']:.4f} cost ${s['cost_usd']:.2f} "
+          f"${s['cost_per_million_output_tokens']}/M out, peak {result.peak_replicas} replicas, "
+          f"{result.num_events} events in {result.wall_s:.0f} s", flush=True)  # fmt: skip
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("scenario", choices=("headline", "sweep", "routing", "scale", "report"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--control", choices=("optimizer", "kv", "gpu-only"), default="optimizer")
+    parser.add_argument("--target", type=float, default=0.3, help="kv control: target KV utilisation")
+    parser.add_argument("--target-waiting", type=int, default=None, help="kv control: targetWaitingRequests")
+    parser.add_argument("--utilization", type=float, default=None, help="optimizer: planned share of capacity")
+    parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
+    parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
+    parser.add_argument("--baseline", default=None, help="report: the full-scale KV run to compare against")
+    parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="where run JSON files go (report reads them)")
+    args = parser.parse_args()
+    day_s = scenarios.DURATION_S
+    if args.scenario in ("headline", "scale"):
+        scale = args.scale or 1.0
+        tag = "" if scale == 1.0 else f"@{scale:g}"
+        if args.control == "kv":
+            result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting)
+            waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
+            name = f"headline-kv-{args.target:g}{waiting}{tag}"
+        else:
+            util = args.utilization or scenarios.DEFAULT_UTILIZATION
+            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util)
+            name = f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}{tag}"
+        extra = {
+            "scale": scale,
+            "control": args.control,
+            "target": args.target if args.control == "kv" else None,
+            "target_waiting": args.target_waiting,
+            "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
+        }
+        record(name, result, args.seed, extra, day_s, args.runs)
+    elif args.scenario == "sweep":
+        scale = args.scale or 0.1
+        for target in (float(t) for t in args.targets.split(",")):
+            result = scenarios.headline_baseline(args.seed, target, scale)
+            record(f"sweep-kv-{target:g}@{scale:g}", result, args.seed,
+                   {"scale": scale, "control": "kv", "target": target}, day_s, args.runs)  # fmt: skip
+        result = scenarios.headline_optimizer(args.seed, scale)
+        record(f"sweep-optimizer@{scale:g}", result, args.seed, {"scale": scale, "control": "optimizer"}, day_s,
+               args.runs)  # fmt: skip
+    elif args.scenario == "routing":
+        for strategy in ("load", "round-robin"):
+            result = scenarios.routing(args.seed, strategy)
+            record(f"routing-{strategy}", result, args.seed, {"strategy": strategy,
+                   "replicas": scenarios.ROUTING_REPLICAS, "rate_rps": scenarios.ROUTING_RPS},
+                   scenarios.ROUTING_DURATION_S, args.runs)  # fmt: skip
+    else:
+        write_report(args.runs, args.baseline)
+
+
+if __name__ == "__main__":
+    main()

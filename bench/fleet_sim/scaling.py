@@ -1,0 +1,96 @@
+"""The controllers the simulated fleet runs, each a thin shell over the operator's own pure decisions:
+
+- `OptimizerControl`: the fleet optimizer's poll in the order autoscaling/fleet_loop.py composes it: the pods'
+  counters -> `read_demand` -> each pool's offer at the demand's mean context -> `optimize` -> `stabilize_all`
+  (the autoscaling windows and step), with the memory carried from poll to poll as the operator keeps it in
+  status. Pool bounds: [0, the pool's capacity].
+- `KvControl`: today's baseline: the builtin KV-utilisation autoscaler's `decide` on the total, then rank-fill
+  placement (`rank_choices` + `spread_replicas`) over the pools.
+- `FixedControl`: replicas that never change (the routing comparison).
+Each `poll(members, current, now_s)` sees the ready replicas and the current replicas per pool (starting or
+ready) and returns the replicas per pool it wants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
+from hpi_operator.fleet.demand import Counters, read_demand
+from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
+from hpi_operator.fleet.performance import Slo
+from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
+from hpi_operator.placement import Slot, rank_choices, spread_replicas
+from hpi_operator.spec import AutoscalingSpec
+
+from .fleet import Member
+from .pools import SimPool
+
+
+def pod_load(member: Member) -> PodLoad:
+    """What the operator's scrape of one ready pod reads (vLLM's gauges and counters)."""
+    r = member.replica
+    return PodLoad(pod=r.name, kv_utilization=r.kv_usage, num_waiting=len(r.waiting), num_running=len(r.running),
+                   num_finished=r.num_finished, prompt_tokens=r.prompt_tokens_total,
+                   generation_tokens=r.generation_tokens_total)  # fmt: skip
+
+
+class Control(Protocol):
+    name: str
+
+    def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]: ...
+
+
+class OptimizerControl:
+    def __init__(self, pools: Sequence[SimPool], slo: Slo, window: Window, utilization: float = DEFAULT_UTILIZATION,
+                 name: str = "optimizer"):  # fmt: skip
+        self.name, self.pools, self.slo, self.window, self.utilization = name, list(pools), slo, window, utilization
+        self.counters: Mapping[str, Counters] = {}
+        self.at_s: float | None = None
+        self.mix: tuple[float, float] | None = None
+        self.histories: dict[str, Recommendations] = {}
+        self.last_plan = None
+
+    def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
+        for member in ready:
+            member.replica.advance(now_s)
+        reading = read_demand([pod_load(m) for m in ready], self.counters, self.at_s, now_s, self.mix)
+        demand = reading.demand
+        context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
+        offers = [PoolOffer(p.name, p.performance_at(context), p.cost_per_hour, p.max_replicas, 0) for p in self.pools]
+        plan = optimize(demand, self.slo, offers, self.utilization)
+        self.last_plan = plan
+        recommended = {p.name: plan.replicas.get(p.name, 0) for p in self.pools}
+        if not reading.measured:  # the first poll only starts the counters (fleet_loop.py does the same)
+            recommended = dict(current)
+        bounds = {p.name: (0, p.max_replicas) for p in self.pools}
+        replicas, self.histories = stabilize_all(current, recommended, self.histories, bounds, now_s, self.window)
+        self.counters, self.at_s = reading.counters, now_s
+        self.mix = (demand.mean_prompt_tokens, demand.mean_output_tokens)
+        return replicas
+
+
+class KvControl:
+    def __init__(self, pools: Sequence[SimPool], settings: AutoscalingSpec, name: str = "kv-baseline"):
+        self.name, self.settings = name, settings
+        ranked = rank_choices([p.choice for p in pools], [])
+        self.slots = [Slot(c.pool.name, c.capacity) for c in ranked]
+        self.history = History()
+        self.last_decision = None
+
+    def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
+        for member in ready:
+            member.replica.advance(now_s)
+        observation = Observation(loads=tuple(pod_load(m) for m in ready))
+        decision = decide(self.settings, sum(current.values()), observation, self.history, now_s)
+        self.history, self.last_decision = decision.history, decision
+        return spread_replicas(decision.desired_replicas, self.slots)
+
+
+class FixedControl:
+    def __init__(self, replicas: Mapping[str, int], name: str = "fixed"):
+        self.name, self.replicas = name, dict(replicas)
+
+    def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
+        return dict(self.replicas)

@@ -1,0 +1,52 @@
+"""The controllers run the operator's decisions: the optimizer loop's replicas are optimize()'s plan for a steady
+demand, and the baseline fills pools in rank order."""
+
+from __future__ import annotations
+
+from fleet_sim.fleet import Member
+from fleet_sim.pools import headline_pools
+from fleet_sim.replay import backend
+from fleet_sim.replica import Replica
+from fleet_sim.scaling import KvControl, OptimizerControl
+
+from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.performance import Demand, Slo
+from hpi_operator.fleet.stabilize import Window
+from hpi_operator.spec import AutoscalingSpec
+
+SLO = Slo(2.0, 0.1)
+PROMPT, OUTPUT, RATE = 1000, 200, 40.0
+
+
+def _member(name: str, finished: float, kv: float = 0.5) -> Member:
+    replica = Replica(name, backend(0.01, 0.001, 1000, 10_000))
+    replica.num_finished = int(finished)
+    replica.prompt_tokens_total, replica.generation_tokens_total = int(finished * PROMPT), int(finished * OUTPUT)
+    replica.kv_used = int(kv * 10_000)
+    return Member(replica, "l4-int8", 0.0, 0.0, "ready")
+
+
+def test_the_optimizer_loop_plans_what_optimize_plans():
+    pools = headline_pools(PROMPT + OUTPUT / 2)
+    control = OptimizerControl(pools, SLO, Window(scale_up_s=0, scale_down_s=0, max_step=1000))
+    current = {"h200-bf16": 1, "l4-int8": 1, "cpu-bf16": 0}
+    control.poll([_member("a", 0), _member("b", 0)], current, 0.0)  # the first poll starts the counters
+    # 15 s later the two pods finished RATE x 15 requests between them: a steady demand of RATE req/s.
+    replicas = control.poll([_member("a", RATE * 15 / 2), _member("b", RATE * 15 / 2)], current, 15.0)
+    offers = [PoolOffer(p.name, p.performance_at(PROMPT + OUTPUT / 2), p.cost_per_hour, p.max_replicas)
+              for p in pools]  # fmt: skip
+    plan = optimize(Demand(RATE, PROMPT, OUTPUT), SLO, offers)
+    assert replicas == dict(plan.replicas)
+    assert replicas["cpu-bf16"] == 0 and replicas["h200-bf16"] >= 1  # the CPU pool misses the SLO
+
+
+def test_the_baseline_scales_the_total_and_fills_pools_in_rank_order():
+    pools = headline_pools(1200.0, h200_max=2, l4_max=10, cpu_max=5)
+    settings = AutoscalingSpec(enabled=True, mode="builtin", min_replicas=1, max_replicas=17,
+                               target_kv_utilization=0.5, scale_up_stabilization_s=0, scale_down_stabilization_s=300,
+                               max_scale_step=20, poll_interval_s=15, scale_to_zero=False,
+                               scale_to_zero_idle_s=300)  # fmt: skip
+    control = KvControl(pools, settings)
+    ready = [_member(f"p{i}", 0, kv=0.75) for i in range(4)]  # four pods at 75% KV against a 50% target: 6
+    replicas = control.poll(ready, {"h200-bf16": 2, "l4-int8": 2, "cpu-bf16": 0}, 0.0)
+    assert replicas == {"h200-bf16": 2, "l4-int8": 4, "cpu-bf16": 0}  # GPU pools first, H200 before L4
