@@ -4,6 +4,7 @@ against exhaustive search on small fleets."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -70,6 +71,19 @@ def test_infeasible_plans_say_why_and_do_their_best() -> None:
     none_fast = optimize(DEMAND, SLO, [PoolOffer("cpu", CPU, 0.1, 100)])
     assert not none_fast.feasible and none_fast.reason.startswith("no pool fast enough: cpu:")
     assert 0 < none_fast.replicas["cpu"] < 100  # the demand's worth of slow replicas, not all of them
+
+
+def test_slow_pools_take_only_what_the_fast_ones_cannot_carry_at_full_use() -> None:
+    per_replica = optimize(DEMAND, SLO, [PoolOffer("small", SMALL, 0.5, 1)]).capacities["small"].request_rate
+    # Two small replicas carry the demand at full use but not with the planned headroom (0.85).
+    demand = Demand(1.9 * per_replica, DEMAND.mean_prompt_tokens, DEMAND.mean_output_tokens)
+    plan = optimize(demand, SLO, [PoolOffer("small", SMALL, 0.5, 2), PoolOffer("cpu", CPU, 0.1, 5)])
+    assert not plan.feasible and plan.replicas == {"small": 2, "cpu": 0}
+    more = Demand(2.5 * per_replica, DEMAND.mean_prompt_tokens, DEMAND.mean_output_tokens)
+    spilled = optimize(more, SLO, [PoolOffer("small", SMALL, 0.5, 2), PoolOffer("cpu", CPU, 0.1, 50)])
+    cpu_rate = spilled.capacities["cpu"].request_rate
+    assert spilled.replicas["small"] == 2
+    assert spilled.replicas["cpu"] == math.ceil(0.5 * per_replica / 0.85 / cpu_rate - 1e-9)  # the overflow alone
 
 
 def test_zero_demand_keeps_each_pools_minimum() -> None:

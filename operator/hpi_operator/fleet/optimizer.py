@@ -5,9 +5,10 @@
                min_p <= x_p <= max_p, x_p integer            (max_p: whole replicas the pool's nodes hold)
 
 Pools that cannot meet the SLO at any load are held at their minimum. When the fast pools together cannot
-carry the demand, the plan says so (reason "capacity") and does the best it can: every fast pool at its
-maximum, and the rest of the demand, at the lowest cost, on the pools that miss the SLO (served slowly beats
-not served). Solved with HiGHS through scipy.optimize.milp, chosen over highspy's own API by measurement
+carry the demand with the planned headroom, the plan says so (reason "capacity") and does the best it can: every
+fast pool at its maximum, and only the demand they cannot carry even at full use, at the lowest cost, on the
+pools that miss the SLO (served slowly beats not served, but each request sent there misses the SLO).
+Solved with HiGHS through scipy.optimize.milp, chosen over highspy's own API by measurement
 (bench/results/fleet_optimizer.md: 8 ms against 18 ms median at 10 pools on 2 cores).
 """
 
@@ -94,7 +95,10 @@ def optimize(
     else:
         replicas.update({o.name: o.max_replicas for o in fast})
         within = sum(caps[o.name].request_rate * replicas[o.name] for o in offers if caps[o.name].meets_slo)
-        rest = max(needed - within, 0.0)
+        # The SLO pools carry all they can, their headroom included: every request sent to a pool that misses the
+        # SLO misses it, so the slow pools only take what the fast ones cannot carry even at full use (with
+        # headroom on that part, so that their own queues stay bounded).
+        rest = max(demand.request_rate - within, 0.0) / utilization
         usable = [o for o in slow if o.max_replicas > o.min_replicas]
         extra = _solve([caps[o.name].request_rate for o in usable], [o.cost_per_hour for o in usable],
                        [o.min_replicas for o in usable], [o.max_replicas for o in usable], rest)  # fmt: skip
