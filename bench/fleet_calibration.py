@@ -32,6 +32,7 @@ from bench.fleet_sim.replay import backend, replay
 from bench.fleet_sim.workloads import Request
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, hpi_command, metric_value
+from hpi_runtime.profiling import fit_itl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = 0.15  # the issue's bar: within 15% of the real run
@@ -71,6 +72,34 @@ def measure_profile(plan: Plan, core: int) -> dict:
         return json.loads(out.read_text())
 
 
+SERVED_BATCHES = (1, 2, 4, 8, 16)
+SERVED_PREFILL_TOKENS = 256
+
+
+def measure_served_profile(plan: Plan, core: int, tokenizer, log_dir: Path) -> dict:
+    """The same four figures measured through a served replica (`hpi serve` pinned to `core`, streamed
+    /v1/completions): what `hpi profile` cannot see, the server process's own per-token work (SSE, detokenizing)
+    on the same core. Decode: at each batch b, b clients in a closed loop with 16-token prompts and 64 output
+    tokens; the step is the median time per output token. Prefill: one client, 256-token prompts, 2 tokens out;
+    the rate is the prompt over the median TTFT less one step at batch 1."""
+    points = []
+    with ServerProcess(pinned(hpi_command(1, "--max-num-seqs", str(plan.max_num_seqs)), core),
+                       log_dir / "served-profile.log") as server:  # fmt: skip
+        for batch in SERVED_BATCHES:
+            spec = WorkloadSpec(3 * batch, LengthDist(16), LengthDist(64), seed=batch)
+            run = asyncio.run(run_load(build_requests(tokenizer, spec),
+                                       LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency=batch)))  # fmt: skip
+            points.append((batch, summarize(run)["tpot_ms"]["p50"]))
+        spec = WorkloadSpec(4, LengthDist(SERVED_PREFILL_TOKENS), LengthDist(2), seed=99)
+        run = asyncio.run(run_load(build_requests(tokenizer, spec),
+                                   LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency=1)))  # fmt: skip
+        ttft_ms = summarize(run)["ttft_ms"]["p50"]
+    alpha, beta = fit_itl(points)
+    prefill_s = max(ttft_ms - (alpha + beta), 1.0) / 1000
+    return {"itlAlphaMs": alpha, "itlBetaMs": beta, "prefillTokensPerSecond": SERVED_PREFILL_TOKENS / prefill_s,
+            "maxNumSeqs": plan.max_num_seqs, "decodePoints": points, "prefillTtftMs": ttft_ms}  # fmt: skip
+
+
 def capacity_rps(profile: dict, plan: Plan, num_replicas: int) -> float:
     """Requests/s the replicas sustain by the profile's decode line at max_num_seqs (ignoring queueing)."""
     batch = min(plan.max_num_seqs, profile["maxNumSeqs"])
@@ -80,14 +109,17 @@ def capacity_rps(profile: dict, plan: Plan, num_replicas: int) -> float:
     return num_replicas * per_replica
 
 
-def real_run(plan: Plan, rate_rps: float, log_dir: Path) -> dict:
+def tokenizer():
     from transformers import AutoTokenizer
 
     from hpi_runtime.embedded import embedded_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def real_run(plan: Plan, rate_rps: float, log_dir: Path) -> dict:
     spec = WorkloadSpec(plan.num_requests, plan.prompt_tokens, plan.output_tokens, seed=plan.seed)
-    requests = build_requests(tokenizer, spec)
+    requests = build_requests(tokenizer(), spec)
     with ExitStack() as stack:
         backends = [stack.enter_context(ServerProcess(
             pinned(hpi_command(1, "--max-num-seqs", str(plan.max_num_seqs)), core), log_dir / f"backend{core}.log"))
@@ -147,22 +179,28 @@ def main() -> None:
     log_dir = RESULTS / "tmp" / "calibration-logs"
     if args.resimulate:
         saved = json.loads(path.read_text())
-        profile, rate, real = saved["profile"], saved["rate_rps"], saved["real"]
+        profile, served, rate, real = saved["profile"], saved["served_profile"], saved["rate_rps"], saved["real"]
     else:
         profile = measure_profile(plan, plan.cores[0])
+        served = measure_served_profile(plan, plan.cores[0], tokenizer(), log_dir)
         rate = plan.load * capacity_rps(profile, plan, len(plan.cores))
         print(f"profile {profile['itlAlphaMs']:.1f} + {profile['itlBetaMs']:.2f} x b ms, "
               f"{profile['prefillTokensPerSecond']:.0f} prefill tok/s; open loop at {rate:.2f} req/s")  # fmt: skip
         real = real_run(plan, rate, log_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"plan": asdict(plan), "profile": profile, "rate_rps": rate, "real": real}))
-    simulated = simulate(plan, profile, real)
-    rows = compare(real, simulated)
-    for row in rows:
-        print(f"{row['figure']:>22}: real {row['real']:9.2f}  simulated {row['simulated']:9.2f}  "
-              f"error {row['error']:+.1%}{'' if row['within'] else '  (outside 15%)'}")  # fmt: skip
-    result = {"plan": asdict(plan), "cpu": profile.get("cpu"), "profile": profile, "rate_rps": rate,
-              "comparison": rows, "simulated": simulated, "real": real}  # fmt: skip
+        path.write_text(json.dumps({"plan": asdict(plan), "profile": profile, "served_profile": served,
+                                    "rate_rps": rate, "real": real}))  # fmt: skip
+    result = {"plan": asdict(plan), "cpu": profile.get("cpu"), "profile": profile, "served_profile": served,
+              "rate_rps": rate, "real": real}  # fmt: skip
+    for name, figures in (("engine profile (hpi profile)", profile), ("served profile", served)):
+        simulated = simulate(plan, figures, real)
+        rows = compare(real, simulated)
+        print(f"simulated with the {name}: {figures['itlAlphaMs']:.1f} + {figures['itlBetaMs']:.2f} x b ms, "
+              f"{figures['prefillTokensPerSecond']:.0f} prefill tok/s")  # fmt: skip
+        for row in rows:
+            print(f"{row['figure']:>22}: real {row['real']:9.2f}  simulated {row['simulated']:9.2f}  "
+                  f"error {row['error']:+.1%}{'' if row['within'] else '  (outside 15%)'}")  # fmt: skip
+        result["served" if figures is served else "engine"] = {"comparison": rows, "simulated": simulated}
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 

@@ -14,10 +14,12 @@ ready) and returns the replicas per pool it wants.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
 from hpi_operator.fleet.demand import Counters, read_demand
+from hpi_operator.fleet.forecast import Trend, planned_rate, update
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
 from hpi_operator.fleet.performance import Slo
 from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
@@ -26,6 +28,8 @@ from hpi_operator.spec import AutoscalingSpec
 
 from .fleet import Member
 from .pools import SimPool
+
+DEFAULT_LEAD_S = float(AutoscalingSpec().lead_time_s)  # the operator's default leadTimeSeconds
 
 
 def pod_load(member: Member) -> PodLoad:
@@ -44,8 +48,10 @@ class Control(Protocol):
 
 class OptimizerControl:
     def __init__(self, pools: Sequence[SimPool], slo: Slo, window: Window, utilization: float = DEFAULT_UTILIZATION,
-                 name: str = "optimizer"):  # fmt: skip
+                 name: str = "optimizer", lead_s: float = DEFAULT_LEAD_S):  # fmt: skip
         self.name, self.pools, self.slo, self.window, self.utilization = name, list(pools), slo, window, utilization
+        self.lead_s = lead_s  # spec.autoscaling.leadTimeSeconds
+        self.trend: Trend | None = None
         self.counters: Mapping[str, Counters] = {}
         self.at_s: float | None = None
         self.mix: tuple[float, float] | None = None
@@ -57,6 +63,10 @@ class OptimizerControl:
             member.replica.advance(now_s)
         reading = read_demand([pod_load(m) for m in ready], self.counters, self.at_s, now_s, self.mix)
         demand = reading.demand
+        if reading.measured:  # fleet_loop.py's order: the trend, then the rate to plan for
+            self.trend = update(self.trend, demand.request_rate, now_s)
+        if self.trend is not None:
+            demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.lead_s))
         context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
         offers = [PoolOffer(p.name, p.performance_at(context), p.cost_per_hour, p.max_replicas, 0) for p in self.pools]
         plan = optimize(demand, self.slo, offers, self.utilization)
@@ -67,7 +77,7 @@ class OptimizerControl:
         bounds = {p.name: (0, p.max_replicas) for p in self.pools}
         replicas, self.histories = stabilize_all(current, recommended, self.histories, bounds, now_s, self.window)
         self.counters, self.at_s = reading.counters, now_s
-        self.mix = (demand.mean_prompt_tokens, demand.mean_output_tokens)
+        self.mix = (reading.demand.mean_prompt_tokens, reading.demand.mean_output_tokens)
         return replicas
 
 

@@ -124,6 +124,29 @@ def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> N
                                     "window": 10.0}  # these loads carry no histograms  # fmt: skip
 
 
+def test_a_rising_demand_is_planned_one_lead_time_ahead_and_the_trend_is_kept_in_status() -> None:
+    body = optimized_cr(leadTimeSeconds=60)
+    plan = make_plan(body, NODES)
+    current = dict(plan.replicas_by_pool)
+    status: dict = {}
+    finished, rates = 0.0, (2.0, 4.0, 6.0, 8.0)  # +2 req/s every 10 s
+    poll = fleet_poll(plan, [load("p0", 0, 0, 0)], status, current, 1000.0)
+    for i, rate in enumerate(rates, start=1):
+        status = {"autoscaling": {"optimizer": poll.status}}
+        finished += rate * 10
+        loads = [load("p0", finished, finished * 500, finished * 200)]
+        poll = fleet_poll(plan, loads, status, current, 1000.0 + 10 * i)
+    trend = poll.status["trend"]
+    level, slope = trend[0], trend[1]
+    assert slope > 0 and poll.status["demand"]["requestRate"] == pytest.approx(8.0)
+    planned = poll.status["demand"]["plannedRequestRate"]
+    assert planned == pytest.approx(level + slope * 60, rel=1e-3) and planned > 8.0
+    assert f"rising: planned for {planned:.2f} req/s in 60 s" in poll.message
+    flat = fleet_poll(plan, [load("p0", finished, finished * 500, finished * 200)],
+                      {"autoscaling": {"optimizer": {**poll.status, "trend": None}}}, current, 1050.0)  # fmt: skip
+    assert flat.status["demand"]["plannedRequestRate"] == flat.status["demand"]["requestRate"]  # no trend yet
+
+
 def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
     body = optimized_cr()
     h200, l4 = pool_names(body)

@@ -10,11 +10,12 @@ Everything here is a pure function of its arguments; handlers.py scrapes, writes
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, observed_to_status, read_latency
 from ..fleet.demand import read_demand
+from ..fleet.forecast import planned_rate, update
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
 from ..fleet.performance import Demand
@@ -24,7 +25,7 @@ from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
 from ..profiling import as_performance
 from .decision import PodLoad
-from .fleet_status import optimizer_memory
+from .fleet_status import optimizer_memory, trend_to_status
 from .loop import rfc3339
 
 
@@ -37,13 +38,15 @@ class FleetPoll:
     status: dict[str, Any]  # merged into status.autoscaling.optimizer
 
 
-def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, plan: FleetPlan,
-             left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
+def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, planned: Demand, lead_s: float,
+             plan: FleetPlan, left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
              observed: ObservedSlo | None, sources: Mapping[str, str]) -> str:  # fmt: skip
     moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
     head = moves or "no change"
+    rising = (f", rising: planned for {planned.request_rate:.2f} req/s in {lead_s:.0f} s"
+              if planned.request_rate > demand.request_rate + 1e-9 else "")  # fmt: skip
     parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
-             f"{demand.mean_output_tokens:.0f} output tokens)"]  # fmt: skip
+             f"{demand.mean_output_tokens:.0f} output tokens){rising}"]  # fmt: skip
     for pool, cap in plan.capacities.items():
         want = recommended.get(pool, 0)
         figures = f"{sources.get(pool, 'unknown')} figures"  # measured, assumed or override: how far to trust it
@@ -71,14 +74,19 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
     memory = optimizer_memory(status)
     reading = read_demand(loads, memory.counters, memory.at_s, now_s, memory.mix)
+    trend = update(memory.trend, reading.demand.request_rate, now_s) if reading.measured else memory.trend
+    planned = reading.demand
+    if trend is not None:
+        planned = replace(planned, request_rate=planned_rate(trend, planned.request_rate,
+                                                             spec.autoscaling.lead_time_s))  # fmt: skip
     window_s = now_s - memory.at_s if memory.at_s is not None else None
     latency = read_latency(loads, memory.histograms, window_s, spec.slo)
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
                     if prices is not None and c.profile is not None}  # fmt: skip
     measured = {pool: as_performance(profile) for pool, profile in plan.measured.items()}
-    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices=label_prices, measured=measured)
-    fleet = optimize(reading.demand, spec.slo, offered.offers)
+    offered = pool_offers(spec, serving, plan.shape, planned, label_prices=label_prices, measured=measured)
+    fleet = optimize(planned, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
     settings = spec.autoscaling
@@ -87,8 +95,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
     sources = {o.name: o.performance.source for o in offered.offers}
-    message = _explain(current, replicas, reading.demand, fleet, offered.left_out, recommended,
-                       spec.slo.itl_p90_s * 1e3, latency.observed, sources)  # fmt: skip
+    message = _explain(current, replicas, reading.demand, planned, settings.lead_time_s, fleet, offered.left_out,
+                       recommended, spec.slo.itl_p90_s * 1e3, latency.observed, sources)  # fmt: skip
     demand = reading.demand
     status_patch = {
         "replicas": replicas,
@@ -99,6 +107,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "time": rfc3339(now_s),
         "costPerHour": round(sum(o.cost_per_hour * replicas.get(o.name, 0) for o in offered.offers), 4),
         "demand": {"requestRate": round(demand.request_rate, 4),
+                   "plannedRequestRate": round(planned.request_rate, 4),
                    "meanPromptTokens": round(demand.mean_prompt_tokens, 1),
                    "meanOutputTokens": round(demand.mean_output_tokens, 1)},  # fmt: skip
         "pools": {o.name: {"source": o.performance.source, "costPerHour": round(o.cost_per_hour, 6),
@@ -110,6 +119,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "recommendations": {p: [[round(at, 3), n] for at, n in recs] for p, recs in histories.items()},
         "counters": {pod: list(values) for pod, values in reading.counters.items()},
         "histograms": histograms_to_status(latency.histograms),
+        "trend": None if trend is None else trend_to_status(trend),
         "lastPollEpoch": round(now_s, 3),
         "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],
     }

@@ -13,6 +13,7 @@ from typing import Any
 from ..autoscaling.decision import Buckets
 from ..fleet.attainment import histograms_from_status
 from ..fleet.demand import Counters
+from ..fleet.forecast import Trend
 from ..fleet.stabilize import Recommendations
 
 
@@ -23,6 +24,7 @@ class OptimizerMemory:
     at_s: float | None  # the last poll
     mix: tuple[float, float] | None  # the last measured (prompt, output) tokens per request
     histograms: Mapping[str, tuple[Buckets, Buckets]] = field(default_factory=dict)  # per pod: (TTFT, TPOT)
+    trend: Trend | None = None  # the demand's smoothed level and slope (fleet/forecast.py)
 
 
 def _optimizer(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -54,5 +56,18 @@ def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
         mix = (float(mix_raw[0]), float(mix_raw[1])) if mix_raw else None
     except (TypeError, ValueError, KeyError, IndexError):
         return OptimizerMemory({}, {}, None, None)  # unreadable: decide afresh
-    return OptimizerMemory(recommendations, counters, at_s, mix, histograms_from_status(raw.get("histograms")))  # type: ignore[arg-type]
+    return OptimizerMemory(recommendations, counters, at_s, mix, histograms_from_status(raw.get("histograms")),  # type: ignore[arg-type]
+                           _trend(raw.get("trend")))  # fmt: skip
+
+
+def trend_to_status(trend: Trend) -> list[float]:
+    return [round(trend.level, 6), round(trend.slope, 8), round(trend.at_s, 3)]
+
+
+def _trend(raw: Any) -> Trend | None:
+    try:
+        level, slope, at_s = (float(v) for v in raw)
+    except (TypeError, ValueError):
+        return None  # absent (an older operator's status) or mangled: the trend starts again
+    return Trend(level, slope, at_s)
 

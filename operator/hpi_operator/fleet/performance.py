@@ -15,9 +15,11 @@ whose time to first token (its prompt's prefill plus one step) stays within the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SOURCES = ("measured", "assumed", "override")
+P90_Z = 1.2816  # the standard normal's 90th percentile
 
 
 @dataclass(frozen=True)
@@ -86,14 +88,35 @@ def _rate(perf: PoolPerformance, demand: Demand, batch: int) -> tuple[float, flo
     return rate, itl / (1.0 - busy)
 
 
+def p90_batch(mean_batch: float, max_num_seqs: int) -> float:
+    """The batch a replica runs at or under 90% of the time when it holds `mean_batch` on average: requests arrive
+    independently and each holds a slot for its own time, so the count in service is Poisson (an M/G/inf queue)
+    with that mean, about mean + 1.28 sqrt(mean) at its 90th percentile; never more than the engine runs."""
+    return min(mean_batch + P90_Z * math.sqrt(mean_batch), float(max_num_seqs))
+
+
+def _p90_step(perf: PoolPerformance, demand: Demand, rate: float, mean_step: float, batch: int) -> float:
+    """A request's mean inter-token time at its 90th percentile: the decode step at the p90 batch, plus the
+    prefills that land while it decodes, spread over its output tokens. Those prefills arrive at `rate` over the
+    request's O * step seconds, a Poisson count; each stalls the batch for its prompt's prefill time."""
+    prefill_s = demand.mean_prompt_tokens / perf.prefill_tokens_per_s
+    landing = rate * demand.mean_output_tokens * mean_step
+    stall_s = prefill_s * (landing + P90_Z * math.sqrt(landing)) / demand.mean_output_tokens
+    return perf.itl_s(p90_batch(batch, perf.max_num_seqs)) + stall_s
+
+
 def replica_capacity(perf: PoolPerformance, demand: Demand, slo: Slo) -> ReplicaCapacity:
-    """One replica's sustainable request rate within `slo` (the largest batch that keeps both targets)."""
+    """One replica's sustainable request rate within `slo`: the largest mean batch at which a request's mean
+    inter-token time stays within itlP90 at its 90th percentile (_p90_step: the p90 batch, and the p90 count of
+    other requests' prefills stalling its decode), and its prompt's prefill plus one such step within ttftP90.
+    Planning at the mean step would put about half the requests over the target."""
     ttft_prefill_s = demand.mean_prompt_tokens / perf.prefill_tokens_per_s
     best: ReplicaCapacity | None = None
     low, high = 1, perf.max_num_seqs
     while low <= high:  # step time grows with the batch: binary search the largest batch within the targets
         mid = (low + high) // 2
         rate, step = _rate(perf, demand, mid)
+        step = _p90_step(perf, demand, rate, step, mid)
         if step <= slo.itl_p90_s and ttft_prefill_s + step <= slo.ttft_p90_s:
             best = ReplicaCapacity(rate, mid, step, ttft_prefill_s + step, True)
             low = mid + 1
