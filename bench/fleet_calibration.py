@@ -2,7 +2,9 @@
 
 Issue "fleet optimizer" asks that the simulation of two local CPU backends, given their measured profiles,
 predict a real run's throughput and p50/p90 TTFT and ITL within 15% on the same workload. Here:
-1. profile: `hpi profile` on the embedded model, pinned to one core (`taskset`), one thread, as each backend runs;
+1. profile: `hpi profile` on the embedded model, pinned to one core (`taskset`), one thread, as each backend runs
+   (what the operator's profiling Job measures); and the same figures measured through HTTP on one pinned
+   `hpi serve`, which includes the server's own per-token work;
 2. real run: two `hpi serve` backends, each pinned to its own core, behind `hpi-router` (its default policy), an
    open-loop Poisson workload from bench/loadgen.py; every request's arrival, prompt and output tokens, TTFT, ITL
    and end-to-end time are kept;

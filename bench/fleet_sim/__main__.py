@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.3, help="kv control: target KV utilisation")
     parser.add_argument("--target-waiting", type=int, default=None, help="kv control: targetWaitingRequests")
     parser.add_argument("--utilization", type=float, default=None, help="optimizer: planned share of capacity")
+    parser.add_argument("--lead", type=float, default=None,
+                        help="optimizer: leadTimeSeconds (default: the operator's)")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
     parser.add_argument("--baseline", default=None, help="report: the full-scale KV run to compare against")
@@ -72,14 +74,17 @@ def main() -> None:
             name = f"headline-kv-{args.target:g}{waiting}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
-            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util)
-            name = f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}{tag}"
+            lead = scenarios.DEFAULT_LEAD_S if args.lead is None else args.lead
+            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, lead)
+            name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
+                    f"{'' if args.lead is None else f'-lead{lead:g}'}{tag}")  # fmt: skip
         extra = {
             "scale": scale,
             "control": args.control,
             "target": args.target if args.control == "kv" else None,
             "target_waiting": args.target_waiting,
             "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
+            "lead_s": None if args.control == "kv" else (scenarios.DEFAULT_LEAD_S if args.lead is None else args.lead),
         }
         record(name, result, args.seed, extra, day_s, args.runs)
     elif args.scenario == "sweep":

@@ -29,7 +29,7 @@ from hpi_operator.spec import AutoscalingSpec
 
 from .engine import RunConfig, RunResult, Simulation
 from .pools import SimPool, headline_pools
-from .scaling import FixedControl, KvControl, OptimizerControl
+from .scaling import DEFAULT_LEAD_S, FixedControl, KvControl, OptimizerControl
 from .workloads import AZURE_CONV_2023, Arrivals, Request, generate
 
 SLO = Slo(ttft_p90_s=2.0, itl_p90_s=0.1)
@@ -86,11 +86,12 @@ def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial
     return Simulation(config).run()
 
 
-def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False,
-                       utilization: float = DEFAULT_UTILIZATION) -> RunResult:  # fmt: skip
+def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
+                       lead_s: float = DEFAULT_LEAD_S) -> RunResult:  # fmt: skip
     pools = pools_at(scale)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
-    control = OptimizerControl(offered, SLO, _window(), utilization, name="gpu-only" if gpu_only else "optimizer")
+    control = OptimizerControl(offered, SLO, _window(), utilization, name="gpu-only" if gpu_only else "optimizer",
+                               lead_s=lead_s)  # fmt: skip
     initial = _start_plan(offered, scale)
     return _run(offered, day(seed, scale), control, initial)
 
