@@ -3,6 +3,7 @@ write requests the operator sent (the emulator logs every request it served)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -103,3 +104,22 @@ def field_owners(obj: dict[str, Any], *path: str) -> set[str]:
         if node is not None:
             owners.add(entry["manager"])
     return owners
+
+
+class AsyncApi:
+    """Async wrappers around a KubeClient for tests that run in the event loop serving the emulator: the sync
+    client must not block that loop."""
+
+    MERGE = "application/merge-patch+json"
+
+    def __init__(self, kube: Any) -> None:
+        self.kube = kube
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        return await asyncio.to_thread(self.kube.request, method, path, body, content_type)
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self.kube.get, path)
+
+    async def patch(self, path: str, body: Any) -> Any:
+        return await self.call("PATCH", path, body, self.MERGE)

@@ -18,6 +18,7 @@ import pytest
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
 from hpi_operator.op_metrics import OperatorMetrics
+from hpi_testing.cluster_state import AsyncApi
 from hpi_testing.kube_emulator import L4, eventually, make_node, operator_thread
 
 pytestmark = pytest.mark.slow
@@ -40,19 +41,6 @@ def operator(api: kubernetes.client.ApiClient) -> Iterator[Any]:
         yield memo
 
 
-class Api:
-    """Async wrappers: the sync client must not block the loop that serves the emulator."""
-
-    def __init__(self, kube: KubeClient) -> None:
-        self.kube = kube
-
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
-        return await asyncio.to_thread(self.kube.request, method, path, body)
-
-    async def patch(self, path: str, body: Any) -> Any:
-        return await asyncio.to_thread(self.kube.request, "PATCH", path, body, "application/merge-patch+json")
-
-
 def cr(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
@@ -68,7 +56,7 @@ def deployments_of(kube: KubeClient, name: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in listing["items"]}
 
 
-async def mark_ready(api: Api, deployment: dict[str, Any]) -> None:
+async def mark_ready(api: AsyncApi, deployment: dict[str, Any]) -> None:
     """Play the Deployment controller: every replica of the latest template is up and ready."""
     replicas = deployment["spec"]["replicas"]
     status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": replicas,
@@ -86,7 +74,7 @@ def one_job(kube: KubeClient, kind: str = "fill") -> dict[str, Any] | None:
     return next(iter(found.values())) if len(found) == 1 else None
 
 
-async def finish(api: Api, job: dict[str, Any], ok: bool, message: str = "") -> None:
+async def finish(api: AsyncApi, job: dict[str, Any], ok: bool, message: str = "") -> None:
     """Play the Job controller: the Job completed, or failed after its pod retries."""
     kind = "Complete" if ok else "Failed"
     cond = {"type": kind, "status": "True", "reason": "" if ok else "BackoffLimitExceeded",
@@ -112,7 +100,7 @@ def served_dir(kube: KubeClient) -> str:
 
 
 async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     await api.call("POST", CRS, cr("cached", {
         "replicas": 2,
@@ -179,7 +167,7 @@ async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: Kub
 
 
 async def test_revision_change_downloads_beside_and_removes_the_old_revision(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     model = {"source": "huggingface", "huggingface": {"id": MODEL, "revision": "v1"}, "cache": {"enabled": True}}
     await api.call("POST", CRS, cr("cached", {"replicas": 1, "model": model}))

@@ -14,7 +14,7 @@ import pytest
 
 from hpi_operator import reconcile as reconcile_module
 from hpi_operator.kube import KubeClient, KubeError
-from hpi_testing.cluster_state import operator_write_records, reconciles
+from hpi_testing.cluster_state import AsyncApi, operator_write_records, reconciles
 from hpi_testing.kube_emulator import H100, L4, eventually, finished_job_pod, finished_job_status, make_node
 
 pytestmark = pytest.mark.slow
@@ -22,23 +22,6 @@ pytestmark = pytest.mark.slow
 NS = "default"
 CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
-MERGE = "application/merge-patch+json"
-
-
-class Api:
-    """Async wrappers: the sync client must not block the loop that serves the emulator."""
-
-    def __init__(self, kube: KubeClient) -> None:
-        self.kube = kube
-
-    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        return await asyncio.to_thread(self.kube.request, method, path, body, content_type)
-
-    async def get(self, path: str) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.kube.get, path)
-
-    async def patch(self, path: str, body: Any) -> Any:
-        return await self.call("PATCH", path, body, MERGE)
 
 
 def cr(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +43,7 @@ def deployments_of(kube: KubeClient, name: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in listing["items"]}
 
 
-async def mark_ready(api: Api, deployment: dict[str, Any]) -> None:
+async def mark_ready(api: AsyncApi, deployment: dict[str, Any]) -> None:
     """Play the Deployment controller: every replica of the latest template is up and ready."""
     replicas = deployment["spec"]["replicas"]
     status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": replicas,
@@ -69,7 +52,7 @@ async def mark_ready(api: Api, deployment: dict[str, Any]) -> None:
 
 
 async def test_create_builds_children_per_pool_and_reports_status(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True, memory="32Gi"))
     await api.call("POST", "/api/v1/nodes", make_node("cpu-down", ready=False))
@@ -116,7 +99,7 @@ async def test_create_builds_children_per_pool_and_reports_status(kube: KubeClie
 
 
 async def test_update_replicas_patches_only_what_changed(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-h100-0", gpu=H100))
     # Routing pinned to a plain Service: the default would switch to the router at 4 replicas (test_routing_kmock).
     await api.call("POST", CRS, cr("demo", {"replicas": 1, "routing": {"mode": "service"}}))
@@ -157,7 +140,7 @@ async def test_update_replicas_patches_only_what_changed(kube: KubeClient, opera
 
 
 async def test_model_too_big_for_one_gpu_runs_tensor_parallel(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-a4000-0", gpu=("NVIDIA-RTX-A4000", 16376, 2)))
     await api.call("POST", CRS, cr("tp", {
         "model": {"source": "huggingface", "huggingface": {"id": "meta-llama/Llama-3.1-8B-Instruct"}},
@@ -174,7 +157,7 @@ async def test_model_too_big_for_one_gpu_runs_tensor_parallel(kube: KubeClient, 
 
 
 async def test_node_pool_appearing_and_vanishing(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
     await api.call("POST", CRS, cr("grow", {"replicas": 2}))
     await eventually(lambda: set(deployments_of(kube, "grow")) == {"grow-cpu-amd64-bf16"})
@@ -203,7 +186,7 @@ async def test_node_pool_appearing_and_vanishing(kube: KubeClient, operator: Any
 async def test_bad_specs_degrade_with_an_event_and_recover(
     kube: KubeClient, operator: Any, emulator: Any, monkeypatch: pytest.MonkeyPatch, broken: bool
 ) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     # 70B unquantized cannot fit a 24 GB L4: no pool can serve it.
     await api.call("POST", CRS, cr("huge", {
@@ -255,7 +238,7 @@ async def test_bad_specs_degrade_with_an_event_and_recover(
 
 async def test_deleting_the_resource_releases_its_children(kube: KubeClient, operator: Any) -> None:
     """Owner references do the cleanup (the emulator collects garbage as the API server's GC would)."""
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0"))
     await api.call("POST", CRS, cr("gone", {}))
     await eventually(lambda: deployments_of(kube, "gone"))
@@ -267,7 +250,7 @@ async def test_deleting_the_resource_releases_its_children(kube: KubeClient, ope
 
 async def test_emulator_answers_like_an_api_server(kube: KubeClient, emulator: Any) -> None:
     """The emulator behaviours the operator relies on (so a kmock upgrade cannot silently change them)."""
-    api = Api(kube)
+    api = AsyncApi(kube)
     node = await api.call("POST", "/api/v1/nodes", make_node("n"))
     assert node["metadata"]["uid"] and int(node["metadata"]["resourceVersion"]) > 0
     with pytest.raises(KubeError) as conflict:
@@ -305,7 +288,7 @@ def rbac_requests(emulator: Any) -> list[tuple[str, str, str, str]]:
 async def test_rbac_rules_cover_every_call_the_operator_makes(emulator: Any, kube: KubeClient, operator: Any) -> None:
     from hpi_operator import rbac
 
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
     await api.call("POST", "/api/v1/nodes", make_node("gpu-0", gpu=L4))
     await api.call("POST", CRS, cr("audit", {"replicas": 2, "apiKeySecretRef": {"name": "k"}}))
@@ -420,7 +403,7 @@ async def test_cli_run_serves_liveness_and_metrics_and_reconciles(kube: KubeClie
     )  # fmt: skip
     try:
         await eventually(lambda: http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout_s=30)
-        api = Api(kube)
+        api = AsyncApi(kube)
         await api.call("POST", "/api/v1/nodes", make_node("cpu-0"))
         await api.call("POST", CRS, cr("cli", {}))
         await eventually(lambda: deployments_of(kube, "cli"))

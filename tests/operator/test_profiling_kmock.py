@@ -23,6 +23,7 @@ from hpi_operator.kube import KubeClient
 from hpi_operator.nodes import node_info
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_operator.plan import make_plan
+from hpi_testing.cluster_state import AsyncApi
 from hpi_testing.kube_emulator import (
     L4,
     eventually,
@@ -54,19 +55,6 @@ def operator(api: kubernetes.client.ApiClient) -> Iterator[Any]:
     config = OperatorConfig(resync_interval_s=0.5, profile_retry_base_s=1.0)
     with operator_thread(build_registry(config), memo=memo):
         yield memo
-
-
-class Api:
-    """Async wrappers: the sync client must not block the loop that serves the emulator."""
-
-    def __init__(self, kube: KubeClient) -> None:
-        self.kube = kube
-
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
-        return await asyncio.to_thread(self.kube.request, method, path, body)
-
-    async def patch(self, path: str, body: Any) -> Any:
-        return await asyncio.to_thread(self.kube.request, "PATCH", path, body, "application/merge-patch+json")
 
 
 def cr(name: str, pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -109,7 +97,7 @@ async def off(fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-async def run_job(api: Api, job: dict[str, Any], message: str | None, ok: bool = True) -> None:
+async def run_job(api: AsyncApi, job: dict[str, Any], message: str | None, ok: bool = True) -> None:
     """Play the Job controller and the kubelet: the Job's pod ran `hpi profile` and left `message`, then the Job
     completed (or failed after its pod retries, its deadline)."""
     name = job["metadata"]["name"]
@@ -122,7 +110,7 @@ async def run_job(api: Api, job: dict[str, Any], message: str | None, ok: bool =
 
 
 async def test_a_pool_is_measured_once_cached_and_served_to_its_pods(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     await api.call("POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
     pools = [{"name": "gpu-l4", "costPerHour": 0.8},
@@ -179,7 +167,7 @@ async def test_a_pool_is_measured_once_cached_and_served_to_its_pods(kube: KubeC
 
 
 async def test_failed_and_unreadable_measurements_are_reported_and_retried(kube: KubeClient, operator: Any) -> None:
-    api = Api(kube)
+    api = AsyncApi(kube)
     await api.call("POST", "/api/v1/nodes", make_node("gpu-l4-0", gpu=L4))
     await api.call("POST", CRS, cr("flaky"))
     first = await eventually(lambda: one_job(kube, "flaky"))
