@@ -72,6 +72,21 @@ def test_demand_is_the_growth_of_the_pods_counters_between_polls() -> None:
     assert restarted.demand.request_rate == 0 and restarted.demand.mean_prompt_tokens == 500
 
 
+def test_demand_counts_arrivals_still_in_the_pod_and_an_older_memory_counts_completions() -> None:
+    def at(finished: float, running: float, waiting: float) -> PodLoad:
+        return PodLoad("a", 0.5, waiting, running, num_finished=finished, prompt_tokens=finished * 500,
+                       generation_tokens=finished * 200)  # fmt: skip
+
+    first = read_demand([at(100, 4, 0)], {}, None, 1000.0)
+    # 30 finished in 10 s while the pod went from 4 to 20 requests in it: 46 arrived.
+    rising = read_demand([at(130, 16, 4)], first.counters, 1000.0, 1010.0)
+    assert rising.demand.request_rate == pytest.approx(4.6)
+    draining = read_demand([at(160, 6, 0)], rising.counters, 1010.0, 1020.0)
+    assert draining.demand.request_rate == pytest.approx(1.6)  # 30 finished, 14 fewer in the pod
+    older = {"a": (100.0, 50_000.0, 20_000.0)}  # a status written before the in-pod count was kept
+    assert read_demand([at(130, 16, 4)], older, 1000.0, 1010.0).demand.request_rate == pytest.approx(3.0)
+
+
 def test_stabilization_holds_dips_and_spikes_for_their_windows_and_limits_the_step() -> None:
     window = Window(scale_up_s=10, scale_down_s=60, max_step=2)
     replicas, memory = stabilize_all({"p": 5}, {"p": 1}, {"p": [(0.0, 5)]}, {"p": (0, 9)}, 30.0, window)

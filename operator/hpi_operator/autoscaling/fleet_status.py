@@ -50,7 +50,7 @@ def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
         recommendations = {str(p): tuple((float(at), int(n)) for at, n in recs)
                            for p, recs in (raw.get("recommendations") or {}).items()}  # fmt: skip
         counters = {str(pod): tuple(float(v) for v in values)  # type: ignore[misc]
-                    for pod, values in (raw.get("counters") or {}).items() if len(values) == 3}  # fmt: skip
+                    for pod, values in (raw.get("counters") or {}).items() if len(values) in (3, 4)}  # fmt: skip
         at_s = float(raw["lastPollEpoch"]) if raw.get("lastPollEpoch") is not None else None
         mix_raw = raw.get("tokenMix")
         mix = (float(mix_raw[0]), float(mix_raw[1])) if mix_raw else None
