@@ -16,8 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hpi_contracts.pool_profile import PoolProfile
-from hpi_operator.fleet.performance import PoolPerformance, Slo
+from hpi_operator.fleet.performance import Slo
 
 from .fleet import Fleet, Member
 from .metrics import RequestResult, percentiles, within
@@ -62,7 +61,7 @@ class Simulation:
         self.fleet = Fleet(config.pools)
         self.router = SimRouter(config.strategy, config.scrape_interval_s)
         # What each pool's pods export as hpi:profile_* (the operator mounts the pool's figures): the router's prior.
-        self._profiles = {p.name: _pool_profile(p.engine.performance) for p in config.pools}
+        self._profiles = {p.name: p.engine.performance.as_profile() for p in config.pools}
         self._heap: list[tuple[float, int, int, object, int]] = []
         self._pushes = 0
         self._handles: dict[int, object] = {}
@@ -190,8 +189,3 @@ class Simulation:
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 2)
-
-
-def _pool_profile(perf: PoolPerformance) -> PoolProfile:
-    return PoolProfile(perf.itl_alpha_s * 1e3, perf.itl_beta_s * 1e3, perf.prefill_tokens_per_s, perf.max_num_seqs,
-                       perf.source)  # fmt: skip

@@ -58,13 +58,14 @@ def _delete_job(kube: KubeClient, namespace: str, name: str) -> None:
     kube.request("DELETE", object_path("Job", namespace, name), {"propagationPolicy": "Background"})
 
 
-def _old_failures(old_status: Mapping[str, Any]) -> dict[str, str]:
-    failures = {}
+def _old_field(old_status: Mapping[str, Any], field: str) -> dict[str, str]:
+    """pool -> status.pools[].performance.<field>, where set."""
+    found = {}
     for entry in old_status.get("pools") or []:
-        failure = ((entry or {}).get("performance") or {}).get("lastFailure")
-        if failure:
-            failures[entry["name"]] = failure
-    return failures
+        value = ((entry or {}).get("performance") or {}).get(field)
+        if value:
+            found[entry["name"]] = value
+    return found
 
 
 def _job_result(kube: KubeClient, namespace: str, job_name: str) -> PoolProfile:
@@ -128,10 +129,15 @@ def sync_profiles(kube: KubeClient, plan: Plan, owner_uid: str | None, old_statu
                   retry_base_s: float) -> dict[str, PoolMeasurement]:  # fmt: skip
     """Measure the pools of `plan.profile_targets` (see the module docstring); pool -> where it stands."""
     namespace = plan.owner.namespace
-    old_failures = _old_failures(old_status)
+    old_failures = _old_field(old_status, "lastFailure")
     found = {t.pool: _measure(kube, plan, t, old_failures.get(t.pool), now, retry_base_s)
              for t in plan.profile_targets}  # fmt: skip
     running = {m.job for m in found.values() if m.job}
+    if not plan.spec.profiled and not _old_field(old_status, "job"):
+        # Profiling is off and status names no Job of ours: nothing to delete, and no list call on every pass of
+        # every resource. (A Job created just before a crash that kept status from naming it, and then unwanted,
+        # is bounded by its deadline and goes with the resource.)
+        return found
     selector = label_selector(plan.owner.name, **{LABEL_COMPONENT: COMPONENT})
     try:
         listing = kube.request("GET", with_query(collection_path("Job", namespace), labelSelector=selector))

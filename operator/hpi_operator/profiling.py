@@ -30,7 +30,6 @@ from typing import Any
 from hpi_contracts.pool_profile import PoolProfile, pool_profile_flag, profile_from_json
 
 from .fleet.assumed import assumed_performance
-from .fleet.performance import PoolPerformance
 from .manifests import Owner, build_deployment, common_labels, engine_args, short_name, stamp_hash
 from .names import (
     GROUP,
@@ -246,30 +245,19 @@ def profile_from_message(message: str | None) -> PoolProfile:
     return profile_from_json(raw, default_source="measured")
 
 
-def _profile(perf: PoolPerformance) -> PoolProfile:
-    return PoolProfile(perf.itl_alpha_s * 1e3, perf.itl_beta_s * 1e3, perf.prefill_tokens_per_s, perf.max_num_seqs,
-                       perf.source)  # fmt: skip
-
-
-def as_performance(profile: PoolProfile) -> PoolPerformance:
-    """The optimizer's form of a profile (seconds)."""
-    return PoolPerformance(profile.itl_alpha_ms / 1e3, profile.itl_beta_ms / 1e3, profile.prefill_tokens_per_s,
-                           profile.max_num_seqs, profile.source)  # fmt: skip
-
-
 def pool_figures(spec: InferenceSpec, choice: PoolChoice, shape: ModelShape | None,
                  measured: PoolProfile | None) -> PoolProfile | None:  # fmt: skip
     """The figures `choice`'s pool runs on: the spec's override, else the measurement, else the published GPU
     figures at CONTEXT_TOKENS (assumed), else none."""
     override = spec.placement.pool(choice.pool.name).performance
     if override is not None:
-        return _profile(override)
+        return override.as_profile()
     if measured is not None:
         return measured
     if choice.profile is None or shape is None:
         return None
     assumed = assumed_performance(choice.pool.gpu_product, choice.profile, shape, CONTEXT_TOKENS)
-    return _profile(assumed) if assumed else None
+    return assumed.as_profile() if assumed else None
 
 
 def measured_from_status(status: Mapping[str, Any] | None, keys: Mapping[str, str]) -> dict[str, PoolProfile]:

@@ -12,12 +12,11 @@ import pytest
 
 from hpi_contracts.pool_profile import PoolProfile
 from hpi_operator.fleet.offers import pool_offers
-from hpi_operator.fleet.performance import Demand
+from hpi_operator.fleet.performance import Demand, PoolPerformance
 from hpi_operator.nodes import group_pools, node_info
 from hpi_operator.plan import make_plan
 from hpi_operator.profiling import CachedProfile as Cached
 from hpi_operator.profiling import (
-    as_performance,
     build_cache_configmap,
     cache_key,
     measured_from_status,
@@ -128,7 +127,7 @@ def test_figures_are_the_override_else_measured_else_assumed() -> None:
     assert measured.figures["gpu-l4"] == MEASURED
     serving = [c for c in measured.choices if c.profile is not None]
     offers = pool_offers(measured.spec, serving, measured.shape, Demand(1.0, 100, 100),
-                         measured={"gpu-l4": as_performance(MEASURED)})  # fmt: skip
+                         measured={"gpu-l4": PoolPerformance.from_profile(MEASURED)})  # fmt: skip
     by_pool = {o.name: o.performance for o in offers.offers}
     assert by_pool["gpu-l4"].source == "measured" and by_pool["gpu-l4"].itl_alpha_s == pytest.approx(0.012)
     assert by_pool["cpu-amd64-bf16"].source == "override"

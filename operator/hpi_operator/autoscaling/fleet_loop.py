@@ -18,12 +18,11 @@ from ..fleet.demand import read_demand
 from ..fleet.forecast import planned_rate, update
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
-from ..fleet.performance import Demand
+from ..fleet.performance import Demand, PoolPerformance
 from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
 from ..plan import Plan
-from ..profiling import as_performance
 from .decision import PodLoad
 from .fleet_status import optimizer_memory, trend_to_status
 from .loop import rfc3339
@@ -84,7 +83,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
                     if prices is not None and c.profile is not None}  # fmt: skip
-    measured = {pool: as_performance(profile) for pool, profile in plan.measured.items()}
+    measured = {pool: PoolPerformance.from_profile(profile) for pool, profile in plan.measured.items()}
     offered = pool_offers(spec, serving, plan.shape, planned, label_prices=label_prices, measured=measured)
     fleet = optimize(planned, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}

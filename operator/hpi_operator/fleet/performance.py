@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hpi_contracts.pool_profile import PoolProfile
+
 SOURCES = ("measured", "assumed", "override")
 P90_Z = 1.2816  # the standard normal's 90th percentile
 
@@ -42,6 +44,16 @@ class PoolPerformance:
 
     def itl_s(self, batch: int) -> float:
         return self.itl_alpha_s + self.itl_beta_s * batch
+
+    @classmethod
+    def from_profile(cls, profile: PoolProfile) -> PoolPerformance:
+        """The optimizer's form (seconds) of the figures as they travel (hpi_contracts.pool_profile, ms)."""
+        return cls(profile.itl_alpha_ms / 1e3, profile.itl_beta_ms / 1e3, profile.prefill_tokens_per_s,
+                   profile.max_num_seqs, profile.source)  # fmt: skip
+
+    def as_profile(self) -> PoolProfile:
+        return PoolProfile(self.itl_alpha_s * 1e3, self.itl_beta_s * 1e3, self.prefill_tokens_per_s,
+                           self.max_num_seqs, self.source)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpi_contracts.pool_profile import profile_from_json
+
 from .performance import PoolPerformance, Slo
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
@@ -40,17 +42,10 @@ def parse_slo(raw: Mapping[str, Any] | None) -> Slo | None:
 
 def _performance(raw: Mapping[str, Any], where: str) -> PoolPerformance:
     try:
-        return PoolPerformance(
-            itl_alpha_s=float(raw["itlAlphaMs"]) / 1000,
-            itl_beta_s=float(raw["itlBetaMs"]) / 1000,
-            prefill_tokens_per_s=float(raw["prefillTokensPerSecond"]),
-            max_num_seqs=int(raw["maxNumSeqs"]),
-            source="override",
-        )
-    except KeyError as e:
-        raise ValueError(f"{where}.performance needs {e.args[0]}") from e
+        profile = profile_from_json({**raw, "source": "override"})  # the one parser of these figures
     except ValueError as e:
         raise ValueError(f"{where}.performance: {e}") from e
+    return PoolPerformance.from_profile(profile)
 
 
 def parse_pools(raw: Sequence[Mapping[str, Any]] | None) -> tuple[PoolSettings, ...]:
