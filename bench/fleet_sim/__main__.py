@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--control", choices=("optimizer", "kv", "gpu-only"), default="optimizer")
     parser.add_argument("--target", type=float, default=0.3, help="kv control: target KV utilisation")
     parser.add_argument("--target-waiting", type=int, default=None, help="kv control: targetWaitingRequests")
+    parser.add_argument("--min-replicas", type=int, default=1, help="kv control: minReplicas (the floor)")
     parser.add_argument("--utilization", type=float, default=None, help="optimizer: planned share of capacity")
     parser.add_argument("--lead", type=float, default=None,
                         help="optimizer: leadTimeSeconds (default: the operator's)")
@@ -69,22 +70,24 @@ def main() -> None:
         scale = args.scale or 1.0
         tag = "" if scale == 1.0 else f"@{scale:g}"
         if args.control == "kv":
-            result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting)
+            result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting,
+                                                 args.min_replicas)  # fmt: skip
             waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
-            name = f"headline-kv-{args.target:g}{waiting}{tag}"
+            floor = "" if args.min_replicas == 1 else f"-min{args.min_replicas}"
+            name = f"headline-kv-{args.target:g}{waiting}{floor}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
-            lead = scenarios.DEFAULT_LEAD_S if args.lead is None else args.lead
-            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, lead)
+            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead)
             name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
-                    f"{'' if args.lead is None else f'-lead{lead:g}'}{tag}")  # fmt: skip
+                    f"{'' if args.lead is None else f'-lead{args.lead:g}'}{tag}")  # fmt: skip
         extra = {
             "scale": scale,
             "control": args.control,
             "target": args.target if args.control == "kv" else None,
             "target_waiting": args.target_waiting,
+            "min_replicas": args.min_replicas if args.control == "kv" else None,
             "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
-            "lead_s": None if args.control == "kv" else (scenarios.DEFAULT_LEAD_S if args.lead is None else args.lead),
+            "lead_s": None if args.control == "kv" else args.lead,  # None: the operator's default (start + 2 polls)
         }
         record(name, result, args.seed, extra, day_s, args.runs)
     elif args.scenario == "sweep":

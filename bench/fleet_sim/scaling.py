@@ -1,9 +1,10 @@
 """The controllers the simulated fleet runs, each a thin shell over the operator's own pure decisions:
 
 - `OptimizerControl`: the fleet optimizer's poll in the order autoscaling/fleet_loop.py composes it: the pods'
-  counters -> `read_demand` -> each pool's offer at the demand's mean context -> `optimize` -> `stabilize_all`
-  (the autoscaling windows and step), with the memory carried from poll to poll as the operator keeps it in
-  status. Pool bounds: [0, the pool's capacity].
+  counters -> `read_demand` -> each pool's offer at the demand's mean context -> the lead time (`lead_time`, from
+  the ready replicas' start times unless one is set) -> `optimize` -> `stabilize_all` (the autoscaling windows
+  and step), with the memory carried from poll to poll as the operator keeps it in status. Pool bounds:
+  [0, the pool's capacity].
 - `KvControl`: today's baseline: the builtin KV-utilisation autoscaler's `decide` on the total, then rank-fill
   placement (`rank_choices` + `spread_replicas`) over the pools.
 - `FixedControl`: replicas that never change (the routing comparison).
@@ -19,9 +20,9 @@ from typing import Protocol
 
 from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
 from hpi_operator.fleet.demand import Counters, read_demand
-from hpi_operator.fleet.forecast import Trend, planned_rate, update
+from hpi_operator.fleet.forecast import Lead, Trend, lead_time, planned_rate, start_times, update
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
-from hpi_operator.fleet.performance import Slo
+from hpi_operator.fleet.performance import Slo, replica_capacity
 from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
@@ -29,7 +30,7 @@ from hpi_operator.spec import AutoscalingSpec
 from .fleet import Member
 from .pools import SimPool
 
-DEFAULT_LEAD_S = float(AutoscalingSpec().lead_time_s)  # the operator's default leadTimeSeconds
+POLL_S = float(AutoscalingSpec().poll_interval_s)  # the operator's default, as the engine polls
 
 
 def pod_load(member: Member) -> PodLoad:
@@ -48,9 +49,11 @@ class Control(Protocol):
 
 class OptimizerControl:
     def __init__(self, pools: Sequence[SimPool], slo: Slo, window: Window, utilization: float = DEFAULT_UTILIZATION,
-                 name: str = "optimizer", lead_s: float = DEFAULT_LEAD_S):  # fmt: skip
+                 name: str = "optimizer", lead_s: float | None = None, poll_s: float = POLL_S):  # fmt: skip
         self.name, self.pools, self.slo, self.window, self.utilization = name, list(pools), slo, window, utilization
-        self.lead_s = lead_s  # spec.autoscaling.leadTimeSeconds
+        self.lead_s, self.poll_s = lead_s, poll_s  # spec.autoscaling.leadTimeSeconds (None: from the start times)
+        self.start_s: dict[str, float] = {}
+        self.last_lead: Lead | None = None
         self.trend: Trend | None = None
         self.counters: Mapping[str, Counters] = {}
         self.at_s: float | None = None
@@ -65,10 +68,16 @@ class OptimizerControl:
         demand = reading.demand
         if reading.measured:  # fleet_loop.py's order: the trend, then the rate to plan for
             self.trend = update(self.trend, demand.request_rate, now_s)
-        if self.trend is not None:
-            demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.lead_s))
         context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
         offers = [PoolOffer(p.name, p.performance_at(context), p.cost_per_hour, p.max_replicas, 0) for p in self.pools]
+        starts: dict[str, list[float]] = {}
+        for member in ready:
+            starts.setdefault(member.pool, []).append(member.ready_at_s - member.created_s)
+        self.start_s = start_times(starts, self.start_s)
+        fast_enough = [o.name for o in offers if replica_capacity(o.performance, demand, self.slo).meets_slo]
+        self.last_lead = lead_time(self.lead_s, self.start_s, fast_enough, self.poll_s)
+        if self.trend is not None:
+            demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.last_lead.seconds))
         plan = optimize(demand, self.slo, offers, self.utilization)
         self.last_plan = plan
         recommended = {p.name: plan.replicas.get(p.name, 0) for p in self.pools}

@@ -29,7 +29,7 @@ from hpi_operator.spec import AutoscalingSpec
 
 from .engine import RunConfig, RunResult, Simulation
 from .pools import SimPool, headline_pools
-from .scaling import DEFAULT_LEAD_S, FixedControl, KvControl, OptimizerControl
+from .scaling import FixedControl, KvControl, OptimizerControl
 from .workloads import AZURE_CONV_2023, Arrivals, Request, generate
 
 SLO = Slo(ttft_p90_s=2.0, itl_p90_s=0.1)
@@ -61,8 +61,9 @@ def _window() -> Window:
     return Window(scale_up_s=0, scale_down_s=300, max_step=MAX_STEP)
 
 
-def _settings(target: float, pools: Sequence[SimPool], target_waiting: int | None = None) -> AutoscalingSpec:
-    return AutoscalingSpec(enabled=True, mode="builtin", min_replicas=1,
+def _settings(target: float, pools: Sequence[SimPool], target_waiting: int | None = None,
+              min_replicas: int = 1) -> AutoscalingSpec:  # fmt: skip
+    return AutoscalingSpec(enabled=True, mode="builtin", min_replicas=min_replicas,
                            max_replicas=sum(p.max_replicas for p in pools),
                            target_kv_utilization=target, target_waiting_requests=target_waiting,
                            scale_up_stabilization_s=0, scale_down_stabilization_s=300,
@@ -87,7 +88,8 @@ def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial
 
 
 def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
-                       lead_s: float = DEFAULT_LEAD_S) -> RunResult:  # fmt: skip
+                       lead_s: float | None = None) -> RunResult:  # fmt: skip
+    """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls)."""
     pools = pools_at(scale)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
     control = OptimizerControl(offered, SLO, _window(), utilization, name="gpu-only" if gpu_only else "optimizer",
@@ -96,12 +98,15 @@ def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, ut
     return _run(offered, day(seed, scale), control, initial)
 
 
-def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None) -> RunResult:
+def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None,
+                      min_replicas: int = 1) -> RunResult:  # fmt: skip
     """`target_waiting`: the autoscaler's targetWaitingRequests per pod (None: its default, where any queued
-    request asks for one more replica)."""
+    request asks for one more replica); `min_replicas`: its floor (minReplicas), the knob a platform team turns
+    when a reactive autoscaler loses the morning ramp."""
     pools = pools_at(scale)
-    control = KvControl(pools, _settings(target, pools, target_waiting), name=f"kv-baseline@{target:g}")
-    total = sum(_start_plan(pools, scale).values())
+    settings = _settings(target, pools, target_waiting, min_replicas)
+    control = KvControl(pools, settings, name=f"kv-baseline@{target:g}")
+    total = max(min_replicas, sum(_start_plan(pools, scale).values()))
     slots = [Slot(c.pool.name, c.capacity) for c in rank_choices([p.choice for p in pools], [])]
     return _run(pools, day(seed, scale), control, spread_replicas(total, slots))
 

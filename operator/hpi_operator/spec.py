@@ -145,7 +145,7 @@ class AutoscalingSpec:
     scale_down_stabilization_s: int = crd_default("autoscaling.scaleDownStabilizationSeconds")
     max_scale_step: int = crd_default("autoscaling.maxScaleStep")
     poll_interval_s: int = crd_default("autoscaling.pollIntervalSeconds")
-    lead_time_s: int = crd_default("autoscaling.leadTimeSeconds")  # optimizer: plan this far ahead on a rise
+    lead_time_s: int | None = None  # optimizer: plan this far ahead on a rise; None: the pools' start + 2 polls
     scale_to_zero: bool = crd_default("autoscaling.scaleToZero.enabled")
     scale_to_zero_idle_s: int = crd_default("autoscaling.scaleToZero.idleSeconds")
 
@@ -452,7 +452,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         scale_down_stabilization_s=int(_get(raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_s)),
         max_scale_step=int(_get(raw, "maxScaleStep", defaults.max_scale_step)),
         poll_interval_s=int(_get(raw, "pollIntervalSeconds", defaults.poll_interval_s)),
-        lead_time_s=int(_get(raw, "leadTimeSeconds", defaults.lead_time_s)),
+        lead_time_s=None if raw.get("leadTimeSeconds") is None else int(raw["leadTimeSeconds"]),
         scale_to_zero=bool(_get(scale_to_zero, "enabled", defaults.scale_to_zero)),
         scale_to_zero_idle_s=int(_get(scale_to_zero, "idleSeconds", defaults.scale_to_zero_idle_s)),
     )

@@ -19,6 +19,7 @@ from hpi_operator.autoscaling.scrape import (
     PodTarget,
     Scraped,
     ScrapeFailed,
+    cold_start_s,
     observation,
     parse_load,
     ready_pod_targets,
@@ -180,6 +181,28 @@ def test_ready_pod_targets() -> None:
         PodTarget("b", "http://10.0.0.5:8000/metrics"),
         PodTarget("v6", "http://[fd00::7]:8000/metrics"),
     ]
+
+
+def started(name: str, pool: str, created: str, ready_at: str, restarts: int = 0) -> dict:
+    body = pod(name)
+    body["metadata"] |= {"creationTimestamp": created, "labels": {"serving.hpi.dev/pool": pool}}
+    body["status"]["conditions"][0]["lastTransitionTime"] = ready_at
+    body["status"]["containerStatuses"] = [{"name": "runtime", "restartCount": restarts}]
+    return body
+
+
+def test_a_ready_pods_pool_and_start_time_come_with_its_target() -> None:
+    """The fleet optimizer's lead time is its pools' start times: creation to Ready, never a restart's recovery."""
+    fresh = started("fresh", "l4", "2026-12-01T10:00:00Z", "2026-12-01T10:02:05Z")
+    restarted = started("restarted", "l4", "2026-12-01T10:00:00Z", "2026-12-01T11:00:00Z", restarts=1)
+    clockless = started("clockless", "h200", "not a time", "2026-12-01T10:02:05Z")
+    backwards = started("backwards", "h200", "2026-12-01T10:05:00Z", "2026-12-01T10:00:00Z")
+    by_name = {t.pod: t for t in ready_pod_targets([fresh, restarted, clockless, backwards, pod("unlabelled")])}
+    assert by_name["fresh"].pool == "l4" and by_name["fresh"].start_s == 125.0
+    assert cold_start_s(fresh) == 125.0
+    assert by_name["restarted"].pool == "l4" and by_name["restarted"].start_s is None
+    assert by_name["clockless"].start_s is None and by_name["backwards"].start_s is None
+    assert by_name["unlabelled"].pool is None and by_name["unlabelled"].start_s is None
 
 
 def test_parse_the_runtimes_own_exposition() -> None:

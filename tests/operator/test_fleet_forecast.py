@@ -1,5 +1,6 @@
 """The demand the optimizer plans for on a rise (fleet/forecast.py): Holt's linear trend, rising slopes only, never
-below the rate measured now. Hand-solvable cases and the properties that keep it from flapping."""
+below the rate measured now, planned as far ahead as the pools take to start. Hand-solvable cases and the
+properties that keep it from flapping."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpi_operator.fleet.forecast import LEVEL_SMOOTHING, TREND_SMOOTHING, Trend, planned_rate, update
+from hpi_operator.fleet.forecast import (
+    ASSUMED_START_S,
+    LAG_POLLS,
+    LEVEL_SMOOTHING,
+    MAX_LEAD_S,
+    TREND_SMOOTHING,
+    Lead,
+    Trend,
+    lead_time,
+    planned_rate,
+    start_times,
+    update,
+)
 
 
 def test_the_first_reading_is_the_level_with_no_slope() -> None:
@@ -56,3 +69,37 @@ def test_the_plan_is_never_below_the_measured_rate_and_grows_with_the_lead(rates
     assert trend is not None
     assert planned_rate(trend, rates[-1], lead) >= rates[-1]
     assert planned_rate(trend, rates[-1], lead + 60) >= planned_rate(trend, rates[-1], lead)
+
+
+def test_the_lead_is_the_slowest_fast_enough_pools_start_plus_two_polls() -> None:
+    starts = {"h200": 90.0, "l4": 120.0, "cpu": 180.0}
+    assert LAG_POLLS == 2
+    # The CPU pool starts slowest but cannot meet the SLO, so the caller leaves it out of `pools`.
+    assert lead_time(None, starts, ["h200", "l4"], 15) == Lead(150.0, "measured", "l4", 120.0)
+    assert lead_time(None, starts, ["h200"], 15) == Lead(120.0, "measured", "h200", 90.0)
+    # A pool no pod of which has been seen starting is assumed to take ASSUMED_START_S.
+    assert lead_time(None, {"l4": 60.0}, ["l4", "new"], 10) == Lead(ASSUMED_START_S + 20, "assumed", "new",
+                                                                    ASSUMED_START_S)  # fmt: skip
+    assert lead_time(None, {}, [], 15) == Lead(ASSUMED_START_S + 30, "assumed", None, ASSUMED_START_S)
+    # A "start" of an hour is a pod that waited for a node: the trend is not projected that far.
+    assert lead_time(None, {"l4": 3600.0}, ["l4"], 15).seconds == MAX_LEAD_S
+    # spec.autoscaling.leadTimeSeconds wins, 0 included.
+    assert lead_time(0, starts, ["l4"], 15) == Lead(0.0, "spec")
+    with pytest.raises(ValueError, match="poll_s"):
+        lead_time(None, starts, ["l4"], -1)
+
+
+def test_a_pools_start_time_is_its_ready_pods_p90_and_is_remembered_while_it_has_none() -> None:
+    seen = {"l4": [100.0 + i for i in range(10)], "h200": [], "cpu": [200.0]}
+    out = start_times(seen, {"h200": 95.0, "l4": 1.0, "gone": 70.0})
+    assert out == {"l4": 108.0, "h200": 95.0, "cpu": 200.0, "gone": 70.0}  # nearest rank: the 9th of 10
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.floats(0, 1e4)), st.lists(st.sampled_from("abcde")),
+       st.floats(0, 300))  # fmt: skip
+def test_the_lead_never_shrinks_when_a_pool_starts_slower(starts: dict, pools: list, poll_s: float) -> None:
+    lead = lead_time(None, starts, pools, poll_s)
+    assert min(LAG_POLLS * poll_s, MAX_LEAD_S) <= lead.seconds <= MAX_LEAD_S
+    for pool in pools:
+        slower = {**starts, pool: starts.get(pool, ASSUMED_START_S) + 60}
+        assert lead_time(None, slower, pools, poll_s).seconds >= lead.seconds

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from hpi_operator.fleet.stabilize import Window, stabilize_all
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
 from hpi_operator.manifests import common_labels
+from hpi_operator.names import LABEL_POOL
 from hpi_operator.nodes import node_info
 from hpi_operator.op_metrics import OperatorMetrics
 from hpi_operator.plan import make_plan
@@ -162,6 +164,31 @@ def test_a_rising_demand_is_planned_one_lead_time_ahead_and_the_trend_is_kept_in
     assert flat.status["demand"]["plannedRequestRate"] == flat.status["demand"]["requestRate"]  # no trend yet
 
 
+def test_unset_the_lead_is_the_pools_measured_start_plus_two_polls_and_is_remembered() -> None:
+    body = optimized_cr(pollIntervalSeconds=15)
+    h200, l4 = pool_names(body)
+    plan = make_plan(body, NODES)
+    current = dict(plan.replicas_by_pool)
+    poll = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, current, 1000.0, starts={l4: [150.0, 160.0]})
+    # Both pools meet this SLO; the H200 has no pod seen starting yet: assumed 120 s, so the L4's 160 s sets it.
+    assert poll.status["leadTime"] == {"seconds": 190.0, "source": "measured", "pool": l4}
+    assert poll.status["startSeconds"] == {l4: 160.0}
+    finished = 0.0
+    for i, rate in enumerate((2.0, 4.0, 6.0), start=1):  # rising, and no ready L4 pod this time: remembered
+        finished += rate * 15
+        status = {"autoscaling": {"optimizer": poll.status}}
+        poll = fleet_poll(plan, [load("p0", finished, finished * 500, finished * 200)], status, current,
+                          1000.0 + 15 * i, starts={h200: [95.0]})  # fmt: skip
+    assert poll.status["startSeconds"] == {h200: 95.0, l4: 160.0}
+    assert poll.status["leadTime"]["seconds"] == 190.0
+    planned = poll.status["demand"]["plannedRequestRate"]
+    assert f"rising: planned for {planned:.2f} req/s in 190 s ({l4} starts in 160 s (measured) + 2 polls)" in (
+        poll.message)  # fmt: skip
+    set_by_spec = fleet_poll(make_plan(optimized_cr(leadTimeSeconds=30), NODES), [load("p0", 0, 0, 0)], {},
+                             current, 1000.0, starts={l4: [150.0]})  # fmt: skip
+    assert set_by_spec.status["leadTime"] == {"seconds": 30.0, "source": "spec", "pool": None}
+
+
 def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
     body = optimized_cr()
     h200, l4 = pool_names(body)
@@ -234,7 +261,9 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
     async with counting_runtime() as runtime:
         runtime.rate = 12.0
         port = await runtime.start()
-        pod = runtime_pod("fleet-0", port, common_labels("fleet"), NS)
+        pod = runtime_pod("fleet-0", port, {**common_labels("fleet"), LABEL_POOL: l4}, NS)
+        ready_at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=150)  # it took 150 s to start
+        pod["status"]["conditions"][0]["lastTransitionTime"] = ready_at.strftime("%Y-%m-%dT%H:%M:%SZ")
         await asyncio.to_thread(kube.request, "POST", f"/api/v1/namespaces/{NS}/pods", pod)
         context = operator_thread(registry, memo=memo)
         await asyncio.to_thread(context.__enter__)
@@ -254,6 +283,10 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
             assert optimizer["replicas"] == dict(expected) and optimizer["feasible"] is True
             assert optimizer["demand"]["requestRate"] == pytest.approx(12.0, rel=0.05)  # from the pod's counters
             assert "req/s (500 prompt, 200 output tokens)" in optimizer["message"]
+            # No leadTimeSeconds: the lead is the pod's measured start (creation to Ready) + 2 polls of 1 s.
+            assert optimizer["startSeconds"][l4] == pytest.approx(150, abs=2)
+            assert optimizer["leadTime"]["source"] == "measured" and optimizer["leadTime"]["pool"] == l4
+            assert optimizer["leadTime"]["seconds"] == pytest.approx(optimizer["startSeconds"][l4] + 2)
             await eventually(lambda: (kube.get(f"{CRS}/fleet")["status"]["autoscaling"]["optimizer"].get("slo")
                                       or {}).get("requests", 0) > 0)  # fmt: skip
             status = (await asyncio.to_thread(kube.get, f"{CRS}/fleet"))["status"]

@@ -15,10 +15,10 @@ from typing import Any
 
 from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, observed_to_status, read_latency
 from ..fleet.demand import read_demand
-from ..fleet.forecast import planned_rate, update
+from ..fleet.forecast import LAG_POLLS, Lead, lead_time, planned_rate, start_times, update
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
-from ..fleet.performance import Demand, PoolPerformance
+from ..fleet.performance import Demand, PoolPerformance, replica_capacity
 from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
@@ -37,12 +37,12 @@ class FleetPoll:
     status: dict[str, Any]  # merged into status.autoscaling.optimizer
 
 
-def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, planned: Demand, lead_s: float,
+def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand, planned: Demand, lead: Lead,
              plan: FleetPlan, left_out: Mapping[str, str], recommended: Mapping[str, int], itl_ms: float,
              observed: ObservedSlo | None, sources: Mapping[str, str]) -> str:  # fmt: skip
     moves = ", ".join(f"{p} {before.get(p, 0)} -> {n}" for p, n in after.items() if before.get(p, 0) != n)
     head = moves or "no change"
-    rising = (f", rising: planned for {planned.request_rate:.2f} req/s in {lead_s:.0f} s"
+    rising = (f", rising: planned for {planned.request_rate:.2f} req/s in {lead.seconds:.0f} s ({_why(lead)})"
               if planned.request_rate > demand.request_rate + 1e-9 else "")  # fmt: skip
     parts = [f"{head}: demand {demand.request_rate:.2f} req/s ({demand.mean_prompt_tokens:.0f} prompt, "
              f"{demand.mean_output_tokens:.0f} output tokens){rising}"]  # fmt: skip
@@ -65,26 +65,39 @@ def _explain(before: Mapping[str, int], after: Mapping[str, int], demand: Demand
     return "; ".join(parts)
 
 
+def _why(lead: Lead) -> str:
+    if lead.source == "spec":
+        return "leadTimeSeconds"
+    pool = f"{lead.pool} starts" if lead.pool else "a pod starts"
+    return f"{pool} in {lead.start_s:.0f} s ({lead.source}) + {LAG_POLLS} polls"
+
+
 def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], current: Mapping[str, int],
-               now_s: float, prices: NodePrices | None = None) -> FleetPoll:  # fmt: skip
+               now_s: float, prices: NodePrices | None = None,
+               starts: Mapping[str, Sequence[float]] | None = None) -> FleetPoll:  # fmt: skip
     """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads; `prices`: the
-    nodes' price labels, for pools whose spec sets no costPerHour."""
+    nodes' price labels, for pools whose spec sets no costPerHour; `starts`: per pool, the start times (creation
+    to Ready) of its ready pods, for the lead time when the spec sets none."""
     spec = plan.spec
     assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
     memory = optimizer_memory(status)
     reading = read_demand(loads, memory.counters, memory.at_s, now_s, memory.mix)
     trend = update(memory.trend, reading.demand.request_rate, now_s) if reading.measured else memory.trend
-    planned = reading.demand
-    if trend is not None:
-        planned = replace(planned, request_rate=planned_rate(trend, planned.request_rate,
-                                                             spec.autoscaling.lead_time_s))  # fmt: skip
     window_s = now_s - memory.at_s if memory.at_s is not None else None
     latency = read_latency(loads, memory.histograms, window_s, spec.slo)
     serving = rank_choices(eligible_choices(plan.choices, spec.placement.allowed_pools), spec.placement.preferred_pools)
     label_prices = {c.pool.name: label_price(c.pool, c.profile, prices) for c in serving
                     if prices is not None and c.profile is not None}  # fmt: skip
     measured = {pool: PoolPerformance.from_profile(profile) for pool, profile in plan.measured.items()}
-    offered = pool_offers(spec, serving, plan.shape, planned, label_prices=label_prices, measured=measured)
+    # The offers depend on the demand's token mix only, which the planned demand shares with the measured one.
+    offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices=label_prices, measured=measured)
+    start_s = start_times(starts or {}, memory.start_s)
+    fast_enough = [o.name for o in offered.offers
+                   if replica_capacity(o.performance, reading.demand, spec.slo).meets_slo]  # fmt: skip
+    lead = lead_time(spec.autoscaling.lead_time_s, start_s, fast_enough, spec.autoscaling.poll_interval_s)
+    planned = reading.demand
+    if trend is not None:
+        planned = replace(planned, request_rate=planned_rate(trend, planned.request_rate, lead.seconds))
     fleet = optimize(planned, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
@@ -94,7 +107,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
     sources = {o.name: o.performance.source for o in offered.offers}
-    message = _explain(current, replicas, reading.demand, planned, settings.lead_time_s, fleet, offered.left_out,
+    message = _explain(current, replicas, reading.demand, planned, lead, fleet, offered.left_out,
                        recommended, spec.slo.itl_p90_s * 1e3, latency.observed, sources)  # fmt: skip
     demand = reading.demand
     status_patch = {
@@ -119,6 +132,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "counters": {pod: list(values) for pod, values in reading.counters.items()},
         "histograms": histograms_to_status(latency.histograms),
         "trend": None if trend is None else trend_to_status(trend),
+        "leadTime": {"seconds": round(lead.seconds, 1), "source": lead.source, "pool": lead.pool},
+        "startSeconds": {pool: round(s, 1) for pool, s in sorted(start_s.items())} or None,
         "lastPollEpoch": round(now_s, 3),
         "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],
     }

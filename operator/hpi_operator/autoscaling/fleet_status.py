@@ -6,6 +6,7 @@ Kept on the cluster, so a restarted operator decides as the old one would have."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ class OptimizerMemory:
     mix: tuple[float, float] | None  # the last measured (prompt, output) tokens per request
     histograms: Mapping[str, tuple[Buckets, Buckets]] = field(default_factory=dict)  # per pod: (TTFT, TPOT)
     trend: Trend | None = None  # the demand's smoothed level and slope (fleet/forecast.py)
+    start_s: Mapping[str, float] = field(default_factory=dict)  # per pool: its pods' start time (fleet/forecast.py)
 
 
 def _optimizer(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -57,7 +59,7 @@ def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
     except (TypeError, ValueError, KeyError, IndexError):
         return OptimizerMemory({}, {}, None, None)  # unreadable: decide afresh
     return OptimizerMemory(recommendations, counters, at_s, mix, histograms_from_status(raw.get("histograms")),  # type: ignore[arg-type]
-                           _trend(raw.get("trend")))  # fmt: skip
+                           _trend(raw.get("trend")), _start_s(raw.get("startSeconds")))  # fmt: skip
 
 
 def trend_to_status(trend: Trend) -> list[float]:
@@ -71,3 +73,17 @@ def _trend(raw: Any) -> Trend | None:
         return None  # absent (an older operator's status) or mangled: the trend starts again
     return Trend(level, slope, at_s)
 
+
+
+def _start_s(raw: Any) -> dict[str, float]:
+    if not isinstance(raw, Mapping):
+        return {}  # absent (an older operator's status): measured again from the ready pods
+    out = {}
+    for pool, seconds in raw.items():
+        try:
+            value = float(seconds)
+        except (TypeError, ValueError):
+            continue  # a mangled entry is measured again
+        if math.isfinite(value) and value >= 0:
+            out[str(pool)] = value
+    return out

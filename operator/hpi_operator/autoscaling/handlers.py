@@ -155,7 +155,11 @@ async def optimize_fleet(
     results = await scraper(targets) if targets else []
     loads = [r.load for r in results if isinstance(r, Scraped)]
     current = optimizer_replicas(status) or dict(plan.replicas_by_pool)
-    result = fleet_poll(plan, loads, status, current, now_s, prices)
+    starts: dict[str, list[float]] = {}
+    for target in targets:
+        if target.pool is not None and target.start_s is not None:
+            starts.setdefault(target.pool, []).append(target.start_s)
+    result = fleet_poll(plan, loads, status, current, now_s, prices, starts)
     old = (status.get("autoscaling") or {}).get("optimizer") or {}
     patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status)}
     if result.changed:

@@ -8,6 +8,7 @@ that does not answer, answers badly, or lacks the KV gauge is a `ScrapeFailed`, 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from hpi_contracts.metrics import (
     TIME_TO_FIRST_TOKEN,
 )
 
-from ..names import RUNTIME_PORT, RUNTIME_PORT_NAME
+from ..names import LABEL_POOL, RUNTIME_PORT, RUNTIME_PORT_NAME
 from .decision import Buckets, Observation, PodLoad
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -40,6 +41,8 @@ UNREACHABLE, UNPARSABLE = "unreachable", "unparsable"
 class PodTarget:
     pod: str
     url: str  # http://<podIP>:<port>/metrics
+    pool: str | None = None  # the node pool it serves (its serving.hpi.dev/pool label)
+    start_s: float | None = None  # creation to Ready, for a pod none of whose containers restarted (cold_start_s)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,28 @@ def _metrics_port(pod: Mapping[str, Any]) -> int:
     return int(annotated) if annotated and str(annotated).isdigit() else RUNTIME_PORT
 
 
+def _time(text: Any) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def cold_start_s(pod: Mapping[str, Any]) -> float | None:
+    """How long a ready pod took to serve: from its creation (scheduling, image pull, weights, warm-up) to its
+    Ready condition. None when a container restarted or the pod went unready since: its Ready time then dates a
+    recovery, not a start."""
+    status = pod.get("status") or {}
+    if any(c.get("restartCount") for c in status.get("containerStatuses") or []):
+        return None
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    created = _time((pod.get("metadata") or {}).get("creationTimestamp"))
+    became = _time((ready or {}).get("lastTransitionTime"))
+    if created is None or became is None or became < created:
+        return None
+    return (became - created).total_seconds()
+
+
 def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
     """The pods that serve traffic (Running, Ready, not terminating, with an IP), as scrape targets."""
     targets = []
@@ -89,7 +114,9 @@ def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
         ip = (pod.get("status") or {}).get("podIP")
         if ip and _pod_ready(pod):
             host = f"[{ip}]" if ":" in ip else ip
-            targets.append(PodTarget(pod["metadata"]["name"], f"http://{host}:{_metrics_port(pod)}/metrics"))
+            pool = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_POOL)
+            url = f"http://{host}:{_metrics_port(pod)}/metrics"
+            targets.append(PodTarget(pod["metadata"]["name"], url, pool, cold_start_s(pod)))
     return sorted(targets, key=lambda t: t.pod)
 
 
