@@ -39,6 +39,15 @@ PROFILE_PREFILL_RATE = "hpi:profile_prefill_tokens_per_second"
 PROFILE_MAX_NUM_SEQS = "hpi:profile_max_num_seqs"
 PROFILE_GAUGES: tuple[str, ...] = (PROFILE_ITL_ALPHA, PROFILE_ITL_BETA, PROFILE_PREFILL_RATE, PROFILE_MAX_NUM_SEQS)
 
+# The router's queue (hpi-router holds a request while no backend can take it: none ready, as when a pool scales
+# from zero, or every ready one saturated). A gauge per flow, labels `tenant` and `priority`; the operator sums it
+# over the router pods as demand the runtime pods cannot see (scale from zero without an annotation).
+ROUTER_QUEUED_REQUESTS = "hpi:router_queued_requests"
+ROUTER_QUEUE_WAIT = "hpi:router_queue_wait_seconds"  # histogram: how long each request waited, same labels
+TENANT_LABEL, PRIORITY_LABEL = "tenant", "priority"
+# Everything the operator reads from a router pod's /metrics.
+READ_FROM_ROUTER: tuple[str, ...] = (ROUTER_QUEUED_REQUESTS,)
+
 
 def total(counter: str) -> str:
     """A counter's sample name as prometheus-client exposes it."""
