@@ -39,9 +39,13 @@ async def ready(request: web.Request) -> web.Response:
     num_ready = state.pool.num_ready()
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    if num_ready == 0:
+    if num_ready == 0 and not state.queue.max_queued:
         return web.json_response({"status": "no ready backend", "backends": len(state.pool.all())}, status=503)
-    return web.json_response({"status": "ready", "ready_backends": num_ready, "backends": len(state.pool.all())})
+    # With no ready backend but a queue, the router is the activator: it takes requests and holds them while the
+    # pool starts (its queue is the operator's demand), so it must stay in its Service.
+    status = "ready" if num_ready else "queueing: no ready backend"
+    return web.json_response({"status": status, "ready_backends": num_ready, "backends": len(state.pool.all()),
+                              "queued": len(state.queue)})  # fmt: skip
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ import re
 import sys
 from types import SimpleNamespace
 
-from hpi_router.config import STRATEGIES, DiscoverySettings, PolicySettings, RouterSettings
+from hpi_router.config import STRATEGIES, DiscoverySettings, PolicySettings, QueueSettings, RouterSettings
 from hpi_router.main import serve
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between /ready probes of an ejected backend")
     picking.add_argument("--max-attempts", type=int, default=defaults.max_attempts,
                          help="backends tried per request (before the first byte reaches the client)")
+    queue = parser.add_argument_group("queue (requests wait here while no backend can take them)")
+    queue_defaults = QueueSettings()
+    queue.add_argument("--queue-max-requests", type=int, default=queue_defaults.max_queued,
+                       help="requests that may wait for a backend (beyond: 503 with Retry-After); 0: no queue, "
+                       "a 503 at once when no backend is ready")
+    queue.add_argument("--queue-timeout", type=float, default=queue_defaults.max_wait_s,
+                       help="seconds a request may wait (longer than a cold start: a pool at zero replicas)")
+    queue.add_argument("--queue-saturated-waiting", type=int, default=queue_defaults.saturated_waiting,
+                       help="also hold requests while every ready backend has this many waiting in its engine; "
+                       "0: only while none is ready")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     http.add_argument("--port", type=int, default=8080, help="port to bind")
@@ -89,6 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         discovery=discovery,
         policy=PolicySettings(strategy=args.strategy, affinity_prefix_chars=args.affinity_prefix_chars,
                               affinity_load_factor=args.affinity_load_factor),
+        queue=QueueSettings(max_queued=args.queue_max_requests, max_wait_s=args.queue_timeout,
+                            saturated_waiting=args.queue_saturated_waiting),
         scrape_interval_s=args.scrape_interval,
         probe_interval_s=args.probe_interval,
         max_attempts=args.max_attempts,

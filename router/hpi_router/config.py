@@ -36,6 +36,28 @@ class PolicySettings:
 
 
 @dataclass(frozen=True)
+class QueueSettings:
+    """The router's request queue (queue.py): how many requests may wait for a backend, and for how long."""
+
+    # 0 turns the queue off: with no backend to take it, a request gets a 503 at once.
+    max_queued: int = 1024
+    # Longer than a cold start (scheduling, image, weights, warm-up: one to three minutes for an 8B model on a GPU,
+    # more when a node must be provisioned first), so a request that arrives at zero replicas is served.
+    max_wait_s: float = 300.0
+    # Hold requests while every ready backend already has at least this many waiting in its engine (by its last
+    # scrape, plus what this router sent it since); 0: only while no backend is ready.
+    saturated_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_queued < 0:
+            raise ValueError(f"queue max requests must be >= 0, got {self.max_queued}")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"queue timeout must be > 0 seconds, got {self.max_wait_s}")
+        if self.saturated_waiting < 0:
+            raise ValueError(f"queue saturated-waiting must be >= 0, got {self.saturated_waiting}")
+
+
+@dataclass(frozen=True)
 class DiscoverySettings:
     """Backends from the EndpointSlices of a (headless) Service."""
 
@@ -49,6 +71,7 @@ class RouterSettings:
     backend_urls: tuple[str, ...] = ()
     discovery: DiscoverySettings | None = None
     policy: PolicySettings = field(default_factory=PolicySettings)
+    queue: QueueSettings = field(default_factory=QueueSettings)
     scrape_interval_s: float = 0.25
     probe_interval_s: float = 1.0
     scrape_timeout_s: float = 2.0

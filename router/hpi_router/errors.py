@@ -18,17 +18,19 @@ REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, els
 class ApiError(Exception):
     """An error the client should see; raised anywhere in a handler, rendered by the error middleware."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # e.g. Retry-After
 
     def response(self) -> web.Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {**({"WWW-Authenticate": "Bearer"} if self.status == 401 else {}), **self.headers}
         body = error_body(self.status, self.message, param=self.param, code=self.code)
-        return web.json_response(body, status=self.status, headers=headers)
+        return web.json_response(body, status=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -62,6 +62,7 @@ async def serve(settings: RouterSettings, host: str, port: int) -> int:
         logger.info("routing on http://%s:%d", host, bound_port)
         await stop.wait()
         state.draining = True
+        state.queue.close("the router is shutting down; retry (another router replica takes it)")
         logger.info("draining: waiting up to %.0f s for %d requests in flight", settings.drain_timeout_s,
                     state.in_flight)
         deadline = loop.time() + settings.drain_timeout_s

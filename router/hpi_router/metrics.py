@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from hpi_contracts.metrics import PRIORITY_LABEL, ROUTER_QUEUE_WAIT, ROUTER_QUEUED_REQUESTS, TENANT_LABEL
 from hpi_router.backends import Backend
+from hpi_router.queue import DEFAULT_TENANT, Flow
 
 # Request latencies from 1 ms (a refusal) to minutes (a long generation). The same edges as the runtime's
 # e2e histogram, so a dashboard can set the router's latency beside its backends'.
@@ -43,6 +45,19 @@ class RouterMetrics:
                             registry=reg)
         self._score_inputs = (self._in_flight, self._ready, self._speed)
         self._known: set[str] = set()
+        flow = [TENANT_LABEL, PRIORITY_LABEL]
+        self.queued = Gauge(ROUTER_QUEUED_REQUESTS, "Requests waiting in the router for a backend (none ready, or "
+                            "all saturated), per flow; the operator reads it as demand.", flow, registry=reg)
+        self.queue_wait = Histogram(ROUTER_QUEUE_WAIT, "Time each queued request waited for a backend (served, "
+                                    "timed out or gone).", flow, buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.queued.labels(DEFAULT_TENANT, "0").set(0)  # on the page from the start: zero queued, not unknown
+
+    def queue_changed(self, flow: Flow, queued: int, waited_s: float | None) -> None:
+        """RequestQueue's hook: a request of `flow` entered (waited_s None) or left the queue."""
+        labels = (flow.tenant, str(flow.priority))
+        self.queued.labels(*labels).set(queued)
+        if waited_s is not None:
+            self.queue_wait.labels(*labels).observe(waited_s)
 
     def refresh(self, backends: list[Backend]) -> None:
         """Bring the per-backend gauges up to date and drop the series of backends that are gone."""

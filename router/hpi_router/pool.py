@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from itertools import islice
 
-from hpi_router.backends import Backend
+from hpi_router.backends import Backend, BackendView
 from hpi_router.config import PolicySettings
 from hpi_router.index import RankIndex
 from hpi_router.policy import MAX_AFFINITY_PROBES, Pick, SpeedScale, affinity_fits, load_of, rank, speed_scale
@@ -26,10 +26,17 @@ class BackendPool:
     """The backend set. Sources call `apply(urls)` with the full current set; removed backends' requests in
     flight finish on their own (the objects live on in those requests, outside the index)."""
 
-    def __init__(self, settings: PolicySettings = PolicySettings(), on_change: Callable[[], None] | None = None):
+    def __init__(self, settings: PolicySettings = PolicySettings(), on_change: Callable[[], None] | None = None,
+                 saturated_waiting: int = 0, on_capacity: Callable[[], None] | None = None):  # fmt: skip
+        """`on_change`: the backend set changed; `on_capacity`: a backend may have room again (the queue's turn);
+        `saturated_waiting`: a ready backend has no room once this many requests wait in its engine (0: never
+        full, room is any ready backend)."""
         self._backends: dict[str, Backend] = {}
         self._settings = settings
         self._on_change = on_change
+        self._on_capacity = on_capacity
+        self._saturated_waiting = saturated_waiting
+        self._roomy: set[str] = set()  # the indexed backends with room (when saturated_waiting is set)
         self.index = RankIndex()  # the ready backends, by rank
         self.scale = SpeedScale()  # this round's
         self._loads: dict[str, float] = {}  # load_of each indexed backend, as last ranked
@@ -57,6 +64,11 @@ class BackendPool:
 
     def num_ready(self) -> int:
         return len(self.index)
+
+    def has_room(self) -> bool:
+        """Whether a request sent now would find a backend with room: a ready one, and, with saturated_waiting
+        set, one whose engine has fewer requests waiting than that (scraped, plus those sent since)."""
+        return bool(self._roomy) if self._saturated_waiting else len(self.index) > 0
 
     def get(self, url: str) -> Backend | None:
         return self._backends.get(url)
@@ -99,6 +111,8 @@ class BackendPool:
         self.index.rebuild((v.url, rank(v, self.scale, self._settings)) for v in views)
         self._loads = {v.url: load_of(v) for v in views}
         self._fleet_load = sum(self._loads.values())
+        self._roomy = {v.url for v in views if self._room(v)}
+        self._capacity_changed()
 
     # -- the pick ------------------------------------------------------------------------------------------------
 
@@ -129,7 +143,23 @@ class BackendPool:
         load = load_of(view)
         self._fleet_load += load - self._loads.get(backend.url, 0.0)
         self._loads[backend.url] = load
+        if self._room(view):
+            self._roomy.add(backend.url)
+        else:
+            self._roomy.discard(backend.url)
+        self._capacity_changed()
 
     def _unindex(self, url: str) -> None:
         self.index.remove(url)
         self._fleet_load -= self._loads.pop(url, 0.0)
+        self._roomy.discard(url)
+
+    def _room(self, view: BackendView) -> bool:
+        if not self._saturated_waiting:
+            return True
+        sent_since_scrape = max(view.in_flight - view.in_flight_at_scrape, 0)
+        return view.num_waiting + sent_since_scrape < self._saturated_waiting
+
+    def _capacity_changed(self) -> None:
+        if self._on_capacity is not None:
+            self._on_capacity()

@@ -24,6 +24,7 @@ from hpi_router.affinity import prefix_key
 from hpi_router.backends import Backend
 from hpi_router.errors import REQUEST_ID, ApiError, bad_request
 from hpi_router.monitor import eject
+from hpi_router.queue import Flow, QueueRejected
 from hpi_router.state import STATE_KEY, RouterState
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,16 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
         upstream.close()  # returns nothing to the pool unless fully read; an early exit drops the connection
 
 
+async def _wait_in_queue(state: RouterState, flow: Flow, deadline_s: float) -> None:
+    """Wait for the turn to pick a backend (queue.py); a refusal is a 503 with Retry-After."""
+    try:
+        await state.queue.admit(flow, deadline_s)
+    except QueueRejected as exc:
+        state.metrics.unrouted.labels(f"queue_{exc.reason}").inc()
+        raise ApiError(503, exc.message, code=f"queue_{exc.reason}",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None
+
+
 async def proxy(request: web.Request) -> web.StreamResponse:
     state: RouterState = request.app[STATE_KEY]
     if state.draining:
@@ -125,16 +136,28 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = _parse_body(raw)
     key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
+    flow = Flow()  # one flow until requests carry a tenant (API keys) and a priority
+    deadline_s = time.monotonic() + state.settings.queue.max_wait_s  # the whole wait, however often it waits
     tried: set[str] = set()
     last: AttemptFailed | None = None
-    for _ in range(state.settings.max_attempts):
-        choice = state.choose(key, exclude=tried)
+    attempts = 0
+    while attempts < state.settings.max_attempts:
+        if state.queue.max_queued:  # 0: no queue, no backend is a 503 at once (below)
+            await _wait_in_queue(state, flow, deadline_s)
+        try:
+            choice = state.choose(key, exclude=tried)
+            if choice is not None:
+                backend, pick = choice
+                state.pool.started(backend)
+        finally:
+            state.queue.dispatched()  # the turn passes on: this request holds its backend, or has none
         if choice is None:
-            break
-        backend, pick = choice
+            if state.pool.num_ready() == 0 and state.queue.max_queued:
+                continue  # every backend went away since the turn came (the first one died while waking): wait
+            break  # the ready ones were all tried
+        attempts += 1
         tried.add(backend.url)
         state.metrics.picks.labels(backend.url, pick.reason).inc()
-        state.pool.started(backend)
         try:
             return await _attempt(request, state, backend, raw)
         except AttemptFailed as exc:
@@ -153,5 +176,3 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     status = 429 if last.status == 429 else 503
     raise ApiError(status, f"{len(tried)} backend(s) failed the request; last: {last.detail}",
                    code="backends_failed")
-
-

@@ -11,13 +11,18 @@ from hpi_router.config import RouterSettings
 from hpi_router.metrics import RouterMetrics
 from hpi_router.policy import Pick
 from hpi_router.pool import BackendPool
+from hpi_router.queue import RequestQueue
 
 
 class RouterState:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.pool = BackendPool(settings.policy, on_change=self._rebuild_ring)
+        # The queue asks the pool for room; the pool tells the queue when room may have appeared.
+        self.queue = RequestQueue(settings.queue.max_queued, settings.queue.max_wait_s, lambda: self.pool.has_room(),
+                                  on_change=self.metrics.queue_changed)  # fmt: skip
+        self.pool = BackendPool(settings.policy, on_change=self._rebuild_ring,
+                                saturated_waiting=settings.queue.saturated_waiting, on_capacity=self.queue.notify)
         self.ring = HashRing(())
         self.session: aiohttp.ClientSession | None = None  # opened on app startup, in the serving loop
         self.draining = False

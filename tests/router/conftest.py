@@ -57,6 +57,8 @@ class FakeBackend:
         self.ready = True
         self.fail_status: int | None = None  # answer every generation request with this status
         self.die_after_tokens: int | None = None  # drop the connection after this many streamed tokens
+        self.die_on_request = False  # a pod that dies on its first generation request: the connection drops, then
+        # it stops listening (connections refused, probes fail)
         self.stats = BackendCounters()
         self.metrics = ServingMetrics(name)
         self.num_requests = 0
@@ -100,6 +102,11 @@ class FakeBackend:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.die_on_request:
+            self.num_requests += 1
+            request.transport.abort()
+            asyncio.get_running_loop().create_task(self.stop())
+            return web.Response()  # never sent: the connection is gone
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "refused", "type": "x", "param": None, "code": None}},
                                      status=self.fail_status)

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from hpi_router import monitor
-from hpi_router.config import PolicySettings
+from hpi_router.config import PolicySettings, QueueSettings
 from hpi_testing.server import metric_samples
 
 NO_AFFINITY = {"policy": PolicySettings(affinity_prefix_chars=0)}  # the load policy alone decides
@@ -193,7 +193,8 @@ async def test_no_ready_backend_is_a_503(router, fake_backends, monkeypatch, bro
     backend.ready = False
     if broken:
         monkeypatch.setattr(monitor, "_probe", probe_passing_whatever_it_reads)
-    async with router([backend.url], wait_ready=False) as state, aiohttp.ClientSession() as session:
+    no_queue = QueueSettings(max_queued=0)  # with the queue (the default) it waits instead: test_router_queue.py
+    async with router([backend.url], wait_ready=False, queue=no_queue) as state, aiohttp.ClientSession() as session:
         # Probed twice: the first probe's answer was read before the second was sent.
         assert await wait_until(lambda: backend.num_ready_probes >= 2)
         metrics = metric_samples(await (await session.get(f"{state.url}/metrics")).text())
