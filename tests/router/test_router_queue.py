@@ -109,3 +109,22 @@ async def test_with_saturated_waiting_set_requests_wait_while_every_engine_has_a
         assert [s for s, _, _ in answers] == [200] * 6 and backend.num_requests == 6
         samples = metric_samples(await (await session.get(f"{state.url}/metrics")).text())
         assert samples["hpi:router_queue_wait_seconds_count{priority=0,tenant=default}"] >= 1
+
+
+async def test_two_hundred_requests_at_zero_complete_or_get_the_documented_503(router, fake_backends) -> None:
+    """Issue 38's bar: sent while the pool is at zero, every request is answered (served, or a 503 queue_full with
+    Retry-After beyond the bound), never a connection error."""
+    backend = await fake_backends()
+    backend.ready = False
+    bounded = QueueSettings(max_queued=150)
+    async with router([backend.url], wait_ready=False, queue=bounded) as state, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:  # fmt: skip
+        clients = [asyncio.create_task(complete(session, state.url, f"q{i}")) for i in range(200)]
+        await eventually(lambda: len(state.queue) == 150 and sum(c.done() for c in clients) == 50)
+        backend.ready = True
+        answers = await asyncio.gather(*clients)  # a connection error would raise here
+    served = [a for a in answers if a[0] == 200]
+    refused = [a for a in answers if a[0] != 200]
+    assert len(served) == 150 and backend.num_requests == 150
+    assert len(refused) == 50 and all(status == 503 and body["error"]["code"] == "queue_full"
+                                      and headers["Retry-After"] for status, body, headers in refused)  # fmt: skip
