@@ -180,7 +180,7 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         routing_mode=routing_mode,
         pdb=pdb,
         num_unplaced=max(0, sum(replicas_by_pool.values()) - sum(s.capacity for s in slots)),
-        autoscaler=autoscaler_child(body, owner, spec),
+        autoscaler=autoscaler_child(body, owner, spec, routing_mode),
         cache=cache,
         shape=shape,
         cached_dir=cached_dir,

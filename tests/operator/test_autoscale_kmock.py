@@ -16,16 +16,20 @@ import aiohttp.web
 import kopf
 import kubernetes
 import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from hpi_contracts.metrics import PRIORITY_LABEL, ROUTER_QUEUED_REQUESTS, TENANT_LABEL
 from hpi_operator import rbac
 from hpi_operator.autoscaling import handlers as autoscaling_handlers
 from hpi_operator.autoscaling import loop as autoscaling_loop
 from hpi_operator.autoscaling.decision import History, decide
+from hpi_operator.autoscaling.router_queue import RouterQueue
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
-from hpi_operator.manifests import common_labels
+from hpi_operator.manifests import Owner, common_labels
 from hpi_operator.names import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 from hpi_operator.op_metrics import OperatorMetrics
+from hpi_operator.routing_manifests import router_name, router_pod_labels
 from hpi_testing.cluster_state import autoscaler_polls, field_owners, operator_writes
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
 from hpi_testing.kube_emulator import runtime_pod as make_runtime_pod
@@ -330,3 +334,64 @@ async def test_hpa_mode_renders_an_owned_hpa_and_a_mode_change_removes_it(
     await call(kube, "PATCH", f"{CRS}/ext", {"spec": {"autoscaling": {"mode": "builtin"}}}, MERGE)
     await eventually(lambda: kube.get(hpa_path) is None)
     await eventually(lambda: autoscaling_status(kube, "ext").get("lastDecision"))
+
+
+def router_metrics(queued: dict[tuple[str, str], float]) -> str:
+    """hpi-router's queue gauge as prometheus_client renders it: one sample per (tenant, priority) flow."""
+    registry = CollectorRegistry()
+    gauge = Gauge(ROUTER_QUEUED_REQUESTS, "Requests held in the router's queue.", [TENANT_LABEL, PRIORITY_LABEL],
+                  registry=registry)  # fmt: skip
+    for (tenant, priority), value in queued.items():
+        gauge.labels(tenant, priority).set(value)
+    return generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["operator", "broken-router-not-scraped"])
+async def test_requests_queued_in_the_router_wake_a_pool_from_zero_without_an_annotation(
+    kube: KubeClient, autoscaling_operator: kopf.Memo, monkeypatch: pytest.MonkeyPatch, broken: bool
+) -> None:
+    memo = autoscaling_operator
+    if broken:  # the scaler as it was: only the annotation wakes a pool at zero
+        async def no_router(*_: Any, **__: Any) -> RouterQueue:
+            return RouterQueue()
+
+        monkeypatch.setattr(autoscaling_handlers, "scrape_router_queue", no_router)
+    await call(kube, "POST", "/api/v1/nodes", make_node("cpu-0", bf16=True))
+    cr = autoscaled_cr("sleepy")
+    cr["spec"]["replicas"] = 0
+    cr["spec"]["routing"] = {"mode": "router"}
+    cr["spec"]["autoscaling"].update(minReplicas=0, scaleToZero={"enabled": True, "idleSeconds": 600})
+    await call(kube, "POST", CRS, cr)
+    # Asleep: the scaler polls and leaves it at zero; the reconciler runs the router's Deployment, no runtime pod.
+    await eventually(lambda: autoscaling_status(kube, "sleepy").get("lastDecision"))
+    await eventually(lambda: kube.get(f"{DEPLOYMENTS}/{router_name('sleepy')}"))
+    assert await asyncio.to_thread(replicas_of, kube, "sleepy") == 0
+    assert await asyncio.to_thread(deployment_replicas, kube, "sleepy") == 0
+
+    # A router pod, as the router's Deployment runs it, holding three requests over two flows for a backend.
+    runner, port = await serve_metrics(lambda: router_metrics({("team-a", "high"): 2, ("team-b", "low"): 1}))
+    try:
+        labels = router_pod_labels(Owner("sleepy", NS))
+        await call(kube, "POST", PODS, make_runtime_pod(f"{router_name('sleepy')}-5d9c-x2x", port, labels, NS))
+        polls_before = autoscaler_polls(memo, NS, "sleepy")
+
+        def woken() -> bool:
+            assert replicas_of(kube, "sleepy") == 1, "stayed at zero"
+            return True
+
+        if broken:
+            await eventually(lambda: autoscaler_polls(memo, NS, "sleepy") >= polls_before + 3)
+            with pytest.raises(AssertionError, match="stayed at zero"):
+                await asyncio.to_thread(woken)
+            return
+        await eventually(woken)
+        await eventually(lambda: deployment_replicas(kube, "sleepy") == 1)  # the reconciler ran it
+        auto = await eventually(lambda: (a := autoscaling_status(kube, "sleepy")).get("routerQueuedRequests") == 3
+                                and a)  # fmt: skip
+        assert auto["numRouterPods"] == 1 and auto["numUnreachableRouterPods"] == 0
+        body = await call(kube, "GET", f"{CRS}/sleepy")
+        assert autoscaling_loop.ANNOTATION_WAITING_REQUESTS not in (body["metadata"].get("annotations") or {})
+        events = (await call(kube, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
+        assert any(e["reason"] == "ScaledFromZero" and e["involvedObject"]["name"] == "sleepy" for e in events)
+    finally:
+        await runner.cleanup()

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hpi_contracts.metrics import KV_CACHE_USAGE, NUM_REQUESTS_WAITING
+from hpi_contracts.metrics import KV_CACHE_USAGE, NUM_REQUESTS_WAITING, ROUTER_QUEUED_REQUESTS
 from hpi_operator.autoscaling.manifests import (
     ANNOTATION_PROMETHEUS_URL,
     HPA_KV_METRIC,
@@ -24,7 +24,11 @@ from hpi_operator.autoscaling.manifests import (
 )
 from hpi_operator.manifests import Owner
 from hpi_operator.names import ANNOTATION_SPEC_HASH
+from hpi_operator.nodes import node_info
+from hpi_operator.plan import make_plan
+from hpi_operator.routing_manifests import router_name
 from hpi_operator.spec import AutoscalingSpec, parse_spec
+from hpi_testing.kube_emulator import make_node
 
 from .conftest import CRD_PATH
 
@@ -187,12 +191,49 @@ def test_autoscaler_child_is_adopted_and_stamped_like_the_other_children() -> No
                          "annotations": {ANNOTATION_PROMETHEUS_URL: "http://prom:9090"}},
             "spec": {"autoscaling": {"enabled": True, "mode": "keda"}}}  # fmt: skip
     spec = parse_spec(body["spec"])
-    child = autoscaler_child(body, OWNER, spec)
+    child = autoscaler_child(body, OWNER, spec, "service")
     [ref] = child["metadata"]["ownerReferences"]
     assert ref["uid"] == "u-1" and ref["kind"] == "InferenceDeployment" and ref["controller"] is True
     assert child["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
     assert child["spec"]["triggers"][0]["metadata"]["serverAddress"] == "http://prom:9090"
     assert child["spec"]["triggers"][0]["metadata"]["query"].endswith('model_name="SmolLM2-135M-Instruct"})')
-    offline = autoscaler_child({**body, "metadata": {"name": "llama"}}, OWNER, spec)
+    offline = autoscaler_child({**body, "metadata": {"name": "llama"}}, OWNER, spec, "service")
     assert "ownerReferences" not in offline["metadata"]
-    assert autoscaler_child(body, OWNER, parse_spec({})) is None
+    assert autoscaler_child(body, OWNER, parse_spec({}), "router") is None
+
+
+@pytest.mark.parametrize("mode", ["router", "service", "inferencePool"])
+@pytest.mark.parametrize("settings", [
+    replace(SETTINGS, mode="keda"),
+    replace(SETTINGS, mode="keda", min_replicas=0, scale_to_zero=True),
+], ids=["kv", "to-zero"])  # fmt: skip
+def test_the_routers_queue_is_a_trigger_only_in_router_mode(settings: AutoscalingSpec, mode: str) -> None:
+    obj = build_scaled_object(OWNER, settings, "m", "http://prom:9090", routing_mode=mode)
+    jsonschema.validate(obj, SCALED_OBJECT_SCHEMA)
+    queued = [t for t in obj["spec"]["triggers"] if ROUTER_QUEUED_REQUESTS in t["metadata"]["query"]]
+    if mode != "router":
+        assert not queued
+        return
+    [trigger] = queued
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    assert meta["query"] == f'sum({ROUTER_QUEUED_REQUESTS}{{namespace="team-a",pod=~"{router_name("llama")}-.*"}})'
+    assert (meta["threshold"], meta["activationThreshold"]) == ("1", "0")
+    assert meta["serverAddress"] == "http://prom:9090"
+    assert meta["ignoreNullValues"] == "true"  # an idle router exports the gauge with no sample
+    assert len({t["name"] for t in obj["spec"]["triggers"]}) == len(obj["spec"]["triggers"])  # KEDA: unique names
+
+
+def test_the_plan_gives_the_scaled_object_its_effective_routing_mode() -> None:
+    """routing.mode unset: router for a resource that can scale past one replica, so the queue trigger is there."""
+    body = {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "llama", "namespace": "team-a", "uid": "u-1"},
+            "spec": {"autoscaling": {"enabled": True, "mode": "keda", "minReplicas": 0, "maxReplicas": 4,
+                                     "scaleToZero": {"enabled": True}}}}  # fmt: skip
+    nodes = [node_info(make_node("cpu-0", bf16=True))]
+    routed = make_plan(body, nodes)
+    assert routed.routing_mode == "router"
+    assert any(ROUTER_QUEUED_REQUESTS in t["metadata"]["query"] for t in routed.autoscaler["spec"]["triggers"])
+    body["spec"]["routing"] = {"mode": "service"}
+    plain = make_plan(body, nodes)
+    assert not any(ROUTER_QUEUED_REQUESTS in t["metadata"]["query"] for t in plain.autoscaler["spec"]["triggers"])

@@ -201,6 +201,32 @@ def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> N
     assert "no price" in poll.status["leftOut"][h200] and "SLO not attainable" in poll.message
 
 
+
+def test_a_fleet_at_zero_with_requests_queued_in_the_router_wakes_on_the_cheapest_pool_within_the_slo() -> None:
+    body = optimized_cr(minReplicas=0, scaleToZero={"enabled": True})
+    h200, l4 = pool_names(body)
+    body["status"] = {"autoscaling": {"optimizer": {"replicas": {h200: 0, l4: 0}}}}
+    plan = make_plan(body, NODES)
+    current = dict(plan.replicas_by_pool)
+    assert current == {h200: 0, l4: 0}
+    idle = fleet_poll(plan, [], body["status"], current, 1000.0)
+    assert sum(idle.replicas.values()) == 0 and "queued" not in idle.message  # no pod, no queue: stays at zero
+    woken = fleet_poll(plan, [], body["status"], current, 1000.0, num_router_queued=3)
+    pools = woken.status["pools"]
+    cheapest = min((p for p in pools if pools[p]["meetsSLO"]),
+                   key=lambda p: pools[p]["costPerHour"] / pools[p]["requestRatePerReplica"])  # fmt: skip
+    assert cheapest == l4  # 0.8/h for a replica of the small GPU against 10/h for the H200
+    assert woken.replicas == {h200: 0, l4: 1} and woken.changed
+    assert "3 request(s) queued in the router" in woken.message and f"{l4} 0 -> 1" in woken.message
+    # Later polls, counters started: still not zero while the router holds requests (no pod has served yet).
+    status = {"autoscaling": {"optimizer": woken.status}}
+    later = fleet_poll(plan, [], status, woken.replicas, 1010.0, num_router_queued=1)
+    assert later.replicas == {h200: 0, l4: 1}
+    floor = fleet_poll(make_plan({**body, "spec": {**body["spec"], "autoscaling": {
+        **body["spec"]["autoscaling"], "minReplicas": 2}}}, NODES), [], body["status"], current, 1000.0,
+        num_router_queued=1)  # fmt: skip
+    assert sum(floor.replicas.values()) == 2  # max(minReplicas, 1)
+
 # The fake pods' latency, as the share of requests at or below each bound: 4% of TTFTs above 1 s and 2% of mean
 # ITLs above 100 ms, so the attainment bound is 1 - 0.04 - 0.02 = 0.94 whatever the request count. p90 TTFT: rank
 # 0.9 lies in (0.25, 1.0] holding 0.6..0.96: 0.25 + 0.75 x 0.3 / 0.36 = 0.875 s; p90 ITL in (0.05, 0.1] holding

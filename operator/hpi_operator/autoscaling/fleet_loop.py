@@ -73,11 +73,12 @@ def _why(lead: Lead) -> str:
 
 
 def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], current: Mapping[str, int],
-               now_s: float, prices: NodePrices | None = None,
-               starts: Mapping[str, Sequence[float]] | None = None) -> FleetPoll:  # fmt: skip
+               now_s: float, prices: NodePrices | None = None, starts: Mapping[str, Sequence[float]] | None = None,
+               num_router_queued: int = 0) -> FleetPoll:  # fmt: skip
     """Decide replicas per pool for `plan` (its spec in optimizer mode) from this poll's pod loads; `prices`: the
     nodes' price labels, for pools whose spec sets no costPerHour; `starts`: per pool, the start times (creation
-    to Ready) of its ready pods, for the lead time when the spec sets none."""
+    to Ready) of its ready pods, for the lead time when the spec sets none; `num_router_queued`: the requests the
+    router pods hold (router_queue.py), which no pod's counters show while no pod is ready."""
     spec = plan.spec
     assert spec.slo is not None and plan.shape is not None  # parse_spec and make_plan guarantee both
     memory = optimizer_memory(status)
@@ -100,15 +101,22 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         planned = replace(planned, request_rate=planned_rate(trend, planned.request_rate, lead.seconds))
     fleet = optimize(planned, spec.slo, offered.offers)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
-    _floor_total(recommended, spec.autoscaling.min_replicas, offered.bounds, fleet, offered.offers)
     settings = spec.autoscaling
+    _floor_total(recommended, settings.min_replicas, offered.bounds, fleet, offered.offers)
     window = Window(settings.scale_up_stabilization_s, settings.scale_down_stabilization_s, settings.max_scale_step)
     if not reading.measured:  # the first poll only starts the counters: keep what runs
         recommended = {pool: current.get(pool, 0) for pool in recommended}
+    if num_router_queued > 0:
+        # Requests held in the router are demand with no pod to measure it from (a fleet at zero has no counters):
+        # never zero replicas while they wait, even on a first poll. The floor goes to the cheapest pool within the
+        # SLO, as minReplicas does; once a pod serves, its counters measure the demand as usual.
+        _floor_total(recommended, max(settings.min_replicas, 1), offered.bounds, fleet, offered.offers)
     replicas, histories = stabilize_all(current, recommended, memory.recommendations, offered.bounds, now_s, window)
     sources = {o.name: o.performance.source for o in offered.offers}
     message = _explain(current, replicas, reading.demand, planned, lead, fleet, offered.left_out,
                        recommended, spec.slo.itl_p90_s * 1e3, latency.observed, sources)  # fmt: skip
+    if num_router_queued > 0:
+        message += f"; {num_router_queued} request(s) queued in the router"
     demand = reading.demand
     status_patch = {
         "replicas": replicas,

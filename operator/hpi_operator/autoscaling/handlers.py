@@ -1,7 +1,8 @@
 """The builtin autoscaler's kopf handlers, added to a registry by `register_autoscaler` (no import-time state).
 
 - an index of the runtime pods (kopf keeps it current from a watch: no API reads per poll), by
-  InferenceDeployment, holding a scrape target for each ready pod;
+  InferenceDeployment, holding a scrape target for each ready pod; and one of the router pods (routing mode
+  router), whose queue is demand the runtime pods cannot show (router_queue.py);
 - a timer per InferenceDeployment whose spec asks for the builtin scaler or the fleet optimizer (kopf starts
   and stops it as the spec changes): it ticks often, polls every pollIntervalSeconds as recorded on the
   resource, scrapes, and
@@ -39,10 +40,12 @@ from ..names import (
 )
 from ..nodes import NodeInfo
 from ..plan import make_plan
+from ..routing_manifests import LABEL_ROUTER, ROUTER_PORT
 from ..spec import SpecError, parse_spec
 from .fleet_loop import fleet_poll
 from .fleet_status import optimizer_replicas
 from .loop import builtin_active, poll, poll_due
+from .router_queue import RouterQueue, router_status, scrape_router_queue
 from .scrape import DEFAULT_TIMEOUT_S, PodTarget, Scraped, ready_pod_targets, scrape_pods
 
 DEFAULT_TICK_S = 1.0
@@ -86,6 +89,12 @@ def register_autoscaler(
         # Always a value (an empty list when not ready): kopf keeps a pod's old value if the function returns None.
         return {(namespace, labels.get(LABEL_DEPLOYMENT)): ready_pod_targets([body])}
 
+    # By the router label alone: router pods carry the managed-by label today, but the queue must be read from a
+    # router whoever stamps it (the runtime index above files them under no InferenceDeployment).
+    @kopf.index("", "v1", "pods", id="router_pods", labels={LABEL_ROUTER: kopf.PRESENT}, registry=registry)
+    def router_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Any, list[PodTarget]]:
+        return {(namespace, labels.get(LABEL_ROUTER)): ready_pod_targets([body], default_port=ROUTER_PORT)}
+
     @kopf.timer(GROUP, VERSION, PLURAL, id="autoscaler", interval=tick_s, when=wants_builtin, registry=registry)
     async def autoscaler(
         body: kopf.Body,
@@ -96,6 +105,7 @@ def register_autoscaler(
         status: kopf.Status,
         patch: kopf.Patch,
         runtime_pods: kopf.Index,
+        router_pods: kopf.Index,
         logger: kopf.Logger,
         memo: kopf.Memo,
         **kwargs: Any,
@@ -112,12 +122,16 @@ def register_autoscaler(
             return
         targets = [t for targets in runtime_pods.get((namespace, short_name(name)), []) for t in targets]
         scraper = functools.partial(scrape_pods, timeout_s=scrape_timeout_s)
+        routers = [t for targets in router_pods.get((namespace, short_name(name)), []) for t in targets]
+        router = await scrape_router_queue(routers, scrape_timeout_s)
+        report_router_failures(body, status, router)
         if parsed.optimized:
             nodes = [info for store in kwargs["node_inventory"].values() for info in store]
             prices = node_prices(node_price_label, nodes)
-            await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger, prices)
+            await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger, prices, router)
             return
-        result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper)
+        result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper,
+                            router)  # fmt: skip
         decision = result.decision
         if "metrics" in memo:
             scaled = decision.reason if result.scale_to is not None else None
@@ -134,6 +148,15 @@ def register_autoscaler(
         patch.status.update(result.status)
 
 
+def report_router_failures(body: kopf.Body, status: kopf.Status, router: RouterQueue) -> None:
+    """A Warning Event when the number of router pods without a readable queue changes (not every poll)."""
+    before = (status.get("autoscaling") or {}).get("numUnreachableRouterPods") or 0
+    if router.failed and len(router.failed) != before:
+        failed = ", ".join(f"{f.pod} ({f.kind})" for f in router.failed[:10])
+        message = f"{len(router.failed)} router pod(s) without a readable queue, their requests unseen: {failed}"
+        kopf.event(body, type="Warning", reason="RouterMetricsUnavailable", message=message[:1000])
+
+
 async def optimize_fleet(
     body: kopf.Body,
     status: kopf.Status,
@@ -144,6 +167,7 @@ async def optimize_fleet(
     scraper: Any,
     logger: kopf.Logger,
     prices: NodePrices | None = None,
+    router: RouterQueue = RouterQueue(),
 ) -> None:
     """One poll of the fleet optimizer: decide replicas per pool and write them, explained, to status."""
     try:
@@ -159,9 +183,10 @@ async def optimize_fleet(
     for target in targets:
         if target.pool is not None and target.start_s is not None:
             starts.setdefault(target.pool, []).append(target.start_s)
-    result = fleet_poll(plan, loads, status, current, now_s, prices, starts)
+    result = fleet_poll(plan, loads, status, current, now_s, prices, starts, router.num_queued)
     old = (status.get("autoscaling") or {}).get("optimizer") or {}
-    patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status)}
+    patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status),
+                                   **router_status(router)}  # fmt: skip
     if result.changed:
         kopf.event(body, type="Normal", reason="FleetScaled", message=result.message[:1000])
     if not result.feasible and old.get("feasible", True):

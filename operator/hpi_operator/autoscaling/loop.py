@@ -1,7 +1,8 @@
 """One poll of the builtin autoscaler, between the kopf timer (handlers.py) and the pure decision.
 
-scrape the ready pods -> `autoscale.decide` with the history read back from the resource -> the replicas to
-write (or None) and the status to merge. Everything but the scrape is a pure function of its arguments, so
+scrape the ready pods -> `autoscale.decide` with the history read back from the resource and the demand waiting
+in front of the pods (the router's queue, router_queue.py, or the annotation) -> the replicas to write (or None)
+and the status to merge. Everything but the scrape is a pure function of its arguments, so
 the poll is testable without kopf and a restarted operator reads the same memory back.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from ..names import GROUP
 from ..spec import AutoscalingSpec
 from .decision import Decision, decide, history_from_status, history_to_status
+from .router_queue import RouterQueue, router_status
 from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods
 
 # Demand seen in front of the pods (a gateway or activator holding requests while there are no replicas):
@@ -60,9 +62,18 @@ def external_waiting(annotations: Mapping[str, str] | None) -> int:
     return int(raw) if str(raw).strip().isdigit() else 0
 
 
-def autoscaling_status(decision: Decision, current: int, results: Sequence[ScrapeResult], now_s: float
-                       ) -> dict[str, Any]:  # fmt: skip
-    """The status keys one poll writes: `autoscaling` (memory + last decision) and `kvCacheUtilization`."""
+def external_demand(annotations: Mapping[str, str] | None, router: RouterQueue) -> int:
+    """The requests waiting in front of the pods: the router's queue, or the annotation, whichever is larger.
+
+    The larger, not the sum: a gateway that sets the annotation sits in front of the same router and counts the
+    same requests (they pass through it to the router's queue), so adding them would count each request twice."""
+    return max(external_waiting(annotations), router.num_queued)
+
+
+def autoscaling_status(decision: Decision, current: int, results: Sequence[ScrapeResult], now_s: float,
+                       router: RouterQueue = RouterQueue()) -> dict[str, Any]:  # fmt: skip
+    """The status keys one poll writes: `autoscaling` (memory, last decision, the router's queue) and
+    `kvCacheUtilization`."""
     failures = [r for r in results if isinstance(r, ScrapeFailed)]
     memory = history_to_status(decision.history)
     kv = decision.kv_utilization
@@ -86,6 +97,7 @@ def autoscaling_status(decision: Decision, current: int, results: Sequence[Scrap
                 {"pod": f.pod, "kind": f.kind, "detail": f.detail[:200]} for f in failures[:MAX_REPORTED_FAILURES]
             ]
             or None,
+            **router_status(router),
         },
     }
 
@@ -98,10 +110,12 @@ async def poll(
     targets: Sequence[PodTarget],
     now_s: float,
     scraper: Scraper = scrape_pods,
+    router: RouterQueue = RouterQueue(),
 ) -> PollResult:
-    """Scrape `targets`, decide, and say what to write. `current` is the resource's spec.replicas."""
+    """Scrape `targets`, decide, and say what to write. `current` is the resource's spec.replicas; `router`: what
+    the router pods hold (already scraped), demand the runtime pods cannot see."""
     results = tuple(await scraper(targets)) if targets else ()
     history = history_from_status(status.get("autoscaling"))
-    decision = decide(settings, current, observation(results, external_waiting(annotations)), history, now_s)
+    decision = decide(settings, current, observation(results, external_demand(annotations, router)), history, now_s)
     scale_to = decision.desired_replicas if decision.desired_replicas != current else None
-    return PollResult(decision, results, scale_to, autoscaling_status(decision, current, results, now_s))
+    return PollResult(decision, results, scale_to, autoscaling_status(decision, current, results, now_s, router))

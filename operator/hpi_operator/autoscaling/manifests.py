@@ -13,10 +13,11 @@ from typing import Any
 
 import kopf
 
-from hpi_contracts.metrics import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING
+from hpi_contracts.metrics import KV_CACHE_USAGE, MODEL_NAME_LABEL, NUM_REQUESTS_WAITING, ROUTER_QUEUED_REQUESTS
 
 from ..manifests import Owner, common_labels, served_model_name, short_name, stamp_hash
 from ..names import API_VERSION, GROUP, KIND
+from ..routing_manifests import router_name
 from ..spec import AutoscalingSpec, InferenceSpec
 
 # The custom-metrics API names prometheus-adapter gives the vLLM gauges (":" is not allowed there, so the
@@ -95,14 +96,25 @@ def _selector(owner: Owner, served_model: str) -> str:
     return f'namespace="{owner.namespace}",{MODEL_NAME_LABEL}="{served_model}"'
 
 
+def _router_selector(owner: Owner) -> str:
+    """The router pods' series: by namespace and pod name (the router's Deployment name and a dash, then the
+    ReplicaSet's and the pod's hashes), the labels every Kubernetes pod scrape config keeps."""
+    return f'namespace="{owner.namespace}",pod=~"{router_name(owner.name)}-.*"'
+
+
 def build_scaled_object(
-    owner: Owner, settings: AutoscalingSpec, served_model: str, prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    owner: Owner,
+    settings: AutoscalingSpec,
+    served_model: str,
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL,
+    routing_mode: str = "service",
 ) -> dict[str, Any]:
     """A keda.sh/v1alpha1 ScaledObject with a prometheus trigger on the summed KV utilisation.
 
     KEDA feeds the query's value to an HPA as an AverageValue metric: replicas = ceil(sum / threshold), the
     same proportional rule as the builtin scaler. Series are selected by namespace and model_name (the vLLM
-    label), which every Prometheus scrape config keeps.
+    label), which every Prometheus scrape config keeps. With routing mode `router` (the effective one), a
+    trigger on the requests the router pods hold: the one signal that exists while no runtime pod does.
     """
     selector = _selector(owner, served_model)
     triggers: list[dict[str, Any]] = [{
@@ -131,6 +143,22 @@ def build_scaled_object(
                 "ignoreNullValues": "true" if settings.scale_to_zero else "false",
             },
         })  # fmt: skip
+    if routing_mode == "router":
+        # Activation at any queued request wakes the resource from zero; at threshold 1 a held request asks for a
+        # replica, bounded by the behavior's step per poll like the other triggers. An idle router exports the
+        # gauge without samples (no flow yet), so no series reads as nothing queued, not as an error.
+        triggers.append({
+            "type": "prometheus",
+            "name": "router-queued-requests",
+            "metricType": "AverageValue",
+            "metadata": {
+                "serverAddress": prometheus_url,
+                "query": f"sum({ROUTER_QUEUED_REQUESTS}{{{_router_selector(owner)}}})",
+                "threshold": "1",
+                "activationThreshold": "0",
+                "ignoreNullValues": "true",
+            },
+        })  # fmt: skip
     spec: dict[str, Any] = {
         "scaleTargetRef": _scale_target(owner),
         "pollingInterval": settings.poll_interval_s,
@@ -157,7 +185,11 @@ def build_scaled_object(
 
 
 def build_autoscaler(
-    owner: Owner, settings: AutoscalingSpec, served_model: str, prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    owner: Owner,
+    settings: AutoscalingSpec,
+    served_model: str,
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL,
+    routing_mode: str = "service",
 ) -> dict[str, Any] | None:
     """The child the spec asks for: an HPA, a ScaledObject, or None (builtin or optimizer: the operator's own
     timer scales; or autoscaling disabled)."""
@@ -165,16 +197,17 @@ def build_autoscaler(
         return None
     if settings.mode == "hpa":
         return build_hpa(owner, settings)
-    return build_scaled_object(owner, settings, served_model, prometheus_url)
+    return build_scaled_object(owner, settings, served_model, prometheus_url, routing_mode)
 
 
-def autoscaler_child(body: Mapping[str, Any], owner: Owner, spec: InferenceSpec) -> dict[str, Any] | None:
+def autoscaler_child(body: Mapping[str, Any], owner: Owner, spec: InferenceSpec, routing_mode: str
+                     ) -> dict[str, Any] | None:  # fmt: skip
     """The HPA or ScaledObject for the resource `body`, adopted (owner reference) and hash-stamped like the
-    other children, or None when the spec asks for neither. The Prometheus address may be overridden per
-    resource with the `serving.hpi.dev/prometheus-url` annotation."""
+    other children, or None when the spec asks for neither; `routing_mode`: the effective one (the plan's). The
+    Prometheus address may be overridden per resource with the `serving.hpi.dev/prometheus-url` annotation."""
     annotations = (body.get("metadata") or {}).get("annotations") or {}
     url = annotations.get(ANNOTATION_PROMETHEUS_URL) or DEFAULT_PROMETHEUS_URL
-    child = build_autoscaler(owner, spec.autoscaling, served_model_name(owner.name, spec), url)
+    child = build_autoscaler(owner, spec.autoscaling, served_model_name(owner.name, spec), url, routing_mode)
     if child is None:
         return None
     if (body.get("metadata") or {}).get("uid"):  # an offline render of a CR never created has no owner

@@ -75,14 +75,15 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _metrics_port(pod: Mapping[str, Any]) -> int:
-    """The runtime container's named port, else the Prometheus annotation, else the runtime's default."""
+def _metrics_port(pod: Mapping[str, Any], default_port: int) -> int:
+    """The container port named `http` (the runtime's and the router's), else the Prometheus annotation, else
+    `default_port`."""
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") == RUNTIME_PORT_NAME and port.get("containerPort"):
                 return int(port["containerPort"])
     annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get("prometheus.io/port")
-    return int(annotated) if annotated and str(annotated).isdigit() else RUNTIME_PORT
+    return int(annotated) if annotated and str(annotated).isdigit() else default_port
 
 
 def _time(text: Any) -> datetime.datetime | None:
@@ -107,7 +108,7 @@ def cold_start_s(pod: Mapping[str, Any]) -> float | None:
     return (became - created).total_seconds()
 
 
-def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
+def ready_pod_targets(pods: Iterable[Mapping[str, Any]], default_port: int = RUNTIME_PORT) -> list[PodTarget]:
     """The pods that serve traffic (Running, Ready, not terminating, with an IP), as scrape targets."""
     targets = []
     for pod in pods:
@@ -115,7 +116,7 @@ def ready_pod_targets(pods: Iterable[Mapping[str, Any]]) -> list[PodTarget]:
         if ip and _pod_ready(pod):
             host = f"[{ip}]" if ":" in ip else ip
             pool = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_POOL)
-            url = f"http://{host}:{_metrics_port(pod)}/metrics"
+            url = f"http://{host}:{_metrics_port(pod, default_port)}/metrics"
             targets.append(PodTarget(pod["metadata"]["name"], url, pool, cold_start_s(pod)))
     return sorted(targets, key=lambda t: t.pod)
 
@@ -188,9 +189,8 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
 # -- scraping -----------------------------------------------------------------------------------------------
 
 
-async def scrape_pod(
-    session: aiohttp.ClientSession, target: PodTarget, timeout_s: float, model_name: str | None = None
-) -> ScrapeResult:
+async def fetch_metrics(session: aiohttp.ClientSession, target: PodTarget, timeout_s: float) -> str | ScrapeFailed:
+    """A pod's /metrics text, or why there is none (shared by the runtime and the router scrapes)."""
     try:
         async with session.get(target.url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status != 200:
@@ -201,8 +201,20 @@ async def scrape_pod(
     if len(body) > MAX_BODY_BYTES:
         return ScrapeFailed(target.pod, UNPARSABLE, f"/metrics larger than {MAX_BODY_BYTES} bytes")
     try:
-        return Scraped(target.pod, parse_load(target.pod, body.decode("utf-8", errors="strict"), model_name))
-    except (MetricsParseError, UnicodeDecodeError) as e:
+        return body.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as e:
+        return ScrapeFailed(target.pod, UNPARSABLE, str(e))
+
+
+async def scrape_pod(
+    session: aiohttp.ClientSession, target: PodTarget, timeout_s: float, model_name: str | None = None
+) -> ScrapeResult:
+    text = await fetch_metrics(session, target, timeout_s)
+    if isinstance(text, ScrapeFailed):
+        return text
+    try:
+        return Scraped(target.pod, parse_load(target.pod, text, model_name))
+    except MetricsParseError as e:
         return ScrapeFailed(target.pod, UNPARSABLE, str(e))
 
 
