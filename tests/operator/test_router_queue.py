@@ -143,3 +143,17 @@ async def test_requests_queued_in_the_router_keep_a_pool_from_scaling_to_zero() 
 
     assert await replicas_after(RouterQueue(num_routers=1)) == 0
     assert await replicas_after(RouterQueue(num_queued=2, num_routers=1)) == 1
+
+
+def test_parse_the_routers_own_exposition() -> None:
+    """The operator reads what hpi_router's /metrics writes (both sides of the hpi_contracts.metrics contract):
+    zero before any request waits, then the sum over the router's flows."""
+    router_metrics = pytest.importorskip("hpi_router.metrics", reason="the router package is not installed")
+    from hpi_router.queue import Flow
+
+    metrics = router_metrics.RouterMetrics()
+    assert parse_router_queued(metrics.render().decode()) == 0
+    metrics.queue_changed(Flow("team-a"), 3, None)
+    metrics.queue_changed(Flow("team-b", priority=5), 2, None)
+    metrics.queue_changed(Flow("team-a"), 2, 0.5)  # one of team-a's left after 0.5 s
+    assert parse_router_queued(metrics.render().decode()) == 4
