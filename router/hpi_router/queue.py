@@ -8,8 +8,8 @@ Two things make a backend unable to take a request, and this queue serves both:
   waiting in its engine, so one more would only wait there, out of the router's sight; here it waits in order,
   and a burst is absorbed while new replicas start.
 
-Order: requests belong to flows (a tenant at a priority). A higher priority band is always served first; within
-a band, flows share by weighted fair queuing (each request gets a virtual finish tag = max(the band's virtual
+Order: requests belong to flows (a tenant at a priority). A more urgent band is always served first (a lower
+`priority` value, as vLLM's request priority and the engine's scheduler read it); within a band, flows share by weighted fair queuing (each request gets a virtual finish tag = max(the band's virtual
 time, the flow's last tag) + 1 / weight; the smallest tag goes first), so two flows of equal weight alternate
 whatever their arrival rates, and one flow alone is first come, first served.
 
@@ -37,7 +37,7 @@ class Flow:
     """Whose request it is: requests of one flow keep their order; flows share by weight within a priority."""
 
     tenant: str = DEFAULT_TENANT
-    priority: int = 0  # higher goes first
+    priority: int = 0  # lower goes first (vLLM's convention, which the engine's scheduler follows)
     weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -55,7 +55,7 @@ class QueueRejected(Exception):
 
 @dataclass(order=True)
 class _Waiter:
-    priority: int  # negated: the heap pops the highest priority first
+    priority: int  # the heap pops the lowest value (the most urgent band) first
     tag: float
     serial: int
     flow: Flow = field(compare=False)
@@ -135,7 +135,7 @@ class RequestQueue:
         if self._turn_given or not self._heap or not self._can_dispatch():
             return
         waiter = heapq.heappop(self._heap)
-        self._virtual[-waiter.priority] = waiter.tag
+        self._virtual[waiter.priority] = waiter.tag
         self._leave(waiter)
         self._turn_given = True
         waiter.future.set_result(None)
@@ -153,7 +153,7 @@ class RequestQueue:
         band = self._virtual.get(flow.priority, 0.0)
         tag = max(band, self._last_tag.get(flow, 0.0)) + 1.0 / flow.weight
         self._last_tag[flow] = tag
-        waiter = _Waiter(-flow.priority, tag, next(self._serial), flow, asyncio.get_running_loop().create_future(),
+        waiter = _Waiter(flow.priority, tag, next(self._serial), flow, asyncio.get_running_loop().create_future(),
                          now)  # fmt: skip
         heapq.heappush(self._heap, waiter)
         self._queued[flow] = self._queued.get(flow, 0) + 1

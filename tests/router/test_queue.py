@@ -108,10 +108,10 @@ async def test_equal_flows_alternate_whatever_their_rates_and_weights_share_in_p
     assert first12.count("heavy") == 8 and first12.count("light") == 4  # 2:1 by weight
 
 
-async def test_a_higher_priority_band_goes_first() -> None:
+async def test_a_more_urgent_band_goes_first() -> None:
     room, served = Room(), []
     queue = make(room)
-    batch, interactive = Flow("batch", priority=0), Flow("chat", priority=10)
+    batch, interactive = Flow("batch", priority=10), Flow("chat", priority=-5)  # lower first, as vLLM's priority
     tasks = await enqueue_all(queue, [(f"b{i}", batch) for i in range(5)] + [("c0", interactive), ("c1", interactive)],
                               served)  # fmt: skip
     room.open = True
