@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 from aiohttp import web
 
+from hpi_router.access import INVALID_KEY, upstream_authorization
 from hpi_router.errors import ApiError, error_middleware
 from hpi_router.proxy import proxy
 from hpi_router.state import STATE_KEY, RouterState
@@ -51,13 +53,21 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE_KEY]
     state.metrics.refresh(state.pool.all())
+    state.metrics.tenant_keys.set(0 if state.tenants is None else state.tenants.current(time.monotonic()).num_keys)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The union of the ready backends' /v1/models, by model id (the client's credentials go along)."""
     state: RouterState = request.app[STATE_KEY]
-    headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+    tenant = None
+    if state.tenants is not None:  # a tenant sees the models its key may use, nothing of the others'
+        tenant = state.tenants.current(time.monotonic()).authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            state.metrics.unrouted.labels("invalid_api_key").inc()
+            raise ApiError(401, INVALID_KEY, code="invalid_api_key")
+    authorization = upstream_authorization(state, request)
+    headers = {"Authorization": authorization} if authorization else {}
     timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
 
     async def fetch(url: str) -> tuple[int, dict | None]:
@@ -71,9 +81,11 @@ async def list_models(request: web.Request) -> web.Response:
     cards: dict[str, dict] = {}
     for _status, body in answers:
         for card in (body or {}).get("data") or ():
-            if isinstance(card, dict) and "id" in card:
+            if isinstance(card, dict) and "id" in card and (tenant is None or tenant.may_use(str(card["id"]))):
                 cards.setdefault(card["id"], card)
     if not cards:
+        if tenant is not None and any(body for _, body in answers):
+            return web.json_response({"object": "list", "data": []})  # this key may use none of them
         if any(status == 401 for status, _ in answers):
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")

@@ -6,16 +6,20 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 from hpi_router.config import STRATEGIES, DiscoverySettings, PolicySettings, QueueSettings, RouterSettings
 from hpi_router.main import serve
+from hpi_router.tenants import TenantsFile
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
               "g": 10**9, "gb": 10**9, "gib": 2**30}  # fmt: skip
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+BACKEND_API_KEY_ENV = "HPI_API_KEY"  # the runtime pods' key (hpi serve reads the same variable)
 
 
 def parse_bytes(text: str) -> int:
@@ -70,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     queue.add_argument("--queue-saturated-waiting", type=int, default=queue_defaults.saturated_waiting,
                        help="also hold requests while every ready backend has this many waiting in its engine; "
                        "0: only while none is ready")
+    door = parser.add_argument_group("tenants (the router checks API keys; see docs/router.md)")
+    door.add_argument("--tenants-file", default=None, metavar="PATH",
+                      help="YAML of tenants, their API keys, priority, weight, models and limits, re-read when it "
+                      f"changes; the router then presents ${BACKEND_API_KEY_ENV} to the backends. Default: no "
+                      "keys checked here, the client's Authorization goes to the backends")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     http.add_argument("--port", type=int, default=8080, help="port to bind")
@@ -105,6 +114,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         probe_interval_s=args.probe_interval,
         max_attempts=args.max_attempts,
         max_request_body_bytes=args.max_request_body,
+        tenants_file=args.tenants_file,
+        backend_api_key=os.environ.get(BACKEND_API_KEY_ENV) or None,
         drain_timeout_s=args.drain_timeout,
     )
 
@@ -114,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:
+        if settings.tenants_file:
+            TenantsFile(Path(settings.tenants_file))  # a bad file stops the router here, not at its first request
+    except (ValueError, OSError) as exc:
         print(f"hpi-router: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(settings, args.host, args.port))

@@ -72,6 +72,10 @@ class RouterSettings:
     discovery: DiscoverySettings | None = None
     policy: PolicySettings = field(default_factory=PolicySettings)
     queue: QueueSettings = field(default_factory=QueueSettings)
+    # API keys and tenants (tenants.py); None: the router checks no key, the backends check the client's.
+    tenants_file: str | None = None
+    # What the router presents to the backends when it checks tenants' keys itself (the pods' $HPI_API_KEY).
+    backend_api_key: str | None = field(default=None, repr=False)
     scrape_interval_s: float = 0.25
     probe_interval_s: float = 1.0
     scrape_timeout_s: float = 2.0

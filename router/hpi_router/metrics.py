@@ -51,6 +51,15 @@ class RouterMetrics:
         self.queue_wait = Histogram(ROUTER_QUEUE_WAIT, "Time each queued request waited for a backend (served, "
                                     "timed out or gone).", flow, buckets=LATENCY_BUCKETS_S, registry=reg)
         self.queued.labels(DEFAULT_TENANT, "0").set(0)  # on the page from the start: zero queued, not unknown
+        tenant = [TENANT_LABEL]
+        self.tenant_requests = Counter("hpi:router_tenant_requests", "Requests per tenant, by the status the client "
+                                       "got (a platform's usage report).", tenant + ["code"], registry=reg)  # fmt: skip
+        self.tenant_prompt_tokens = Counter("hpi:router_tenant_prompt_tokens", "Prompt tokens per tenant, from the "
+                                            "backends' usage.", tenant, registry=reg)  # fmt: skip
+        self.tenant_completion_tokens = Counter("hpi:router_tenant_completion_tokens", "Completion tokens per "
+                                                "tenant, from the backends' usage.", tenant, registry=reg)  # fmt: skip
+        self.tenant_keys = Gauge("hpi:router_tenant_keys", "API keys loaded from the tenants file (0: no file).",
+                                 registry=reg)  # fmt: skip
 
     def queue_changed(self, flow: Flow, queued: int, waited_s: float | None) -> None:
         """RequestQueue's hook: a request of `flow` entered (waited_s None) or left the queue."""

@@ -20,12 +20,14 @@ import time
 import aiohttp
 from aiohttp import web
 
+from hpi_router.access import authorize, count_usage, flow_of, upstream_authorization
 from hpi_router.affinity import prefix_key
 from hpi_router.backends import Backend
 from hpi_router.errors import REQUEST_ID, ApiError, bad_request
 from hpi_router.monitor import eject
 from hpi_router.queue import Flow, QueueRejected
 from hpi_router.state import STATE_KEY, RouterState
+from hpi_router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,11 @@ def _parse_body(raw: bytes) -> dict:
     return body
 
 
-def _request_headers(request: web.Request) -> dict[str, str]:
+def _request_headers(request: web.Request, authorization: str | None) -> dict[str, str]:
     headers = {name: request.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in request.headers}
+    headers.pop("Authorization", None)
+    if authorization:
+        headers["Authorization"] = authorization
     headers["X-Request-Id"] = request[REQUEST_ID]
     return headers
 
@@ -64,13 +69,14 @@ def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {name: upstream.headers[name] for name in FORWARDED_RESPONSE_HEADERS if name in upstream.headers}
 
 
-async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes) -> web.StreamResponse:
-    """One try on `backend`; raises AttemptFailed while the client has been sent nothing."""
+async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes,
+                   headers: dict[str, str], tenant: str | None) -> web.StreamResponse:  # fmt: skip
+    """One try on `backend`; raises AttemptFailed while the client has been sent nothing. `tenant`: whose usage
+    the answer counts to (None: no tenants)."""
     metrics = state.metrics
     start = time.perf_counter()
     try:
-        upstream = await state.session.post(f"{backend.url}{request.path_qs}", data=raw,
-                                            headers=_request_headers(request))
+        upstream = await state.session.post(f"{backend.url}{request.path_qs}", data=raw, headers=headers)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}", eject=True) from None
     try:
@@ -88,6 +94,8 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                                 eject=True)
         metrics.first_byte.labels(backend.url).observe(time.perf_counter() - start)
         metrics.requests.labels(backend.url, str(upstream.status)).inc()
+        if tenant is not None:
+            count_usage(metrics, tenant, first)
         if not streamed:
             response = web.Response(status=upstream.status, body=first, headers=_response_headers(upstream))
             metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
@@ -111,6 +119,8 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                 return response
             if not chunk:
                 break
+            if tenant is not None:
+                count_usage(metrics, tenant, chunk)
             await response.write(chunk)
         await response.write_eof()
         metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
@@ -133,10 +143,29 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     state: RouterState = request.app[STATE_KEY]
     if state.draining:
         raise ApiError(503, "the router is shutting down", code="draining")
-    raw = await request.read()
-    body = _parse_body(raw)
+    body = _parse_body(await request.read())
+    tenant = authorize(state, request, body)  # None without a tenants file
+    if tenant is None:
+        return await _route(request, state, body, None)
+    status = 500
+    try:
+        response = await _route(request, state, body, tenant)
+        status = response.status
+        return response
+    except ApiError as exc:
+        status = exc.status
+        raise
+    finally:
+        state.limits.release(tenant)
+        state.metrics.tenant_requests.labels(tenant.name, str(status)).inc()
+
+
+async def _route(request: web.Request, state: RouterState, body: dict, tenant: Tenant | None) -> web.StreamResponse:
+    """Wait for a backend (queue.py), try it, fail over before the first byte."""
+    raw = json.dumps(body).encode() if tenant is not None else await request.read()  # the tenant's priority set
+    headers = _request_headers(request, upstream_authorization(state, request))
     key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
-    flow = Flow()  # one flow until requests carry a tenant (API keys) and a priority
+    flow = flow_of(tenant)
     deadline_s = time.monotonic() + state.settings.queue.max_wait_s  # the whole wait, however often it waits
     tried: set[str] = set()
     last: AttemptFailed | None = None
@@ -159,7 +188,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         tried.add(backend.url)
         state.metrics.picks.labels(backend.url, pick.reason).inc()
         try:
-            return await _attempt(request, state, backend, raw)
+            return await _attempt(request, state, backend, raw, headers, tenant.name if tenant else None)
         except AttemptFailed as exc:
             last = exc
             state.metrics.retries.labels(backend.url, exc.reason).inc()

@@ -9,9 +9,10 @@ Two things make a backend unable to take a request, and this queue serves both:
   and a burst is absorbed while new replicas start.
 
 Order: requests belong to flows (a tenant at a priority). A more urgent band is always served first (a lower
-`priority` value, as vLLM's request priority and the engine's scheduler read it); within a band, flows share by weighted fair queuing (each request gets a virtual finish tag = max(the band's virtual
-time, the flow's last tag) + 1 / weight; the smallest tag goes first), so two flows of equal weight alternate
-whatever their arrival rates, and one flow alone is first come, first served.
+`priority` value, as vLLM's request priority and the engine's scheduler read it); within a band, flows share by
+weighted fair queuing (each request gets a virtual finish tag = max(the band's virtual time, the flow's last
+tag) + 1 / weight; the smallest tag goes first), so two flows of equal weight alternate whatever their arrival
+rates, and one flow alone is first come, first served.
 
 Release is one at a time: `notify` wakes the next waiter only when the pool can dispatch, and that waiter calls
 `dispatched` once it holds its backend (its `started` is counted), which passes the turn on. So a waiter never

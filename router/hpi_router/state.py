@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 from aiohttp import web
 
 from hpi_router.affinity import HashRing
 from hpi_router.backends import Backend
 from hpi_router.config import RouterSettings
+from hpi_router.limits import TenantLimits
 from hpi_router.metrics import RouterMetrics
 from hpi_router.policy import Pick
 from hpi_router.pool import BackendPool
 from hpi_router.queue import RequestQueue
+from hpi_router.tenants import TenantsFile
 
 
 class RouterState:
@@ -24,6 +28,8 @@ class RouterState:
         self.pool = BackendPool(settings.policy, on_change=self._rebuild_ring,
                                 saturated_waiting=settings.queue.saturated_waiting, on_capacity=self.queue.notify)
         self.ring = HashRing(())
+        self.tenants = TenantsFile(Path(settings.tenants_file)) if settings.tenants_file else None
+        self.limits = TenantLimits()
         self.session: aiohttp.ClientSession | None = None  # opened on app startup, in the serving loop
         self.draining = False
         self.in_flight = 0

@@ -65,6 +65,8 @@ class FakeBackend:
         self.num_cancelled = 0
         self.num_ready_probes = 0  # GETs of /ready (the router's probes of a backend out of rotation)
         self.prompts: list[str] = []
+        self.bodies: list[dict] = []  # every generation request's JSON, in arrival order
+        self.authorizations: list[str | None] = []  # the Authorization header each one came with
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -102,6 +104,8 @@ class FakeBackend:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
         if self.die_on_request:
             self.num_requests += 1
             request.transport.abort()
