@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .manifests import (
+    API_KEY_ENV,
     Owner,
     common_labels,
     container_security_context,
@@ -52,6 +53,7 @@ EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT = 9002, 9003, 9090
 DEFAULT_ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 EPP_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 ROUTER_DRAIN_S = 30
+TENANTS_MOUNT, TENANTS_FILE = "/etc/hpi/tenants", "tenants.yaml"  # where the router reads spec's tenants Secret
 
 
 def backends_service_name(owner_name: str) -> str:
@@ -163,11 +165,28 @@ def router_pod_labels(owner: Owner) -> dict[str, str]:
     return _pod_labels(owner, ROUTER_NAME, "router", LABEL_ROUTER)
 
 
-def router_args(owner: Owner) -> list[str]:
+def router_args(owner: Owner, spec: InferenceSpec | None = None) -> list[str]:
     """Arguments of `hpi-router` (router/hpi_router/cli.py)."""
-    return ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+    args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--discover-service", backends_service_name(owner.name), "--namespace", owner.namespace,
             "--discover-port", RUNTIME_PORT_NAME, "--drain-timeout", str(ROUTER_DRAIN_S)]  # fmt: skip
+    if spec is not None and spec.routing.tenants_secret:
+        args += ["--tenants-file", f"{TENANTS_MOUNT}/{TENANTS_FILE}"]
+    return args
+
+
+def _tenants(spec: InferenceSpec, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """The tenants Secret as a volume (not subPath: the kubelet then updates the file in place and the router
+    re-reads it), and the pods' key, which the router presents to them once it checks tenants' keys itself."""
+    ref = spec.routing.tenants_secret
+    if ref is None:
+        return
+    pod_spec["volumes"].append({"name": "tenants", "secret": {"secretName": ref.name, "defaultMode": 0o400,
+                                                              "items": [{"key": ref.key, "path": TENANTS_FILE}]}})
+    container["volumeMounts"].append({"name": "tenants", "mountPath": TENANTS_MOUNT, "readOnly": True})
+    if spec.api_key_secret:
+        key = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
+        container["env"] = [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": key}}]
 
 
 def build_router_deployment(owner: Owner, spec: InferenceSpec) -> dict[str, Any]:
@@ -177,7 +196,7 @@ def build_router_deployment(owner: Owner, spec: InferenceSpec) -> dict[str, Any]
         # One registry for both images in practice: the runtime's pull policy and secrets serve the router too.
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": [ROUTER_COMMAND],
-        "args": router_args(owner),
+        "args": router_args(owner, spec),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": dict(spec.routing.router_resources) or DEFAULT_ROUTER_RESOURCES,
         "readinessProbe": _http_probe("/ready", 5, 2),
@@ -192,6 +211,7 @@ def build_router_deployment(owner: Owner, spec: InferenceSpec) -> dict[str, Any]
         "volumes": [{"name": "tmp", "emptyDir": {}}],
         "terminationGracePeriodSeconds": 5 + ROUTER_DRAIN_S + 10,
     }
+    _tenants(spec, container, pod_spec)
     if spec.runtime.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.runtime.image_pull_secrets]
     labels = router_pod_labels(owner)

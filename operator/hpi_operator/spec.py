@@ -158,6 +158,7 @@ class RoutingSpec:
     router_image: str = crd_default("routing.router.image")
     router_replicas: int = crd_default("routing.router.replicas")
     router_resources: Mapping[str, Any] = field(default_factory=dict)  # empty: the builder's defaults
+    tenants_secret: SecretKeyRef | None = None  # the router's tenants file (API keys per tenant)
     endpoint_picker_image: str = crd_default("routing.inferencePool.endpointPickerImage")
     # The gateway's behaviour when the endpoint picker does not answer.
     failure_mode: str = crd_default("routing.inferencePool.failureMode")
@@ -190,14 +191,15 @@ class InferenceSpec:
 
 def effective_routing_mode(spec: InferenceSpec, num_pools: int) -> str:
     """spec.routing.mode, or when unset: `router` for anything that can run more than one replica (more than
-    one pool, more than one replica, or an autoscaler allowed past one), else a plain `service`.
+    one pool, more than one replica, or an autoscaler allowed past one) or that has tenants (only the router
+    checks their keys), else a plain `service`.
 
     The autoscaler's ceiling counts, not only today's replicas: a scaler moving 1 <-> 2 must not switch the
     routing objects back and forth."""
     if spec.routing.mode:
         return spec.routing.mode
     ceiling = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling.enabled else 0)
-    return "router" if num_pools > 1 or ceiling > 1 else "service"
+    return "router" if num_pools > 1 or ceiling > 1 or spec.routing.tenants_secret else "service"
 
 
 def parse_parameter_count(value: int | str | None) -> int | None:
@@ -476,6 +478,7 @@ def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
         router_image=_get(router, "image", defaults.router_image),
         router_replicas=_get(router, "replicas", defaults.router_replicas),
         router_resources=dict(_get(router, "resources", {})),
+        tenants_secret=_secret_ref(router.get("tenantsSecretRef"), "routing.router.tenantsSecretRef"),
         endpoint_picker_image=_get(pool, "endpointPickerImage", defaults.endpoint_picker_image),
         failure_mode=_get(pool, "failureMode", defaults.failure_mode),
     )
@@ -525,4 +528,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
     )
     if spec.autoscaling.mode == "optimizer" and spec.slo is None:
         raise SpecError("spec.autoscaling.mode optimizer needs spec.slo (ttftP90 and itlP90)")
+    if spec.routing.tenants_secret and spec.routing.mode not in (None, "router"):
+        raise SpecError(f"spec.routing.router.tenantsSecretRef needs routing mode router (only hpi-router checks "
+                        f"tenants' keys); spec.routing.mode is {spec.routing.mode}")  # fmt: skip
     return spec

@@ -158,6 +158,36 @@ def test_the_operator_holds_every_verb_its_roles_grant() -> None:
                             assert any(r.allows(group, resource, verb) for r in RULES), (group, resource, verb)
 
 
+def test_tenants_mount_the_secret_and_the_router_reads_it_and_presents_the_pods_key(tmp_path) -> None:
+    spec = {"replicas": 1, "apiKeySecretRef": {"name": "pod-key"},
+            "routing": {"router": {"tenantsSecretRef": {"name": "team-keys"}}}}  # fmt: skip
+    p = plan(spec)
+    assert p.service["spec"]["selector"] == {"serving.hpi.dev/router": "demo"}  # one replica, but tenants: router
+    router = by_kind(p, "Deployment")["demo-router"]
+    pod = router["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tenants")
+    assert volume["secret"]["secretName"] == "team-keys" and "subPath" not in str(container["volumeMounts"])
+    assert volume["secret"]["items"] == [{"key": "tenants.yaml", "path": "tenants.yaml"}]  # the CRD's default key
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "tenants")
+    assert mount["readOnly"] and container["env"] == [
+        {"name": "HPI_API_KEY", "valueFrom": {"secretKeyRef": {"name": "pod-key", "key": "api-key"}}}]
+    from hpi_router.cli import build_parser, settings_from_args  # the router's flags are the contract
+    from hpi_router.tenants import TenantsFile
+
+    args, unknown = build_parser().parse_known_args(container["args"])
+    assert unknown == [] and args.tenants_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    assert settings_from_args(args).tenants_file == args.tenants_file
+    local = tmp_path / "tenants.yaml"  # what the router does with the file at that path
+    local.write_text("tenants: [{name: a, keys: [sk-0123456789abcdef0]}]")
+    assert TenantsFile(local).ring.num_keys == 1
+    kubernetes_validate.validate(router, kubernetes_validate.latest_version(), strict=True)
+    with pytest.raises(SpecError, match="tenantsSecretRef needs routing mode router"):
+        plan({**spec, "routing": {"mode": "service", "router": {"tenantsSecretRef": {"name": "team-keys"}}}})
+    with pytest.raises(SpecError, match="tenantsSecretRef.name is required"):
+        plan({**spec, "routing": {"router": {"tenantsSecretRef": {"key": "x"}}}})
+
+
 @pytest.mark.parametrize(
     ("routing", "message"),
     [
