@@ -36,7 +36,9 @@ class BackendPool:
         self._on_change = on_change
         self._on_capacity = on_capacity
         self._saturated_waiting = saturated_waiting
-        self._roomy: set[str] = set()  # the indexed backends with room (when saturated_waiting is set)
+        # With saturated_waiting set: the ready backends that have room, by the same rank (a pick goes to one of
+        # them, not merely somewhere while one of them exists).
+        self._room_index = RankIndex()
         self.index = RankIndex()  # the ready backends, by rank
         self.scale = SpeedScale()  # this round's
         self._loads: dict[str, float] = {}  # load_of each indexed backend, as last ranked
@@ -68,7 +70,7 @@ class BackendPool:
     def has_room(self) -> bool:
         """Whether a request sent now would find a backend with room: a ready one, and, with saturated_waiting
         set, one whose engine has fewer requests waiting than that (scraped, plus those sent since)."""
-        return bool(self._roomy) if self._saturated_waiting else len(self.index) > 0
+        return len(self._room_index if self._saturated_waiting else self.index) > 0
 
     def get(self, url: str) -> Backend | None:
         return self._backends.get(url)
@@ -111,7 +113,9 @@ class BackendPool:
         self.index.rebuild((v.url, rank(v, self.scale, self._settings)) for v in views)
         self._loads = {v.url: load_of(v) for v in views}
         self._fleet_load = sum(self._loads.values())
-        self._roomy = {v.url for v in views if self._room(v)}
+        if self._saturated_waiting:
+            self._room_index.rebuild((url, self.index.rank(url)) for url in self._loads
+                                     if self._room(self._backends[url].view()))  # fmt: skip
         self._capacity_changed()
 
     # -- the pick ------------------------------------------------------------------------------------------------
@@ -121,13 +125,16 @@ class BackendPool:
         order from the request's affinity key (HashRing.walk), or None; only its first MAX_AFFINITY_PROBES
         are read."""
         round_robin = self._settings.strategy == "round-robin"
+        # With saturation gating, only backends with room are candidates (any, if none has: the queue lets a
+        # request through then only in a race, and a backend that can queue it beats a 503).
+        index = self._room_index if self._saturated_waiting and len(self._room_index) else self.index
         if ring_walk is not None and not round_robin:
             for url in islice(ring_walk, MAX_AFFINITY_PROBES):
-                if url in self._loads and url not in exclude:
+                if url in index and url not in exclude:
                     view = self._backends[url].view()
                     if affinity_fits(view, self.scale, self._fleet_load, self._settings):
                         return Pick(url, "affinity")
-        url = self.index.lowest(exclude)
+        url = index.lowest(exclude) or (self.index.lowest(exclude) if index is not self.index else None)
         if url is None:
             return None
         return Pick(url, "round_robin" if round_robin else "load")
@@ -143,16 +150,17 @@ class BackendPool:
         load = load_of(view)
         self._fleet_load += load - self._loads.get(backend.url, 0.0)
         self._loads[backend.url] = load
-        if self._room(view):
-            self._roomy.add(backend.url)
-        else:
-            self._roomy.discard(backend.url)
+        if self._saturated_waiting:
+            if self._room(view):
+                self._room_index.set(backend.url, self.index.rank(backend.url))
+            else:
+                self._room_index.remove(backend.url)
         self._capacity_changed()
 
     def _unindex(self, url: str) -> None:
         self.index.remove(url)
         self._fleet_load -= self._loads.pop(url, 0.0)
-        self._roomy.discard(url)
+        self._room_index.remove(url)
 
     def _room(self, view: BackendView) -> bool:
         if not self._saturated_waiting:
