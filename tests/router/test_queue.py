@@ -184,3 +184,35 @@ def test_bad_bounds_and_weights_are_value_errors() -> None:
         Flow(weight=0)
     with pytest.raises(ValueError, match="bounds"):
         RequestQueue(-1, 10, lambda: True)
+
+
+def test_with_saturation_gating_the_pick_goes_to_a_backend_with_room() -> None:
+    """The queue's order only holds if the request it releases goes where it is served next: an engine already
+    queueing would serve its own queue first. So with saturated_waiting set, the pick is among backends with room."""
+    from hpi_router.config import PolicySettings
+    from hpi_router.pool import BackendPool
+    from hpi_router.signals import ScrapeSample
+
+    pool = BackendPool(PolicySettings(affinity_prefix_chars=0), saturated_waiting=2)
+    pool.apply(["http://queueing", "http://busy"])
+    queueing, busy = pool.get("http://queueing"), pool.get("http://busy")
+    for backend in (queueing, busy):
+        pool.restore(backend)
+    pool.observe(queueing, ScrapeSample(num_running=1, num_waiting=2, kv_usage=0.1, generation_tokens=None, ready=True))
+    pool.observe(busy, ScrapeSample(num_running=6, num_waiting=0, kv_usage=0.6, generation_tokens=None, ready=True))
+    pool.rescale()
+    assert pool.has_room()
+    assert [pool.choose(None).url for _ in range(3)] == ["http://busy"] * 3  # never the less loaded, queueing one
+    for _ in range(2):
+        pool.started(busy)  # sent since its scrape: they wait there too
+    assert not pool.has_room() and pool.choose(None) is not None  # none has room: any (the queue holds, or a race)
+    ungated = BackendPool(PolicySettings(affinity_prefix_chars=0))
+    ungated.apply(["http://queueing", "http://busy"])
+    for url in ("http://queueing", "http://busy"):
+        ungated.restore(ungated.get(url))
+    ungated.observe(ungated.get("http://queueing"), ScrapeSample(num_running=1, num_waiting=2, kv_usage=0.1,
+                                                                 generation_tokens=None, ready=True))  # fmt: skip
+    ungated.observe(ungated.get("http://busy"), ScrapeSample(num_running=6, num_waiting=0, kv_usage=0.6,
+                                                             generation_tokens=None, ready=True))  # fmt: skip
+    ungated.rescale()
+    assert ungated.choose(None).url == "http://queueing"  # by load alone, as without gating
