@@ -31,6 +31,8 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
 # The project's own: 1 while the server is ready to take requests (the router reads it).
 READY = "hpi:ready"
+# 1 while the engine sleeps (vLLM's sleep mode: POST /sleep frees its KV cache or weights; it is not ready then).
+SLEEPING = "hpi:sleeping"
 # The pool profile the pod was started with (`hpi serve --pool-profile`, hpi_contracts.pool_profile), labelled
 # `source` (measured, assumed, override); absent when none was given. The router's prior for a new backend's speed.
 PROFILE_ITL_ALPHA = "hpi:profile_itl_alpha_seconds"

@@ -1,7 +1,7 @@
 """The engine core's loop, run in its own process under the server (or in a thread, for tests).
 
-One loop drives an `EngineCore`: apply every message the frontend sent (add, abort, shutdown), run one step,
-emit its deltas and a stats snapshot. In its own process the core holds the GIL alone, so the model step
+One loop drives an `EngineCore`: apply every message the frontend sent (add, abort, sleep, wake, shutdown),
+run one step, emit its deltas and a stats snapshot. In its own process the core holds the GIL alone, so the model step
 never waits on the API server's event loop, and the event loop never waits on a step.
 
 - `ProcessCoreClient` spawns the core process (which loads the model itself), waits for its `CoreInfo`,
@@ -27,12 +27,13 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine_core import EngineCore, EngineError, QueueFullError
+from hpi_runtime.core.engine_core import EngineBusyError, EngineCore, EngineError, EngineSleepingError, QueueFullError
 from hpi_runtime.core.engine_io import (
     AbortRequests,
     AddRequest,
@@ -41,7 +42,10 @@ from hpi_runtime.core.engine_io import (
     CoreOutputs,
     RequestRejected,
     Shutdown,
+    Sleep,
+    SleepAnswer,
     StepFailed,
+    WakeUp,
 )
 from hpi_runtime.core.interface import ExecutorDeadError, MemoryFootprint
 
@@ -98,12 +102,34 @@ def _apply(core: EngineCore, message: object, emit: Emit) -> None:
             core.add_request(message.request)
         except ValueError as exc:  # the frontend checked what it could; the queues are only known here
             emit(RequestRejected(message.request.request_id, str(exc), isinstance(exc, QueueFullError)))
+        except EngineSleepingError as exc:
+            emit(RequestRejected(message.request.request_id, str(exc), False, sleeping=True))
+    elif isinstance(message, (Sleep, WakeUp)):
+        emit(_sleep_or_wake(core, message))
     elif isinstance(message, AbortRequests):
         core.abort_requests(message.request_ids)
     elif isinstance(message, _ExecutorFailed):
         raise ExecutorDeadError(str(message.error)) from message.error
     else:
         raise TypeError(f"unknown message {message!r}")
+
+
+def _sleep_or_wake(core: EngineCore, message: Sleep | WakeUp) -> SleepAnswer:
+    """Run it between steps (the loop is idle: sleep refuses otherwise) and say how it went. A failure
+    answers the request and leaves the core running: asleep still if waking failed, so it can be retried."""
+    start = time.perf_counter()
+    try:
+        num_bytes = core.sleep(message.level) if isinstance(message, Sleep) else core.wake_up()
+    except Exception as exc:
+        kind = "busy" if isinstance(exc, EngineBusyError) else "invalid" if isinstance(exc, ValueError) else "failed"
+        if kind == "failed":
+            logger.exception("%s failed", type(message).__name__)
+        return SleepAnswer(bool(core.sleep_level), core.sleep_level, error=str(exc), error_kind=kind)
+    seconds = time.perf_counter() - start
+    if num_bytes:
+        logger.info("%s: %.1f MiB %s in %.2f s", "asleep" if core.sleep_level else "awake", num_bytes / 2**20,
+                    "freed" if core.sleep_level else "restored", seconds)
+    return SleepAnswer(bool(core.sleep_level), core.sleep_level, num_bytes, seconds)
 
 
 class ThreadCoreClient:
@@ -130,7 +156,7 @@ class ThreadCoreClient:
         manager = self.core.kv_cache_manager  # a core built by the caller: its executor's bytes are not known here
         return CoreInfo(MemoryFootprint(0, 0, manager.num_blocks, self.core.config.block_size))
 
-    def send(self, message: AddRequest | AbortRequests) -> None:
+    def send(self, message: AddRequest | AbortRequests | Sleep | WakeUp) -> None:
         self._inbox.put(message)
 
     async def shutdown(self) -> None:
@@ -250,7 +276,7 @@ class ProcessCoreClient:
             how = "is still running" if code is None else f"exited with code {code}"
             self._on_message(CoreDead(f"the engine core process closed its pipe and {how}"))
 
-    def send(self, message: AddRequest | AbortRequests) -> None:
+    def send(self, message: AddRequest | AbortRequests | Sleep | WakeUp) -> None:
         try:
             self._conn.send(message)
         except (BrokenPipeError, OSError):  # the core is gone; _on_readable reports it

@@ -26,6 +26,15 @@ class QueueFullError(ValueError):
     """More requests are waiting than `max_num_waiting` allows (HTTP 429)."""
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode): it takes no request until woken (HTTP 503, like a replica that is
+    not ready, so a router retries elsewhere)."""
+
+
+class EngineBusyError(RuntimeError):
+    """Sleep needs an idle engine: requests are running or waiting (HTTP 409)."""
+
+
 class EngineError(RuntimeError):
     """A step failed; the requests in `request_ids` were finished and their blocks freed."""
 
@@ -70,10 +79,13 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.grammar_compiler = grammar_compiler
+        self.sleep_level = 0  # 0: awake; 1 or 2: asleep (see sleep())
 
     def add_request(self, request: EngineCoreRequest) -> None:
         # The frontend's OutputProcessor refuses ids in use, and it forgets a request only after the core has.
         assert request.request_id not in self.scheduler.requests, f"request id {request.request_id!r} in use"
+        if self.sleep_level:
+            raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) or retry on another replica")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(
                 f"{len(self.scheduler.waiting)} requests are waiting (max_num_waiting="
@@ -101,6 +113,37 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests now and free their blocks; unknown or finished ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def sleep(self, level: int) -> int:
+        """vLLM's sleep mode: free the KV cache (level 1; on an accelerator the weights also move to host memory)
+        or the KV cache and the weights (level 2, reloaded from the checkpoint on wake). Returns the bytes
+        freed; 0 when already asleep (sleeping is idempotent; a deeper level does not deepen it).
+
+        Only an idle engine sleeps (EngineBusyError otherwise, as vLLM requires): a running request would
+        lose its KV. Every device block's cached hash is forgotten, since its KV is gone; the host KV tier
+        keeps its blocks and their hashes, so prefixes offloaded there still hit after waking."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            return 0
+        if self.has_unfinished_requests():
+            raise EngineBusyError(
+                f"the engine is not idle ({len(self.scheduler.running)} running, {len(self.scheduler.waiting)} "
+                "waiting); sleep when no request is in flight"
+            )
+        freed_bytes = self.executor.sleep(level)
+        self.kv_cache_manager.reset_prefix_cache()
+        self.sleep_level = level
+        return freed_bytes
+
+    def wake_up(self) -> int:
+        """Restore what sleep released (the same KV blocks, the same weights); returns the bytes restored, 0 when
+        awake already (idempotent)."""
+        if not self.sleep_level:
+            return 0
+        restored_bytes = self.executor.wake_up()
+        self.sleep_level = 0
+        return restored_bytes
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model and process its output. Raises EngineError if the step failed; its

@@ -1,6 +1,7 @@
 """The contract between the frontend (tokenizing, detokenizing, streaming) and the engine core.
 
-Frontend -> core: `EngineCoreRequest` (token ids and sampling settings) and aborts by request id.
+Frontend -> core: `EngineCoreRequest` (token ids and sampling settings), aborts by request id, and sleep/wake
+(vLLM's sleep mode: each answered by one `SleepAnswer` once done).
 Core -> frontend: per step, one `EngineCoreOutput` per request that changed, carrying only what is new, and an
 `EngineStats` snapshot. These cross a process boundary (core/core_process.py) as pickles. The per-step ones
 (`CoreOutputs`, `EngineCoreOutput`, `EngineStats`) are msgspec Structs: a step's deltas for 64 requests pickle
@@ -82,6 +83,18 @@ class Shutdown:
     """Stop the loop; the core aborts what is left and stops its executor."""
 
 
+@dataclass(frozen=True)
+class Sleep:
+    """Free the KV cache (level 1) or the KV cache and the weights (level 2); answered by a SleepAnswer."""
+
+    level: int = 1
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """Restore what Sleep released; answered by a SleepAnswer."""
+
+
 # Core -> frontend messages.
 @dataclass(frozen=True)
 class CoreInfo:
@@ -104,6 +117,7 @@ class RequestRejected:
     request_id: str
     message: str
     queue_full: bool
+    sleeping: bool = False  # the core is asleep (the frontend refuses requests first; this closes the race)
 
 
 @dataclass(frozen=True)
@@ -119,3 +133,16 @@ class CoreDead:
     """The core can run no further step (its executor died, a bug, or loading failed)."""
 
     message: str
+
+
+@dataclass(frozen=True)
+class SleepAnswer:
+    """The answer to one Sleep or WakeUp, in the order they were sent. `error_kind` says why it was refused
+    ("busy": requests are running or waiting; "invalid": a bad level, or an executor that cannot sleep)."""
+
+    is_sleeping: bool
+    level: int  # the sleep level now (0: awake)
+    num_bytes: int = 0  # freed by a Sleep, restored by a WakeUp; 0 for a no-op or a refusal
+    seconds: float = 0.0
+    error: str | None = None
+    error_kind: str | None = None

@@ -137,6 +137,16 @@ class ModelExecutor(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def sleep(self, level: int) -> int:
+        """Between steps, with no request holding blocks: free the KV cache (level 1; on an accelerator also
+        move the weights to host memory) or the KV cache and the weights (level 2). Returns the bytes freed;
+        ValueError if this executor cannot sleep."""
+        ...
+
+    def wake_up(self) -> int:
+        """Restore what `sleep` released (the same number of KV blocks, the same weights); returns the bytes."""
+        ...
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(ExecutorDeadError)` (from any thread) if the executor dies between steps."""
         ...

@@ -87,6 +87,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every device block's hash: their KV is gone (the cache was freed by sleep mode). Only when
+        no request holds blocks; the host tier's blocks keep theirs (their KV is in host memory still)."""
+        assert not self.req_to_blocks, "the prefix cache is reset only when no request holds blocks"
+        for block in self.pool.blocks:
+            self.pool.uncache_block(block)
+
     def num_free_blocks_after_admission(self, request: Request, computed: ComputedKV) -> int:
         """Free device blocks left once all of a waiting request's tokens hold blocks, its shared hits
         counted once; negative if they do not fit. Counts the whole prompt, not just the first chunk: the

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
 from hpi_runtime.config import EngineConfig
-from hpi_runtime.core.engine_core import EngineCore, EngineError, QueueFullError
+from hpi_runtime.core.engine_core import EngineBusyError, EngineCore, EngineError, EngineSleepingError, QueueFullError
 from hpi_runtime.core.engine_io import (
     AbortRequests,
     AddRequest,
@@ -30,7 +30,10 @@ from hpi_runtime.core.engine_io import (
     CoreOutputs,
     EngineStats,
     RequestRejected,
+    Sleep,
+    SleepAnswer,
     StepFailed,
+    WakeUp,
 )
 from hpi_runtime.frontend.input_processor import make_core_request
 from hpi_runtime.frontend.output_processor import OutputProcessor
@@ -39,7 +42,7 @@ from hpi_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineError"]
+__all__ = ["AsyncLLM", "EngineBusyError", "EngineDeadError", "EngineError", "EngineSleepingError"]
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
 
@@ -51,7 +54,7 @@ class EngineDeadError(EngineError):
 class CoreClient(Protocol):
     async def start(self, on_message) -> CoreInfo: ...
 
-    def send(self, message: AddRequest | AbortRequests) -> None: ...
+    def send(self, message: AddRequest | AbortRequests | Sleep | WakeUp) -> None: ...
 
     async def shutdown(self) -> None: ...
 
@@ -68,6 +71,10 @@ class AsyncLLM:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self._dead = asyncio.Event()
+        # Sleep mode: one Sleep/WakeUp in flight at a time (the lock), answered through `_sleep_answer`.
+        self._sleeping = False
+        self._sleep_lock = asyncio.Lock()
+        self._sleep_answer: asyncio.Future | None = None
 
     @classmethod
     def in_thread(cls, core: EngineCore, tokenizer) -> AsyncLLM:
@@ -91,6 +98,41 @@ class AsyncLLM:
             self.core_info = await self.client.start(self._on_core_message)
             self._started = True
         return self.core_info
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True from the moment a sleep is asked for until a wake-up has finished: no request is taken."""
+        return self._sleeping
+
+    async def sleep(self, level: int = 1) -> SleepAnswer:
+        """Put the core to sleep (core/engine_core.py: EngineCore.sleep). New requests are refused from the
+        moment it is asked (EngineSleepingError), so none slips in between the core's idleness check and its
+        sleep. EngineBusyError if requests are in flight (the engine stays awake), ValueError for a bad level."""
+        return _checked(await self._exchange(Sleep(level)))
+
+    async def wake_up(self) -> SleepAnswer:
+        """Restore the core's KV cache (and weights) and take requests again; a no-op when awake."""
+        return _checked(await self._exchange(WakeUp()))
+
+    async def _exchange(self, message: Sleep | WakeUp) -> SleepAnswer:
+        # Shielded: a caller that goes away (its HTTP client disconnected) must not leave the core asleep while
+        # this side believes it awake, nor let a second exchange start before the first one's answer.
+        return await asyncio.shield(self._exchange_in_turn(message))
+
+    async def _exchange_in_turn(self, message: Sleep | WakeUp) -> SleepAnswer:
+        async with self._sleep_lock:
+            if self.dead_error is not None or self._stopping or not self._started:
+                raise EngineDeadError("the engine core is not running") from self.dead_error
+            if isinstance(message, Sleep):
+                self._sleeping = True
+            self._sleep_answer = asyncio.get_running_loop().create_future()
+            self.client.send(message)
+            try:
+                answer = await self._sleep_answer
+            finally:
+                self._sleep_answer = None
+            self._sleeping = answer.is_sleeping  # the core's word, refusal or not
+            return answer
 
     async def wait_dead(self) -> BaseException:
         """Return the cause once the core has died (never returns while it is healthy)."""
@@ -117,6 +159,8 @@ class AsyncLLM:
         """
         if self.dead_error is not None or self._stopping or not self._started:
             raise EngineDeadError("the engine core is not running") from self.dead_error
+        if self._sleeping:
+            raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) or retry on another replica")
         request = make_core_request(
             self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority
         )
@@ -161,9 +205,14 @@ class AsyncLLM:
                         del self._queues[output.request_id]
             if processed.request_ids_to_abort and self.dead_error is None:
                 self.client.send(AbortRequests(tuple(processed.request_ids_to_abort)))
+        elif isinstance(message, SleepAnswer):
+            if self._sleep_answer is not None and not self._sleep_answer.done():
+                self._sleep_answer.set_result(message)
         elif isinstance(message, RequestRejected):
             self.output_processor.abort_requests([message.request_id])
             error = QueueFullError(message.message) if message.queue_full else ValueError(message.message)
+            if message.sleeping:
+                error = EngineSleepingError(message.message)
             queue = self._queues.pop(message.request_id, None)
             if queue is not None:
                 queue.put_nowait(error)
@@ -180,6 +229,8 @@ class AsyncLLM:
             dead.__cause__ = self.dead_error
             self.output_processor.abort_requests(list(self._queues))
             self._fail(list(self._queues), dead)
+            if self._sleep_answer is not None and not self._sleep_answer.done():
+                self._sleep_answer.set_exception(dead)
             self._dead.set()
 
     def _fail(self, request_ids: Iterable[str], error: EngineError) -> None:
@@ -190,3 +241,14 @@ class AsyncLLM:
                 per_request = type(error)(str(error), error.request_ids)
                 per_request.__cause__ = error.__cause__
                 queue.put_nowait(per_request)
+
+
+def _checked(answer: SleepAnswer) -> SleepAnswer:
+    """The answer, or its refusal as the exception the server maps to a status (409, 400, 500)."""
+    if answer.error_kind == "busy":
+        raise EngineBusyError(answer.error)
+    if answer.error_kind == "invalid":
+        raise ValueError(answer.error)
+    if answer.error_kind is not None:
+        raise RuntimeError(f"sleep mode failed in the engine core: {answer.error}")
+    return answer

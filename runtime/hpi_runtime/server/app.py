@@ -9,12 +9,13 @@ import time
 
 from aiohttp import web
 
-from hpi_runtime.frontend.async_engine import EngineDeadError
+from hpi_runtime.frontend.async_engine import EngineDeadError, EngineSleepingError
 from hpi_runtime.frontend.engine import EngineError, QueueFullError
 from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
 from hpi_runtime.server.errors import REQUEST_ID, ApiError
 from hpi_runtime.server.errors import error_middleware as shared_error_middleware
+from hpi_runtime.server.sleep import SLEEP_PATHS, add_sleep_routes
 from hpi_runtime.server.state import STATE_KEY, ServerState
 from hpi_runtime.server.tokenize import detokenize, tokenize, version
 
@@ -27,6 +28,8 @@ def map_engine_error(exc: Exception, request_id: str) -> ApiError | None:
         return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, ValueError):  # the engine's admission checks: input it cannot take is a client error
         return ApiError(400, str(exc))
+    if isinstance(exc, EngineSleepingError):  # asleep since the frontend admitted it: a router retries elsewhere
+        return ApiError(503, str(exc), code="sleeping")
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, EngineError):
@@ -84,7 +87,7 @@ async def _add_response_headers(request: web.Request, response: web.StreamRespon
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     api_key = request.app[STATE_KEY].settings.api_key
-    if api_key and request.path.startswith("/v1/"):
+    if api_key and (request.path.startswith("/v1/") or request.path in SLEEP_PATHS):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
@@ -116,9 +119,14 @@ async def ready(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     if state.ready:
         return web.json_response({"status": "ready"})
-    reason = "draining" if state.draining else ("load failed" if state.load_error else "loading")
     if state.model is not None and getattr(state.model.engine, "errored", False):
         reason = "engine failed"
+    elif state.draining:
+        reason = "draining"
+    elif state.model is None:
+        reason = "load failed" if state.load_error else "loading"
+    else:
+        reason = "sleeping"
     return web.json_response({"status": reason}, status=503)
 
 
@@ -127,6 +135,7 @@ async def metrics(request: web.Request) -> web.Response:
     if state.model is not None:
         state.metrics.refresh(state.model.engine.get_stats())
     state.metrics.set_ready(state.ready)
+    state.metrics.set_sleeping(state.sleeping)
     state.refresh_pool_profile()
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
@@ -155,4 +164,5 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    add_sleep_routes(app)
     return app

@@ -60,6 +60,9 @@ class ServingMetrics:
         self._block_size = Gauge("hpi:kv_cache_block_size_tokens", "Tokens per KV-cache block.", labels,
                                  registry=reg)
         self._ready = Gauge(names.READY, "1 when the server accepts requests.", labels, registry=reg)
+        self._sleeping = Gauge(names.SLEEPING, "1 while the engine sleeps (POST /sleep; not ready).", labels,
+                               registry=reg)
+        self._sleeping.labels(model_name).set(0)
         self._quantization = Gauge("hpi:quantization_info", "1, labelled with the weights' quantization: method "
                                    "(none|int8|int4) and scheme (e.g. int4-g32-mse-mixed, gptq-int4-g128).",
                                    labels + ["method", "scheme"], registry=reg)  # fmt: skip
@@ -144,6 +147,9 @@ class ServingMetrics:
 
     def set_ready(self, ready: bool) -> None:
         self._ready.labels(self._model).set(1 if ready else 0)
+
+    def set_sleeping(self, sleeping: bool) -> None:
+        self._sleeping.labels(self._model).set(1 if sleeping else 0)
 
     def refresh(self, stats) -> None:
         """Bring gauges and counters up to the engine's cumulative `EngineStats`."""

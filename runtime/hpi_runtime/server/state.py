@@ -45,7 +45,7 @@ class ServerSettings:
 
 
 class ServerState:
-    """Lifecycle: loading -> ready -> draining. Owned by one server; stored on the aiohttp app."""
+    """Lifecycle: loading -> ready (<-> asleep) -> draining. Owned by one server; stored on the aiohttp app."""
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
@@ -68,7 +68,12 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.model is not None and not self.draining and not self._engine_dead()
+        return self.model is not None and not self.draining and not self._engine_dead() and not self.sleeping
+
+    @property
+    def sleeping(self) -> bool:
+        """Sleep mode (server/sleep.py): the engine keeps no KV cache (nor, at level 2, weights) until woken."""
+        return self.model is not None and bool(getattr(self.model.engine, "is_sleeping", False))
 
     def _engine_dead(self) -> bool:
         return self.model is not None and bool(getattr(self.model.engine, "errored", False))
@@ -82,7 +87,15 @@ class ServerState:
         self.metrics.set_ready(False)
 
     def admit(self) -> ServedModel:
-        """The model for a new request, or a 503 while loading, draining or after an engine failure."""
+        """The model for a new request, or a 503 while loading, draining, asleep or after an engine failure."""
+        model = self.loaded_model()
+        if self.sleeping:
+            raise ApiError(503, "this replica is asleep (POST /wake_up wakes it); retry on another replica",
+                           code="sleeping")
+        return model
+
+    def loaded_model(self) -> ServedModel:
+        """The model, asleep or not (for sleep and wake), or a 503 while loading, draining or after a failure."""
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another replica", code="draining")
         if self.model is None:

@@ -3,6 +3,7 @@
 With tensor parallelism each worker process runs one LocalExecutor over its rank's shard (see
 tp_executor.py); the same class is the whole executor at tp 1. On CPU the runner compiles its model step
 at start-up (each rank its own; the all-reduces trace into the graph), unless `enforce_eager`.
+`sleep`/`wake_up` free and restore the KV cache and weights without touching the compiled step (worker/sleep.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hpi_contracts.kv_cache import kv_bytes_per_token
+from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.config import CacheConfig, ParallelConfig
 from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
@@ -25,6 +27,7 @@ from hpi_runtime.models.parallel import SINGLE, TensorParallel
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
+from hpi_runtime.worker.sleep import ModelSleeper
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weights are loaded
@@ -86,15 +89,24 @@ def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfi
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
 
 
+def _build_model(
+    config: ExecutorConfig, device: torch.device, backend: AttentionBackend, tp: TensorParallel
+) -> DecoderForCausalLM:
+    """The weights as served: loaded, quantized, laid out for the CPU. Start-up and a wake from sleep level 2
+    both call this, so the woken weights are the start-up ones, byte for byte."""
+    model = load_model(config.model_config, config.dtype, device, backend, tp)
+    quantize_model(model, config.quantization)  # in place, one layer at a time
+    pack_cpu_weights(model) or use_sgemm_layout(model)
+    return model
+
+
 class LocalExecutor:
     def __init__(self, config: ExecutorConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
         self.config = config
         device = device or config.device
         model_config = config.model_config
         backend = get_attention_backend(config.attention_backend, config.dtype, device)
-        self.model = load_model(model_config, config.dtype, device, backend, tp)
-        quantize_model(self.model, config.quantization)  # in place, one layer at a time
-        pack_cpu_weights(self.model) or use_sgemm_layout(self.model)
+        self.model = _build_model(config, device, backend, tp)
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
@@ -124,6 +136,7 @@ class LocalExecutor:
         self.runner = ModelRunner(
             self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
         )
+        self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
 
     @property
     def num_kv_blocks(self) -> int:
@@ -143,6 +156,14 @@ class LocalExecutor:
             if scheduler_output.total_num_scheduled_tokens == 0:  # a swap with nothing else to run
                 return ModelRunnerOutput({})
         return self.runner.execute_model(scheduler_output)
+
+    def sleep(self, level: int) -> int:
+        """Release the KV cache (and the weights, per `level`: worker/sleep.py); returns the bytes freed."""
+        return self.sleeper.sleep(level)
+
+    def wake_up(self) -> int:
+        """Restore what `sleep` released; returns the bytes restored."""
+        return self.sleeper.wake_up()
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Nothing outside this process can fail under it; a failing step raises from execute_model."""

@@ -188,6 +188,14 @@ class MultiprocExecutor:
         if not self._closing:
             self._die(sentinels[ready[0]].describe_exit(self._reap_lock))
 
+    def sleep(self, level: int) -> int:
+        """Not yet with tensor parallelism: each worker would have to release its shard in step with the
+        others (a message beside the step's); refused as bad input so that /sleep answers 400."""
+        raise ValueError("sleep mode is not supported with tensor_parallel_size > 1 yet")
+
+    def wake_up(self) -> int:
+        raise ValueError("sleep mode is not supported with tensor_parallel_size > 1 yet")
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._callbacks.append(callback)
         if self._dead is not None and not self._closing:

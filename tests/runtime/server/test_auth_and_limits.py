@@ -41,6 +41,19 @@ def test_right_key_works_and_probes_need_none(keyed_server) -> None:
     assert keyed_server.get_json("/ready")[0] == 200
 
 
+def test_sleep_and_wake_need_the_key(keyed_server) -> None:
+    """They take the replica out of service: a client without the key must not be able to."""
+    for path in ("/sleep", "/wake_up"):
+        status, payload = post(keyed_server.base_url, path, b"")
+        assert status == 401 and payload["error"]["type"] == "authentication_error", payload
+    assert keyed_server.get_json("/is_sleeping") == (200, {"is_sleeping": False})
+    key = {"Authorization": "Bearer s3cret"}
+    assert post(keyed_server.base_url, "/sleep", b"", key)[0] == 200
+    assert keyed_server.get_json("/is_sleeping") == (200, {"is_sleeping": True})
+    assert post(keyed_server.base_url, "/wake_up", b"", key)[0] == 200
+    assert keyed_server.get_json("/ready")[0] == 200
+
+
 def flood(server, num_requests: int = 12) -> list[int]:
     """Send `num_requests` long chat requests at once; their HTTP statuses (429s checked for shape)."""
 

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from hpi_testing.server import RuntimeServer
+from hpi_testing.server import post_json as post
 
 BLOCK_BYTES = 16 * 512  # the tiny model in fp32, 16-token blocks
 
@@ -68,3 +69,25 @@ def test_multi_turn_chat_reuses_offloaded_prefixes(offload_server: RuntimeServer
     preemptions = after["vllm:num_preemptions_total"]
     assert preemptions == (after["hpi:preemptions_by_mode_total{mode=swap}"]
                            + after["hpi:preemptions_by_mode_total{mode=recompute}"])  # fmt: skip
+
+
+def test_the_host_tier_outlives_a_level_1_sleep(offload_server: RuntimeServer) -> None:
+    """Sleep frees the device KV cache and forgets its hashes, but the host tier keeps its blocks: a conversation
+    replayed after waking finds its prefix there and gets the same greedy replies."""
+
+    async def run(conversations: range) -> list[list[str]]:
+        client = openai.AsyncOpenAI(base_url=f"{offload_server.base_url}/v1", api_key="unused", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(_chat(client, c, 3) for c in conversations))
+
+    first = asyncio.run(run(range(8)))[0]  # enough conversations to push the first one's blocks to the host
+    cached = offload_server.metric_samples()["hpi:kv_host_cache_cached_blocks"]
+    assert cached > 0
+    status, slept = post(offload_server.base_url, "/sleep?level=1", b"")
+    assert status == 200 and slept["freed_bytes"] == 36 * BLOCK_BYTES, slept  # the device pool, not the tier
+    asleep = offload_server.metric_samples()
+    assert asleep["hpi:kv_host_cache_cached_blocks"] == cached
+    assert post(offload_server.base_url, "/wake_up", b"")[0] == 200
+    host_hits = asleep["hpi:prefix_cache_hits_by_tier_total{tier=host}"]
+    assert asyncio.run(run(range(1)))[0] == first
+    assert offload_server.metric_samples()["hpi:prefix_cache_hits_by_tier_total{tier=host}"] > host_hits
