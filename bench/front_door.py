@@ -1,7 +1,10 @@
-"""The front door's fairness: two tenants of equal weight, both asking for more than the fleet serves, one ten
-times as hard; the share of completed requests each gets through `hpi-router` with its tenants and queue
-(`--tenants-file`, `--queue-saturated-waiting 1`) against the router without them (today's default: every
-request goes straight to an engine, whose queue serves first come first served).
+"""The front door's fairness, two figures through `hpi-router` with its tenants and queue against the router
+without them (today's default: every request goes straight to an engine, whose queue serves first come first
+served):
+- shares: two tenants of equal weight, both asking for more than the fleet serves, one ten times as hard: the
+  share of completed requests each gets (`--tenants-file`, `--queue-saturated-waiting 1`);
+- urgency: an interactive tenant (priority -1, one client) while a batch tenant saturates the fleet: its p90 time
+  to first token against its own unloaded p90 (the same, plus `--queue-reserved-slots 2`).
 
 The engines are fakes that behave like continuous-batching servers where it matters here: a fixed number of
 slots (max_num_seqs), a waiting queue admitted by vLLM's request priority, one token per slot per step, and
@@ -36,7 +39,9 @@ from hpi_router.sources import StaticSource
 from hpi_router.state import RouterState
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KEYS = {"heavy": "sk-heavy-0123456789abcdef", "light": "sk-light-0123456789abcdef"}
+KEYS = {"heavy": "sk-heavy-0123456789abcdef", "light": "sk-light-0123456789abcdef",
+        "interactive": "sk-inter-0123456789abcdef", "batch": "sk-batch-0123456789abcdef"}
+PRIORITY = {"interactive": -1}
 
 
 @dataclass
@@ -80,9 +85,12 @@ class FakeEngine:
             self.release()
 
     async def metrics(self, request: web.Request) -> web.Response:
-        label = '{model_name="fake"}'
+        label, source = '{model_name="fake"}', '{source="assumed"}'
         text = (f"vllm:num_requests_running{label} {self.running}\nvllm:num_requests_waiting{label} "
-                f"{len(self.waiting)}\nvllm:kv_cache_usage_perc{label} 0.1\nhpi:ready 1\n")  # fmt: skip
+                f"{len(self.waiting)}\nvllm:kv_cache_usage_perc{label} 0.1\nhpi:ready 1\n"
+                f"hpi:profile_itl_alpha_seconds{source} {self.step_s}\nhpi:profile_itl_beta_seconds{source} 0\n"
+                f"hpi:profile_prefill_tokens_per_second{source} 100000\n"
+                f"hpi:profile_max_num_seqs{source} {self.slots}\n")  # its pool profile, as `hpi serve --pool-profile`
         return web.Response(text=text)
 
     async def start(self) -> tuple[web.AppRunner, str]:
@@ -98,27 +106,39 @@ class FakeEngine:
 
 
 async def client(session: aiohttp.ClientSession, url: str, tenant: str, tokens: int, until: float,
-                 done: list[tuple[str, float]]) -> None:  # fmt: skip
-    """Closed loop: one request at a time, the next as soon as the last one ends."""
+                 done: list[tuple[str, float]], ttfts: list[float] | None = None,
+                 think_s: float = 0.0) -> None:  # fmt: skip
+    """Closed loop: one request at a time, the next `think_s` after the last one ends; `ttfts`: each request's
+    time to its first streamed bytes."""
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
     body = {"model": "fake", "prompt": tenant, "max_tokens": tokens, "stream": True}
     while time.monotonic() < until:
+        sent = time.monotonic()
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+            first = await response.content.readany()
+            if ttfts is not None and response.status == 200 and first:
+                ttfts.append(time.monotonic() - sent)
             await response.read()
             if response.status == 200:
                 done.append((tenant, time.monotonic()))
+        await asyncio.sleep(think_s)
 
 
-async def share_run(with_tenants: bool, args: argparse.Namespace) -> dict:
+def _tenants_file(directory: str) -> str:
+    path = Path(directory) / "tenants.yaml"
+    tenants = [{"name": n, "keys": [k], "priority": PRIORITY.get(n, 0)} for n, k in KEYS.items()]
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return str(path)
+
+
+async def _fleet_run(args: argparse.Namespace, queue: QueueSettings | None, clients) -> tuple[list, float, float]:
+    """Start the engines and the router (with tenants and `queue`, or as by default when None), run `clients(
+    session, url, until, done)` for warm-up + the measured seconds; (done, window start, window end)."""
     engines = [FakeEngine(args.slots, args.step_ms / 1e3) for _ in range(args.engines)]
     started = [await e.start() for e in engines]
     urls = [url for _, url in started]
     with tempfile.TemporaryDirectory() as tmp:
-        extra = {}
-        if with_tenants:
-            path = Path(tmp) / "tenants.yaml"
-            path.write_text(yaml.safe_dump({"tenants": [{"name": n, "keys": [k]} for n, k in KEYS.items()]}))
-            extra = {"tenants_file": str(path), "queue": QueueSettings(saturated_waiting=1)}
+        extra = {} if queue is None else {"tenants_file": _tenants_file(tmp), "queue": queue}
         state = RouterState(RouterSettings(backend_urls=tuple(urls), scrape_interval_s=0.05, probe_interval_s=0.1,
                                            **extra))  # fmt: skip
         async with running_router(state, [StaticSource(urls)], "127.0.0.1", 0) as port:
@@ -129,18 +149,51 @@ async def share_run(with_tenants: bool, args: argparse.Namespace) -> dict:
             start = time.monotonic()
             until = start + args.warmup_s + args.seconds
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-                loops = [client(session, url, "heavy", args.tokens, until, done) for _ in range(args.heavy_clients)]
-                loops += [client(session, url, "light", args.tokens, until, done) for _ in range(args.light_clients)]
-                await asyncio.gather(*loops)
+                await asyncio.gather(*clients(session, url, until, done))
     for runner, _ in started:
         await runner.cleanup()
-    window = [t for t, at in done if start + args.warmup_s <= at <= until]  # the steady part, no drain
-    counts = {t: window.count(t) for t in KEYS}
+    return done, start + args.warmup_s, until
+
+
+async def share_run(with_tenants: bool, args: argparse.Namespace) -> dict:
+    def clients(session, url, until, done):
+        loops = [client(session, url, "heavy", args.tokens, until, done) for _ in range(args.heavy_clients)]
+        return loops + [client(session, url, "light", args.tokens, until, done) for _ in range(args.light_clients)]
+
+    done, start, until = await _fleet_run(args, QueueSettings(saturated_waiting=1) if with_tenants else None,
+                                          clients)  # fmt: skip
+    window = [t for t, at in done if start <= at <= until]  # the steady part, no drain
+    counts = {t: window.count(t) for t in ("heavy", "light")}
     total = sum(counts.values())
     capacity = args.engines * args.slots / (args.tokens * args.step_ms / 1e3)
     return {"router": "tenants + queue" if with_tenants else "no tenants (today's default)", "completed": counts,
             "share": {t: round(n / total, 4) for t, n in counts.items()},
             "requests_per_s": round(total / args.seconds, 2), "capacity_requests_per_s": round(capacity, 2)}
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(int(0.9 * len(ordered) + 0.5) - 1, 0)]
+
+
+async def urgency_run(router: str, args: argparse.Namespace) -> dict:
+    """`router`: unloaded (the interactive tenant alone, tenants + queue), loaded (with a saturating batch tenant,
+    tenants + queue + reserved slots), loaded-default (the same load through the router as by default)."""
+    ttfts: list[float] = []
+    queue = {"loaded-default": None, "unloaded": QueueSettings(saturated_waiting=1)}.get(
+        router, QueueSettings(saturated_waiting=1, reserved_slots=args.reserved_slots))  # fmt: skip
+
+    def clients(session, url, until, done):
+        loops = [client(session, url, "interactive", args.tokens, until, done, ttfts, think_s=0.1)]
+        if router != "unloaded":
+            loops += [client(session, url, "batch", args.tokens, until, done) for _ in range(args.heavy_clients)]
+        return loops
+
+    await _fleet_run(args, queue, clients)
+    measured = ttfts[int(len(ttfts) * args.warmup_s / (args.warmup_s + args.seconds)):]
+    median = sorted(measured)[len(measured) // 2]
+    return {"router": router, "interactive_requests": len(measured), "ttft_p50_ms": round(1e3 * median, 1),
+            "ttft_p90_ms": round(1e3 * p90(measured), 1)}
 
 
 def main() -> None:
@@ -154,20 +207,41 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each router")
+    parser.add_argument("--reserved-slots", type=int, default=2, help="urgency: the router's --queue-reserved-slots")
+    parser.add_argument("--sections", nargs="+", default=["shares", "urgency"], choices=["shares", "urgency"])
     args = parser.parse_args()
-    runs = []
-    for _ in range(args.rounds):
-        for with_tenants in (False, True):
-            runs.append(asyncio.run(share_run(with_tenants, args)))
-            print(json.dumps(runs[-1]), flush=True)
-    fair = [r["share"]["light"] for r in runs if r["router"].startswith("tenants")]
-    blind = [r["share"]["light"] for r in runs if not r["router"].startswith("tenants")]
-    out = {"machine": machine(), "settings": vars(args), "runs": runs, "light_share_with_tenants": fair,
-           "light_share_without": blind, "target": "each tenant 50% +- 10% of the throughput",
-           "met": all(0.4 <= s <= 0.6 for s in fair), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out: dict = {"machine": machine(), "settings": vars(args)}
+    path = RESULTS / "front_door.json"
+    if path.exists() and set(args.sections) != {"shares", "urgency"}:  # a partial run updates its part
+        out = {**json.loads(path.read_text()), **out}
+    if "shares" in args.sections:
+        runs = []
+        for _ in range(args.rounds):
+            for with_tenants in (False, True):
+                runs.append(asyncio.run(share_run(with_tenants, args)))
+                print(json.dumps(runs[-1]), flush=True)
+        fair = [r["share"]["light"] for r in runs if r["router"].startswith("tenants")]
+        blind = [r["share"]["light"] for r in runs if not r["router"].startswith("tenants")]
+        out["shares"] = {"runs": runs, "light_share_with_tenants": fair, "light_share_without": blind,
+                         "target": "each tenant 50% +- 10% of the throughput",
+                         "met": all(0.4 <= s <= 0.6 for s in fair)}
+    if "urgency" in args.sections:
+        runs = []
+        for _ in range(args.rounds):
+            for router in ("unloaded", "loaded", "loaded-default"):
+                runs.append(asyncio.run(urgency_run(router, args)))
+                print(json.dumps(runs[-1]), flush=True)
+        unloaded = [r["ttft_p90_ms"] for r in runs if r["router"] == "unloaded"]
+        loaded = [r["ttft_p90_ms"] for r in runs if r["router"] == "loaded"]
+        ratios = [round(b / a, 2) for a, b in zip(unloaded, loaded, strict=True)]
+        out["urgency"] = {"runs": runs, "ratio_loaded_over_unloaded": ratios,
+                          "target": "interactive p90 TTFT within 2x of unloaded while a batch tenant saturates",
+                          "met": all(r <= 2 for r in ratios)}
+    out["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "front_door.json").write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("light_share_with_tenants", "light_share_without", "met")}))
+    path.write_text(json.dumps(out, indent=1))
+    summary = {k: {kk: v for kk, v in out[k].items() if kk != "runs"} for k in ("shares", "urgency") if k in out}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     queue.add_argument("--queue-saturated-waiting", type=int, default=queue_defaults.saturated_waiting,
                        help="also hold requests while every ready backend has this many waiting in its engine; "
                        "0: only while none is ready")
+    queue.add_argument("--queue-reserved-slots", type=int, default=queue_defaults.reserved_slots,
+                       help="slots of each backend's max_num_seqs (its pool profile) kept for urgent priorities "
+                       "(< 0): the other bands wait here once a backend is that close to full; 0: none")
     door = parser.add_argument_group("tenants (the router checks API keys; see docs/router.md)")
     door.add_argument("--tenants-file", default=None, metavar="PATH",
                       help="YAML of tenants, their API keys, priority, weight, models and limits, re-read when it "
@@ -109,7 +112,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         policy=PolicySettings(strategy=args.strategy, affinity_prefix_chars=args.affinity_prefix_chars,
                               affinity_load_factor=args.affinity_load_factor),
         queue=QueueSettings(max_queued=args.queue_max_requests, max_wait_s=args.queue_timeout,
-                            saturated_waiting=args.queue_saturated_waiting),
+                            saturated_waiting=args.queue_saturated_waiting,
+                            reserved_slots=args.queue_reserved_slots),
         scrape_interval_s=args.scrape_interval,
         probe_interval_s=args.probe_interval,
         max_attempts=args.max_attempts,

@@ -47,6 +47,10 @@ class QueueSettings:
     # Hold requests while every ready backend already has at least this many waiting in its engine (by its last
     # scrape, plus what this router sent it since); 0: only while no backend is ready.
     saturated_waiting: int = 0
+    # Slots of each backend's max_num_seqs (from its pool profile) that only urgent bands (priority < 0) may fill:
+    # requests of the default band and less urgent ones wait here once a backend is that close to full, so an
+    # urgent request finds a free slot instead of waiting for one to end. 0: no reservation.
+    reserved_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_queued < 0:
@@ -55,6 +59,8 @@ class QueueSettings:
             raise ValueError(f"queue timeout must be > 0 seconds, got {self.max_wait_s}")
         if self.saturated_waiting < 0:
             raise ValueError(f"queue saturated-waiting must be >= 0, got {self.saturated_waiting}")
+        if self.reserved_slots < 0:
+            raise ValueError(f"queue reserved-slots must be >= 0, got {self.reserved_slots}")
 
 
 @dataclass(frozen=True)

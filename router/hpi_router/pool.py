@@ -27,18 +27,22 @@ class BackendPool:
     flight finish on their own (the objects live on in those requests, outside the index)."""
 
     def __init__(self, settings: PolicySettings = PolicySettings(), on_change: Callable[[], None] | None = None,
-                 saturated_waiting: int = 0, on_capacity: Callable[[], None] | None = None):  # fmt: skip
+                 saturated_waiting: int = 0, on_capacity: Callable[[], None] | None = None,
+                 reserved_slots: int = 0):  # fmt: skip
         """`on_change`: the backend set changed; `on_capacity`: a backend may have room again (the queue's turn);
         `saturated_waiting`: a ready backend has no room once this many requests wait in its engine (0: never
-        full, room is any ready backend)."""
+        full, room is any ready backend); `reserved_slots`: of a backend's max_num_seqs (its profile), the slots
+        only urgent bands (priority < 0) may take."""
         self._backends: dict[str, Backend] = {}
         self._settings = settings
         self._on_change = on_change
         self._on_capacity = on_capacity
         self._saturated_waiting = saturated_waiting
+        self._reserved_slots = reserved_slots
         # With saturated_waiting set: the ready backends that have room, by the same rank (a pick goes to one of
         # them, not merely somewhere while one of them exists).
         self._room_index = RankIndex()
+        self._bulk_index = RankIndex()  # with reserved_slots: those with room for the default and later bands
         self.index = RankIndex()  # the ready backends, by rank
         self.scale = SpeedScale()  # this round's
         self._loads: dict[str, float] = {}  # load_of each indexed backend, as last ranked
@@ -67,10 +71,16 @@ class BackendPool:
     def num_ready(self) -> int:
         return len(self.index)
 
-    def has_room(self) -> bool:
-        """Whether a request sent now would find a backend with room: a ready one, and, with saturated_waiting
-        set, one whose engine has fewer requests waiting than that (scraped, plus those sent since)."""
-        return len(self._room_index if self._saturated_waiting else self.index) > 0
+    def has_room(self, priority: int = 0) -> bool:
+        """Whether a request of `priority` sent now would find a backend with room: a ready one, and, with
+        saturated_waiting set, one whose engine has fewer requests waiting than that (scraped, plus those sent
+        since); for priority >= 0 with reserved_slots set, also one not within reserved_slots of full."""
+        return len(self._candidates(priority)) > 0
+
+    def _candidates(self, priority: int) -> RankIndex:
+        if self._reserved_slots and priority >= 0:
+            return self._bulk_index
+        return self._room_index if self._saturated_waiting else self.index
 
     def get(self, url: str) -> Backend | None:
         return self._backends.get(url)
@@ -113,21 +123,22 @@ class BackendPool:
         self.index.rebuild((v.url, rank(v, self.scale, self._settings)) for v in views)
         self._loads = {v.url: load_of(v) for v in views}
         self._fleet_load = sum(self._loads.values())
-        if self._saturated_waiting:
-            self._room_index.rebuild((url, self.index.rank(url)) for url in self._loads
-                                     if self._room(self._backends[url].view()))  # fmt: skip
+        if self._saturated_waiting or self._reserved_slots:
+            self._room_index.rebuild((v.url, self.index.rank(v.url)) for v in views if self._room(v))
+            self._bulk_index.rebuild((v.url, self.index.rank(v.url)) for v in views if self._bulk_room(v))
         self._capacity_changed()
 
     # -- the pick ------------------------------------------------------------------------------------------------
 
-    def choose(self, ring_walk: Iterable[str] | None, exclude: Collection[str] = ()) -> Pick | None:
+    def choose(self, ring_walk: Iterable[str] | None, exclude: Collection[str] = (), priority: int = 0) -> Pick | None:
         """policy.pick's decision over the ready backends, without a scan. `ring_walk`: the backends in ring
         order from the request's affinity key (HashRing.walk), or None; only its first MAX_AFFINITY_PROBES
         are read."""
         round_robin = self._settings.strategy == "round-robin"
         # With saturation gating, only backends with room are candidates (any, if none has: the queue lets a
         # request through then only in a race, and a backend that can queue it beats a 503).
-        index = self._room_index if self._saturated_waiting and len(self._room_index) else self.index
+        gated = self._candidates(priority)
+        index = gated if len(gated) else self.index
         if ring_walk is not None and not round_robin:
             for url in islice(ring_walk, MAX_AFFINITY_PROBES):
                 if url in index and url not in exclude:
@@ -150,23 +161,44 @@ class BackendPool:
         load = load_of(view)
         self._fleet_load += load - self._loads.get(backend.url, 0.0)
         self._loads[backend.url] = load
-        if self._saturated_waiting:
-            if self._room(view):
-                self._room_index.set(backend.url, self.index.rank(backend.url))
-            else:
-                self._room_index.remove(backend.url)
+        if self._saturated_waiting or self._reserved_slots:
+            for index, has in ((self._room_index, self._room(view)), (self._bulk_index, self._bulk_room(view))):
+                if has:
+                    index.set(backend.url, self.index.rank(backend.url))
+                else:
+                    index.remove(backend.url)
         self._capacity_changed()
 
     def _unindex(self, url: str) -> None:
         self.index.remove(url)
         self._fleet_load -= self._loads.pop(url, 0.0)
         self._room_index.remove(url)
+        self._bulk_index.remove(url)
+
+    @staticmethod
+    def _occupied(view: BackendView) -> float:
+        """Requests in the engine: its last scrape's running and waiting, plus what this router sent it since."""
+        return view.num_running + view.num_waiting + max(view.in_flight - view.in_flight_at_scrape, 0)
 
     def _room(self, view: BackendView) -> bool:
+        """Fewer than saturated_waiting requests would wait in the engine: where the profile says how many
+        sequences it runs, those sent since the scrape fill its free slots first; without one, each counts as
+        waiting."""
         if not self._saturated_waiting:
             return True
-        sent_since_scrape = max(view.in_flight - view.in_flight_at_scrape, 0)
-        return view.num_waiting + sent_since_scrape < self._saturated_waiting
+        if view.profile is not None:
+            return self._occupied(view) < view.profile.max_num_seqs + self._saturated_waiting
+        return view.num_waiting + max(view.in_flight - view.in_flight_at_scrape, 0) < self._saturated_waiting
+
+    def _bulk_room(self, view: BackendView) -> bool:
+        """Room for the default and less urgent bands: `_room`, and, where the profile says how many sequences
+        the engine runs, fewer in it than max_num_seqs minus the reserved slots. A backend without a profile
+        reserves nothing (it would hold the bands off blindly)."""
+        if not self._room(view):
+            return False
+        if not self._reserved_slots or view.profile is None:
+            return True
+        return self._occupied(view) < view.profile.max_num_seqs - self._reserved_slots
 
     def _capacity_changed(self) -> None:
         if self._on_capacity is not None:

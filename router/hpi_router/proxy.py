@@ -174,7 +174,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
         if state.queue.max_queued:  # 0: no queue, no backend is a 503 at once (below)
             await _wait_in_queue(state, flow, deadline_s)
         try:
-            choice = state.choose(key, exclude=tried)
+            choice = state.choose(key, exclude=tried, priority=flow.priority)
             if choice is not None:
                 backend, pick = choice
                 state.pool.started(backend)

@@ -66,10 +66,11 @@ class _Waiter:
 
 
 class RequestQueue:
-    def __init__(self, max_queued: int, max_wait_s: float, can_dispatch: Callable[[], bool],
+    def __init__(self, max_queued: int, max_wait_s: float, can_dispatch: Callable[[int], bool],
                  on_change: Callable[[Flow, int, float | None], None] | None = None):  # fmt: skip
-        """`can_dispatch`: whether the pool can take a request now; `on_change(flow, queued, waited_s)`: after each
-        enqueue (waited_s None) and each exit (how long it waited), for the metrics."""
+        """`can_dispatch(priority)`: whether the pool can take a request of that priority now (an urgent band may
+        find room the others may not take); `on_change(flow, queued, waited_s)`: after each enqueue (waited_s
+        None) and each exit (how long it waited), for the metrics."""
         if max_queued < 0 or max_wait_s < 0:
             raise ValueError("the queue's bounds must be >= 0")
         self.max_queued, self.max_wait_s = max_queued, max_wait_s
@@ -97,7 +98,7 @@ class RequestQueue:
         if self._closed is not None:
             raise QueueRejected("closed", self._closed, 1)
         self._prune()
-        if not self._heap and not self._turn_given and self._can_dispatch():
+        if not self._heap and not self._turn_given and self._can_dispatch(flow.priority):
             self._turn_given = True
             return
         if self.max_queued == 0 or len(self) >= self.max_queued:
@@ -106,6 +107,7 @@ class RequestQueue:
         now = time.monotonic()
         deadline_s = now + self.max_wait_s if deadline_s is None else deadline_s
         waiter = self._enqueue(flow, now)
+        self.notify()  # an urgent arrival behind waiters of a band that has no room may go at once
         try:  # asyncio.wait neither cancels the future on a timeout nor loses a cancel that races the turn
             await asyncio.wait((waiter.future,), timeout=max(deadline_s - now, 0.0))
         except asyncio.CancelledError:
@@ -133,8 +135,8 @@ class RequestQueue:
     def notify(self) -> None:
         """The pool may take requests again (a backend turned ready, a request finished, a scrape came in)."""
         self._prune()
-        if self._turn_given or not self._heap or not self._can_dispatch():
-            return
+        if self._turn_given or not self._heap or not self._can_dispatch(self._heap[0].priority):
+            return  # the head is the most urgent waiter: if it cannot go, a less urgent one may not either
         waiter = heapq.heappop(self._heap)
         self._virtual[waiter.priority] = waiter.tag
         self._leave(waiter)

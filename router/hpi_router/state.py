@@ -23,10 +23,11 @@ class RouterState:
         self.settings = settings
         self.metrics = RouterMetrics()
         # The queue asks the pool for room; the pool tells the queue when room may have appeared.
-        self.queue = RequestQueue(settings.queue.max_queued, settings.queue.max_wait_s, lambda: self.pool.has_room(),
+        self.queue = RequestQueue(settings.queue.max_queued, settings.queue.max_wait_s, lambda p: self.pool.has_room(p),
                                   on_change=self.metrics.queue_changed)  # fmt: skip
         self.pool = BackendPool(settings.policy, on_change=self._rebuild_ring,
-                                saturated_waiting=settings.queue.saturated_waiting, on_capacity=self.queue.notify)
+                                saturated_waiting=settings.queue.saturated_waiting, on_capacity=self.queue.notify,
+                                reserved_slots=settings.queue.reserved_slots)
         self.ring = HashRing(())
         self.tenants = TenantsFile(Path(settings.tenants_file)) if settings.tenants_file else None
         self.limits = TenantLimits()
@@ -38,11 +39,12 @@ class RouterState:
         self.ring = HashRing(self.pool.urls())
         self.metrics.refresh(self.pool.all())
 
-    def choose(self, affinity_key: str | None, exclude: set[str]) -> tuple[Backend, Pick] | None:
-        """The backend for one request (O(log n): BackendPool.choose), or None when none is ready outside
-        `exclude`. The caller reports what it does with it: `pool.started(backend)`, then `pool.finished`."""
+    def choose(self, affinity_key: str | None, exclude: set[str], priority: int = 0) -> tuple[Backend, Pick] | None:
+        """The backend for one request of `priority` (O(log n): BackendPool.choose), or None when none is ready
+        outside `exclude`. The caller reports what it does with it: `pool.started(backend)`, then
+        `pool.finished`."""
         walk = self.ring.walk(affinity_key) if affinity_key is not None else None
-        choice = self.pool.choose(walk, exclude)
+        choice = self.pool.choose(walk, exclude, priority)
         if choice is None:
             return None
         return self.pool.get(choice.url), choice

@@ -22,7 +22,7 @@ class Room:
 
 def make(room: Room, max_queued: int = 100, max_wait_s: float = 60.0, events: list | None = None) -> RequestQueue:
     hook = None if events is None else (lambda flow, n, waited: events.append((flow.tenant, n, waited)))
-    return RequestQueue(max_queued, max_wait_s, lambda: room.open, on_change=hook)
+    return RequestQueue(max_queued, max_wait_s, lambda priority: room.open, on_change=hook)
 
 
 async def enqueue_all(queue: RequestQueue, flows: list[tuple[str, Flow]], served: list[str]) -> list[asyncio.Task]:
@@ -183,7 +183,7 @@ def test_bad_bounds_and_weights_are_value_errors() -> None:
     with pytest.raises(ValueError, match="weight"):
         Flow(weight=0)
     with pytest.raises(ValueError, match="bounds"):
-        RequestQueue(-1, 10, lambda: True)
+        RequestQueue(-1, 10, lambda priority: True)
 
 
 def test_with_saturation_gating_the_pick_goes_to_a_backend_with_room() -> None:
@@ -216,3 +216,45 @@ def test_with_saturation_gating_the_pick_goes_to_a_backend_with_room() -> None:
                                                              generation_tokens=None, ready=True))  # fmt: skip
     ungated.rescale()
     assert ungated.choose(None).url == "http://queueing"  # by load alone, as without gating
+
+
+def test_reserved_slots_hold_the_default_band_off_the_last_slots_an_urgent_request_may_take() -> None:
+    from hpi_contracts.pool_profile import PoolProfile
+    from hpi_router.config import PolicySettings
+    from hpi_router.pool import BackendPool
+    from hpi_router.signals import ScrapeSample
+
+    profile = PoolProfile(20.0, 0.0, 1e5, 8, "assumed")  # the engine runs at most 8 sequences
+    pool = BackendPool(PolicySettings(affinity_prefix_chars=0), saturated_waiting=1, reserved_slots=2)
+    pool.apply(["http://engine"])
+    engine = pool.get("http://engine")
+    pool.restore(engine)
+    pool.observe(engine, ScrapeSample(num_running=5, num_waiting=0, kv_usage=0.5, generation_tokens=None,
+                                      ready=True, profile=profile))  # fmt: skip
+    pool.rescale()
+    assert pool.has_room(0) and pool.has_room(-1)  # 5 of 8: the default band may take the 6th
+    pool.started(engine)
+    assert not pool.has_room(0) and pool.has_room(-1)  # 6 of 8: the last two are the urgent bands'
+    for _ in range(2):
+        pool.started(engine)
+    assert pool.has_room(-1)  # 8 of 8: one more may wait in the engine (saturated_waiting 1) ...
+    pool.started(engine)
+    assert not pool.has_room(-1)  # ... and no more
+    pool.observe(engine, ScrapeSample(num_running=3, num_waiting=0, kv_usage=0.3, generation_tokens=None,
+                                      ready=True, profile=profile))  # fmt: skip
+    assert pool.has_room(0)  # the scrape shows slots freed
+
+
+async def test_an_urgent_arrival_goes_ahead_of_a_band_that_has_no_room() -> None:
+    room = {0: False, -1: True}
+    queue = RequestQueue(100, 60, lambda priority: room[priority])
+    served: list[str] = []
+    tasks = await enqueue_all(queue, [("batch0", Flow("batch")), ("batch1", Flow("batch"))], served)
+    assert len(queue) == 2
+    tasks += await enqueue_all(queue, [("urgent", Flow("chat", priority=-1))], served)
+    await asyncio.wait_for(tasks[2], timeout=1)  # it went at once, without waiting for a pool event
+    assert served == ["urgent"] and len(queue) == 2
+    room[0] = True
+    queue.notify()
+    await asyncio.gather(*tasks[:2])
+    assert served == ["urgent", "batch0", "batch1"]
