@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Organization", "OpenAI-Project")
 FORWARDED_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id", "WWW-Authenticate", "Retry-After")
 RETRY_STATUSES = {429: False, 502: False, 503: True, 504: False}  # status -> eject the backend?
+CLIENT_CLOSED = 499  # nginx's code for a request whose client went away before the answer: counted, never sent
 
 
 class AttemptFailed(Exception):
@@ -147,13 +148,16 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     tenant = authorize(state, request, body)  # None without a tenants file
     if tenant is None:
         return await _route(request, state, body, None)
-    status = 500
+    status = 500  # a bug: the error middleware answers 500
     try:
         response = await _route(request, state, body, tenant)
         status = response.status
         return response
     except ApiError as exc:
         status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        status = CLIENT_CLOSED  # the client went away: nobody was answered
         raise
     finally:
         state.limits.release(tenant)
