@@ -4,8 +4,10 @@ only by its in-cluster callers, listed here one by one (docs/cluster-guide.md, "
 | pods (policy)                     | port        | callers                                                        |
 |-----------------------------------|-------------|----------------------------------------------------------------|
 | runtime (`<name>-runtime`)        | 8000        | the front: router pods (mode router), the gateway peers and the |
-|                                   |             | endpoint picker, which scrapes them (mode inferencePool), or   |
-|                                   |             | the clients peers (mode service); the operator; prometheus     |
+|                                   |             | endpoint picker, which scrapes them, and the clients peers,    |
+|                                   |             | whose Service `<name>` still selects the runtime pods (mode    |
+|                                   |             | inferencePool), or the clients peers (mode service); the       |
+|                                   |             | operator; prometheus                                           |
 | router (`<name>-router`)          | 8080        | the clients peers; the operator (it scrapes the router's queue);|
 |                                   |             | prometheus                                                     |
 | endpoint picker                   | 9002 (gRPC) | the gateway peers                                              |
@@ -28,6 +30,7 @@ rule is left out rather than written.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +87,12 @@ def endpoint_picker_policy_name(owner_name: str) -> str:
 
 
 def _rule(port: int, peers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One ingress rule, or none when no peer is allowed (`from: []` would admit everybody)."""
-    if not peers:
+    """One ingress rule, or none when no peer is allowed (`from: []` would admit everybody). A peer listed twice
+    (the clients' and the gateway's default are both "this namespace") is written once."""
+    unique = list({json.dumps(p, sort_keys=True): dict(p) for p in peers}.values())
+    if not unique:
         return []
-    return [{"from": [dict(p) for p in peers], "ports": [{"port": port, "protocol": "TCP"}]}]
+    return [{"from": unique, "ports": [{"port": port, "protocol": "TCP"}]}]
 
 
 def _policy(owner: Owner, name: str, pod_selector: Mapping[str, str], ingress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -108,7 +113,9 @@ def network_policies(owner: Owner, spec: InferenceSpec, mode: str,
     me = [operator.peer()] if operator is not None else []
     router_pods = {"podSelector": {"matchLabels": {LABEL_ROUTER: short_name(owner.name)}}}
     picker_pods = {"podSelector": {"matchLabels": {LABEL_ENDPOINT_PICKER: short_name(owner.name)}}}
-    front = {"router": [router_pods], "inferencePool": [*np.gateway, picker_pods]}.get(mode, list(np.clients))
+    # In mode inferencePool the Service `<name>` still selects the runtime pods for in-cluster clients.
+    front = {"router": [router_pods], "inferencePool": [*np.gateway, picker_pods, *np.clients]}.get(
+        mode, list(np.clients))
     policies = [_policy(owner, runtime_policy_name(owner.name), selector_labels(owner.name),
                         _rule(RUNTIME_PORT, [*front, *me, *np.prometheus]))]  # fmt: skip
     if mode == "router":

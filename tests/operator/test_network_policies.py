@@ -97,12 +97,15 @@ def test_service_mode_admits_the_clients_to_the_runtime() -> None:
 def test_inference_pool_mode_admits_the_gateway_and_the_picker() -> None:
     gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}},
                "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "inference"}}}  # fmt: skip
-    found = policies({"networkPolicy": {"enabled": True, "gateway": [gateway]}}, "inferencePool")
+    team = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    found = policies({"networkPolicy": {"enabled": True, "gateway": [gateway], "clients": [team]}}, "inferencePool")
     assert set(found) == {"demo-runtime", "demo-endpoint-picker"}
-    # The gateway forwards requests to the runtime pods, the picker scrapes their vllm: gauges.
-    assert admitted(found["demo-runtime"]) == {8000: [gateway, PICKER_PODS, OPERATOR, MONITORING]}
-    picker = found["demo-endpoint-picker"]
+    # The gateway forwards requests to the runtime pods, the picker scrapes their vllm: gauges, and the clients
+    # still call the Service `demo`, which selects the runtime pods in this mode.
+    assert admitted(found["demo-runtime"]) == {8000: [gateway, PICKER_PODS, team, OPERATOR, MONITORING]}
     p = plan({"replicas": 2, "routing": {"mode": "inferencePool"}, **ON})
+    assert p.service["spec"]["selector"] == selects(found["demo-runtime"])
+    picker = found["demo-endpoint-picker"]
     epp = next(c for c in p.children if c["metadata"]["name"] == "demo-epp" and c["kind"] == "Deployment")
     assert selects(picker).items() <= epp["spec"]["template"]["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in epp["spec"]["template"]["spec"]["containers"][0]["ports"]}
@@ -120,9 +123,13 @@ def test_configured_peers_replace_the_defaults() -> None:
 
 def test_an_empty_peer_list_admits_nobody_rather_than_everybody() -> None:
     # `from: []` would admit every source: the rule is left out, and an empty ingress denies all.
-    found = policies({"networkPolicy": {"enabled": True, "gateway": [], "prometheus": []}}, "inferencePool", None)
+    none = {"enabled": True, "gateway": [], "prometheus": [], "clients": []}
+    found = policies({"networkPolicy": none}, "inferencePool", None)
     assert found["demo-endpoint-picker"]["spec"]["ingress"] == []
     assert admitted(found["demo-runtime"]) == {8000: [PICKER_PODS]}
+    # The defaults of clients and gateway are the same peer (this namespace): written once.
+    assert admitted(policies(ON, "inferencePool")["demo-runtime"]) == {8000: [SAME_NAMESPACE, PICKER_PODS, OPERATOR,
+                                                                              MONITORING]}
 
 
 def test_without_its_own_identity_the_operator_is_not_admitted() -> None:
