@@ -29,7 +29,7 @@ from .status import ChildState
 
 APPLY_PATCH = "application/apply-patch+yaml"
 PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool", "HorizontalPodAutoscaler", "ScaledObject", "ConfigMap")  # fmt: skip
+                "InferencePool", "HorizontalPodAutoscaler", "ScaledObject", "ConfigMap", "NetworkPolicy")  # fmt: skip
 
 
 def apply_object(kube: KubeClient, desired: Mapping[str, Any]) -> tuple[dict[str, Any], str]:

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from .names import KIND, NODE_PRICE_LABEL
+from .network_policies import OperatorIdentity, parse_self_labels
 from .nodes import node_info
 from .plan import make_plan
 from .reconcile import unplaceable_message
@@ -67,6 +68,12 @@ def render(cr_path: str, nodes_path: str, out: Any = None, err: Any = None) -> i
     return 2 if failed else 0
 
 
+def self_identity(args: argparse.Namespace) -> OperatorIdentity | None:
+    """The operator's own pod from --self-namespace and --self-labels (the chart sets both); None unless both."""
+    labels = parse_self_labels(args.self_labels or "")
+    return OperatorIdentity(args.self_namespace, labels) if args.self_namespace and labels else None
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
     config = OperatorConfig(resync_interval_s=args.resync_interval, metrics_port=args.metrics_port or None,
-                            node_price_label=args.node_price_label)  # fmt: skip
+                            node_price_label=args.node_price_label, identity=self_identity(args))  # fmt: skip
     kopf.run(
         registry=build_registry(config),
         standalone=True,  # one replica (the chart's Deployment uses the Recreate strategy): no peering CRD
@@ -83,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness or None,
     )
     return 0
+
+
+def _labels(text: str) -> str:
+    try:
+        parse_self_labels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +122,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--node-price-label", default=os.environ.get("HPI_NODE_PRICE_LABEL", NODE_PRICE_LABEL),
         help="the node label holding a node's price per node-hour as a decimal string, which the fleet optimizer "
         "prices pools without spec.placement.pools[].costPerHour from ('' reads none; env HPI_NODE_PRICE_LABEL)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--self-labels", default=os.environ.get("HPI_SELF_LABELS", ""), type=_labels,
+        help="labels selecting the operator's own pod, k=v,k2=v2: spec.networkPolicy admits it to the pods it "
+        "scrapes (env HPI_SELF_LABELS; the chart sets it)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--self-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+        help="the operator pod's namespace (env POD_NAMESPACE, which the chart sets)",
     )  # fmt: skip
     run_parser.add_argument("-v", "--verbose", action="store_true")
     run_parser.add_argument("--debug", action="store_true")

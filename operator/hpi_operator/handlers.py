@@ -29,6 +29,7 @@ from .autoscaling.handlers import register_autoscaler
 from .cache import RETRY_BASE_DELAY_S
 from .kube import KubeClient, load_api_client
 from .names import GROUP, LABEL_MANAGED_BY, NODE_PRICE_LABEL, OPERATOR_NAME, PLURAL, VERSION
+from .network_policies import OperatorIdentity
 from .nodes import NodeInfo, node_info
 from .op_metrics import OperatorMetrics
 from .profiling import RETRY_BASE_DELAY_S as PROFILE_RETRY_BASE_DELAY_S
@@ -45,6 +46,7 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("inference.networking.k8s.io", "v1", "inferencepools"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("", "v1", "persistentvolumeclaims"),
@@ -62,6 +64,9 @@ class OperatorConfig:
     profile_retry_base_s: float = PROFILE_RETRY_BASE_DELAY_S  # backoff after the first failed profiling Job
     debounce_s: float = 0.05  # after a wake-up: let the burst of events (its own writes) settle into one pass
     node_price_label: str = NODE_PRICE_LABEL  # the fleet optimizer's node price label ("" reads none)
+    # The operator's own pod, which spec.networkPolicy admits to the pods it calls; None: unknown (run outside a
+    # cluster), and the policies admit no operator (a warning says so once, at start-up).
+    identity: OperatorIdentity | None = None
 
 
 def utc_now() -> str:
@@ -92,7 +97,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
         # kopf's own bookkeeping in annotations under our group: status keeps only what the CRD declares.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -109,6 +114,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             if config.metrics_port:
                 memo.metrics.serve(config.metrics_port)
         memo.wakeups = Wakeups()
+        if config.identity is None:
+            logger.warning("the operator does not know its own pod (POD_NAMESPACE and --self-labels unset): the "
+                           "NetworkPolicies of spec.networkPolicy will not admit its metrics scrapes")  # fmt: skip
 
     @kopf.index("", "v1", "nodes", id="node_inventory", registry=registry)
     def node_inventory(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
@@ -149,7 +157,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo.metrics.set_nodes("cpu", sum(1 for n in nodes if not n.gpu_product))
         snapshot = copy.deepcopy(dict(body))  # the body is a live view: one pass decides on one state
         outcome = await asyncio.to_thread(reconcile, snapshot, nodes, memo.kube, utc_now(), config.cache_retry_base_s,
-                                          config.profile_retry_base_s)  # fmt: skip
+                                          config.profile_retry_base_s, config.identity)  # fmt: skip
         _finish(outcome, body, patch, memo, logger)
 
     register_autoscaler(registry, tick_s=config.autoscale_tick_s,

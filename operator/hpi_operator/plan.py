@@ -21,6 +21,7 @@ from .autoscaling.manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
 from .manifests import Owner, build_deployment, build_pdb, label_selector, short_name, stamp_hash
 from .names import ANNOTATION_SPEC_HASH
+from .network_policies import OperatorIdentity, network_policies
 from .nodes import NodeInfo, group_pools
 from .placement import Slot, eligible_choices, rank_choices, spread_replicas
 from .profiles import PoolChoice, choose_profile
@@ -60,6 +61,7 @@ class Plan:
     measured: Mapping[str, PoolProfile] = field(default_factory=dict)
     profile_targets: tuple[ProfileTarget, ...] = ()
     profile_configmaps: tuple[dict[str, Any], ...] = ()
+    network_policies: tuple[dict[str, Any], ...] = ()  # spec.networkPolicy: those of `routing_mode`, if enabled
 
     @property
     def placeable(self) -> bool:
@@ -81,7 +83,8 @@ class Plan:
         cache_sync.py and profile_sync.py instead)."""
         claim = [self.cache.pvc] if self.cache and self.cache.pvc else []
         autoscaler = [self.autoscaler] if self.autoscaler else []
-        return (*claim, *self.profile_configmaps, *self.deployments, *self.routing, self.pdb, *autoscaler)
+        return (*claim, *self.profile_configmaps, *self.deployments, *self.routing, self.pdb, *autoscaler,
+                *self.network_policies)  # fmt: skip
 
     @property
     def service(self) -> dict[str, Any]:
@@ -106,11 +109,14 @@ class Plan:
 
 
 def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached: bool = False,
-              measured: Mapping[str, PoolProfile] | None = None) -> Plan:  # fmt: skip
+              measured: Mapping[str, PoolProfile] | None = None,
+              operator: OperatorIdentity | None = None) -> Plan:  # fmt: skip
     """Decide everything for `body` (an InferenceDeployment as a dict); raises SpecError on a bad spec.
 
     `assume_cached`: plan the Deployments as if the model cache held the wanted revision (offline renders).
-    `measured`: the pools' measured figures as profile_sync.py just found them; None: as status.pools records."""
+    `measured`: the pools' measured figures as profile_sync.py just found them; None: as status.pools records.
+    `operator`: the operator's own pod, which spec.networkPolicy's policies admit; None: unknown (not in a
+    cluster), and they admit no operator."""
     metadata = body.get("metadata") or {}
     owner = Owner(name=metadata["name"], namespace=metadata.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
@@ -162,8 +168,9 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
             "(node label serving.hpi.dev/pool) or set spec.routing.mode: service"
         )
     pdb = build_pdb(owner)
-    children = [*deployments, *routing, pdb, *([cache.pvc] if cache and cache.pvc else []), *profile_configmaps,
-                *(t.job for t in targets)]  # fmt: skip
+    policies = network_policies(owner, spec, routing_mode, operator)
+    children = [*deployments, *routing, pdb, *policies, *([cache.pvc] if cache and cache.pvc else []),
+                *profile_configmaps, *(t.job for t in targets)]  # fmt: skip
     if cache is not None:
         children.append(cache.fill_job)
     if metadata.get("uid"):  # offline renders of a CR that was never created have no owner to point at
@@ -188,4 +195,5 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         measured=measured,
         profile_targets=tuple(targets),
         profile_configmaps=tuple(profile_configmaps),
+        network_policies=tuple(policies),
     )

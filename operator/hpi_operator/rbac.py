@@ -50,6 +50,8 @@ RULES: tuple[Rule, ...] = (
     Rule("rbac.authorization.k8s.io", "roles", _CHILD, "their Roles"),
     Rule("rbac.authorization.k8s.io", "rolebindings", _CHILD, "their bindings"),
     Rule("inference.networking.k8s.io", "inferencepools", _CHILD, "routing mode inferencePool"),
+    # spec.networkPolicy: the policies of the routing mode; pruned on a mode switch or when it is turned off.
+    Rule("networking.k8s.io", "networkpolicies", _CHILD, "spec.networkPolicy"),
     # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.
     Rule("autoscaling", "horizontalpodautoscalers", _CHILD, "mode hpa"),
     Rule("keda.sh", "scaledobjects", _CHILD, "mode keda"),

@@ -16,6 +16,7 @@ from .cache import RETRY_BASE_DELAY_S
 from .cache_sync import MODEL_CACHED, CacheReport, cache_status, collect_old_revision, sync_cache
 from .children import apply_plan
 from .kube import KubeClient, KubeError
+from .network_policies import OperatorIdentity
 from .nodes import NodeInfo
 from .plan import Plan, make_plan
 from .profile_sync import profile_events, profiled_condition, sync_profiles
@@ -88,13 +89,15 @@ def reconcile(
     now: str,
     cache_retry_base_s: float = RETRY_BASE_DELAY_S,
     profile_retry_base_s: float = PROFILE_RETRY_BASE_DELAY_S,
+    operator: OperatorIdentity | None = None,
 ) -> Outcome:
-    """Bring the children of `body` to the plan for the current inventory; never raises for bad input."""
+    """Bring the children of `body` to the plan for the current inventory; never raises for bad input.
+    `operator`: the operator's own pod, for the network policies (make_plan)."""
     metadata = body.get("metadata") or {}
     old_status = body.get("status") or {}
     generation = int(metadata.get("generation") or 0)
     try:
-        plan = make_plan(body, nodes)
+        plan = make_plan(body, nodes, operator=operator)
     except SpecError as e:
         # No child is touched: a typo in the spec must not take a working service down.
         status = failed_status(generation, old_status, now, "InvalidSpec", str(e))
@@ -115,12 +118,12 @@ def reconcile(
             report = sync_cache(kube, plan, metadata.get("uid"), old_cache, now, cache_retry_base_s)
             if report.served_path != plan.cached_dir:  # the fill Job just completed: pods move to it
                 body = _with_served_path(body, report.served_path)
-                plan = make_plan(body, nodes)
+                plan = make_plan(body, nodes, operator=operator)
         # Also without targets: it deletes the profiling Jobs of pools (or of a profiling mode) no longer wanted.
         measurements = sync_profiles(kube, plan, metadata.get("uid"), old_status, now, profile_retry_base_s)
         measured = {pool: m.profile for pool, m in measurements.items() if m.profile is not None}
         if measured != dict(plan.measured):  # figures newly measured (or cached): the pools' ConfigMaps follow
-            plan = make_plan(body, nodes, measured=measured)
+            plan = make_plan(body, nodes, measured=measured, operator=operator)
         applied = apply_plan(kube, plan, metadata.get("uid"))
         if report is not None:
             report = collect_old_revision(kube, plan, applied.states, report)

@@ -165,6 +165,17 @@ class RoutingSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    """spec.networkPolicy: who may call the pods (network_policies.py builds the policies). The peers are
+    NetworkPolicyPeer objects as Kubernetes spells them, passed through after a shape check."""
+
+    enabled: bool = crd_default("networkPolicy.enabled")
+    clients: tuple[Mapping[str, Any], ...] = tuple(crd_default("networkPolicy.clients"))
+    prometheus: tuple[Mapping[str, Any], ...] = tuple(crd_default("networkPolicy.prometheus"))
+    gateway: tuple[Mapping[str, Any], ...] = tuple(crd_default("networkPolicy.gateway"))
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     replicas: int = crd_default("replicas")
@@ -176,6 +187,7 @@ class InferenceSpec:
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     routing: RoutingSpec = field(default_factory=RoutingSpec)
     slo: Slo | None = None
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
 
     @property
     def optimized(self) -> bool:
@@ -499,6 +511,73 @@ def _parse_routing(raw: Mapping[str, Any]) -> RoutingSpec:
     return routing
 
 
+_SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def _label_selector(raw: Any, where: str) -> None:
+    """A LabelSelector's shape: what the API server would refuse, caught here with the field's path."""
+    if not isinstance(raw, Mapping) or set(raw) - {"matchLabels", "matchExpressions"}:
+        raise SpecError(f"{where} must be a label selector (matchLabels, matchExpressions); got {raw!r}")
+    labels = raw.get("matchLabels") or {}
+    if not isinstance(labels, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise SpecError(f"{where}.matchLabels must map label keys to string values; got {labels!r}")
+    expressions = raw.get("matchExpressions") or []
+    if not isinstance(expressions, list):
+        raise SpecError(f"{where}.matchExpressions must be a list; got {expressions!r}")
+    for i, term in enumerate(expressions):
+        if not isinstance(term, Mapping) or not isinstance(term.get("key"), str) or \
+                term.get("operator") not in _SELECTOR_OPERATORS:
+            raise SpecError(f"{where}.matchExpressions[{i}] needs a key and an operator "
+                            f"({', '.join(_SELECTOR_OPERATORS)}); got {term!r}")  # fmt: skip
+        values = term.get("values") or []
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise SpecError(f"{where}.matchExpressions[{i}].values must be a list of strings; got {values!r}")
+        if bool(values) != (term["operator"] in ("In", "NotIn")):
+            raise SpecError(f"{where}.matchExpressions[{i}]: operators In and NotIn need values, Exists and "
+                            "DoesNotExist take none")  # fmt: skip
+
+
+def _peers(raw: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    """NetworkPolicyPeers, checked as the API server would check them, so that garbage is a Degraded condition
+    naming the field rather than an apply that fails on every reconcile."""
+    if not isinstance(raw, list):
+        raise SpecError(f"{where} must be a list of NetworkPolicyPeers; got {raw!r}")
+    for i, peer in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(peer, Mapping) or not peer:
+            raise SpecError(f"{at} must be a NetworkPolicyPeer (podSelector, namespaceSelector and/or ipBlock); "
+                            f"got {peer!r}")  # fmt: skip
+        unknown = set(peer) - {"podSelector", "namespaceSelector", "ipBlock"}
+        if unknown:
+            raise SpecError(f"{at} has unknown fields {sorted(unknown)}: a NetworkPolicyPeer has podSelector, "
+                            "namespaceSelector and ipBlock")  # fmt: skip
+        if "ipBlock" in peer:
+            block = peer["ipBlock"]
+            if len(peer) > 1:
+                raise SpecError(f"{at}: ipBlock cannot be combined with podSelector or namespaceSelector")
+            if not isinstance(block, Mapping) or not isinstance(block.get("cidr"), str) or \
+                    not all(isinstance(c, str) for c in block.get("except") or []):
+                raise SpecError(f"{at}.ipBlock needs a cidr string (and optionally except, CIDR strings); "
+                                f"got {block!r}")  # fmt: skip
+        for key in ("podSelector", "namespaceSelector"):
+            if key in peer:
+                _label_selector(peer[key], f"{at}.{key}")
+    return tuple(raw)
+
+
+def _parse_network_policy(raw: Mapping[str, Any]) -> NetworkPolicySpec:
+    enabled = raw.get("enabled", NetworkPolicySpec.enabled)
+    if not isinstance(enabled, bool):
+        raise SpecError(f"spec.networkPolicy.enabled must be true or false; got {enabled!r}")
+    defaults = NetworkPolicySpec()
+    return NetworkPolicySpec(
+        enabled=enabled,
+        clients=_peers(_get(raw, "clients", list(defaults.clients)), "spec.networkPolicy.clients"),
+        prometheus=_peers(_get(raw, "prometheus", list(defaults.prometheus)), "spec.networkPolicy.prometheus"),
+        gateway=_peers(_get(raw, "gateway", list(defaults.gateway)), "spec.networkPolicy.gateway"),
+    )
+
+
 def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
     """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not: the same result)."""
     raw = with_defaults(raw)
@@ -525,6 +604,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         autoscaling=_parse_autoscaling(_get(raw, "autoscaling", {})),
         routing=_parse_routing(_get(raw, "routing", {})),
         slo=_fleet(parse_slo, raw.get("slo")),
+        network_policy=_parse_network_policy(_get(raw, "networkPolicy", {})),
     )
     if spec.autoscaling.mode == "optimizer" and spec.slo is None:
         raise SpecError("spec.autoscaling.mode optimizer needs spec.slo (ttftP90 and itlP90)")

@@ -28,7 +28,8 @@ NAMESPACE = "hpi-system"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 
-# Every optional feature on at once: the ServiceMonitor, the runtime PodMonitor, the dashboard, the default
+# Every optional feature on at once: the ServiceMonitor, the runtime PodMonitor, the dashboard, the operator's
+# NetworkPolicy, the default
 # InferenceDeployment, a single watched namespace (Role + RoleBinding), pull secrets, scheduling knobs, extra
 # args/env.
 ALL_FEATURES: dict[str, Any] = {
@@ -55,6 +56,14 @@ ALL_FEATURES: dict[str, Any] = {
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
     "runtimeMetrics": {"podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
     "dashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM serving"}},
+    "networkPolicy": {
+        "enabled": True,
+        "prometheus": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+            {"ipBlock": {"cidr": "10.0.0.0/8"}},
+        ],
+    },
     "defaultInferenceDeployment": {
         "enabled": True,
         "replicas": 2,

@@ -211,7 +211,8 @@ def _example_inputs(repo: Path) -> Iterable[tuple[dict[str, Any], list[Any]]]:
 
 def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
     """Each example as written, with spec.autoscaling.mode hpa and keda (an HPA or a ScaledObject child), with
-    each spec.routing.mode (the router's or the endpoint picker's objects, an InferencePool), and with
+    each spec.routing.mode (the router's or the endpoint picker's objects, an InferencePool), with and without
+    spec.networkPolicy (the NetworkPolicies of that mode), and with
     spec.placement.profiling always (profiling Jobs, the profile cache, the pools' profile ConfigMaps)."""
     for body, nodes in inputs:
         yield body, nodes
@@ -220,6 +221,9 @@ def _with_autoscaler_modes(inputs: Iterable[tuple[dict[str, Any], list[Any]]]):
             yield {**body, "spec": {**body["spec"], "autoscaling": autoscaling}}, nodes
         for mode in ("router", "inferencePool", "service"):
             yield {**body, "spec": {**body["spec"], "routing": {"mode": mode}}}, nodes
+            # spec.networkPolicy: the NetworkPolicies of each mode.
+            policy = {"enabled": True}
+            yield {**body, "spec": {**body["spec"], "routing": {"mode": mode}, "networkPolicy": policy}}, nodes
         # spec.placement.profiling: the profiling Jobs, the profile cache and the pools' profile ConfigMaps.
         placement = {**(body["spec"].get("placement") or {}), "profiling": "always"}
         yield {**body, "spec": {**body["spec"], "placement": placement}}, nodes

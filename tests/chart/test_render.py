@@ -202,7 +202,8 @@ def test_default_render_has_exactly_the_operator_objects(render, env):
 
 def test_optional_objects_appear_only_when_enabled(render, env):
     kinds = [m["kind"] for m in render(env.all_features)]
-    optional = ("ServiceMonitor", "PodMonitor", "ConfigMap", "InferenceDeployment", "Role", "RoleBinding")
+    optional = ("ServiceMonitor", "PodMonitor", "ConfigMap", "InferenceDeployment", "Role", "RoleBinding",
+                "NetworkPolicy")
     for kind in optional:
         assert kinds.count(kind) == 1, kind
     assert not set(optional) & {m["kind"] for m in render()}

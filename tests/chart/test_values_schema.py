@@ -27,6 +27,9 @@ BAD_VALUES = {
     "default deployment name too long": {"defaultInferenceDeployment": {"name": "n" * 53}},
     "resources with an unknown section": {"resources": {"request": {"cpu": "1"}}},
     "extra args not strings": {"operator": {"extraArgs": [1, 2]}},
+    "network policy peer not an object": {"networkPolicy": {"prometheus": ["monitoring"]}},
+    "network policy peer with a typo": {"networkPolicy": {"prometheus": [{"podSelectr": {}}]}},
+    "network policy empty peer": {"networkPolicy": {"prometheus": [{}]}},
 }
 
 

@@ -203,6 +203,7 @@ RESOURCES: tuple[tuple[str, bool, str, tuple[str, ...]], ...] = (
     ("rbac.authorization.k8s.io/v1/roles", True, "Role", ()),
     ("rbac.authorization.k8s.io/v1/rolebindings", True, "RoleBinding", ()),
     ("inference.networking.k8s.io/v1/inferencepools", True, "InferencePool", ("status",)),
+    ("networking.k8s.io/v1/networkpolicies", True, "NetworkPolicy", ()),
     ("v1/persistentvolumeclaims", True, "PersistentVolumeClaim", ("status",)),
     ("batch/v1/jobs", True, "Job", ("status",)),
     ("apps/v1/deployments", True, "Deployment", ("status", "scale")),

@@ -326,6 +326,16 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(emulator: Any, kub
     ):
         await api.patch(f"{CRS}/audit", {"spec": {"routing": routing}})
         await eventually(check)
+    # spec.networkPolicy: the runtime pods' policy, changed in place (new scrapers), then pruned.
+    policy = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/audit-runtime"
+    scrapers = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    for change, check in (
+        ({"enabled": True}, lambda: kube.get(policy)),
+        ({"prometheus": scrapers}, lambda: scrapers[0] in kube.get(policy)["spec"]["ingress"][0]["from"]),
+        ({"enabled": False}, lambda: kube.get(policy) is None),
+    ):
+        await api.patch(f"{CRS}/audit", {"spec": {"networkPolicy": change}})
+        await eventually(check)
     # spec.placement.profiling: a Job per pool; one completes (its pod read, the cache written); never: the pools'
     # profile ConfigMaps pruned.
     jobs = f"/apis/batch/v1/namespaces/{NS}/jobs"

@@ -192,10 +192,10 @@ async def test_a_hundred_no_op_resyncs_write_nothing(kube: KubeClient, api: Any,
     assert operator_writes(emulator, since) == []
 
 
-def fallback_plan(body: Any, nodes: Any) -> Any:
+def fallback_plan(body: Any, nodes: Any, **kwargs: Any) -> Any:
     """A deliberately wrong operator: an unservable model is replaced by another one, and every runtime pod rolls."""
     model = {"source": "huggingface", "huggingface": {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}}
-    return make_plan({**body, "spec": {**body["spec"], "model": model}}, nodes)
+    return make_plan({**body, "spec": {**body["spec"], "model": model}}, nodes, **kwargs)
 
 
 def break_operator(monkeypatch: pytest.MonkeyPatch, broken: str | None) -> None:

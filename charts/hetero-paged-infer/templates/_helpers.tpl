@@ -48,6 +48,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/*
+The selector labels as `k=v,k2=v2`, for `hpi-operator run --self-labels`: the operator's NetworkPolicies
+(spec.networkPolicy) admit the pod these select, with POD_NAMESPACE, to the pods it scrapes.
+*/}}
+{{- define "hetero-paged-infer.selfLabels" -}}
+{{- $terms := list }}
+{{- range $key, $value := include "hetero-paged-infer.selectorLabels" . | fromYaml }}
+{{- $terms = append $terms (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
+
 {{/* The ServiceAccount the operator runs as. */}}
 {{- define "hetero-paged-infer.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
