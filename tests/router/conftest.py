@@ -67,6 +67,8 @@ class FakeBackend:
         self.prompts: list[str] = []
         self.bodies: list[dict] = []  # every generation request's JSON, in arrival order
         self.authorizations: list[str | None] = []  # the Authorization header each one came with
+        self.in_flight_prompts: set[str] = set()  # the prompts of the requests it is generating now
+        self._transports: set = set()  # those requests' connections (kill resets them)
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -84,6 +86,12 @@ class FakeBackend:
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
+
+    async def kill(self) -> None:
+        """Die as a crashed pod does: every connection reset at once, then nothing listens."""
+        for transport in list(self._transports):
+            transport.abort()
+        await self.stop()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -106,6 +114,7 @@ class FakeBackend:
         body = await request.json()
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
+        prompt = body.get("prompt")
         if self.die_on_request:
             self.num_requests += 1
             request.transport.abort()
@@ -119,6 +128,8 @@ class FakeBackend:
         num_tokens = int(body.get("max_tokens") or 8)
         chat = request.path.endswith("/chat/completions")
         self.stats.num_running += 1
+        self.in_flight_prompts.add(str(prompt))
+        self._transports.add(request.transport)
         try:
             if not body.get("stream"):
                 for _ in range(num_tokens):
@@ -141,6 +152,8 @@ class FakeBackend:
             raise
         finally:
             self.stats.num_running -= 1
+            self.in_flight_prompts.discard(str(prompt))
+            self._transports.discard(request.transport)
 
     async def _decode_one(self) -> None:
         await asyncio.sleep(self.token_delay_s)
