@@ -190,7 +190,7 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
         logger.exception("loading the model in the engine core failed")
         conn.send(CoreDead(f"loading failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(CoreInfo(executor.footprint))
+    conn.send(CoreInfo(executor.footprint, tuple(executor.startup.items())))
     # The model and everything loaded so far live as long as the process: keep them out of the GC's way.
     gc.collect()
     gc.freeze()

@@ -101,6 +101,9 @@ class CoreInfo:
     """Sent once by a core process when its model is loaded and its KV cache allocated."""
 
     footprint: MemoryFootprint
+    # Seconds per start-up phase in the core (hpi_runtime/startup.py: load, quantize, layout, kv_cache, compile);
+    # empty where the executor reports none (tensor parallelism).
+    startup: tuple[tuple[str, float], ...] = ()
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, gc=False):

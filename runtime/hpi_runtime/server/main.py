@@ -74,15 +74,26 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     start the engine core in its own process, which loads the weights and allocates the KV cache."""
     from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
     from hpi_runtime.frontend.async_engine import AsyncLLM
+    from hpi_runtime.startup import PhaseClock, describe, process_age_s
 
     engine = None
+    clock = PhaseClock()
+    imports_s = process_age_s()
+    if imports_s is not None:
+        clock.phases["imports"] = imports_s
     try:
-        prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
+        with clock("prepare"):
+            prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
         spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
                                logging.getLogger().getEffectiveLevel())
         engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
-        info = await engine.start()
-        await _warm_up(engine, prepared.tokenizer)
+        with clock("core_process"):
+            info = await engine.start()
+        core_phases = dict(info.startup)  # inside the core's start: what is left is spawning and its imports
+        clock.phases["core_process"] = max(clock.phases["core_process"] - sum(core_phases.values()), 0.0)
+        clock.phases.update(core_phases)
+        with clock("warm_up"):
+            await _warm_up(engine, prepared.tokenizer)
     except Exception as exc:  # reported on /ready and in the exit code
         logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
@@ -91,6 +102,9 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         return
     footprint = info.footprint
     state.metrics.set_footprint(footprint)
+    total_s = process_age_s()
+    state.metrics.set_startup(clock.phases, total_s)
+    logger.info("%s", describe(clock.phases, total_s))
     state.metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
     vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)

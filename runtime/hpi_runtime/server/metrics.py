@@ -8,6 +8,7 @@ time and the engine loop pays nothing per step; latency histograms are observed 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -63,6 +64,10 @@ class ServingMetrics:
         self._sleeping = Gauge(names.SLEEPING, "1 while the engine sleeps (POST /sleep; not ready).", labels,
                                registry=reg)
         self._sleeping.labels(model_name).set(0)
+        self._startup_phase = Gauge(names.STARTUP_PHASE_SECONDS, "Seconds each start-up phase took (imports, "
+                                    "prepare, core_process, load, quantize, layout, kv_cache, compile, warm_up).",
+                                    labels + ["phase"], registry=reg)  # fmt: skip
+        self._startup = Gauge(names.STARTUP_SECONDS, "Seconds from process start to ready.", labels, registry=reg)
         self._quantization = Gauge("hpi:quantization_info", "1, labelled with the weights' quantization: method "
                                    "(none|int8|int4) and scheme (e.g. int4-g32-mse-mixed, gptq-int4-g128).",
                                    labels + ["method", "scheme"], registry=reg)  # fmt: skip
@@ -141,6 +146,13 @@ class ServingMetrics:
                   names.PROFILE_MAX_NUM_SEQS: profile.max_num_seqs}  # fmt: skip
         for name, value in values.items():
             self._profile[name].labels(self._model, profile.source).set(value)
+
+    def set_startup(self, phases: Mapping[str, float], total_s: float | None) -> None:
+        """How long start-up took, per phase (hpi_runtime/startup.py) and from process start to ready."""
+        for phase, seconds in phases.items():
+            self._startup_phase.labels(self._model, phase).set(seconds)
+        if total_s is not None:
+            self._startup.labels(self._model).set(total_s)
 
     def set_quantization(self, method: str, scheme: str) -> None:
         self._quantization.labels(self._model, method, scheme).set(1)

@@ -8,6 +8,7 @@ at start-up (each rank its own; the all-reduces trace into the graph), unless `e
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.loader import load_model, weight_bytes
 from hpi_runtime.models.parallel import SINGLE, TensorParallel
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
+from hpi_runtime.startup import PhaseClock
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 from hpi_runtime.worker.sleep import ModelSleeper
@@ -90,13 +92,19 @@ def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfi
 
 
 def _build_model(
-    config: ExecutorConfig, device: torch.device, backend: AttentionBackend, tp: TensorParallel
+    config: ExecutorConfig, device: torch.device, backend: AttentionBackend, tp: TensorParallel,
+    clock: PhaseClock | None = None,
 ) -> DecoderForCausalLM:
     """The weights as served: loaded, quantized, laid out for the CPU. Start-up and a wake from sleep level 2
     both call this, so the woken weights are the start-up ones, byte for byte."""
-    model = load_model(config.model_config, config.dtype, device, backend, tp)
-    quantize_model(model, config.quantization)  # in place, one layer at a time
-    pack_cpu_weights(model) or use_sgemm_layout(model)
+    clock = clock or PhaseClock()
+    with clock("load"):
+        model = load_model(config.model_config, config.dtype, device, backend, tp)
+    if config.quantization.enabled:
+        with clock("quantize"):
+            quantize_model(model, config.quantization)  # in place, one layer at a time
+    with clock("layout"):
+        pack_cpu_weights(model) or use_sgemm_layout(model)
     return model
 
 
@@ -106,7 +114,9 @@ class LocalExecutor:
         device = device or config.device
         model_config = config.model_config
         backend = get_attention_backend(config.attention_backend, config.dtype, device)
-        self.model = _build_model(config, device, backend, tp)
+        clock = PhaseClock()  # start-up phases (hpi_runtime/startup.py), reported through CoreInfo
+        self.model = _build_model(config, device, backend, tp, clock)
+        kv_started = time.perf_counter()
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
@@ -124,6 +134,7 @@ class LocalExecutor:
         self.host_kv_cache = None
         if self._num_host_kv_blocks:
             self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
+        clock.phases["kv_cache"] = time.perf_counter() - kv_started
         self.footprint = MemoryFootprint(
             weight_bytes=weight_bytes(self.model),
             kv_cache_bytes=kv_cache_bytes,
@@ -133,9 +144,11 @@ class LocalExecutor:
             num_host_kv_blocks=self._num_host_kv_blocks,
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
-        self.runner = ModelRunner(
-            self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
-        )
+        with clock("compile"):
+            self.runner = ModelRunner(
+                self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
+            )
+        self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
 
     @property

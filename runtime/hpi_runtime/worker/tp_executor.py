@@ -97,6 +97,7 @@ class MultiprocExecutor:
             kv_cache_bytes=sum(info.kv_cache_bytes for info in infos),
             host_kv_cache_bytes=sum(info.host_kv_cache_bytes for info in infos),
         )
+        self.startup: dict[str, float] = {}  # the workers' phases are not collected (hpi_runtime/startup.py)
         self._monitor = threading.Thread(target=self._watch, name="hpi-tp-monitor", daemon=True)
         self._monitor.start()
         logger.info("tensor parallel: %d worker processes ready (%s), pids %s", size,

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hpi_contracts.metrics import READ_BY_OPERATOR  # the names the operator reads
+from hpi_contracts.metrics import READ_BY_OPERATOR, STARTUP_PHASE_SECONDS, STARTUP_SECONDS
 from hpi_testing.server import RuntimeServer, metric_samples, post_json
 
 VLLM_CONTRACT = [
@@ -56,6 +56,13 @@ def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
     for name in READ_BY_OPERATOR:
         assert any(n == name or n.startswith(name + "_") for n in names), f"operator reads {name}"
     assert values["hpi:kv_cache_blocks"] > 0 and values["hpi:model_weight_bytes"] > 0
+    # Start-up, phase by phase (hpi_runtime/startup.py): the engine core's phases came through CoreInfo.
+    phases = {name.split("phase=")[1].rstrip("}"): v for name, v in values.items()
+              if name.startswith(STARTUP_PHASE_SECONDS + "{")}  # fmt: skip
+    assert {"imports", "prepare", "core_process", "load", "layout", "kv_cache", "compile", "warm_up"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["load"] > 0 and phases["warm_up"] > 0
+    [total] = [v for name, v in values.items() if name.split("{")[0] == STARTUP_SECONDS]
+    assert total >= sum(phases.values()) * 0.99  # the phases lie within the process's life
 
 
 def test_a_finished_request_observes_its_mean_time_per_output_token_once(busy_server) -> None:
