@@ -35,10 +35,11 @@ def generator(env) -> Any:
 def exported() -> dict[str, set[str]]:
     """Every series name the runtime and the operator expose -> its labels (suffixes as Prometheus sees them)."""
     from hpi_operator.op_metrics import OperatorMetrics
+    from hpi_router.metrics import RouterMetrics
     from hpi_runtime.server.metrics import ServingMetrics
 
     series: dict[str, set[str]] = {}
-    for registry in (ServingMetrics("m").registry, OperatorMetrics().registry):
+    for registry in (ServingMetrics("m").registry, OperatorMetrics().registry, RouterMetrics().registry):
         # prometheus_client exposes no label names for a metric without children: read its collectors'.
         collector_labels = {c._name: set(c._labelnames) for c in registry._collector_to_names}
         for family in registry.collect():
@@ -104,7 +105,8 @@ def test_every_query_reads_exported_metrics_by_existing_labels(generator, env, r
         "vllm:inter_token_latency_seconds_bucket", "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc",
         "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total", "hpi:ready", "hpi_operator_autoscaler_desired_replicas",
-        "hpi_operator_autoscaler_scale_events_total",
+        "hpi_operator_autoscaler_scale_events_total", "hpi:router_queued_requests",
+        "hpi:router_queue_wait_seconds_bucket", "hpi:router_tenant_requests_total",
     } <= checked  # fmt: skip
 
 

@@ -4,8 +4,8 @@
     python charts/hetero-paged-infer/dashboards/generate.py --check  # exit 1 if the JSON is stale
 
 Every query reads metrics the project exports: the runtime's vLLM names (runtime/hpi_runtime/server/metrics.py)
-with the `inference_deployment` and `pool` labels the chart's PodMonitor adds from pod labels, and the
-operator's own (operator/hpi_operator/op_metrics.py). tests/chart/test_dashboard.py parses each expression
+with the `inference_deployment` and `pool` labels the chart's PodMonitor adds from pod labels, the router's
+(router/hpi_router/metrics.py: its queue and tenants), and the operator's own (operator/hpi_operator/op_metrics.py). tests/chart/test_dashboard.py parses each expression
 and checks the names, and that this script and the JSON agree.
 """
 
@@ -25,6 +25,8 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # The runtime pods of the chosen InferenceDeployments and pools.
 SEL = 'namespace=~"$namespace", inference_deployment=~"$inference_deployment", pool=~"$pool"'
 BY = "inference_deployment, pool"
+# The router pods of the chosen InferenceDeployments (they serve every pool: no pool label).
+ROUTER_SEL = 'namespace=~"$namespace", inference_deployment=~"$inference_deployment"'
 RATE = "$__rate_interval"
 LEGEND = "{{inference_deployment}} / {{pool}}"
 
@@ -121,6 +123,28 @@ def build() -> dict:
             query(f"sum by ({BY}) (rate(vllm:prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
                   f"sum by ({BY}) (rate(vllm:prefix_cache_queries_total{{{SEL}}}[{RATE}]))"),
         ], "Prompt tokens served from cached KV blocks, of all prompt tokens looked up."))
+        .with_row(dashboard.Row("Router: queue and tenants"))
+        .with_panel(panel("Requests waiting in the router", "short", [
+            query(f"sum by (inference_deployment, tenant, priority) (hpi:router_queued_requests{{{ROUTER_SEL}}})",
+                  "{{inference_deployment}} {{tenant}} (priority {{priority}})"),
+        ], "Requests the router holds for a backend: none ready (a pool starting from zero) or every engine "
+           "saturated (--queue-saturated-waiting); the operator scales on it."))
+        .with_panel(panel("Router queue wait", "s", [
+            query(f"histogram_quantile({q}, sum by (le, inference_deployment, tenant) "
+                  f"(rate(hpi:router_queue_wait_seconds_bucket{{{ROUTER_SEL}}}[{RATE}])))",
+                  f"p{round(q * 100)} {{{{inference_deployment}}}} {{{{tenant}}}}", ref)
+            for q, ref in ((0.5, "A"), (0.9, "B"), (0.99, "C"))
+        ], "How long queued requests waited for a backend, per tenant (served, timed out or gone)."))
+        .with_panel(panel("Requests per tenant", "reqps", [
+            query(f"sum by (tenant, code) (rate(hpi:router_tenant_requests_total{{{ROUTER_SEL}}}[{RATE}]))",
+                  "{{tenant}} {{code}}"),
+        ], "Requests per tenant by the status it got (401/404 refused, 429 over a limit, 499 client gone)."))
+        .with_panel(panel("Tokens per tenant", "short", [
+            query(f"sum by (tenant) (rate(hpi:router_tenant_completion_tokens_total{{{ROUTER_SEL}}}[{RATE}]))",
+                  "completion {{tenant}}"),
+            query(f"sum by (tenant) (rate(hpi:router_tenant_prompt_tokens_total{{{ROUTER_SEL}}}[{RATE}]))",
+                  "prompt {{tenant}}", "B"),
+        ], "Prompt and completion tokens per second per tenant, from the backends' usage."))
         .with_row(dashboard.Row("Replicas and autoscaling"))
         .with_panel(panel("Ready replicas", "short", [
             query(f"sum by ({BY}) (hpi:ready{{{SEL}}})"),
