@@ -12,6 +12,8 @@ Build directory: `$HPI_CACHE_DIR/torch_extensions/...` when HPI_CACHE_DIR is set
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -20,6 +22,7 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -80,6 +83,28 @@ def _build_directory(name: str) -> str | None:
     return str(path)
 
 
+@contextlib.contextmanager
+def _builder_lock(build_directory: str | None) -> Iterator[None]:
+    """One builder at a time in `build_directory`, by an flock that the kernel releases when its holder dies.
+
+    cpp_extension guards a build with a lock *file* it deletes when done; a process killed mid-build (a Ctrl-C, a
+    test timeout, an OOM kill) leaves the file behind, and every later load of this extension then waits for it
+    forever. Under this flock nobody else is building, so a lock file found here is such a leftover: removed."""
+    if build_directory is None:  # torch's default directory: its own locking only
+        yield
+        return
+    with open(Path(build_directory) / "hpi-builder.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = Path(build_directory) / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that was killed (no builder holds the directory)", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_extension() -> str:
     """Build (the first time on a machine: ~15 s on 2 cores) and load the CPU kernels; returns the .so path.
@@ -99,15 +124,17 @@ def load_extension() -> str:
     if capability != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     start = time.perf_counter()
+    build_directory = _build_directory(name)
     try:
-        path = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded (same soname)
-            build_directory=_build_directory(name),
-            is_python_module=False,
-        )
+        with _builder_lock(build_directory):
+            path = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded (same soname)
+                build_directory=build_directory,
+                is_python_module=False,
+            )
     except (RuntimeError, OSError) as error:  # compile errors, a missing toolchain piece, a bad .so
         raise CpuKernelBuildError(f"could not build the C++ CPU kernels ({name}): {error}") from error
     logger.info("loaded %s (%s) in %.1f s", name, path, time.perf_counter() - start)
