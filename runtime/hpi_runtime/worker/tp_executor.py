@@ -28,7 +28,7 @@ import torch
 
 from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.worker.executor import ExecutorConfig
-from hpi_runtime.worker.tp_worker import OK, READY, SHUTDOWN, WorkerSpec, run_worker
+from hpi_runtime.worker.tp_worker import OK, READY, SHUTDOWN, SLEEP_PREFIX, WAKE_UP, WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +190,26 @@ class MultiprocExecutor:
             self._die(sentinels[ready[0]].describe_exit(self._reap_lock))
 
     def sleep(self, level: int) -> int:
-        """Not yet with tensor parallelism: each worker would have to release its shard in step with the
-        others (a message beside the step's); refused as bad input so that /sleep answers 400."""
-        raise ValueError("sleep mode is not supported with tensor_parallel_size > 1 yet")
+        """Every rank releases its shard (the core sends this between steps, so no rank is in a collective);
+        the bytes freed over all ranks."""
+        return self._command(SLEEP_PREFIX + str(level).encode())
 
     def wake_up(self) -> int:
-        raise ValueError("sleep mode is not supported with tensor_parallel_size > 1 yet")
+        """Every rank restores its shard; the bytes restored over all ranks."""
+        return self._command(WAKE_UP)
+
+    def _command(self, message: bytes) -> int:
+        if self._dead is not None:
+            raise self._dead
+        for worker in self._workers:
+            try:
+                worker.conn.send_bytes(message)
+            except OSError:
+                raise self._die(worker.describe_exit(self._reap_lock)) from None
+        replies, failures = self._gather_replies(OK)
+        if failures:
+            raise RuntimeError("; ".join(map(str, failures)))
+        return sum(replies)
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._callbacks.append(callback)

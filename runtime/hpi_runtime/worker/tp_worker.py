@@ -21,6 +21,7 @@ import torch
 
 READY, OK, FAILED = "ready", "ok", "failed"
 SHUTDOWN = b"shutdown"
+SLEEP_PREFIX, WAKE_UP = b"sleep:", b"wake_up"  # b"sleep:1" / b"sleep:2": answered (OK, bytes freed or restored)
 # How long a collective may wait for a peer before gloo/NCCL give up; peers that die are noticed sooner
 # by the engine process, which then stops everyone.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -82,8 +83,13 @@ def _serve(executor, conn: Connection, rank: int) -> None:
         if message == SHUTDOWN:
             return
         try:
-            output = executor.execute_model(pickle.loads(message))
-            reply = (OK, output if rank == 0 else None)
+            if message.startswith(SLEEP_PREFIX):  # every rank releases its shard between the same two steps
+                reply = (OK, executor.sleep(int(message[len(SLEEP_PREFIX):])))
+            elif message == WAKE_UP:
+                reply = (OK, executor.wake_up())
+            else:
+                output = executor.execute_model(pickle.loads(message))
+                reply = (OK, output if rank == 0 else None)
         except Exception as exc:  # a failed step; the engine fails its requests and goes on
             logger.exception("tensor-parallel rank %d: step failed", rank)
             reply = (FAILED, RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}"))

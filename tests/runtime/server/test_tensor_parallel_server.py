@@ -83,10 +83,20 @@ def test_ctrl_c_to_the_process_group_drains_and_exits_zero(tiny_model_dir: Path,
     server = RuntimeServer(tiny_model_dir, tmp_path / "server.log", "--tensor-parallel-size", "2",
                            "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB")  # fmt: skip
     try:
-        # Sleep mode is not there for tensor parallelism yet: a clear 400, and the replica keeps serving.
-        status, payload = post(server.base_url, "/sleep?level=1", b"")
-        assert status == 400 and "tensor_parallel_size" in payload["error"]["message"], payload
+        # Sleep mode over the workers: every rank releases its shard and restores it; the answer is unchanged.
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        before = client.completions.create(model=model, prompt="the sleeping", max_tokens=8,
+                                           temperature=0).choices[0].text  # fmt: skip
+        status, asleep = post(server.base_url, "/sleep?level=2", b"")
+        assert status == 200 and asleep["freed_bytes"] > 0, asleep
+        assert server.get_json("/ready")[0] == 503
+        status, awake = post(server.base_url, "/wake_up", b"")
+        assert status == 200 and awake["restored_bytes"] == asleep["freed_bytes"], awake
         assert server.get_json("/ready") == (200, {"status": "ready"})
+        after = client.completions.create(model=model, prompt="the sleeping", max_tokens=8,
+                                          temperature=0).choices[0].text  # fmt: skip
+        assert after == before
         core_pid, pids = core_and_worker_pids(server.process.pid)
         assert len(pids) == 2, server.logs()
         pids.append(core_pid)
