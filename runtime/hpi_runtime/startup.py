@@ -7,7 +7,7 @@ torch, our modules), `prepare` (the model's files resolved or downloaded, its co
 from safetensors), `quantize`, `layout` (weights packed for the CPU kernels), `kv_cache` (the paged KV cache and
 the host tier allocated), `compile` (the model step compiled and warmed up per shape), `warm_up` (one request
 through the whole server). The engine core's phases come from its process (CoreInfo); with tensor parallelism
-its workers' are not collected yet, and `core_process` then covers them.
+each is the slowest worker's, and `core_process` also covers spawning the workers.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ class CoreInfo:
     """Sent once by a core process when its model is loaded and its KV cache allocated."""
 
     footprint: MemoryFootprint
-    # Seconds per start-up phase in the core (hpi_runtime/startup.py: load, quantize, layout, kv_cache, compile);
-    # empty where the executor reports none (tensor parallelism).
+    # Seconds per start-up phase in the core (hpi_runtime/startup.py: load, quantize, layout, kv_cache, compile;
+    # with tensor parallelism the slowest rank's).
     startup: tuple[tuple[str, float], ...] = ()
 
 

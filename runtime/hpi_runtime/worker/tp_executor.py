@@ -85,9 +85,10 @@ class MultiprocExecutor:
             self._workers.append(_Worker(rank, process, parent_conn))
         try:
             # A rank that fails may leave the others waiting for it in a collective: stop at the first failure.
-            infos, failures = self._gather_replies(READY, stop_at_failure=True)
+            replies, failures = self._gather_replies(READY, stop_at_failure=True)
             if failures:  # the first rank's own exception (a ValueError for a budget that is too small, ...)
                 raise failures[0]
+            infos = [footprint for footprint, _ in replies]
         except BaseException:
             self.shutdown()
             raise
@@ -97,7 +98,9 @@ class MultiprocExecutor:
             kv_cache_bytes=sum(info.kv_cache_bytes for info in infos),
             host_kv_cache_bytes=sum(info.host_kv_cache_bytes for info in infos),
         )
-        self.startup: dict[str, float] = {}  # the workers' phases are not collected (hpi_runtime/startup.py)
+        # Each start-up phase as long as its slowest rank took (the ranks start side by side; the last one gates).
+        self.startup = {phase: max(phases.get(phase, 0.0) for _, phases in replies)
+                        for phase in dict.fromkeys(p for _, phases in replies for p in phases)}  # fmt: skip
         self._monitor = threading.Thread(target=self._watch, name="hpi-tp-monitor", daemon=True)
         self._monitor.start()
         logger.info("tensor parallel: %d worker processes ready (%s), pids %s", size,

@@ -1,10 +1,11 @@
 """One tensor-parallel rank in its own process: join the process group, load this rank's shard, then run
 every step the engine sends until told to stop (or until the engine process goes away).
 
-Protocol over the worker's pipe (pickled tuples): after start-up the worker sends (READY, this rank's
-MemoryFootprint) or (FAILED, the exception) and exits; then, for every pickled SchedulerOutput received,
-(OK, ModelRunnerOutput on rank 0, None elsewhere) or (FAILED, an exception naming the rank). The bytes
-b"shutdown" end the loop.
+Protocol over the worker's pipe (pickled tuples): after start-up the worker sends (READY, (this rank's
+MemoryFootprint, its start-up phases)) or (FAILED, the exception) and exits; then, for every pickled
+SchedulerOutput received, (OK, ModelRunnerOutput on rank 0, None elsewhere) or (FAILED, an exception naming the
+rank); for b"sleep:<level>" and b"wake_up", (OK, the bytes this rank freed or restored). The bytes b"shutdown" end
+the loop.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         logger.error("tensor-parallel rank %d failed to start:\n%s", spec.rank, traceback.format_exc())
         _send(conn, (FAILED, _portable(exc, f"tensor-parallel rank {spec.rank} failed to start")))
         raise SystemExit(1) from None
-    _send(conn, (READY, executor.footprint))  # its block counts are already the minimum over ranks
+    # Its block counts are already the minimum over ranks; its start-up phases (hpi_runtime/startup.py) beside them.
+    _send(conn, (READY, (executor.footprint, executor.startup)))
     try:
         _serve(executor, conn, spec.rank)
     finally:

@@ -97,6 +97,9 @@ def test_ctrl_c_to_the_process_group_drains_and_exits_zero(tiny_model_dir: Path,
         after = client.completions.create(model=model, prompt="the sleeping", max_tokens=8,
                                           temperature=0).choices[0].text  # fmt: skip
         assert after == before
+        phases = server.metric_samples()  # start-up phases: each the slowest rank's, through the core's CoreInfo
+        assert phases["hpi:startup_phase_seconds{phase=load}"] > 0
+        assert phases["hpi:startup_phase_seconds{phase=compile}"] > 0
         core_pid, pids = core_and_worker_pids(server.process.pid)
         assert len(pids) == 2, server.logs()
         pids.append(core_pid)
