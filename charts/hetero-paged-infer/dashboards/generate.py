@@ -5,8 +5,9 @@
 
 Every query reads metrics the project exports: the runtime's vLLM names (runtime/hpi_runtime/server/metrics.py)
 with the `inference_deployment` and `pool` labels the chart's PodMonitor adds from pod labels, the router's
-(router/hpi_router/metrics.py: its queue and tenants), and the operator's own (operator/hpi_operator/op_metrics.py). tests/chart/test_dashboard.py parses each expression
-and checks the names, and that this script and the JSON agree.
+(router/hpi_router/metrics.py: its queue and tenants), and the operator's own (operator/hpi_operator/op_metrics.py).
+tests/chart/test_monitoring.py parses each expression and checks the names, and that this script and the JSON
+agree.
 """
 
 from __future__ import annotations
