@@ -24,6 +24,7 @@ from hpi_operator.autoscaling.scrape import (
     parse_load,
     ready_pod_targets,
     scrape_pods,
+    startup_by_pool,
 )
 
 
@@ -205,6 +206,25 @@ def test_a_ready_pods_pool_and_start_time_come_with_its_target() -> None:
     assert by_name["unlabelled"].pool is None and by_name["unlabelled"].start_s is None
 
 
+def test_startup_phases_are_read_per_pod_and_summed_up_per_pool() -> None:
+    def exposition(total: float, load: float) -> str:
+        return (vllm_metrics(0.1) + f'hpi:startup_phase_seconds{{phase="load"}} {load}\n'
+                'hpi:startup_phase_seconds{phase="compile"} 9\nhpi:startup_phase_seconds{phase="bad"} NaN\n'
+                f"hpi:startup_seconds {total}\n")  # fmt: skip
+
+    fast, slow = parse_load("fast", exposition(20, 1.5)), parse_load("slow", exposition(31, 4))
+    assert dict(fast.startup_phases) == {"load": 1.5, "compile": 9.0} and fast.startup_s == 20  # NaN dropped
+    bare = parse_load("bare", vllm_metrics(0.1))
+    assert bare.startup_phases == () and bare.startup_s is None  # an older runtime: nothing, never a failure
+    targets = [PodTarget("fast", "u", "l4"), PodTarget("slow", "u", "l4"), PodTarget("bare", "u", "cpu"),
+               PodTarget("gone", "u", "cpu")]  # fmt: skip
+    results = [Scraped("fast", fast), Scraped("slow", slow), Scraped("bare", bare),
+               ScrapeFailed("gone", UNREACHABLE, "refused")]  # fmt: skip
+    assert startup_by_pool(results, targets) == {
+        "l4": {"pods": 2, "totalSeconds": 31.0, "phases": {"load": 4.0, "compile": 9.0}}}
+    assert startup_by_pool(results[2:], targets) is None
+
+
 def test_parse_the_runtimes_own_exposition() -> None:
     """The operator reads what hpi_runtime's /metrics writes (both sides of the hpi_contracts.metrics contract)."""
     metrics = pytest.importorskip("hpi_runtime.server.metrics", reason="the runtime package is not installed")
@@ -222,6 +242,9 @@ def test_parse_the_runtimes_own_exposition() -> None:
     assert parse_load("p", text, model_name="SmolLM2-135M-Instruct") == PodLoad(
         "p", 0.625, 2.0, 5.0, num_finished=0.0, prompt_tokens=10.0, generation_tokens=20.0,
         ttft_buckets=empty_ttft, tpot_buckets=empty_tpot)
+    serving.set_startup({"load": 1.25, "compile": 8.5}, 14.0)  # once ready: how it started
+    started = parse_load("p", serving.render().decode(), model_name="SmolLM2-135M-Instruct")
+    assert dict(started.startup_phases) == {"load": 1.25, "compile": 8.5} and started.startup_s == 14.0
 
 
 def test_the_autoscaler_never_imports_torch() -> None:

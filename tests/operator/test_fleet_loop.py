@@ -227,6 +227,11 @@ def test_a_fleet_at_zero_with_requests_queued_in_the_router_wakes_on_the_cheapes
         num_router_queued=1)  # fmt: skip
     assert sum(floor.replicas.values()) == 2  # max(minReplicas, 1)
 
+# How the fake pods started, as hpi serve's /metrics says it (hpi_runtime/startup.py).
+STARTUP_TEXT = ('# TYPE hpi:startup_phase_seconds gauge\nhpi:startup_phase_seconds{phase="load"} 3.5\n'
+                'hpi:startup_phase_seconds{phase="compile"} 41.25\n# TYPE hpi:startup_seconds gauge\n'
+                "hpi:startup_seconds 58.0\n")
+
 # The fake pods' latency, as the share of requests at or below each bound: 4% of TTFTs above 1 s and 2% of mean
 # ITLs above 100 ms, so the attainment bound is 1 - 0.04 - 0.02 = 0.94 whatever the request count. p90 TTFT: rank
 # 0.9 lies in (0.25, 1.0] holding 0.6..0.96: 0.25 + 0.75 x 0.3 / 0.36 = 0.875 s; p90 ITL in (0.05, 0.1] holding
@@ -258,7 +263,8 @@ class CountingRuntime:
                     f"# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total {done * 500}\n"
                     f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total {done * 200}\n"
                     + histogram("vllm:time_to_first_token_seconds", TTFT_SHARES, done)
-                    + histogram("vllm:request_time_per_output_token_seconds", TPOT_SHARES, done))  # fmt: skip
+                    + histogram("vllm:request_time_per_output_token_seconds", TPOT_SHARES, done)
+                    + STARTUP_TEXT)  # fmt: skip
 
         runner, port = await serve_metrics(render)
         self.runners.append(runner)
@@ -316,6 +322,9 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
             assert optimizer["startSeconds"][l4] == pytest.approx(150, abs=2)
             assert optimizer["leadTime"]["source"] == "measured" and optimizer["leadTime"]["pool"] == l4
             assert optimizer["leadTime"]["seconds"] == pytest.approx(optimizer["startSeconds"][l4] + 2)
+            # How the pool's pods started, from their own /metrics (the slowest pod's figures).
+            assert status["autoscaling"]["startup"] == {
+                l4: {"pods": 1, "totalSeconds": 58.0, "phases": {"load": 3.5, "compile": 41.25}}}
             await eventually(lambda: (kube.get(f"{CRS}/fleet")["status"]["autoscaling"]["optimizer"].get("slo")
                                       or {}).get("requests", 0) > 0)  # fmt: skip
             status = (await asyncio.to_thread(kube.get, f"{CRS}/fleet"))["status"]

@@ -50,6 +50,9 @@ class PodLoad:
     # The latency histograms since the pod started (None where absent): the optimizer's observed SLO attainment.
     ttft_buckets: Buckets | None = None  # vllm:time_to_first_token_seconds
     tpot_buckets: Buckets | None = None  # vllm:request_time_per_output_token_seconds (per-request mean ITL)
+    # How the pod started (hpi:startup_phase_seconds{phase}, hpi:startup_seconds); empty / None where absent.
+    startup_phases: tuple[tuple[str, float], ...] = ()
+    startup_s: float | None = None
 
     @property
     def idle(self) -> bool:

@@ -46,7 +46,7 @@ from .fleet_loop import fleet_poll
 from .fleet_status import optimizer_replicas
 from .loop import builtin_active, poll, poll_due
 from .router_queue import RouterQueue, router_status, scrape_router_queue
-from .scrape import DEFAULT_TIMEOUT_S, PodTarget, Scraped, ready_pod_targets, scrape_pods
+from .scrape import DEFAULT_TIMEOUT_S, PodTarget, Scraped, ready_pod_targets, scrape_pods, startup_by_pool
 
 DEFAULT_TICK_S = 1.0
 MERGE_PATCH = "application/merge-patch+json"
@@ -186,7 +186,7 @@ async def optimize_fleet(
     result = fleet_poll(plan, loads, status, current, now_s, prices, starts, router.num_queued)
     old = (status.get("autoscaling") or {}).get("optimizer") or {}
     patch.status["autoscaling"] = {"lastPollEpoch": round(now_s, 3), "optimizer": replacing(old, result.status),
-                                   **router_status(router)}  # fmt: skip
+                                   **router_status(router), "startup": startup_by_pool(results, targets)}  # fmt: skip
     if result.changed:
         kopf.event(body, type="Normal", reason="FleetScaled", message=result.message[:1000])
     if not result.feasible and old.get("feasible", True):

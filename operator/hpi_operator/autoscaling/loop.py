@@ -17,7 +17,7 @@ from ..names import GROUP
 from ..spec import AutoscalingSpec
 from .decision import Decision, decide, history_from_status, history_to_status
 from .router_queue import RouterQueue, router_status
-from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods
+from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods, startup_by_pool
 
 # Demand seen in front of the pods (a gateway or activator holding requests while there are no replicas):
 # an integer annotation on the InferenceDeployment; the builtin scaler wakes from zero when it is positive.
@@ -71,9 +71,10 @@ def external_demand(annotations: Mapping[str, str] | None, router: RouterQueue) 
 
 
 def autoscaling_status(decision: Decision, current: int, results: Sequence[ScrapeResult], now_s: float,
-                       router: RouterQueue = RouterQueue()) -> dict[str, Any]:  # fmt: skip
-    """The status keys one poll writes: `autoscaling` (memory, last decision, the router's queue) and
-    `kvCacheUtilization`."""
+                       router: RouterQueue = RouterQueue(),
+                       startup: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The status keys one poll writes: `autoscaling` (memory, last decision, the router's queue, how the pods of
+    each pool started) and `kvCacheUtilization`."""
     failures = [r for r in results if isinstance(r, ScrapeFailed)]
     memory = history_to_status(decision.history)
     kv = decision.kv_utilization
@@ -98,6 +99,7 @@ def autoscaling_status(decision: Decision, current: int, results: Sequence[Scrap
             ]
             or None,
             **router_status(router),
+            "startup": startup,
         },
     }
 
@@ -118,4 +120,6 @@ async def poll(
     history = history_from_status(status.get("autoscaling"))
     decision = decide(settings, current, observation(results, external_demand(annotations, router)), history, now_s)
     scale_to = decision.desired_replicas if decision.desired_replicas != current else None
-    return PollResult(decision, results, scale_to, autoscaling_status(decision, current, results, now_s, router))
+    startup = startup_by_pool(results, targets)
+    return PollResult(decision, results, scale_to,
+                      autoscaling_status(decision, current, results, now_s, router, startup))  # fmt: skip

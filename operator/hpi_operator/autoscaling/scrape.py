@@ -26,6 +26,8 @@ from hpi_contracts.metrics import (
     PROMPT_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_TIME_PER_OUTPUT_TOKEN,
+    STARTUP_PHASE_SECONDS,
+    STARTUP_SECONDS,
     TIME_TO_FIRST_TOKEN,
 )
 
@@ -152,9 +154,15 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
     values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_REQUESTS_WAITING: [], NUM_REQUESTS_RUNNING: [],
                                       **{name: [] for name in _COUNTERS}}  # fmt: skip
     histograms: dict[str, dict[float, float]] = {name: {} for name in _HISTOGRAMS}
+    startup: dict[str, float] = {}  # phase -> seconds; STARTUP_SECONDS under its own name
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name in (STARTUP_PHASE_SECONDS, STARTUP_SECONDS):
+                    value = float(sample.value)  # informative only: a bad value is dropped, never a failed scrape
+                    if math.isfinite(value) and value >= 0:
+                        startup[sample.labels.get("phase", STARTUP_SECONDS)] = value
+                    continue
                 if sample.name not in values and sample.name not in histograms:
                     continue
                 if model_name is not None and sample.labels.get(MODEL_NAME_LABEL, model_name) != model_name:
@@ -183,6 +191,8 @@ def parse_load(pod: str, text: str, model_name: str | None = None) -> PodLoad:
         generation_tokens=generation,
         ttft_buckets=_buckets(histograms[_HISTOGRAMS[0]]),
         tpot_buckets=_buckets(histograms[_HISTOGRAMS[1]]),
+        startup_phases=tuple((p, s) for p, s in startup.items() if p != STARTUP_SECONDS),
+        startup_s=startup.get(STARTUP_SECONDS),
     )
 
 
@@ -238,3 +248,22 @@ def observation(results: Iterable[ScrapeResult], num_external_waiting: int = 0) 
         num_failed=sum(isinstance(r, ScrapeFailed) for r in results),
         num_external_waiting=num_external_waiting,
     )
+
+
+def startup_by_pool(results: Iterable[ScrapeResult], targets: Iterable[PodTarget]) -> dict[str, Any] | None:
+    """How the ready pods of each pool started, from their own /metrics (hpi_runtime/startup.py): the slowest
+    pod's total and each phase's slowest, with the number of pods that reported; None when none did."""
+    pool_of = {t.pod: t.pool for t in targets if t.pool}
+    out: dict[str, Any] = {}
+    for result in results:
+        load = result.load if isinstance(result, Scraped) else None
+        pool = pool_of.get(result.pod)
+        if load is None or pool is None or (load.startup_s is None and not load.startup_phases):
+            continue
+        entry = out.setdefault(pool, {"pods": 0, "totalSeconds": None, "phases": {}})
+        entry["pods"] += 1
+        if load.startup_s is not None:
+            entry["totalSeconds"] = round(max(entry["totalSeconds"] or 0.0, load.startup_s), 2)
+        for phase, seconds in load.startup_phases:
+            entry["phases"][phase] = round(max(entry["phases"].get(phase, 0.0), seconds), 2)
+    return dict(sorted(out.items())) or None
