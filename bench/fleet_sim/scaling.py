@@ -21,8 +21,8 @@ from typing import Protocol
 from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
 from hpi_operator.fleet.demand import Counters, read_demand
 from hpi_operator.fleet.forecast import Lead, Trend, lead_time, planned_rate, start_times, update
-from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
-from hpi_operator.fleet.performance import Slo, replica_capacity
+from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize, pools_meeting_slo
+from hpi_operator.fleet.performance import Slo
 from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
@@ -74,8 +74,7 @@ class OptimizerControl:
         for member in ready:
             starts.setdefault(member.pool, []).append(member.ready_at_s - member.created_s)
         self.start_s = start_times(starts, self.start_s)
-        fast_enough = [o.name for o in offers if replica_capacity(o.performance, demand, self.slo).meets_slo]
-        self.last_lead = lead_time(self.lead_s, self.start_s, fast_enough, self.poll_s)
+        self.last_lead = lead_time(self.lead_s, self.start_s, pools_meeting_slo(offers, demand, self.slo), self.poll_s)
         if self.trend is not None:
             demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.last_lead.seconds))
         plan = optimize(demand, self.slo, offers, self.utilization)

@@ -165,12 +165,12 @@ def router_pod_labels(owner: Owner) -> dict[str, str]:
     return _pod_labels(owner, ROUTER_NAME, "router", LABEL_ROUTER)
 
 
-def router_args(owner: Owner, spec: InferenceSpec | None = None) -> list[str]:
+def router_args(owner: Owner, spec: InferenceSpec) -> list[str]:
     """Arguments of `hpi-router` (router/hpi_router/cli.py)."""
     args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--discover-service", backends_service_name(owner.name), "--namespace", owner.namespace,
             "--discover-port", RUNTIME_PORT_NAME, "--drain-timeout", str(ROUTER_DRAIN_S)]  # fmt: skip
-    if spec is not None and spec.routing.tenants_secret:
+    if spec.routing.tenants_secret:
         args += ["--tenants-file", f"{TENANTS_MOUNT}/{TENANTS_FILE}"]
     return args
 

@@ -176,6 +176,21 @@ def _chunk(model: str, chat: bool, text: str) -> dict:
 
 
 
+@contextlib.contextmanager
+def _real_backends(model_dir: Path, log_dir: Path, names: tuple[str, ...], *args: str):
+    """`hpi serve` backends on `model_dir`, started side by side (their loads overlap), stopped at the end."""
+    from hpi_testing.server import RuntimeServer
+
+    started = [RuntimeServer(model_dir, log_dir / f"{name}.log", *args, wait_ready=False) for name in names]
+    try:
+        for server in started:
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
 @contextlib.asynccontextmanager
 async def router_for(urls, wait_ready: bool = True, **settings):
     """A router over `urls`, serving on a free port; waits until every backend has been probed ready."""
@@ -188,6 +203,12 @@ async def router_for(urls, wait_ready: bool = True, **settings):
                 break
             await asyncio.sleep(0.02)
         yield state
+
+
+@pytest.fixture(scope="session")
+def real_backends():
+    """`with real_backends(model_dir, log_dir, names, *serve_args) as servers:` real `hpi serve` backends."""
+    return _real_backends
 
 
 @pytest.fixture()

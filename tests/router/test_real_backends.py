@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 
-from hpi_testing.server import RuntimeServer, free_port, metric_samples
+from hpi_testing.server import free_port, metric_samples
 
 pytestmark = pytest.mark.slow
 SERVED_NAME = "tiny-llama"
@@ -25,18 +25,10 @@ SERVER_ARGS = ("--served-model-name", SERVED_NAME, "--max-model-len", "512", "--
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, real_backends):
     """Two backends, started together. The failover test, last in this file, kills the second."""
-    logs = tmp_path_factory.mktemp("backends")
-    started = [RuntimeServer(tiny_model_dir, logs / f"{name}.log", *SERVER_ARGS, wait_ready=False)
-               for name in ("a", "b")]
-    try:
-        for server in started:
-            server.wait_ready()
+    with real_backends(tiny_model_dir, tmp_path_factory.mktemp("backends"), ("a", "b"), *SERVER_ARGS) as started:
         yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

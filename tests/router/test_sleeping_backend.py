@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hpi_testing.server import RuntimeServer, metric_samples
+from hpi_testing.server import metric_samples
 
 pytestmark = pytest.mark.slow
 SERVED_NAME = "tiny-llama"
@@ -27,17 +27,10 @@ BODY = {"model": SERVED_NAME, "prompt": "one two three four", "max_tokens": 8, "
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("backends")
-    started = [RuntimeServer(tiny_model_dir, logs / f"{name}.log", *SERVER_ARGS, wait_ready=False)
-               for name in ("awake", "sleeper")]
-    try:
-        for server in started:
-            server.wait_ready()
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, real_backends):
+    with real_backends(tiny_model_dir, tmp_path_factory.mktemp("backends"), ("awake", "sleeper"),
+                       *SERVER_ARGS) as started:  # fmt: skip
         yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict | None = None) -> tuple[int, dict]:

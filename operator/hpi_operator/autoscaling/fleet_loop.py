@@ -17,8 +17,8 @@ from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, obse
 from ..fleet.demand import read_demand
 from ..fleet.forecast import LAG_POLLS, Lead, lead_time, planned_rate, start_times, update
 from ..fleet.offers import pool_offers
-from ..fleet.optimizer import FleetPlan, PoolOffer, optimize
-from ..fleet.performance import Demand, PoolPerformance, replica_capacity
+from ..fleet.optimizer import FleetPlan, PoolOffer, optimize, pools_meeting_slo
+from ..fleet.performance import Demand, PoolPerformance
 from ..fleet.pricing import LabelPrice, NodePrices, label_price
 from ..fleet.stabilize import Window, stabilize_all
 from ..placement import eligible_choices, rank_choices
@@ -93,8 +93,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     # The offers depend on the demand's token mix only, which the planned demand shares with the measured one.
     offered = pool_offers(spec, serving, plan.shape, reading.demand, label_prices=label_prices, measured=measured)
     start_s = start_times(starts or {}, memory.start_s)
-    fast_enough = [o.name for o in offered.offers
-                   if replica_capacity(o.performance, reading.demand, spec.slo).meets_slo]  # fmt: skip
+    fast_enough = pools_meeting_slo(offered.offers, reading.demand, spec.slo)
     lead = lead_time(spec.autoscaling.lead_time_s, start_s, fast_enough, spec.autoscaling.poll_interval_s)
     planned = reading.demand
     if trend is not None:

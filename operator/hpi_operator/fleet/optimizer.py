@@ -70,6 +70,12 @@ def _solve(rates: Sequence[float], costs: Sequence[float], lows: Sequence[int], 
     return [round(v) for v in result.x]
 
 
+def pools_meeting_slo(offers: Sequence[PoolOffer], demand: Demand, slo: Slo) -> list[str]:
+    """The offered pools one replica of which can serve `demand`'s token mix within `slo` at some load (the ones
+    the plan may grow; forecast.lead_time plans as far ahead as the slowest of them starts)."""
+    return [o.name for o in offers if replica_capacity(o.performance, demand, slo).meets_slo]
+
+
 def optimize(
     demand: Demand, slo: Slo, offers: Sequence[PoolOffer], utilization: float = DEFAULT_UTILIZATION
 ) -> FleetPlan:
