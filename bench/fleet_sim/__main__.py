@@ -4,6 +4,7 @@
     python -m bench.fleet_sim sweep --seed 1 --scale 0.1                  # the baseline's target utilisation
     python -m bench.fleet_sim routing --seed 1                            # capacity-aware vs round-robin
     python -m bench.fleet_sim scale --seed 1                              # = headline optimizer, timed
+    python -m bench.fleet_sim bound --levels 0.2,0.6,1                   # the cost floor: smallest fleet per rate
     python -m bench.fleet_sim report                                      # runs -> bench/results/fleet.{md,json}
 
 Run with PYTHONPATH holding the repository root and the components (see bench/README.md).
@@ -48,12 +49,24 @@ def record(name: str, result: RunResult, seed: int, extra: dict, duration_s: flo
     return figures
 
 
+def record_level(name: str, found, seed: int, out: Path) -> None:
+    """One level of the cost floor (bound.py), in its own folder: the report reads them apart from the runs."""
+    figures = {"name": name, "seed": seed, "rate_rps": found.rate_rps, "multiplier": round(found.multiplier, 4),
+               "replicas": found.replicas, "cost_per_hour": round(found.cost_per_hour, 4),
+               "slo_attainment": round(found.attainment, 4), "probes": found.probes, "machine": machine(),
+               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    (out / "bound").mkdir(parents=True, exist_ok=True)
+    (out / "bound" / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    print(f"{name}: {found.rate_rps:.1f} req/s -> {found.replicas} (x{found.multiplier:.3f} at full use), "
+          f"${found.cost_per_hour:.2f}/h, attainment {found.attainment:.4f}, {found.probes} probes", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("scenario", choices=("headline", "sweep", "routing", "scale", "report"))
+    parser.add_argument("scenario", choices=("headline", "sweep", "routing", "scale", "bound", "report"))
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--control", choices=("optimizer", "kv", "gpu-only"), default="optimizer")
+    parser.add_argument("--control", choices=("optimizer", "kv", "gpu-only", "oracle"), default="optimizer")
     parser.add_argument("--target", type=float, default=0.3, help="kv control: target KV utilisation")
     parser.add_argument("--target-waiting", type=int, default=None, help="kv control: targetWaitingRequests")
     parser.add_argument("--min-replicas", type=int, default=1, help="kv control: minReplicas (the floor)")
@@ -61,6 +74,8 @@ def main() -> None:
     parser.add_argument("--lead", type=float, default=None,
                         help="optimizer: leadTimeSeconds (default: the operator's)")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
+    parser.add_argument("--levels", default=",".join(f"{f:g}" for f in scenarios.BOUND_LEVELS),
+                        help="bound: fractions of the peak rate to measure")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
     parser.add_argument("--baseline", default=None, help="report: the full-scale KV run to compare against")
     parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="where run JSON files go (report reads them)")
@@ -77,7 +92,8 @@ def main() -> None:
             name = f"headline-kv-{args.target:g}{waiting}{floor}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
-            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead)
+            result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead,
+                                                 args.control == "oracle")  # fmt: skip
             name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
                     f"{'' if args.lead is None else f'-lead{args.lead:g}'}{tag}")  # fmt: skip
         extra = {
@@ -105,6 +121,10 @@ def main() -> None:
             record(f"routing-{strategy}", result, args.seed, {"strategy": strategy,
                    "replicas": scenarios.ROUTING_REPLICAS, "rate_rps": scenarios.ROUTING_RPS},
                    scenarios.ROUTING_DURATION_S, args.runs)  # fmt: skip
+    elif args.scenario == "bound":
+        for fraction in (float(f) for f in args.levels.split(",")):
+            found = scenarios.bound_level(args.seed, fraction)
+            record_level(f"bound-{fraction:g}", found, args.seed, args.runs)
     else:
         write_report(args.runs, args.baseline)
 

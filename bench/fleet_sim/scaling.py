@@ -22,12 +22,13 @@ from hpi_operator.autoscaling.decision import History, Observation, PodLoad, dec
 from hpi_operator.fleet.demand import Counters, read_demand
 from hpi_operator.fleet.forecast import Lead, Trend, lead_time, planned_rate, start_times, update
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize, pools_meeting_slo
-from hpi_operator.fleet.performance import Slo
+from hpi_operator.fleet.performance import Demand, Slo
 from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
 
 from .fleet import Member
+from .oracle import Foresight
 from .pools import SimPool
 
 POLL_S = float(AutoscalingSpec().poll_interval_s)  # the operator's default, as the engine polls
@@ -49,8 +50,10 @@ class Control(Protocol):
 
 class OptimizerControl:
     def __init__(self, pools: Sequence[SimPool], slo: Slo, window: Window, utilization: float = DEFAULT_UTILIZATION,
-                 name: str = "optimizer", lead_s: float | None = None, poll_s: float = POLL_S):  # fmt: skip
+                 name: str = "optimizer", lead_s: float | None = None, poll_s: float = POLL_S,
+                 foresight: Foresight | None = None):  # fmt: skip
         self.name, self.pools, self.slo, self.window, self.utilization = name, list(pools), slo, window, utilization
+        self.foresight = foresight  # an oracle run: the future's peak rate instead of the forecast (oracle.py)
         self.lead_s, self.poll_s = lead_s, poll_s  # spec.autoscaling.leadTimeSeconds (None: from the start times)
         self.start_s: dict[str, float] = {}
         self.last_lead: Lead | None = None
@@ -75,7 +78,10 @@ class OptimizerControl:
             starts.setdefault(member.pool, []).append(member.ready_at_s - member.created_s)
         self.start_s = start_times(starts, self.start_s)
         self.last_lead = lead_time(self.lead_s, self.start_s, pools_meeting_slo(offers, demand, self.slo), self.poll_s)
-        if self.trend is not None:
+        if self.foresight is not None:
+            f = self.foresight
+            demand = Demand(f.peak_rate(now_s, self.last_lead.seconds), f.mean_prompt_tokens, f.mean_output_tokens)
+        elif self.trend is not None:
             demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.last_lead.seconds))
         plan = optimize(demand, self.slo, offers, self.utilization)
         self.last_plan = plan

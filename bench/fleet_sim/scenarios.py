@@ -27,7 +27,9 @@ from hpi_operator.fleet.stabilize import Window
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
 
+from .bound import Level, day_floor, level
 from .engine import RunConfig, RunResult, Simulation
+from .oracle import Foresight
 from .pools import SimPool, headline_pools
 from .scaling import FixedControl, KvControl, OptimizerControl
 from .workloads import AZURE_CONV_2023, Arrivals, Request, generate
@@ -88,14 +90,17 @@ def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial
 
 
 def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
-                       lead_s: float | None = None) -> RunResult:  # fmt: skip
-    """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls)."""
+                       lead_s: float | None = None, oracle: bool = False) -> RunResult:  # fmt: skip
+    """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls); `oracle`: plan
+    for the day's true peak rate one lead time ahead instead of the forecast (oracle.py)."""
     pools = pools_at(scale)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
-    control = OptimizerControl(offered, SLO, _window(), utilization, name="gpu-only" if gpu_only else "optimizer",
-                               lead_s=lead_s)  # fmt: skip
+    requests = day(seed, scale)
+    name = "oracle" if oracle else "gpu-only" if gpu_only else "optimizer"
+    control = OptimizerControl(offered, SLO, _window(), utilization, name=name, lead_s=lead_s,
+                               foresight=Foresight(requests) if oracle else None)  # fmt: skip
     initial = _start_plan(offered, scale)
-    return _run(offered, day(seed, scale), control, initial)
+    return _run(offered, requests, control, initial)
 
 
 def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None,
@@ -123,3 +128,15 @@ def routing(seed: int, strategy: str) -> RunResult:
                        initial_replicas=ROUTING_REPLICAS, duration_s=ROUTING_DURATION_S, strategy=strategy,
                        slo=SLO)  # fmt: skip
     return Simulation(config).run()
+
+
+BOUND_LEVELS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # fractions of the peak rate (the night is 0.2)
+
+
+def bound_level(seed: int, fraction: float) -> Level:
+    """The smallest warm fleet within the SLO at `fraction` of the headline's peak rate (bound.py)."""
+    return level(pools_at(1.0), _context(), AZURE_CONV_2023, PEAK_RPS * fraction, SLO, seed)
+
+
+def bound_day(levels: Sequence[Level]) -> float:
+    return day_floor(levels, Arrivals("diurnal", PEAK_RPS, DURATION_S, trough_fraction=TROUGH_FRACTION))

@@ -50,3 +50,33 @@ def test_the_baseline_scales_the_total_and_fills_pools_in_rank_order():
     ready = [_member(f"p{i}", 0, kv=0.75) for i in range(4)]  # four pods at 75% KV against a 50% target: 6
     replicas = control.poll(ready, {"h200-bf16": 2, "l4-int8": 2, "cpu-bf16": 0}, 0.0)
     assert replicas == {"h200-bf16": 2, "l4-int8": 4, "cpu-bf16": 0}  # GPU pools first, H200 before L4
+
+
+def test_an_oracle_plans_for_the_coming_peak_not_the_measured_rate():
+    """The oracle control (oracle.py) knows the day's arrivals: with a surge due within the lead time, it plans
+    for the surge's rate while the measured rate is still the quiet one; the forecasting control does not."""
+    from fleet_sim.oracle import Foresight
+    from fleet_sim.workloads import Request
+
+    quiet, surge = 5.0, 60.0  # req/s: quiet for the first 100 s, then the surge
+    arrivals = [i / quiet for i in range(int(100 * quiet))] + [100 + i / surge for i in range(int(200 * surge))]
+    requests = [Request(t, PROMPT, OUTPUT) for t in arrivals]
+    foresight = Foresight(requests)
+    assert foresight.rate(0, 60) == quiet and foresight.rate(120, 180) == surge
+    assert foresight.peak_rate(0.0, 120.0) == surge  # the window starting at 105 s is inside the lead
+
+    pools = headline_pools(PROMPT + OUTPUT / 2)
+    window = Window(scale_up_s=0, scale_down_s=0, max_step=1000)
+    current = {"h200-bf16": 1, "l4-int8": 1, "cpu-bf16": 0}
+    plans = {}
+    for name, sight in (("oracle", foresight), ("forecast", None)):
+        control = OptimizerControl(pools, SLO, window, lead_s=120.0, foresight=sight)
+        control.poll([_member("a", 0), _member("b", 0)], current, 0.0)
+        n = quiet * 15 / 2  # each pod finished its half of 15 s of quiet traffic
+        plans[name] = control.poll([_member("a", n), _member("b", n)], current, 15.0)
+    offers = [PoolOffer(p.name, p.performance_at(PROMPT + OUTPUT / 2), p.cost_per_hour, p.max_replicas)
+              for p in pools]  # fmt: skip
+    expected = optimize(Demand(surge, foresight.mean_prompt_tokens, foresight.mean_output_tokens), SLO, offers)
+    assert plans["oracle"] == dict(expected.replicas)
+    cost = {name: sum(o.cost_per_hour * plan[o.name] for o in offers) for name, plan in plans.items()}
+    assert cost["forecast"] < cost["oracle"] / 2  # the forecast still plans for the quiet rate

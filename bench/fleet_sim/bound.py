@@ -1,0 +1,106 @@
+"""A floor under the headline day's cost within the SLO: what a fleet that is always exactly big enough costs.
+
+For each demand level (a fraction of the day's peak), steady Poisson traffic with the day's token mix runs on a
+fixed fleet that starts warm: the fleet is the optimizer's plan for `multiplier` x the level's rate at full use
+(its cheapest pools first: every H200, then L4s), and a binary search finds the smallest multiplier whose
+requests (after a warm-up) are within the SLO at least `ATTAINMENT` of the time. The day's floor is then the
+cost of running, at every moment, the fleet its rate needs (linear between the measured levels), with no cold
+start, no forecast error, no scale-down delay: no controller with these pools, router and SLO does better on
+this day except by letting some stretch of the day fall below the attainment target to pay for another.
+
+A cost target below this floor cannot be met by any autoscaling on this fleet; the gap between a controller's
+cost and the floor is what a better controller could still win.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.performance import Demand, Slo
+
+from .engine import RunConfig, Simulation
+from .metrics import within
+from .pools import SimPool
+from .scaling import FixedControl
+from .workloads import Arrivals, LengthMix, generate
+
+ATTAINMENT = 0.99
+STEADY_S = 480.0  # each probe's run; the first WARMUP_S are not counted (the fleet fills up)
+WARMUP_S = 120.0
+PRECISION = 0.015  # the search stops when the multiplier is known to this (relative)
+
+
+@dataclass(frozen=True)
+class Level:
+    rate_rps: float
+    multiplier: float  # planned rate / actual rate at the smallest fleet found within the SLO
+    replicas: dict[str, int]
+    cost_per_hour: float
+    attainment: float
+    probes: int
+
+
+def _plan(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float, slo: Slo) -> dict[str, int]:
+    prompt, output = mix.mean_tokens()
+    offers = [PoolOffer(p.name, p.performance_at(context), p.cost_per_hour, p.max_replicas) for p in pools]
+    return dict(optimize(Demand(rate, prompt, output), slo, offers, utilization=1.0).replicas)
+
+
+def steady_attainment(pools: Sequence[SimPool], replicas: dict[str, int], rate: float, mix: LengthMix, slo: Slo,
+                      seed: int, steady_s: float = STEADY_S) -> float:  # fmt: skip
+    """The share of requests arriving after the warm-up (a quarter of `steady_s`, WARMUP_S at the default) that are
+    within `slo`, on a fixed warm fleet."""
+    requests = generate(Arrivals("poisson", rate, steady_s), mix, seed)
+    config = RunConfig(pools=pools, requests=requests, control=FixedControl(replicas), initial_replicas=replicas,
+                       duration_s=steady_s, slo=slo)  # fmt: skip
+    result = Simulation(config).run()
+    counted = [r for r in result.results if r.arrival_s >= steady_s * WARMUP_S / STEADY_S]  # the run drains
+    total = len(counted) + result.num_unserved  # none is unserved on a fixed warm fleet; if one were, a miss
+    return sum(1 for r in counted if within(r, slo)) / total if total else 1.0
+
+
+def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float, slo: Slo, seed: int,
+          low: float = 1.0, high: float = 1.6, steady_s: float = STEADY_S) -> Level:  # fmt: skip
+    """The smallest fleet (by planned-rate multiplier in [low, high]) within the SLO at `rate`."""
+    costs = {p.name: p.cost_per_hour for p in pools}
+    probes, best = 0, None
+    while True:
+        replicas = _plan(pools, context, mix, rate * high, slo)
+        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, steady_s)
+        probes += 1
+        if attained >= ATTAINMENT:
+            break
+        low, high = high, high * 1.4  # even the upper end misses: widen
+    best = Level(rate, high, replicas, sum(costs[k] * n for k, n in replicas.items()), attained, probes)
+    while high / low > 1 + PRECISION:
+        mid = math.sqrt(low * high)
+        replicas = _plan(pools, context, mix, rate * mid, slo)
+        if replicas == best.replicas:  # the same fleet: nothing between mid and high is smaller
+            high = mid
+            continue
+        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, steady_s)
+        probes += 1
+        if attained >= ATTAINMENT:
+            high = mid
+            best = Level(rate, mid, replicas, sum(costs[k] * n for k, n in replicas.items()), attained, probes)
+        else:
+            low = mid
+    return Level(best.rate_rps, best.multiplier, best.replicas, best.cost_per_hour, best.attainment, probes)
+
+
+def day_floor(levels: Sequence[Level], arrivals: Arrivals, step_s: float = 1.0) -> float:
+    """Dollars for the day at each moment's fleet cost, linear in the rate between the measured levels (the rate
+    is the diurnal curve's; below the lowest level, that level's cost)."""
+    ordered = sorted(levels, key=lambda x: x.rate_rps)
+    rates = [x.rate_rps for x in ordered]
+    total = 0.0
+    for i in range(int(arrivals.duration_s / step_s)):
+        r = arrivals.diurnal_rate((i + 0.5) * step_s)
+        j = min(max(sum(1 for x in rates if x <= r) - 1, 0), len(ordered) - 2)
+        a, b = ordered[j], ordered[j + 1]
+        f = min(max((r - a.rate_rps) / (b.rate_rps - a.rate_rps), 0.0), 1.0)
+        total += (a.cost_per_hour + f * (b.cost_per_hour - a.cost_per_hour)) * step_s / 3600
+    return total
