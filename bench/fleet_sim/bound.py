@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.optimizer import PoolOffer, optimize, pools_meeting_slo
 from hpi_operator.fleet.performance import Demand, Slo
 
 from .engine import RunConfig, Simulation
@@ -44,9 +44,16 @@ class Level:
 
 
 def _plan(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float, slo: Slo) -> dict[str, int]:
+    """The optimizer's fleet for `rate` at full use, on the pools that can meet the SLO only (a request sent to one
+    that cannot is a miss, so a floor never uses one); beyond what they carry, all of them at their capacity."""
     prompt, output = mix.mean_tokens()
+    demand = Demand(rate, prompt, output)
     offers = [PoolOffer(p.name, p.performance_at(context), p.cost_per_hour, p.max_replicas) for p in pools]
-    return dict(optimize(Demand(rate, prompt, output), slo, offers, utilization=1.0).replicas)
+    fast = set(pools_meeting_slo(offers, demand, slo))
+    plan = optimize(demand, slo, [o for o in offers if o.name in fast], utilization=1.0)
+    if not plan.feasible:
+        return {p.name: p.max_replicas if p.name in fast else 0 for p in pools}
+    return {p.name: plan.replicas.get(p.name, 0) for p in pools}
 
 
 def steady_attainment(pools: Sequence[SimPool], replicas: dict[str, int], rate: float, mix: LengthMix, slo: Slo,
@@ -63,17 +70,19 @@ def steady_attainment(pools: Sequence[SimPool], replicas: dict[str, int], rate: 
 
 
 def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float, slo: Slo, seed: int,
-          low: float = 1.0, high: float = 1.6, steady_s: float = STEADY_S) -> Level:  # fmt: skip
+          low: float = 1.0, high: float = 1.35, steady_s: float = STEADY_S) -> Level:  # fmt: skip
     """The smallest fleet (by planned-rate multiplier in [low, high]) within the SLO at `rate`."""
     costs = {p.name: p.cost_per_hour for p in pools}
-    probes, best = 0, None
+    probes = 0
     while True:
         replicas = _plan(pools, context, mix, rate * high, slo)
         attained = steady_attainment(pools, replicas, rate, mix, slo, seed, steady_s)
         probes += 1
         if attained >= ATTAINMENT:
             break
-        low, high = high, high * 1.4  # even the upper end misses: widen
+        if replicas == _plan(pools, context, mix, rate * high * 1.25, slo):  # every SLO pool full: no fleet holds it
+            raise ValueError(f"no fleet of these pools holds {rate:g} req/s within the SLO {ATTAINMENT:.0%} of time")
+        low, high = high, high * 1.25  # even the upper end misses: widen
     best = Level(rate, high, replicas, sum(costs[k] * n for k, n in replicas.items()), attained, probes)
     while high / low > 1 + PRECISION:
         mid = math.sqrt(low * high)
