@@ -124,6 +124,11 @@ def autoscaling_status(kube: KubeClient, name: str) -> dict[str, Any]:
     return (kube.get(f"{CRS}/{name}").get("status") or {}).get("autoscaling") or {}
 
 
+def ready_condition(kube: KubeClient, name: str) -> tuple[str, str] | None:
+    conditions = (kube.get(f"{CRS}/{name}").get("status") or {}).get("conditions") or []
+    return next(((c["status"], c["reason"]) for c in conditions if c["type"] == "Ready"), None)
+
+
 def event_reasons(kube: KubeClient) -> list[str]:
     return [e["reason"] for e in kube.request("GET", f"/api/v1/namespaces/{NS}/events")["items"]]
 
@@ -163,6 +168,7 @@ async def test_an_idle_pool_sleeps_in_place_and_the_routers_queue_wakes_it(
                 assert body["spec"]["replicas"] == 1, "the pods stay: not scaled to zero"
                 await eventually(lambda: kube.get(f"{PODS}/nap-0")["status"]["conditions"][0]["status"] == "False")
                 assert "ScaledToSleep" in await asyncio.to_thread(event_reasons, kube)
+                await eventually(lambda: ready_condition(kube, "nap") == ("True", "Sleeping"))  # by design, not a fault
 
                 # Requests queue in the router: the sleeping (not ready) pod is found and woken.
                 num_queued[0] = 2
