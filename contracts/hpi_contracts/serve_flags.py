@@ -17,6 +17,7 @@ _FLAGS = (
     ServeFlag('--int4-policy', 'int4_policy', 'str', 'mixed', choices=('mixed', 'uniform')),
     ServeFlag('--quantize-lm-head', 'quantize_lm_head', 'switch', False),
     ServeFlag('--enforce-eager', 'enforce_eager', 'switch', False),
+    ServeFlag('--compile-cache-dir', 'compile_cache_dir', 'str', None),
     ServeFlag('--seed', 'seed', 'int', 0),
     ServeFlag('--block-size', 'block_size', 'int', 16, choices=(8, 16, 32, 64, 128)),
     ServeFlag('--kv-cache-memory', 'kv_cache_memory_bytes', 'bytes', None),

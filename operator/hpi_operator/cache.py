@@ -3,7 +3,8 @@ removes an old revision, and what a Job's state means for the InferenceDeploymen
 
 Layout on the volume: `models/<org>/<name>/<revision>/`, one directory per revision, filled by the runtime's
 downloader (runtime/hpi_runtime/download.py: only the shards the loader reads, verified, resumable, a
-completion marker written last). Runtime pods mount the volume read-only and an init container refuses a
+completion marker written last; `compile-cache/` beside it, the runtime's writable compile cache, manifests.py).
+Runtime pods mount the models read-only and an init container refuses a
 directory without the marker. A revision change downloads beside the revision that is serving; the pods move
 over only when the new directory is complete, and the old one is removed once no pod uses it.
 

@@ -39,6 +39,10 @@ from .spec import InferenceSpec
 MODEL_MOUNT = "/models"
 CACHE_MOUNT = "/cache"
 CACHE_VOLUME_MOUNT = "/model-cache"  # spec.model.cache: the shared (or node-local) model cache volume
+# The same volume's `compile-cache/` directory, writable: what the runtime compiles at start-up, so the next pod of
+# the same model and profile skips it (hpi serve --compile-cache-dir; keyed and shared safely by the runtime).
+COMPILE_CACHE_MOUNT = "/compile-cache"
+COMPILE_CACHE_SUBPATH = "compile-cache"
 PRESTOP_SLEEP_S = 5  # lets endpoints controllers drop the pod before the runtime stops accepting work
 API_KEY_ENV = "HPI_API_KEY"
 DEFAULT_CPU_REQUEST = {"cuda": "2", "cpu": "4"}
@@ -137,6 +141,11 @@ def uses_cache(spec: InferenceSpec, volume: str) -> bool:
     return spec.model.source == "huggingface" and cache.enabled and cache.volume == volume
 
 
+def uses_cache_volume(spec: InferenceSpec) -> bool:
+    """The pods mount a model cache volume (shared claim or node-local directory)."""
+    return uses_cache(spec, "persistentVolumeClaim") or uses_cache(spec, "hostPath")
+
+
 def model_dir(spec: InferenceSpec, cached_dir: str | None = None) -> str | None:
     """Where the runtime finds the model directory; None for the embedded model (the runtime's default).
 
@@ -199,6 +208,7 @@ def _serve_values(owner_name: str, spec: InferenceSpec, profile: Profile, cached
         "--quantization": None if prequantized_or_none else profile.quantization,
         "--max-num-batched-tokens": engine.max_num_batched_tokens or None,
         "--tensor-parallel-size": profile.num_gpus if profile.num_gpus > 1 else None,
+        "--compile-cache-dir": COMPILE_CACHE_MOUNT if uses_cache_volume(spec) else None,
     }  # fmt: skip
 
 
@@ -209,7 +219,8 @@ DOWNLOADER = ["python", "-m", "hpi_runtime.download"]
 
 def _fetch_container(spec: InferenceSpec, container: dict[str, Any]) -> dict[str, Any]:
     """An init container (same image) that downloads a Hugging Face model into the pod's (or node's) cache."""
-    mounts = [{k: v for k, v in m.items() if k != "readOnly"} for m in container["volumeMounts"]]
+    mounts = [{k: v for k, v in m.items() if k != "readOnly"} for m in container["volumeMounts"]
+              if m["mountPath"] != COMPILE_CACHE_MOUNT]  # fmt: skip
     return {
         "name": "fetch-model",
         "image": container["image"],  # the pod's own image: an AMD node pulls only the ROCm one
@@ -295,13 +306,16 @@ def _volumes(
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     if uses_cache(spec, "persistentVolumeClaim"):
-        claim = {"claimName": cache_claim_name(owner_name, spec), "readOnly": True}
+        # Not readOnly on the claim (that would make every mount of it read-only): the models mount is, the
+        # compile cache's is not.
+        claim = {"claimName": cache_claim_name(owner_name, spec)}
         volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
-        mounts.append({"name": "model-cache", "mountPath": CACHE_VOLUME_MOUNT, "readOnly": True})
     if uses_cache(spec, "hostPath"):
         host = {"path": spec.model.cache.host_path, "type": "DirectoryOrCreate"}
         volumes.append({"name": "model-cache", "hostPath": host})
+    if uses_cache_volume(spec):
         mounts.append({"name": "model-cache", "mountPath": CACHE_VOLUME_MOUNT, "readOnly": True})
+        mounts.append({"name": "model-cache", "mountPath": COMPILE_CACHE_MOUNT, "subPath": COMPILE_CACHE_SUBPATH})
     return volumes, mounts
 
 

@@ -148,6 +148,8 @@ class AutoscalingSpec:
     lead_time_s: int | None = None  # optimizer: plan this far ahead on a rise; None: the pools' start + 2 polls
     scale_to_zero: bool = crd_default("autoscaling.scaleToZero.enabled")
     scale_to_zero_idle_s: int = crd_default("autoscaling.scaleToZero.idleSeconds")
+    # 0: to zero replicas; 1 or 2: the pods stay and sleep at that level (autoscaling/sleep.py)
+    sleep_level: int = crd_default("autoscaling.scaleToZero.sleepLevel")
 
 
 @dataclass(frozen=True)
@@ -469,6 +471,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         lead_time_s=None if raw.get("leadTimeSeconds") is None else int(raw["leadTimeSeconds"]),
         scale_to_zero=bool(_get(scale_to_zero, "enabled", defaults.scale_to_zero)),
         scale_to_zero_idle_s=int(_get(scale_to_zero, "idleSeconds", defaults.scale_to_zero_idle_s)),
+        sleep_level=_get(scale_to_zero, "sleepLevel", defaults.sleep_level),
     )
     if spec.mode not in AUTOSCALING_MODES:
         raise SpecError(f"spec.autoscaling.mode must be one of {', '.join(AUTOSCALING_MODES)}; got {spec.mode!r}")
@@ -478,6 +481,11 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         raise SpecError("spec.autoscaling.minReplicas is 0 but spec.autoscaling.scaleToZero.enabled is false")
     if not 0.0 < spec.target_kv_utilization <= 1.0:
         raise SpecError("spec.autoscaling.targetKVUtilization must lie in (0, 1]")
+    if isinstance(spec.sleep_level, bool) or spec.sleep_level not in (0, 1, 2):
+        raise SpecError(f"spec.autoscaling.scaleToZero.sleepLevel must be 0, 1 or 2; got {spec.sleep_level!r}")
+    if spec.sleep_level and spec.mode != "builtin":
+        raise SpecError("spec.autoscaling.scaleToZero.sleepLevel 1 or 2 needs mode builtin (the operator puts the "
+                        f"pods to sleep; mode {spec.mode} scales the Deployment itself)")
     return spec
 
 
@@ -608,6 +616,10 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
     )
     if spec.autoscaling.mode == "optimizer" and spec.slo is None:
         raise SpecError("spec.autoscaling.mode optimizer needs spec.slo (ttftP90 and itlP90)")
+    if spec.autoscaling.sleep_level and spec.api_key_secret:
+        raise SpecError("spec.autoscaling.scaleToZero.sleepLevel cannot be used with spec.apiKeySecretRef yet: the "
+                        "pods would want the key on /sleep and /wake_up, and the operator may not read Secrets; use "
+                        "sleepLevel 0 (scale to zero replicas)")  # fmt: skip
     if spec.routing.tenants_secret and spec.routing.mode not in (None, "router"):
         raise SpecError(f"spec.routing.router.tenantsSecretRef needs routing mode router (only hpi-router checks "
                         f"tenants' keys); spec.routing.mode is {spec.routing.mode}")  # fmt: skip

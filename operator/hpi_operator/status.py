@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .autoscaling.sleep import sleep_from_status
 from .manifests import deployment_name, served_model_name
 from .plan import Plan
 from .profiling import PoolMeasurement, performance_status
@@ -176,12 +177,20 @@ def build_status(
     present = [states[name] for name in wanted if name in states]
     ready = sum(s.ready_replicas for s in present)
     current = sum(s.replicas for s in present)
-    rolling = len(present) < len(wanted) or any(
-        not s.rolled_out or s.updated_replicas < s.desired_replicas or s.ready_replicas < s.desired_replicas
-        for s in present
+    # Pods the autoscaler put to sleep (scaleToZero.sleepLevel) are not ready by design, as pods scaled to zero
+    # are absent by design: neither is a rollout in progress.
+    asleep = sleep_from_status(old_status.get("autoscaling"))
+    num_asleep = len(asleep.pods) if asleep else 0
+    not_ready = (ready + num_asleep < desired) if num_asleep else any(
+        s.ready_replicas < s.desired_replicas for s in present)  # fmt: skip
+    rolling = len(present) < len(wanted) or not_ready or any(
+        not s.rolled_out or s.updated_replicas < s.desired_replicas for s in present
     )
     if desired == 0:
         ready_cond = condition(READY, True, "ScaledToZero", "no replica is wanted")
+    elif asleep and ready + num_asleep >= desired and ready < desired:
+        ready_cond = condition(READY, True, "Sleeping", f"{num_asleep} replica(s) asleep at level {asleep.level} "
+                               "(scaleToZero.sleepLevel): the first queued request wakes them")  # fmt: skip
     elif ready >= desired:
         ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
     else:

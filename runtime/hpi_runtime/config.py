@@ -64,6 +64,11 @@ class LoadConfig:
     enforce_eager: bool = option(
         False, "run the model step eagerly: skip torch.compile (its start-up compile and warm-up; on CPU the "
         "compiled step is faster once running)")  # fmt: skip
+    compile_cache_dir: str | None = option(
+        None, "keep what start-up compiles (the C++ CPU kernels, the torch.compile'd model step) in this directory "
+        "across restarts, keyed by platform, model and profile, so the next start skips compiling; may be shared "
+        "by several processes (the operator puts it on the model cache volume); env HPI_COMPILE_CACHE_DIR; "
+        "default: torch's own per-user places")  # fmt: skip
     seed: int = option(0, "seed for requests that do not set one")
 
     def __post_init__(self) -> None:

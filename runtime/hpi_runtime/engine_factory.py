@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hpi_kernels.cpu import cpu_kernels_available
-from hpi_runtime import cpu_features
+from hpi_runtime import compile_cache, cpu_features
 from hpi_runtime.config import EngineArgs, EngineConfig
 from hpi_runtime.core.interface import MemoryFootprint
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
@@ -159,6 +159,9 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     max_model_len = resolve_max_model_len(args.scheduler.max_model_len, model_config)
     engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config))
     device = resolve_device(load.device, current_gpu_platform())  # a ROCm build's GPU is device type "cuda" too
+    compile_root = compile_cache.requested_dir(load.compile_cache_dir)
+    # Before resolve_dtype: it may build the C++ kernels.
+    platform_dir = compile_cache.use_for_kernels(compile_root, device) if compile_root else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -183,6 +186,13 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         quantization=quantization.config,
         enforce_eager=load.enforce_eager,
     )
+    if platform_dir is not None:
+        compile_cache.use_for_model(platform_dir, compile_cache.ModelKey(
+            model_name=model_name, config_json=(model_dir / "config.json").read_bytes(), device=str(device),
+            dtype=str(executor_config.dtype), quantization=quantization.scheme,
+            tensor_parallel_size=tensor_parallel_size, attention_backend=executor_config.attention_backend,
+            max_model_len=max_model_len,
+        ))  # fmt: skip
     return ResolvedEngine(
         args=args,
         model_config=model_config,

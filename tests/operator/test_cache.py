@@ -65,7 +65,22 @@ def test_existing_claim_is_used_not_created() -> None:
     assert p.cache is not None and p.cache.pvc is None and not p.cache.owns_claim
     assert not any(c["kind"] == "PersistentVolumeClaim" for c in p.children)
     volumes = p.deployments[0]["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-models", "readOnly": True}} in volumes
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-models"}} in volumes
+
+
+@pytest.mark.parametrize("cache", [{"enabled": True}, {"enabled": True, "volume": "hostPath"}])
+def test_compile_cache_is_the_cache_volumes_one_writable_directory(cache: dict[str, Any]) -> None:
+    p = plan(cache, {"modelCache": {"servedPath": "/model-cache/x"}})
+    pod = p.deployments[0]["spec"]["template"]["spec"]
+    [main] = pod["containers"]
+    assert main["args"][main["args"].index("--compile-cache-dir") + 1] == "/compile-cache"
+    cache_mounts = [m for m in main["volumeMounts"] if m["name"] == "model-cache"]
+    assert cache_mounts == [{"name": "model-cache", "mountPath": "/model-cache", "readOnly": True},
+                            {"name": "model-cache", "mountPath": "/compile-cache", "subPath": "compile-cache"}]
+    # Neither init container gets the compile cache: they compile nothing.
+    assert all(m["mountPath"] != "/compile-cache" for c in pod["initContainers"] for m in c["volumeMounts"])
+    without = plan({"enabled": False})
+    assert "--compile-cache-dir" not in without.deployments[0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_node_local_cache_fills_on_each_node_without_a_job() -> None:

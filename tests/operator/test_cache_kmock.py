@@ -155,9 +155,7 @@ async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: Kub
     assert mount in pod["containers"][0]["volumeMounts"]
     [check] = pod["initContainers"]
     assert check["args"] == ["check", revision_dir]
-    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "cached-model-cache", "readOnly": True}} in (
-        pod["volumes"]
-    )
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "cached-model-cache"}} in pod["volumes"]
     assert "HF_TOKEN" not in {e["name"] for e in pod["containers"][0]["env"]}  # only the Job needs the token
     body = await eventually(lambda: condition(b := kube.get(f"{CRS}/cached"), "ModelCached").get("status")
                             == "True" and b)  # fmt: skip

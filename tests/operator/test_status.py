@@ -67,6 +67,16 @@ def test_scale_to_zero_is_ready() -> None:
     assert conditions(build_status(plan, states(plan, 0), 2, {}, "t"))["Ready"] == ("True", "ScaledToZero")
 
 
+def test_pods_put_to_sleep_are_ready_by_design_not_a_rollout() -> None:
+    plan = make_plan(BODY, NODES)
+    slept = {"autoscaling": {"sleep": {"level": 2, "pods": ["demo-gpu-l4-x", "demo-cpu-y"], "sinceEpoch": 1}}}
+    status = build_status(plan, states(plan, 0), 2, slept, "t")
+    assert conditions(status)["Ready"] == ("True", "Sleeping") and conditions(status)["Progressing"][0] == "False"
+    assert status["readyReplicas"] == 0  # they are not ready: the Services send them nothing
+    one_asleep = {"autoscaling": {"sleep": {"level": 2, "pods": ["demo-cpu-y"], "sinceEpoch": 1}}}
+    assert conditions(build_status(plan, states(plan, 0), 2, one_asleep, "t"))["Ready"] == ("False", "ReplicasNotReady")
+
+
 def test_capacity_shortfall_is_degraded() -> None:
     plan = make_plan({**BODY, "spec": {"replicas": 50, "placement": {"profile": {"device": "cuda"}}}}, NODES)
     assert plan.num_unplaced == 49

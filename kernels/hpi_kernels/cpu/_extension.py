@@ -6,8 +6,9 @@ compiles its own kernels of that level with, so ATen's `Vectorized<float>` is as
 `-march=native`: a cached build must run on every CPU of the same capability. Each capability is its own
 extension (and build directory), so one cache can serve machines of different kinds.
 
-Build directory: `$HPI_CACHE_DIR/torch_extensions/...` when HPI_CACHE_DIR is set, else torch's default
-(`$TORCH_EXTENSIONS_DIR` or ~/.cache/torch_extensions). Needs a C++ compiler (`$CXX` or c++) and ninja.
+Build directory: `$TORCH_EXTENSIONS_DIR/<python+torch>/<name>` when that is set (torch's own variable; the
+runtime's compile cache sets it, runtime/hpi_runtime/compile_cache.py), else `$HPI_CACHE_DIR/torch_extensions/...`,
+else torch's default (~/.cache/torch_extensions). Needs a C++ compiler (`$CXX` or c++) and ninja.
 """
 
 from __future__ import annotations
@@ -67,20 +68,23 @@ def _ensure_ninja_on_path() -> None:
 
 
 def _build_directory(name: str) -> str | None:
-    """$HPI_CACHE_DIR/torch_extensions/<python+torch>/<name>, or None (torch's default) when unset or read-only."""
-    cache_dir = os.environ.get("HPI_CACHE_DIR")
-    if not cache_dir:
-        return None
+    """<root>/<python+torch>/<name> under $TORCH_EXTENSIONS_DIR, else under $HPI_CACHE_DIR/torch_extensions, or None
+    (torch's default) when neither is set or writable."""
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    path = Path(cache_dir) / "torch_extensions" / tag / name
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass
-    if not os.access(path, os.W_OK):  # e.g. a read-only image layer: ninja must write its log and lock there
-        logger.warning("%s is not writable; building the CPU kernels under torch's default directory", path)
-        return None
-    return str(path)
+    roots = [os.environ.get("TORCH_EXTENSIONS_DIR"), os.environ.get("HPI_CACHE_DIR")]
+    candidates = [Path(roots[0])] if roots[0] else []
+    candidates += [Path(roots[1]) / "torch_extensions"] if roots[1] else []
+    for root in candidates:
+        path = root / tag / name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        if os.access(path, os.W_OK):
+            return str(path)
+        # e.g. a read-only image layer: ninja must write its log and lock there
+        logger.warning("%s is not writable; building the CPU kernels elsewhere", path)
+    return None
 
 
 @contextlib.contextmanager

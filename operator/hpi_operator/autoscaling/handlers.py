@@ -44,9 +44,19 @@ from ..routing_manifests import LABEL_ROUTER, ROUTER_PORT
 from ..spec import SpecError, parse_spec
 from .fleet_loop import fleet_poll
 from .fleet_status import optimizer_replicas
-from .loop import builtin_active, poll, poll_due
+from .loop import PollResult, builtin_active, poll, poll_due
 from .router_queue import RouterQueue, router_status, scrape_router_queue
-from .scrape import DEFAULT_TIMEOUT_S, PodTarget, Scraped, ready_pod_targets, scrape_pods, startup_by_pool
+from .scrape import (
+    DEFAULT_TIMEOUT_S,
+    PodTarget,
+    Scraped,
+    ready_pod_targets,
+    running_pod_targets,
+    scrape_pods,
+    startup_by_pool,
+)
+from .sleep import DEFAULT_TIMEOUT_S as SLEEP_TIMEOUT_S
+from .sleep import call_pods
 
 DEFAULT_TICK_S = 1.0
 MERGE_PATCH = "application/merge-patch+json"
@@ -89,6 +99,13 @@ def register_autoscaler(
         # Always a value (an empty list when not ready): kopf keeps a pod's old value if the function returns None.
         return {(namespace, labels.get(LABEL_DEPLOYMENT)): ready_pod_targets([body])}
 
+    # Every running runtime pod, ready or not: scale-to-sleep must find the sleeping ones (not ready) to wake them.
+    @kopf.index("", "v1", "pods", id="running_runtime_pods", labels={LABEL_MANAGED_BY: OPERATOR_NAME},
+                registry=registry)  # fmt: skip
+    def running_runtime_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any
+                             ) -> dict[Any, list[PodTarget]]:  # fmt: skip
+        return {(namespace, labels.get(LABEL_DEPLOYMENT)): running_pod_targets([body])}
+
     # By the router label alone: router pods carry the managed-by label today, but the queue must be read from a
     # router whoever stamps it (the runtime index above files them under no InferenceDeployment).
     @kopf.index("", "v1", "pods", id="router_pods", labels={LABEL_ROUTER: kopf.PRESENT}, registry=registry)
@@ -105,6 +122,7 @@ def register_autoscaler(
         status: kopf.Status,
         patch: kopf.Patch,
         runtime_pods: kopf.Index,
+        running_runtime_pods: kopf.Index,
         router_pods: kopf.Index,
         logger: kopf.Logger,
         memo: kopf.Memo,
@@ -130,8 +148,11 @@ def register_autoscaler(
             prices = node_prices(node_price_label, nodes)
             await optimize_fleet(body, status, patch, targets, nodes, now_s, scraper, logger, prices, router)
             return
+        running = [t for targets in running_runtime_pods.get((namespace, short_name(name)), []) for t in targets]
+        caller = functools.partial(call_pods, timeout_s=SLEEP_TIMEOUT_S)
         result = await poll(settings, parsed.replicas, status, meta.get("annotations"), targets, now_s, scraper,
-                            router)  # fmt: skip
+                            router, running, caller)  # fmt: skip
+        report_sleep_calls(body, result)
         decision = result.decision
         if "metrics" in memo:
             scaled = decision.reason if result.scale_to is not None else None
@@ -146,6 +167,17 @@ def register_autoscaler(
             kopf.event(body, type="Warning", reason="MetricsUnavailable", message=message)
         (logger.info if result.scale_to is not None else logger.debug)(f"autoscaler: {decision.message}")
         patch.status.update(result.status)
+
+
+def report_sleep_calls(body: kopf.Body, result: PollResult) -> None:
+    """An Event per poll that put pods to sleep or woke them, and a Warning naming the pods whose call failed."""
+    done = [c.pod for c in result.sleep_calls if c.ok]
+    failed = [f"{c.pod} ({c.detail[:200]})" for c in result.sleep_calls if not c.ok]
+    if done:
+        kopf.event(body, type="Normal", reason=result.decision.reason, message=f"{', '.join(done)}: "
+                   f"{result.decision.message}"[:1000])  # fmt: skip
+    if failed:
+        kopf.event(body, type="Warning", reason="SleepCallFailed", message="; ".join(failed)[:1000])
 
 
 def report_router_failures(body: kopf.Body, status: kopf.Status, router: RouterQueue) -> None:

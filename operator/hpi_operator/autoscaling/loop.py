@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..names import GROUP
@@ -18,6 +18,7 @@ from ..spec import AutoscalingSpec
 from .decision import Decision, decide, history_from_status, history_to_status
 from .router_queue import RouterQueue, router_status
 from .scrape import PodTarget, ScrapeFailed, ScrapeResult, observation, scrape_pods, startup_by_pool
+from .sleep import Caller, PodCall, carry_out, next_state, plan_sleep, sleep_from_status, sleep_to_status
 
 # Demand seen in front of the pods (a gateway or activator holding requests while there are no replicas):
 # an integer annotation on the InferenceDeployment; the builtin scaler wakes from zero when it is positive.
@@ -33,6 +34,11 @@ class PollResult:
     results: tuple[ScrapeResult, ...]
     scale_to: int | None  # the new spec.replicas, when it changes
     status: dict[str, Any]  # keys to merge into .status
+    sleep_calls: tuple[PodCall, ...] = ()  # the /sleep and /wake_up calls made (scaleToZero.sleepLevel)
+
+
+async def _no_pods(targets: Sequence[PodTarget], path: str) -> list[PodCall]:
+    return [PodCall(t.pod, False, "no caller") for t in targets]
 
 
 def rfc3339(epoch_s: float) -> str:
@@ -113,13 +119,38 @@ async def poll(
     now_s: float,
     scraper: Scraper = scrape_pods,
     router: RouterQueue = RouterQueue(),
+    running: Sequence[PodTarget] = (),
+    caller: Caller = _no_pods,
 ) -> PollResult:
     """Scrape `targets`, decide, and say what to write. `current` is the resource's spec.replicas; `router`: what
-    the router pods hold (already scraped), demand the runtime pods cannot see."""
+    the router pods hold (already scraped), demand the runtime pods cannot see. With scaleToZero.sleepLevel,
+    `running` (every running pod, ready or not) and `caller` (POSTs to pods) put the pods to sleep instead of
+    scaling to zero, and wake them (sleep.py); pods a former setting put to sleep are woken either way."""
     results = tuple(await scraper(targets)) if targets else ()
     history = history_from_status(status.get("autoscaling"))
-    decision = decide(settings, current, observation(results, external_demand(annotations, router)), history, now_s)
+    state = sleep_from_status(status.get("autoscaling"))
+    sleep_mode = settings.sleep_level > 0
+    awake = 0 if state and sleep_mode else current  # sleeping pods serve nothing: the decision sees zero
+    obs = observation(results, external_demand(annotations, router))
+    decision = decide(settings, awake, obs, history, now_s)
+    asleep = sleep_mode and decision.desired_replicas == 0
     scale_to = decision.desired_replicas if decision.desired_replicas != current else None
+    if sleep_mode and (asleep or state):
+        scale_to = None  # the pods stay: they sleep or wake instead
+        decision = _as_sleep(decision, settings.sleep_level, current, waking=state is not None and not asleep)
+    plan = plan_sleep(settings.sleep_level, asleep, state, [t.pod for t in targets], running)
+    calls = tuple(await carry_out(plan, caller)) if plan.sleep or plan.wake else ()
     startup = startup_by_pool(results, targets)
-    return PollResult(decision, results, scale_to,
-                      autoscaling_status(decision, current, results, now_s, router, startup))  # fmt: skip
+    out = autoscaling_status(decision, current, results, now_s, router, startup)
+    out["autoscaling"]["sleep"] = sleep_to_status(next_state(plan, state, calls, running, now_s))
+    return PollResult(decision, results, scale_to, out, calls)
+
+
+def _as_sleep(decision: Decision, level: int, current: int, waking: bool) -> Decision:
+    """The decision as scale-to-sleep carries it out: the same replicas asleep or awake, not scaled."""
+    if waking:
+        return replace(decision, reason="WokeUp", message=f"waking {current} sleeping pod(s): {decision.message}")
+    if decision.reason != "ScaledToZero":
+        return decision
+    return replace(decision, reason="ScaledToSleep",
+                   message=f"{current} pod(s) to sleep at level {level}: {decision.message}")  # fmt: skip

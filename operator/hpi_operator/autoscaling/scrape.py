@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +110,28 @@ def cold_start_s(pod: Mapping[str, Any]) -> float | None:
     return (became - created).total_seconds()
 
 
+def _pod_running(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp")
+
+
 def ready_pod_targets(pods: Iterable[Mapping[str, Any]], default_port: int = RUNTIME_PORT) -> list[PodTarget]:
     """The pods that serve traffic (Running, Ready, not terminating, with an IP), as scrape targets."""
+    return _targets(pods, default_port, _pod_ready)
+
+
+def running_pod_targets(pods: Iterable[Mapping[str, Any]], default_port: int = RUNTIME_PORT) -> list[PodTarget]:
+    """The pods that run (Running, not terminating, with an IP), ready or not: a sleeping runtime is not ready
+    and must still be found to be woken (sleep.py)."""
+    return _targets(pods, default_port, _pod_running)
+
+
+def _targets(pods: Iterable[Mapping[str, Any]], default_port: int,
+             include: Callable[[Mapping[str, Any]], bool]) -> list[PodTarget]:  # fmt: skip
     targets = []
     for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
-        if ip and _pod_ready(pod):
+        if ip and include(pod):
             host = f"[{ip}]" if ":" in ip else ip
             pool = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_POOL)
             url = f"http://{host}:{_metrics_port(pod, default_port)}/metrics"
