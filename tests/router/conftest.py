@@ -149,6 +149,10 @@ class FakeBackend:
                     request.transport.abort()
                     return response
                 await response.write(b"data: " + json.dumps(_chunk(self.name, chat, "tok ")).encode() + b"\n\n")
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):  # as the runtime: a usage-only chunk
+                usage = {**_chunk(self.name, chat, ""), "choices": [], "usage": _usage(num_tokens)}
+                await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -169,8 +173,11 @@ def _completion(model: str, chat: bool, text: str, num_tokens: int) -> dict:
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
               else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
     return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}}
+            "model": model, "choices": [choice], "usage": _usage(num_tokens)}
+
+
+def _usage(num_tokens: int) -> dict:
+    return {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}
 
 
 def _chunk(model: str, chat: bool, text: str) -> dict:
