@@ -40,6 +40,10 @@ async def test_schemathesis_finds_no_server_error_in_the_router(router, fake_bac
         assert report.num_cases >= num_cases // 2, report.summary()
         assert not report.failures, "\n".join(report.failures)
         async with aiohttp.ClientSession() as session:  # still routing, and nothing left counted in flight
+            nested = b"[" * 30_000 + b"]" * 30_000  # the JSON decoder recurses per level: a 400, not a 500
+            async with session.post(f"{state.url}/v1/completions", data=nested,
+                                    headers={"Authorization": f"Bearer {KEY}"}) as response:
+                assert response.status == 400 and "nested too deeply" in await response.text()
             async with session.post(f"{state.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                     headers={"Authorization": f"Bearer {KEY}"}) as response:
                 assert response.status == 200, await response.text()
