@@ -99,7 +99,7 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                                 eject=True)
         metrics.first_byte.labels(backend.url).observe(time.perf_counter() - start)
         metrics.requests.labels(backend.url, str(upstream.status)).inc()
-        tap = UsageTap(streamed, strip_usage)
+        tap = UsageTap(streamed, strip_usage, watch=tenant is not None)
         if not streamed:
             response = web.Response(status=upstream.status, body=tap.feed(first), headers=_response_headers(upstream))
             tap.finish()

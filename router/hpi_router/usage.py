@@ -56,16 +56,19 @@ class UsageTap:
     """Feed it the answer's bytes in order; it returns what goes on to the client and keeps the last usage seen.
     A stream is passed on whole events at a time (an event split across two reads waits for its end)."""
 
-    def __init__(self, streamed: bool, strip: bool):
-        self.streamed, self.strip = streamed, strip
+    def __init__(self, streamed: bool, strip: bool, watch: bool = True):
+        """`watch` False (no tenant to count for): every byte passes on at once, untouched."""
+        self.streamed, self.strip, self.watch = streamed, strip, watch
         self.usage: Usage | None = None
         self._pending = b""
 
     def feed(self, data: bytes) -> bytes:
+        if not self.watch:
+            return data
         if not self.streamed:
             self._pending += data
             return data
-        data = self._pending + data
+        data = (self._pending + data).replace(b"\r\n", b"\n")  # SSE lines may end in CRLF: one framing here
         end = data.rfind(EVENT_END)
         if end < 0:
             self._pending = data
@@ -76,6 +79,8 @@ class UsageTap:
     def finish(self) -> bytes:
         """The end of the answer: what is left to pass on (a JSON answer's usage is read here)."""
         left, self._pending = self._pending, b""
+        if not self.watch:
+            return b""
         if not self.streamed:
             try:
                 self.usage = _usage(json.loads(left)) or self.usage

@@ -17,6 +17,7 @@ import yaml
 from hpi_router.cli import build_parser, settings_from_args
 from hpi_router.limits import LimitExceeded, TenantLimits
 from hpi_router.tenants import Limits, Tenant
+from hpi_router.usage import Usage, UsageTap, ask_for_usage
 from hpi_testing.server import metric_samples
 
 KEY = "sk-alpha-0123456789abcdef"
@@ -48,6 +49,26 @@ def test_each_replica_enforces_its_share_of_the_fleet_wide_limits() -> None:
     assert settings.num_replicas == 3
     with pytest.raises(ValueError, match="router replicas"):
         settings_from_args(build_parser().parse_args(["--backend", "http://x:1", "--router-replicas", "0"]))
+
+
+def test_the_usage_tap_reads_split_events_and_strips_only_the_chunk_it_asked_for() -> None:
+    chunk = b'data: {"choices": [{"index": 0, "text": "a"}]}\r\n\r\n'
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5}}\n\n'
+    stream = chunk + usage + b"data: [DONE]\n\n"
+    for strip in (True, False):
+        tap = UsageTap(streamed=True, strip=strip)
+        passed = b"".join(tap.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + tap.finish()
+        assert tap.usage == Usage(2, 5) and (usage in passed) is not strip
+        assert passed.startswith(chunk.replace(b"\r\n", b"\n")) and passed.endswith(b"data: [DONE]\n\n")
+    answer = UsageTap(streamed=False, strip=False)
+    assert answer.feed(b'{"usage": {"prompt_tokens": 1, "completion_tokens": 3}}') and not answer.finish()
+    assert answer.usage.total_tokens == 4
+    untouched = UsageTap(streamed=True, strip=False, watch=False)  # no tenant: bytes pass as they come
+    assert untouched.feed(stream[:5]) == stream[:5] and untouched.usage is None
+    body = {"stream": True, "stream_options": {"include_usage": False}}
+    assert ask_for_usage(body) and body["stream_options"] == {"include_usage": True}
+    assert not ask_for_usage({"stream": True, "stream_options": {"include_usage": True}})
+    assert not ask_for_usage({"stream": False}) and not ask_for_usage({"stream": True, "stream_options": 3})
 
 
 def _tenants(path: Path, limits: dict) -> str:
