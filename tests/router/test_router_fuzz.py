@@ -8,7 +8,10 @@ import asyncio
 
 import aiohttp
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hpi_router.affinity import prefix_key
 from hpi_router.app import build_app
 from hpi_router.config import RouterSettings
 from hpi_router.openapi import DOCUMENT
@@ -16,6 +19,25 @@ from hpi_router.state import RouterState
 from hpi_testing.http_fuzz import fuzz_cases, fuzz_openapi
 
 KEY = "sk-fuzz-0123456789abcdef"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=8)
+# Bodies shaped like what the router reads (messages, their content parts, prompts), each part possibly malformed.
+PART = st.fixed_dictionaries({}, optional={"type": JSON, "text": JSON})
+MESSAGE = st.fixed_dictionaries({}, optional={"role": JSON, "content": st.lists(PART | JSON, max_size=3) | JSON})
+BODY = st.fixed_dictionaries({}, optional={"model": JSON, "prompt": st.lists(JSON, max_size=3) | JSON,
+                                           "messages": st.lists(MESSAGE | JSON, max_size=3) | JSON, "tools": JSON})
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(body=BODY)
+def test_the_affinity_key_takes_any_json_object(body):
+    """The router reads the prompt of every body before a backend checks it (a content part whose text was a
+    number once made this a 500; schemathesis found it)."""
+    key = prefix_key(body, 256)
+    assert key is None or isinstance(key, str)
 
 
 def test_openapi_document_lists_exactly_the_router_routes():
