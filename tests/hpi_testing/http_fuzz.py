@@ -23,10 +23,12 @@ class FuzzReport:
     num_cases: int = 0
     statuses: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)  # "METHOD /path -> status: body" of each 5xx or hang
+    slowest_s: float = 0.0  # the longest answer
 
     def summary(self) -> str:
         statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items(), key=str))
-        return f"schemathesis: {self.num_cases} cases, {len(self.failures)} server errors or hangs ({statuses})"
+        return (f"schemathesis: {self.num_cases} cases, {len(self.failures)} server errors or hangs ({statuses}); "
+                f"slowest answer {self.slowest_s:.1f} s")
 
 
 def fuzz_cases() -> int:
@@ -71,6 +73,7 @@ def _caller(report: FuzzReport, session: requests.Session, base_url: str, header
             report.failures.append(f"{name}: no answer within {timeout_s} s; body {case.body!r:.300}")
             return
         report.statuses[response.status_code] += 1
+        report.slowest_s = max(report.slowest_s, response.elapsed)
         if response.status_code >= 500:
             report.failures.append(f"{name} -> {response.status_code}: {response.text[:300]}; body {case.body!r:.300}")
 
