@@ -28,7 +28,7 @@ class FuzzReport:
     def summary(self) -> str:
         statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items(), key=str))
         return (f"schemathesis: {self.num_cases} cases, {len(self.failures)} server errors or hangs ({statuses}); "
-                f"slowest answer {self.slowest_s:.1f} s")
+                f"slowest answer {self.slowest_s:.2f} s")
 
 
 def fuzz_cases() -> int:
