@@ -1,6 +1,6 @@
 """Bad input gets a 4xx in OpenAI's error shape, and the server keeps serving afterwards: hand-picked cases, then
-schemathesis' cases from GET /openapi.json (the number of cases goes to the test output; HPI_FUZZ_CASES=1000 runs
-the campaign of bench/results/front_door.md)."""
+schemathesis' cases from GET /openapi.json (the number of cases goes to the test output; HPI_FUZZ_CASES sets it;
+the 1,000-case campaign of bench/results/front_door.md is bench/fuzz_http.py, on a 64-token context)."""
 
 from __future__ import annotations
 
