@@ -54,3 +54,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 cluster = _cluster_reachable()
             if not cluster:
                 item.add_marker(pytest.mark.skip(reason="needs KUBECONFIG pointing at a reachable cluster"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """What the fuzz tests tried (hpi_testing.http_fuzz: cases and statuses), recorded as the `fuzz` user property:
+    a test's own output is captured, and under xdist it runs in another process."""
+    reports = terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
+    lines = [f"{report.nodeid}: {value}" for report in reports
+             for name, value in report.user_properties if name == "fuzz" and report.when == "call"]
+    if lines:
+        terminalreporter.write_sep("-", "fuzzing")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -47,12 +47,15 @@ PROFILE_GAUGES: tuple[str, ...] = (PROFILE_ITL_ALPHA, PROFILE_ITL_BETA, PROFILE_
 ROUTER_QUEUED_REQUESTS = "hpi:router_queued_requests"
 ROUTER_QUEUE_WAIT = "hpi:router_queue_wait_seconds"  # histogram: how long each request waited, same labels
 TENANT_LABEL, PRIORITY_LABEL = "tenant", "priority"
+# API keys the router loaded from its tenants file (spec.routing.router.tenantsSecretRef): the operator reports the
+# count in status.routing.tenantKeys, so it never reads the Secret itself.
+ROUTER_TENANT_KEYS = "hpi:router_tenant_keys"
 # How long the server took to start (hpi_runtime/startup.py): per phase (label `phase`), and from process start
 # to ready; for whoever tunes a cold start, and the operator's start-time figures.
 STARTUP_PHASE_SECONDS = "hpi:startup_phase_seconds"
 STARTUP_SECONDS = "hpi:startup_seconds"
 # Everything the operator reads from a router pod's /metrics.
-READ_FROM_ROUTER: tuple[str, ...] = (ROUTER_QUEUED_REQUESTS,)
+READ_FROM_ROUTER: tuple[str, ...] = (ROUTER_QUEUED_REQUESTS, ROUTER_TENANT_KEYS)
 
 
 def total(counter: str) -> str:

@@ -10,7 +10,8 @@ It wakes on:
 - the resync period running out (node inventory changes, anything a watch missed).
 A pass that finds everything in place writes nothing. Besides the loop:
 - an index of nodes (the inventory; kopf keeps it current from a watch, nothing polls);
-- the builtin KV-cache autoscaler (autoscaling/handlers.py): an index of runtime pods and a timer per resource.
+- the builtin KV-cache autoscaler (autoscaling/handlers.py): an index of runtime pods and a timer per resource;
+- status.routing.tenantKeys, read from the router pods (tenant_keys.py): a timer per resource with tenants.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .op_metrics import OperatorMetrics
 from .profiling import RETRY_BASE_DELAY_S as PROFILE_RETRY_BASE_DELAY_S
 from .reconcile import Outcome, reconcile
 from .status import status_changes
+from .tenant_keys import register_tenant_keys
 from .wakeups import Wakeups, owner_uids
 
 # The children whose events wake their InferenceDeployment's loop: (group, version, plural).
@@ -64,6 +66,7 @@ class OperatorConfig:
     profile_retry_base_s: float = PROFILE_RETRY_BASE_DELAY_S  # backoff after the first failed profiling Job
     debounce_s: float = 0.05  # after a wake-up: let the burst of events (its own writes) settle into one pass
     node_price_label: str = NODE_PRICE_LABEL  # the fleet optimizer's node price label ("" reads none)
+    tenant_keys_interval_s: float = 15.0  # how often status.routing.tenantKeys is read from the router pods
     # The operator's own pod, which spec.networkPolicy admits to the pods it calls; None: unknown (run outside a
     # cluster), and the policies admit no operator (a warning says so once, at start-up).
     identity: OperatorIdentity | None = None
@@ -162,4 +165,5 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     register_autoscaler(registry, tick_s=config.autoscale_tick_s,
                         node_price_label=config.node_price_label)  # autoscaling/handlers.py
+    register_tenant_keys(registry, interval_s=config.tenant_keys_interval_s)  # its router_pods index
     return registry

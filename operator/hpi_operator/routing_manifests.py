@@ -171,7 +171,10 @@ def router_args(owner: Owner, spec: InferenceSpec) -> list[str]:
             "--discover-service", backends_service_name(owner.name), "--namespace", owner.namespace,
             "--discover-port", RUNTIME_PORT_NAME, "--drain-timeout", str(ROUTER_DRAIN_S)]  # fmt: skip
     if spec.routing.tenants_secret:
-        args += ["--tenants-file", f"{TENANTS_MOUNT}/{TENANTS_FILE}"]
+        # Each replica enforces its share of every tenant's limits (the Deployment's replicas are spec's: the
+        # operator's apply reverts a hand scale, so the count stays true).
+        args += ["--tenants-file", f"{TENANTS_MOUNT}/{TENANTS_FILE}",
+                 "--router-replicas", str(spec.routing.router_replicas)]
     return args
 
 

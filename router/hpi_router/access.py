@@ -1,5 +1,5 @@
 """The front door of one request when the router checks tenants' keys (tenants.py): who sent it, whether it may,
-what the backend is told, and what it used.
+what the backend is told, and what it used (usage.py reads it from the answer).
 
 `authorize` -> a Tenant or a 401 (no or unknown key) / 404 (a model the key may not use: the same answer as a
 model that does not exist, so a key learns nothing about other tenants' models) / 429 (over a limit, limits.py).
@@ -8,18 +8,16 @@ Without a tenants file everything passes through as before: the client's own Aut
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Mapping
 
 from aiohttp import web
 
 from hpi_router.errors import ApiError
 from hpi_router.limits import LimitExceeded
-from hpi_router.metrics import RouterMetrics
 from hpi_router.queue import Flow
 from hpi_router.state import RouterState
 from hpi_router.tenants import Tenant
+from hpi_router.usage import Usage
 
 INVALID_KEY = "missing or invalid API key: send 'Authorization: Bearer <key>'"
 
@@ -60,22 +58,10 @@ def upstream_authorization(state: RouterState, request: web.Request) -> str | No
     return f"Bearer {key}" if key else None
 
 
-def count_usage(metrics: RouterMetrics, tenant: str, payload: bytes) -> None:
-    """Add the prompt and completion tokens of an OpenAI answer (a JSON body, or SSE events whose chunk carries
-    `usage`: the last one of a stream with stream_options.include_usage) to the tenant's counters. An event split
-    across two reads is missed (the counters are a usage report, not the bill's only source)."""
-    if b'"usage"' not in payload:
+def record_usage(state: RouterState, tenant: Tenant, usage: Usage | None) -> None:
+    """A tenant's answer ended: its tokens go to the usage counters and to its tokens-per-minute window."""
+    if usage is None:
         return
-    texts = [payload] if not payload.lstrip().startswith(b"data:") else [
-        line[5:] for line in payload.split(b"\n") if line.startswith(b"data:") and b'"usage"' in line]  # fmt: skip
-    for text in texts:
-        try:
-            usage = json.loads(text).get("usage")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(usage, Mapping):
-            for name, counter in (("prompt_tokens", metrics.tenant_prompt_tokens),
-                                  ("completion_tokens", metrics.tenant_completion_tokens)):  # fmt: skip
-                value = usage.get(name)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    counter.labels(tenant).inc(value)
+    state.metrics.tenant_prompt_tokens.labels(tenant.name).inc(usage.prompt_tokens)
+    state.metrics.tenant_completion_tokens.labels(tenant.name).inc(usage.completion_tokens)
+    state.limits.record_tokens(tenant, usage.total_tokens, time.monotonic())

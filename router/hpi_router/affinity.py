@@ -28,7 +28,8 @@ def _content_text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: the text ones are what the template renders
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        # A malformed part (text not a string) is the backend's 400 to give; here it only adds nothing.
+        return "".join(t for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
     return ""
 
 

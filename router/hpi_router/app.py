@@ -12,6 +12,7 @@ from aiohttp import web
 
 from hpi_router.access import INVALID_KEY, upstream_authorization
 from hpi_router.errors import ApiError, error_middleware
+from hpi_router.openapi import OPENAPI_PATH, openapi_json
 from hpi_router.proxy import proxy
 from hpi_router.state import STATE_KEY, RouterState
 
@@ -95,7 +96,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def not_found(request: web.Request) -> web.Response:
     raise ApiError(404, f"no route {request.method} {request.path} (the router serves /v1/completions, "
-                   "/v1/chat/completions, /v1/models, /health, /ready, /metrics)")
+                   "/v1/chat/completions, /v1/models, /health, /ready, /metrics, /openapi.json)")
 
 
 def build_app(state: RouterState) -> web.Application:
@@ -108,6 +109,7 @@ def build_app(state: RouterState) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get(OPENAPI_PATH, openapi_json)
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_route("*", "/{tail:.*}", not_found)

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="YAML of tenants, their API keys, priority, weight, models and limits, re-read when it "
                       f"changes; the router then presents ${BACKEND_API_KEY_ENV} to the backends. Default: no "
                       "keys checked here, the client's Authorization goes to the backends")
+    door.add_argument("--router-replicas", type=int, default=defaults.num_replicas, metavar="N",
+                      help="replicas of this router behind its Service: each enforces 1/N of every tenant's limits "
+                      "(the operator sets it from spec.routing.router.replicas)")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     http.add_argument("--port", type=int, default=8080, help="port to bind")
@@ -119,6 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_attempts=args.max_attempts,
         max_request_body_bytes=args.max_request_body,
         tenants_file=args.tenants_file,
+        num_replicas=args.router_replicas,
         backend_api_key=os.environ.get(BACKEND_API_KEY_ENV) or None,
         drain_timeout_s=args.drain_timeout,
     )

@@ -80,6 +80,8 @@ class RouterSettings:
     queue: QueueSettings = field(default_factory=QueueSettings)
     # API keys and tenants (tenants.py); None: the router checks no key, the backends check the client's.
     tenants_file: str | None = None
+    # Router replicas behind the Service: each enforces its share of every tenant's limits (tenants.Limits.share).
+    num_replicas: int = 1
     # What the router presents to the backends when it checks tenants' keys itself (the pods' $HPI_API_KEY).
     backend_api_key: str | None = field(default=None, repr=False)
     scrape_interval_s: float = 0.25
@@ -98,5 +100,7 @@ class RouterSettings:
                 raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
         if self.scrape_interval_s <= 0 or self.probe_interval_s <= 0:
             raise ValueError("scrape and probe intervals must be positive")
+        if self.num_replicas < 1:
+            raise ValueError(f"router replicas must be at least 1, got {self.num_replicas}")
         if self.max_attempts < 1:
             raise ValueError(f"max attempts must be at least 1, got {self.max_attempts}")

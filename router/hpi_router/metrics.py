@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from hpi_contracts.metrics import PRIORITY_LABEL, ROUTER_QUEUE_WAIT, ROUTER_QUEUED_REQUESTS, TENANT_LABEL
+from hpi_contracts.metrics import (
+    PRIORITY_LABEL,
+    ROUTER_QUEUE_WAIT,
+    ROUTER_QUEUED_REQUESTS,
+    ROUTER_TENANT_KEYS,
+    TENANT_LABEL,
+)
 from hpi_router.backends import Backend
 from hpi_router.queue import DEFAULT_TENANT, Flow
 
@@ -58,7 +64,7 @@ class RouterMetrics:
                                             "backends' usage.", tenant, registry=reg)  # fmt: skip
         self.tenant_completion_tokens = Counter("hpi:router_tenant_completion_tokens", "Completion tokens per "
                                                 "tenant, from the backends' usage.", tenant, registry=reg)  # fmt: skip
-        self.tenant_keys = Gauge("hpi:router_tenant_keys", "API keys loaded from the tenants file (0: no file).",
+        self.tenant_keys = Gauge(ROUTER_TENANT_KEYS, "API keys loaded from the tenants file (0: no file).",
                                  registry=reg)  # fmt: skip
 
     def queue_changed(self, flow: Flow, queued: int, waited_s: float | None) -> None:

@@ -20,7 +20,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from hpi_router.access import authorize, count_usage, flow_of, upstream_authorization
+from hpi_router.access import authorize, flow_of, record_usage, upstream_authorization
 from hpi_router.affinity import prefix_key
 from hpi_router.backends import Backend
 from hpi_router.errors import REQUEST_ID, ApiError, bad_request
@@ -28,6 +28,7 @@ from hpi_router.monitor import eject
 from hpi_router.queue import Flow, QueueRejected
 from hpi_router.state import STATE_KEY, RouterState
 from hpi_router.tenants import Tenant
+from hpi_router.usage import UsageTap, ask_for_usage
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ def _parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the C decoder recurses once per nesting level
+        raise bad_request("the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -70,10 +73,11 @@ def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {name: upstream.headers[name] for name in FORWARDED_RESPONSE_HEADERS if name in upstream.headers}
 
 
-async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes,
-                   headers: dict[str, str], tenant: str | None) -> web.StreamResponse:  # fmt: skip
+async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes, headers: dict[str, str],
+                   tenant: Tenant | None, strip_usage: bool) -> web.StreamResponse:  # fmt: skip
     """One try on `backend`; raises AttemptFailed while the client has been sent nothing. `tenant`: whose usage
-    the answer counts to (None: no tenants)."""
+    the answer counts to (None: no tenants); `strip_usage`: the router asked for the stream's usage chunk, the
+    client did not."""
     metrics = state.metrics
     start = time.perf_counter()
     try:
@@ -95,16 +99,18 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                                 eject=True)
         metrics.first_byte.labels(backend.url).observe(time.perf_counter() - start)
         metrics.requests.labels(backend.url, str(upstream.status)).inc()
-        if tenant is not None:
-            count_usage(metrics, tenant, first)
+        tap = UsageTap(streamed, strip_usage, watch=tenant is not None)
         if not streamed:
-            response = web.Response(status=upstream.status, body=first, headers=_response_headers(upstream))
+            response = web.Response(status=upstream.status, body=tap.feed(first), headers=_response_headers(upstream))
+            tap.finish()
+            if tenant is not None:
+                record_usage(state, tenant, tap.usage)
             metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
             return response
         response = web.StreamResponse(status=upstream.status, headers={**_response_headers(upstream),
                                                                        "X-Accel-Buffering": "no"})
         await response.prepare(request)
-        await response.write(first)
+        await response.write(tap.feed(first))
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -120,9 +126,12 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
                 return response
             if not chunk:
                 break
-            if tenant is not None:
-                count_usage(metrics, tenant, chunk)
-            await response.write(chunk)
+            if passed := tap.feed(chunk):
+                await response.write(passed)
+        if left := tap.finish():
+            await response.write(left)
+        if tenant is not None:
+            record_usage(state, tenant, tap.usage)
         await response.write_eof()
         metrics.latency.labels(backend.url).observe(time.perf_counter() - start)
         return response
@@ -166,7 +175,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
 
 async def _route(request: web.Request, state: RouterState, body: dict, tenant: Tenant | None) -> web.StreamResponse:
     """Wait for a backend (queue.py), try it, fail over before the first byte."""
-    raw = json.dumps(body).encode() if tenant is not None else await request.read()  # the tenant's priority set
+    # A tenant's body is re-encoded: its priority set, and its stream asked for the usage chunk (usage.py).
+    strip_usage = tenant is not None and ask_for_usage(body)
+    raw = json.dumps(body).encode() if tenant is not None else await request.read()
     headers = _request_headers(request, upstream_authorization(state, request))
     key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
     flow = flow_of(tenant)
@@ -192,7 +203,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
         tried.add(backend.url)
         state.metrics.picks.labels(backend.url, pick.reason).inc()
         try:
-            return await _attempt(request, state, backend, raw, headers, tenant.name if tenant else None)
+            return await _attempt(request, state, backend, raw, headers, tenant, strip_usage)
         except AttemptFailed as exc:
             last = exc
             state.metrics.retries.labels(backend.url, exc.reason).inc()

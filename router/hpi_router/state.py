@@ -30,7 +30,7 @@ class RouterState:
                                 reserved_slots=settings.queue.reserved_slots)
         self.ring = HashRing(())
         self.tenants = TenantsFile(Path(settings.tenants_file)) if settings.tenants_file else None
-        self.limits = TenantLimits()
+        self.limits = TenantLimits(settings.num_replicas)
         self.session: aiohttp.ClientSession | None = None  # opened on app startup, in the serving loop
         self.draining = False
         self.in_flight = 0

@@ -9,8 +9,9 @@ mounted as a volume). The file is YAML (or JSON, a subset):
         priority: -1                    # the engine's request priority (vLLM's: lower is more urgent); default 0
         weight: 2                       # its share against other tenants of the same priority; default 1
         models: ["llama-3.1-8b*"]       # fnmatch patterns of the models it may use; default: every model
-        limits:                         # per router replica; default: none
+        limits:                         # for the whole router fleet (each replica its share); default: none
           requestsPerMinute: 600
+          tokensPerMinute: 200000       # prompt + completion, from the backends' usage
           concurrentRequests: 32
 
 Keys are kept only as SHA-256 digests (a memory dump shows no key), and a presented key is looked up by its
@@ -39,13 +40,27 @@ logger = logging.getLogger(__name__)
 MIN_KEY_CHARS = 16  # shorter keys are guessable
 
 
+LIMIT_NAMES = ("requestsPerMinute", "concurrentRequests", "tokensPerMinute")
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Per router replica: with R replicas a tenant gets up to R times these in all (each replica counts its own,
-    so no shared store sits in the request path; set them as the fleet-wide limit over R)."""
+    """A tenant's limits for the whole router fleet. Each of R router replicas enforces its share, `share(R)`:
+    no shared store sits in the request path, and the Service spreads connections over the replicas (see
+    docs/router.md for what that assumes)."""
 
     requests_per_minute: int | None = None
     concurrent_requests: int | None = None
+    tokens_per_minute: int | None = None
+
+    def share(self, num_replicas: int) -> Limits:
+        """One replica's part of the fleet-wide limits: each divided by the replicas, rounded up (a limit of 1
+        stays 1), so the fleet admits at most R - 1 more than the limit and never refuses a tenant under it."""
+
+        def part(limit: int | None) -> int | None:
+            return None if limit is None else max(1, math.ceil(limit / num_replicas))
+
+        return Limits(part(self.requests_per_minute), part(self.concurrent_requests), part(self.tokens_per_minute))
 
 
 @dataclass(frozen=True)
@@ -123,12 +138,10 @@ def parse_tenants(raw: Any) -> KeyRing:
         limits_raw = entry.get("limits") or {}
         if not isinstance(limits_raw, Mapping):
             raise ValueError(f"{where} ({name}): limits must be a mapping")
-        unknown = set(limits_raw) - {"requestsPerMinute", "concurrentRequests"}
+        unknown = set(limits_raw) - set(LIMIT_NAMES)
         if unknown:
-            raise ValueError(f"{where} ({name}): unknown limits {sorted(unknown)} (requestsPerMinute, "
-                             "concurrentRequests)")  # fmt: skip
-        limits = Limits(_int(limits_raw, "requestsPerMinute", f"{where}.limits", 1),
-                        _int(limits_raw, "concurrentRequests", f"{where}.limits", 1))  # fmt: skip
+            raise ValueError(f"{where} ({name}): unknown limits {sorted(unknown)} ({', '.join(LIMIT_NAMES)})")
+        limits = Limits(*(_int(limits_raw, limit, f"{where}.limits", 1) for limit in LIMIT_NAMES))
         tenant = Tenant(name, priority, float(weight), tuple(models), limits)
         for key in keys:
             if len(key.strip()) < MIN_KEY_CHARS:

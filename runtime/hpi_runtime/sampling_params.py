@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hpi_contracts.openai_requests import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES  # OpenAI's bounds
 from hpi_runtime.structured.params import StructuredOutputsParams
-
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bounds
-MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)

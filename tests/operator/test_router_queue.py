@@ -11,7 +11,13 @@ import aiohttp.web
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from hpi_contracts.metrics import PRIORITY_LABEL, READ_FROM_ROUTER, ROUTER_QUEUED_REQUESTS, TENANT_LABEL
+from hpi_contracts.metrics import (
+    PRIORITY_LABEL,
+    READ_FROM_ROUTER,
+    ROUTER_QUEUED_REQUESTS,
+    ROUTER_TENANT_KEYS,
+    TENANT_LABEL,
+)
 from hpi_operator.autoscaling.decision import PodLoad
 from hpi_operator.autoscaling.loop import ANNOTATION_WAITING_REQUESTS, external_demand, poll
 from hpi_operator.autoscaling.router_queue import (
@@ -49,7 +55,7 @@ def router_page(flows: dict[tuple[str, str], float]) -> str:
 
 
 def test_the_operator_reads_the_contracted_gauge() -> None:
-    assert READ_FROM_ROUTER == (ROUTER_QUEUED_REQUESTS,)
+    assert READ_FROM_ROUTER == (ROUTER_QUEUED_REQUESTS, ROUTER_TENANT_KEYS)
 
 
 def test_flows_are_summed_and_an_idle_router_holds_nothing() -> None:

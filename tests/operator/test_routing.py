@@ -178,6 +178,10 @@ def test_tenants_mount_the_secret_and_the_router_reads_it_and_presents_the_pods_
     args, unknown = build_parser().parse_known_args(container["args"])
     assert unknown == [] and args.tenants_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     assert settings_from_args(args).tenants_file == args.tenants_file
+    assert settings_from_args(args).num_replicas == 2  # the CRD's default router replicas: each enforces half
+    three = by_kind(plan({**spec, "routing": {"router": {**spec["routing"]["router"], "replicas": 3}}}), "Deployment")
+    assert settings_from_args(build_parser().parse_args(
+        three["demo-router"]["spec"]["template"]["spec"]["containers"][0]["args"])).num_replicas == 3
     local = tmp_path / "tenants.yaml"  # what the router does with the file at that path
     local.write_text("tenants: [{name: a, keys: [sk-0123456789abcdef0]}]")
     assert TenantsFile(local).ring.num_keys == 1

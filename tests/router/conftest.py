@@ -57,6 +57,7 @@ class FakeBackend:
         self.ready = True
         self.fail_status: int | None = None  # answer every generation request with this status
         self.die_after_tokens: int | None = None  # drop the connection after this many streamed tokens
+        self.max_model_len = 1_000_000  # max_tokens must be an integer in [1, this], as the runtime checks (400)
         self.die_on_request = False  # a pod that dies on its first generation request: the connection drops, then
         # it stops listening (connections refused, probes fail)
         self.stats = BackendCounters()
@@ -123,9 +124,13 @@ class FakeBackend:
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "refused", "type": "x", "param": None, "code": None}},
                                      status=self.fail_status)
+        num_tokens = body.get("max_tokens") or 8
+        if not isinstance(num_tokens, int) or not 1 <= num_tokens <= self.max_model_len:
+            return web.json_response({"error": {"message": f"max_tokens must be in [1, {self.max_model_len}]",
+                                                "type": "invalid_request_error", "param": "max_tokens", "code": None}},
+                                     status=400)
         self.num_requests += 1
         self.prompts.append(json.dumps(body.get("prompt", body.get("messages"))))
-        num_tokens = int(body.get("max_tokens") or 8)
         chat = request.path.endswith("/chat/completions")
         self.stats.num_running += 1
         self.in_flight_prompts.add(str(prompt))
@@ -144,6 +149,10 @@ class FakeBackend:
                     request.transport.abort()
                     return response
                 await response.write(b"data: " + json.dumps(_chunk(self.name, chat, "tok ")).encode() + b"\n\n")
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):  # as the runtime: a usage-only chunk
+                usage = {**_chunk(self.name, chat, ""), "choices": [], "usage": _usage(num_tokens)}
+                await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -164,8 +173,11 @@ def _completion(model: str, chat: bool, text: str, num_tokens: int) -> dict:
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
               else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
     return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}}
+            "model": model, "choices": [choice], "usage": _usage(num_tokens)}
+
+
+def _usage(num_tokens: int) -> dict:
+    return {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}
 
 
 def _chunk(model: str, chat: bool, text: str) -> dict:

@@ -15,6 +15,7 @@ from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
 from hpi_runtime.server.errors import REQUEST_ID, ApiError
 from hpi_runtime.server.errors import error_middleware as shared_error_middleware
+from hpi_runtime.server.openapi import OPENAPI_PATH, openapi_json
 from hpi_runtime.server.sleep import SLEEP_PATHS, add_sleep_routes
 from hpi_runtime.server.state import STATE_KEY, ServerState
 from hpi_runtime.server.tokenize import detokenize, tokenize, version
@@ -164,5 +165,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    app.router.add_get(OPENAPI_PATH, openapi_json)
     add_sleep_routes(app)
     return app

@@ -1,7 +1,9 @@
 """Parse and validate OpenAI request bodies into plain frozen dataclasses, or raise a 400 ApiError.
 
-Unknown fields are ignored, as OpenAI does. Known fields are type-checked strictly (a JSON `true` is not
-an integer, a string is not a number) so that a typo is a clear 400 and never a 500 deeper down.
+Every field is read through its declaration in hpi_contracts.openai_requests (type, bounds, default), the same
+declarations GET /openapi.json is generated from. Unknown fields are ignored, as OpenAI does. Known fields are
+type-checked strictly (a JSON `true` is not an integer, a string is not a number) so that a typo is a clear 400
+and never a 500 deeper down.
 """
 
 from __future__ import annotations
@@ -10,18 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpi_contracts.openai_requests import CHAT, CHAT_ROLES, COMPLETION, MAX_INT64, MAX_STOP_STRINGS, RequestBody
 from hpi_runtime.server.errors import bad_request
 from hpi_runtime.server.structured_fields import parse_logit_bias, parse_structured
 from hpi_runtime.server.tool_fields import ToolChoice, parse_tool_calls, parse_tool_choice, parse_tools
 from hpi_runtime.structured.params import StructuredOutputsParams
-
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-# Integers that reach torch must fit its int64 tensors; past these bounds a value can only be a mistake.
-MAX_INT64 = 2**63 - 1
-MAX_TOP_K = 2**31 - 1
-MAX_PRIORITY = 2**31 - 1  # any top_k at or above the vocabulary size already means "off"
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -76,22 +71,29 @@ class ChatRequest:
     parallel_tool_calls: bool = True
 
 
-class _Body:
-    """Typed access to a JSON object's fields with OpenAI-style 400s naming the parameter."""
+class Body:
+    """Typed access to a JSON object's declared fields with OpenAI-style 400s naming the parameter: a scalar's
+    type, bounds and default come from its declaration; `get` hands a structured field to its own parser."""
 
-    def __init__(self, body: Any):
+    def __init__(self, body: Any, declared: RequestBody):
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         self.body = body
+        self.declared = declared
+
+    def _value(self, name: str, kind: str) -> tuple[Any, Any]:
+        declaration = self.declared.field(name)
+        assert declaration.kind == kind, f"{name} is declared {declaration.kind}, read as {kind}"
+        return self.body.get(name), declaration
 
     def get(self, name: str) -> Any:
-        value = self.body.get(name)
-        return value
+        return self._value(name, "json")[0]
 
-    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None):
-        value = self.body.get(name)
+    def integer(self, name: str) -> int | None:
+        value, declared = self._value(name, "integer")
+        lo, hi = declared.lo, declared.hi
         if value is None:
-            return default
+            return declared.default
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
@@ -101,10 +103,11 @@ class _Body:
             raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {value}", name)
         return value
 
-    def number(self, name: str, default: float | None, lo: float, hi: float, *, lo_open: bool = False):
-        value = self.body.get(name)
+    def number(self, name: str) -> float | None:
+        value, declared = self._value(name, "number")
+        lo, hi, lo_open = declared.lo, declared.hi, declared.lo_open
         if value is None:
-            return default
+            return declared.default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
         if not math.isfinite(value):  # Python's json accepts NaN and Infinity
@@ -114,22 +117,22 @@ class _Body:
             raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
         return float(value)
 
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.body.get(name)
+    def boolean(self, name: str) -> bool:
+        value, declared = self._value(name, "boolean")
         if value is None:
-            return default
+            return declared.default
         if not isinstance(value, bool):
             raise bad_request(f"'{name}' must be a boolean, got {type(value).__name__}", name)
         return value
 
     def string(self, name: str) -> str | None:
-        value = self.body.get(name)
+        value, _ = self._value(name, "string")
         if value is not None and not isinstance(value, str):
             raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
         return value
 
     def stop(self) -> tuple[str, ...]:
-        value = self.body.get("stop")
+        value = self.get("stop")
         if value is None:
             return ()
         if isinstance(value, str):
@@ -141,7 +144,7 @@ class _Body:
         return tuple(s for s in value if s)
 
     def token_ids(self, name: str) -> tuple[int, ...]:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return ()
         if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= MAX_INT64 for t in value):
@@ -149,7 +152,7 @@ class _Body:
         return tuple(value)
 
     def stream_options(self, stream: bool) -> bool:
-        options = self.body.get("stream_options")
+        options = self.get("stream_options")
         if options is None:
             return False
         if not isinstance(options, dict):
@@ -166,39 +169,39 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sampling(body: _Body, logprobs: int | None, *, max_tokens_field: str = "max_tokens") -> SamplingFields:
+def _sampling(body: Body, logprobs: int | None, *, max_tokens_field: str = "max_tokens") -> SamplingFields:
     for unsupported in ("suffix", "functions", "function_call"):
         value = body.get(unsupported)
         if value not in (None, {}, [], ""):
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
-    max_tokens = body.integer(max_tokens_field, None, 1, MAX_INT64)
+    max_tokens = body.integer(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = body.integer("max_tokens", None, 1, MAX_INT64)
+        max_tokens = body.integer("max_tokens")
     return SamplingFields(
         max_tokens=max_tokens,
-        temperature=body.number("temperature", None, 0.0, 2.0),
-        top_p=body.number("top_p", None, 0.0, 1.0, lo_open=True),
-        top_k=body.integer("top_k", None, -1, MAX_TOP_K),
-        min_p=body.number("min_p", None, 0.0, 1.0),
-        seed=body.integer("seed", None, -MAX_INT64 - 1, MAX_INT64),
+        temperature=body.number("temperature"),
+        top_p=body.number("top_p"),
+        top_k=body.integer("top_k"),
+        min_p=body.number("min_p"),
+        seed=body.integer("seed"),
         stop=body.stop(),
         stop_token_ids=body.token_ids("stop_token_ids"),
-        presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=body.number("repetition_penalty", None, 0.01, 10.0),
-        ignore_eos=body.boolean("ignore_eos", False),
-        min_tokens=body.integer("min_tokens", 0, 0, MAX_INT64),
+        presence_penalty=body.number("presence_penalty"),
+        frequency_penalty=body.number("frequency_penalty"),
+        repetition_penalty=body.number("repetition_penalty"),
+        ignore_eos=body.boolean("ignore_eos"),
+        min_tokens=body.integer("min_tokens"),
         logprobs=logprobs,
-        priority=body.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY),
+        priority=body.integer("priority"),
         logit_bias=parse_logit_bias(body.get("logit_bias")),
         structured=parse_structured(body),
-        skip_special_tokens=body.boolean("skip_special_tokens", True),
-        prompt_logprobs=body.integer("prompt_logprobs", None, 0, 20),
+        skip_special_tokens=body.boolean("skip_special_tokens"),
+        prompt_logprobs=body.integer("prompt_logprobs"),
     )
 
 
 def parse_completion(raw: Any) -> CompletionRequest:
-    body = _Body(raw)
+    body = Body(raw, COMPLETION)
     prompt = body.get("prompt")
     prompts: list[str | tuple[int, ...]]
     if isinstance(prompt, str):
@@ -220,31 +223,31 @@ def parse_completion(raw: Any) -> CompletionRequest:
         )
     if any(isinstance(p, tuple) and min(p) < 0 for p in prompts):
         raise bad_request("token ids in 'prompt' must be non-negative", "prompt")
-    stream = body.boolean("stream", False)
-    n = body.integer("n", 1, 1, MAX_N)
-    best_of = body.integer("best_of", None, 1, MAX_N)
+    stream = body.boolean("stream")
+    n = body.integer("n")
+    best_of = body.integer("best_of")
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' different from 'n' is not supported", "best_of")
     return CompletionRequest(
         model=body.string("model"),
         prompts=tuple(prompts),
-        sampling=_sampling(body, body.integer("logprobs", None, 0, 20)),
+        sampling=_sampling(body, body.integer("logprobs")),
         n=n,
         stream=stream,
         include_usage=body.stream_options(stream),
-        echo=body.boolean("echo", False),
+        echo=body.boolean("echo"),
     )
 
 
 def parse_chat(raw: Any) -> ChatRequest:
-    body = _Body(raw)
+    body = Body(raw, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    stream = body.boolean("stream", False)
-    want_logprobs = body.boolean("logprobs", False)
-    top_logprobs = body.integer("top_logprobs", None, 0, 20)
+    stream = body.boolean("stream")
+    want_logprobs = body.boolean("logprobs")
+    top_logprobs = body.integer("top_logprobs")
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     template_kwargs = body.get("chat_template_kwargs") or {}
@@ -257,13 +260,13 @@ def parse_chat(raw: Any) -> ChatRequest:
         sampling=_sampling(
             body, (top_logprobs or 0) if want_logprobs else None, max_tokens_field="max_completion_tokens"
         ),
-        n=body.integer("n", 1, 1, MAX_N),
+        n=body.integer("n"),
         stream=stream,
         include_usage=body.stream_options(stream),
         chat_template_kwargs=template_kwargs,
         tools=tools,
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=body.boolean("parallel_tool_calls", True),
+        parallel_tool_calls=body.boolean("parallel_tool_calls"),
     )
 
 

@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from hpi_runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from hpi_contracts.openai_requests import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 from hpi_runtime.server.errors import bad_request
 from hpi_runtime.structured.params import StructuredOutputsParams
 

@@ -7,9 +7,10 @@ from dataclasses import replace
 from aiohttp import web
 from jinja2 import TemplateError
 
+from hpi_contracts.openai_requests import DETOKENIZE, TOKENIZE
 from hpi_runtime import __version__
 from hpi_runtime.server.errors import bad_request
-from hpi_runtime.server.protocol import parse_chat
+from hpi_runtime.server.protocol import Body, parse_chat
 from hpi_runtime.server.request_io import check_model, read_json, tokenize_off_loop
 from hpi_runtime.server.state import STATE_KEY, ServerState
 
@@ -18,27 +19,25 @@ async def tokenize(request: web.Request) -> web.Response:
     """{"prompt": str, "add_special_tokens": bool} or {"messages": [...], "tools": [...]} (rendered with the chat
     template, as /v1/chat/completions would) -> {"count", "max_model_len", "tokens", "token_strs"}."""
     state: ServerState = request.app[STATE_KEY]
-    raw = await read_json(request)
+    fields = Body(await read_json(request), TOKENIZE)
     model = state.admit()
     tokenizer = model.tokenizer
-    if isinstance(raw, dict) and "messages" in raw:
-        body = parse_chat({**raw, "tool_choice": None})
+    if fields.get("messages") is not None:
+        body = parse_chat({**fields.body, "tool_choice": None})
         check_model(model, body.model)
         body = replace(body, chat_template_kwargs={**body.chat_template_kwargs,
-                                                   "add_generation_prompt": raw.get("add_generation_prompt", True)})
+                                                   "add_generation_prompt": fields.boolean("add_generation_prompt")})
         num_chars = sum(len(str(m.get("content") or "")) for m in body.messages)
         token_ids = await tokenize_off_loop(lambda: _render(tokenizer, body), num_chars)
     else:
-        if not isinstance(raw, dict) or not isinstance(raw.get("prompt"), str):
+        prompt = fields.string("prompt")
+        if prompt is None:
             raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
-        check_model(model, raw.get("model"))
-        add_special = raw.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
-        prompt = raw["prompt"]
+        check_model(model, fields.string("model"))
+        add_special = fields.boolean("add_special_tokens")
         token_ids = await tokenize_off_loop(lambda: tokenizer(prompt, add_special_tokens=add_special).input_ids,
                                             len(prompt))
-    token_strs = tokenizer.convert_ids_to_tokens(token_ids) if raw.get("return_token_strs") else None
+    token_strs = tokenizer.convert_ids_to_tokens(token_ids) if fields.boolean("return_token_strs") else None
     return web.json_response({"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids,
                               "token_strs": token_strs})
 
@@ -59,12 +58,12 @@ def _render(tokenizer, body) -> list[int]:
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"prompt": text}."""
     state: ServerState = request.app[STATE_KEY]
-    raw = await read_json(request)
+    fields = Body(await read_json(request), DETOKENIZE)
     model = state.admit()
-    tokens = raw.get("tokens") if isinstance(raw, dict) else None
+    tokens = fields.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("'tokens' must be a list of token ids", "tokens")
-    check_model(model, raw.get("model"))
+    check_model(model, fields.string("model"))
     if tokens and (min(tokens) < 0 or max(tokens) >= model.vocab_size):
         raise bad_request(f"token ids must be in [0, {model.vocab_size})", "tokens")
     return web.json_response({"prompt": model.tokenizer.decode(tokens)})

@@ -6,9 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hpi_contracts.openai_requests import MAX_TOOLS
 from hpi_runtime.server.errors import bad_request
-
-MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)

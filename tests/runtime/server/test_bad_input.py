@@ -1,9 +1,14 @@
-"""Bad input gets a 4xx in OpenAI's error shape, and the server keeps serving afterwards."""
+"""Bad input gets a 4xx in OpenAI's error shape, and the server keeps serving afterwards: hand-picked cases, then
+schemathesis' cases from GET /openapi.json (the number of cases goes to the test output; HPI_FUZZ_CASES sets it;
+the 1,000-case campaign of bench/results/front_door.md is bench/fuzz_http.py, on a 64-token context)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from hpi_testing.http_fuzz import fuzz_cases, fuzz_openapi
 from hpi_testing.server import post_json as post
 
 CHAT = "/v1/chat/completions"
@@ -105,3 +110,27 @@ def test_server_keeps_serving_after_bad_input(server) -> None:
     assert status == 200, payload
     assert payload["choices"][0]["message"]["role"] == "assistant"
     assert server.process.poll() is None
+
+
+GREEDY = {**OK_CHAT, "max_tokens": 8, "temperature": 0}
+# /sleep takes the replica out of service by design (503s until /wake_up); test_sleep.py covers it.
+NOT_FUZZED = ("/sleep",)
+
+
+def test_schemathesis_finds_no_server_error(server, record_property) -> None:
+    status, reference = post(server.base_url, CHAT, GREEDY)
+    assert status == 200, reference
+
+    report = fuzz_openapi(server.base_url, fuzz_cases(), exclude_paths=NOT_FUZZED)
+    record_property("fuzz", report.summary())
+
+    assert report.num_cases >= fuzz_cases() // 2, report.summary()
+    assert not report.failures, "\n".join(report.failures)
+    # Afterwards: ready, the same greedy answer, and nothing left running or waiting in the engine.
+    assert server.get_json("/ready")[0] == 200
+    status, again = post(server.base_url, CHAT, GREEDY)
+    assert status == 200 and again["choices"][0]["message"] == reference["choices"][0]["message"]
+    deadline = time.monotonic() + 30
+    while (samples := server.metric_samples())["vllm:num_requests_running"] or samples["vllm:num_requests_waiting"]:
+        assert time.monotonic() < deadline, "requests still in the engine 30 s after the fuzz ended"
+        time.sleep(0.2)

@@ -1,0 +1,80 @@
+"""Schemathesis against a live server's GET /openapi.json: every documented operation gets schema-valid
+(positive) and schema-violating (negative) requests; any 5xx, and any request left unanswered within the
+timeout (a hang), is a failure. Shared by the runtime's and the router's fuzz tests and bench/bench_fuzz.py."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import hypothesis
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis import GenerationMode
+
+# The default test run spends seconds here; HPI_FUZZ_CASES asks for more (bench/fuzz_http.py runs 1,000+).
+DEFAULT_CASES = 50
+
+
+@dataclass
+class FuzzReport:
+    num_cases: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)  # "METHOD /path -> status: body" of each 5xx or hang
+    slowest_s: float = 0.0  # the longest answer
+
+    def summary(self) -> str:
+        statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items(), key=str))
+        return (f"schemathesis: {self.num_cases} cases, {len(self.failures)} server errors or hangs ({statuses}); "
+                f"slowest answer {self.slowest_s:.2f} s")
+
+
+def fuzz_cases() -> int:
+    return int(os.environ.get("HPI_FUZZ_CASES", DEFAULT_CASES))
+
+
+def fuzz_openapi(base_url: str, num_cases: int, *, exclude_paths: tuple[str, ...] = (),
+                 headers: dict[str, str] | None = None, timeout_s: float = 30.0,
+                 derandomize: bool = True) -> FuzzReport:
+    """Spread about `num_cases` requests over the document's operations, half positive and half negative."""
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    if exclude_paths:
+        schema = schema.exclude(path=list(exclude_paths))
+    operations = [result.ok() for result in schema.get_all_operations()]
+    # An operation without a body or parameters has one case; the others share the rest.
+    num_with_input = sum(1 for op in operations if op.body or op.query) or 1
+    per_run = max(1, (num_cases - len(operations)) // (2 * num_with_input))
+    report = FuzzReport()
+    session = requests.Session()
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            settings_ = settings(max_examples=per_run if operation.body or operation.query else 1, deadline=None,
+                                 database=None, derandomize=derandomize, phases=[Phase.explicit, Phase.generate],
+                                 suppress_health_check=list(HealthCheck))
+            call = _caller(report, session, base_url, headers, timeout_s, mode)
+            try:
+                settings_(hypothesis.given(case=operation.as_strategy(generation_mode=mode))(call))()
+            except hypothesis.errors.Unsatisfiable:  # nothing to break: a GET without parameters has no negative case
+                pass
+    return report
+
+
+def _caller(report: FuzzReport, session: requests.Session, base_url: str, headers: dict[str, str] | None,
+            timeout_s: float, mode: GenerationMode):
+    def call(case) -> None:
+        report.num_cases += 1
+        name = f"{case.method} {case.formatted_path} ({mode.value})"
+        try:
+            response = case.call(base_url=base_url, session=session, headers=headers, timeout=timeout_s)
+        except requests.Timeout:
+            report.statuses["timeout"] += 1
+            report.failures.append(f"{name}: no answer within {timeout_s} s; body {case.body!r:.300}")
+            return
+        report.statuses[response.status_code] += 1
+        report.slowest_s = max(report.slowest_s, response.elapsed)
+        if response.status_code >= 500:
+            report.failures.append(f"{name} -> {response.status_code}: {response.text[:300]}; body {case.body!r:.300}")
+
+    return call
