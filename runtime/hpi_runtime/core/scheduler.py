@@ -95,14 +95,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.token_ids) - request.num_computed_tokens + len(request.spec_token_ids), budget)
-            if request.spec_token_ids:  # the budget may cut the drafts short
-                del request.spec_token_ids[max(0, num_new - 1) :]
-            new_blocks = kv.allocate_slots(request, num_new)
-            if new_blocks is None and request.spec_token_ids:  # drafts never cost anyone a preemption
-                num_new -= len(request.spec_token_ids)
-                request.spec_token_ids = []
-                new_blocks = kv.allocate_slots(request, num_new)
+            num_new, new_blocks = self._allocate_running(request, budget)
             while new_blocks is None:
                 victim = running.pop()  # the newest; never one already scheduled (those are before i)
                 self._preempt(victim)
@@ -131,6 +124,20 @@ class Scheduler:
             scheduled.append((request, num_new, []))
             budget -= num_new
         return self._make_output(scheduled)
+
+    def _allocate_running(self, request: Request, budget: int) -> tuple[int, list[KVBlock] | None]:
+        """Blocks for a running request's next tokens (and drafts) within `budget`: (tokens, new blocks), the
+        blocks None when the pool is short even without the drafts."""
+        drafts = request.spec_token_ids
+        num_new = min(len(request.token_ids) - request.num_computed_tokens + len(drafts), budget)
+        if drafts:  # the budget may cut the drafts short
+            del drafts[max(0, num_new - 1) :]
+        new_blocks = self.kv.allocate_slots(request, num_new)
+        if new_blocks is None and drafts:  # drafts never cost anyone a preemption
+            num_new -= len(drafts)
+            request.spec_token_ids = []
+            new_blocks = self.kv.allocate_slots(request, num_new)
+        return num_new, new_blocks
 
     def _propose_drafts(self) -> None:
         """Draft tokens for each running decode outside a grammar, or none when the step would not gain."""

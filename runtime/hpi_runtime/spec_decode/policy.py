@@ -107,6 +107,10 @@ class SpeculationPolicy:
         self.stats = AcceptanceStats()
         self._recent_rate = 0.5  # running acceptance rate, recent verifications weigh most
 
+    @property
+    def recent_acceptance_rate(self) -> float:
+        return self._recent_rate
+
     def record_verification(self, num_drafted: int, num_accepted: int, max_positions: int) -> None:
         self.stats.record(num_drafted, num_accepted, max_positions)
         self._recent_rate += 0.05 * (num_accepted / num_drafted - self._recent_rate)
