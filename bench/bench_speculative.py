@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--grounded", type=int, default=8, help="input-grounded conversations (of 16)")
     parser.add_argument("--open-ended", type=int, default=4, help="open-ended conversations, one client")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=32, help="concurrent requests (0: skip)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of the concurrent batch per engine")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
@@ -113,12 +113,12 @@ def main() -> None:
     before = llms["spec"].engine.get_stats()
     results.append(_summary("open-ended chat, 1 client", _one_client(llms, open_ended()[: args.open_ended], params)))
     results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
-    many = (open_ended() * -(-args.clients // len(open_ended())))[: args.clients]
-    before = llms["spec"].engine.get_stats()
-    results.append(
-        _summary(f"open-ended chat, {args.clients} clients", _many_clients(llms, many, params, args.repeats))
-    )
-    results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
+    if args.clients:  # 0 skips the concurrent measurement
+        many = (open_ended() * -(-args.clients // len(open_ended())))[: args.clients]
+        before = llms["spec"].engine.get_stats()
+        totals = _many_clients(llms, many, params, args.repeats)
+        results.append(_summary(f"open-ended chat, {args.clients} clients", totals))
+        results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
     report = {"machine": machine, "config": config, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "results": results, "crossover_after_grounded": crossover_after_grounded,
               "crossover_at_end": _crossover(llms["spec"], config["num_speculative_tokens"])}  # fmt: skip

@@ -11,7 +11,8 @@ B + D tokens that yields B + A tokens (A accepted). So speculation runs while
 with A = D x the recent acceptance rate and t() the engine's own measured step-time curve (`StepTimes`: a
 running mean per token-count bucket, interpolated; any step counts, prefill chunks included, so the curve
 is one of tokens per step, whatever their kind). While t(B) is unknown the step runs plain, which measures
-it; while t(B + D) is unknown it speculates, which measures that.
+it; past the largest measured step t(B + D) is extrapolated from the two largest; with fewer points it
+speculates, which measures them.
 """
 
 from __future__ import annotations
@@ -55,12 +56,17 @@ class StepTimes:
         return [(t, s) for t, s, c in zip(self._tokens, self._seconds, self._counts, strict=True)
                 if c >= _MIN_SAMPLES]  # fmt: skip
 
-    def estimate(self, num_tokens: int) -> float | None:
-        """Seconds for a step of `num_tokens`, interpolated between the measured points around it; None when
-        the curve has no point at or beyond it (or none at or below it)."""
+    def estimate(self, num_tokens: int, extrapolate: bool = False) -> float | None:
+        """Seconds for a step of `num_tokens`, interpolated between the measured points around it. Past the
+        largest point, with `extrapolate`, along the line through the two largest (never falling); else
+        None, as when nothing at or below it was measured."""
         points = self.points()
         below = [p for p in points if p[0] <= num_tokens]
         above = [p for p in points if p[0] >= num_tokens]
+        if extrapolate and not above and len(below) >= 2:
+            above = [below[-1]]
+            (t0, s0), (t1, s1) = below[-2], below[-1]
+            return s1 + max(0.0, (s1 - s0) / (t1 - t0)) * (num_tokens - t1)
         if not below or not above:
             return None
         (t0, s0), (t1, s1) = below[-1], above[0]
@@ -122,7 +128,7 @@ class SpeculationPolicy:
         if num_decodes == 0 or num_draft_tokens == 0:
             return num_draft_tokens > 0
         plain = self.step_times.estimate(num_decodes)
-        speculative = self.step_times.estimate(num_decodes + num_draft_tokens)
+        speculative = self.step_times.estimate(num_decodes + num_draft_tokens, extrapolate=True)
         if plain is None:
             return False  # measure the plain step first
         if speculative is None:

@@ -102,6 +102,9 @@ def test_speculation_stops_where_the_measured_step_time_turns_compute_bound() ->
     fresh = _policy_with_curve(lambda t: 0.02, [1])
     assert not fresh.should_speculate(num_decodes=3, num_draft_tokens=4)
     assert fresh.should_speculate(num_decodes=1, num_draft_tokens=4)
+    # Past the largest measured step: extrapolated from the two largest (here steeply rising: off).
+    steep = _policy_with_curve(lambda t: 0.02 * t, [16, 32])
+    assert not steep.should_speculate(num_decodes=32, num_draft_tokens=128)
     capped = SpeculationPolicy(disable_by_batch_size=4)
     assert capped.should_speculate(4, 4) and not capped.should_speculate(5, 4)
 
@@ -114,3 +117,5 @@ def test_step_times_interpolate_between_measured_buckets() -> None:
     assert times.estimate(15) == pytest.approx(1.5)
     assert times.estimate(10) == pytest.approx(1.0)
     assert times.estimate(25) is None and times.estimate(5) is None
+    assert times.estimate(30, extrapolate=True) == pytest.approx(3.0)  # along the line through the last two
+    assert times.estimate(5, extrapolate=True) is None
