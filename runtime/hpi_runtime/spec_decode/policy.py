@@ -12,7 +12,8 @@ with A = D x the recent acceptance rate and t() the engine's own measured step-t
 running mean per token-count bucket, interpolated; any step counts, prefill chunks included, so the curve
 is one of tokens per step, whatever their kind). While t(B) is unknown the step runs plain, which measures
 it; past the largest measured step t(B + D) is extrapolated from the two largest; with fewer points it
-speculates, which measures them.
+speculates, which measures them. A bucket unmeasured for _MAX_AGE_STEPS steps is forgotten, so a decision
+taken under other load is revisited.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ _BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 
             224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096, 8192)  # fmt: skip
 _SMOOTHING = 0.1  # weight of a new measurement in its bucket's mean
 _MIN_SAMPLES = 3  # measurements before a bucket's mean is believed
+# A bucket not measured for this many steps starts over: the machine's load may have changed since, and a
+# stale slow mean would otherwise keep speculation off (and so unmeasured) for good. Starting over costs a few
+# exploratory steps per this many.
+_MAX_AGE_STEPS = 2000
 
 
 def next_num_draft_tokens(num_drafted: int, num_accepted: int, current: int, maximum: int) -> int:
@@ -43,16 +48,23 @@ class StepTimes:
         self._tokens = [0.0] * len(_BUCKETS)  # mean token count in each bucket
         self._seconds = [0.0] * len(_BUCKETS)
         self._counts = [0] * len(_BUCKETS)
+        self._last_step = [0] * len(_BUCKETS)  # when each bucket was last measured
+        self._num_steps = 0
 
     def record(self, num_tokens: int, seconds: float) -> None:
+        self._num_steps += 1
         i = min(bisect.bisect_left(_BUCKETS, num_tokens), len(_BUCKETS) - 1)
+        self._last_step[i] = self._num_steps
         self._counts[i] += 1
         weight = max(_SMOOTHING, 1.0 / self._counts[i])
         self._tokens[i] += weight * (num_tokens - self._tokens[i])
         self._seconds[i] += weight * (seconds - self._seconds[i])
 
     def points(self) -> list[tuple[float, float]]:
-        """(tokens, seconds) of the believed buckets, by token count."""
+        """(tokens, seconds) of the believed buckets, by token count; a stale bucket is forgotten here."""
+        for i, last in enumerate(self._last_step):
+            if self._counts[i] and self._num_steps - last > _MAX_AGE_STEPS:
+                self._counts[i], self._tokens[i], self._seconds[i] = 0, 0.0, 0.0
         return [(t, s) for t, s, c in zip(self._tokens, self._seconds, self._counts, strict=True)
                 if c >= _MIN_SAMPLES]  # fmt: skip
 

@@ -119,3 +119,15 @@ def test_step_times_interpolate_between_measured_buckets() -> None:
     assert times.estimate(25) is None and times.estimate(5) is None
     assert times.estimate(30, extrapolate=True) == pytest.approx(3.0)  # along the line through the last two
     assert times.estimate(5, extrapolate=True) is None
+
+
+def test_a_stale_measurement_is_forgotten_so_the_decision_is_revisited() -> None:
+    """Verification steps measured slow (under load) turn speculation off at one decode; once their bucket has
+    gone unmeasured for long enough, the rule speculates again to re-measure it."""
+    policy = _policy_with_curve(lambda t: 0.02 if t == 1 else 0.5, [1, 6])
+    for _ in range(10):
+        policy.record_verification(5, 1, 5)
+    assert not policy.should_speculate(num_decodes=1, num_draft_tokens=5)
+    for _ in range(2001):  # plain steps only: the 6-token bucket ages
+        policy.step_times.record(1, 0.02)
+    assert policy.should_speculate(num_decodes=1, num_draft_tokens=5)
