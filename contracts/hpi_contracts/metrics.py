@@ -20,6 +20,14 @@ REQUEST_SUCCESS = "vllm:request_success"  # label finished_reason
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# Speculative decoding (only with --speculative-config): verifications (request-steps with drafts), draft tokens
+# verified, drafts accepted, and drafts accepted by position (label `position`, 0-based). The acceptance rate is
+# accepted / draft tokens; the mean accepted length per verification is 1 + accepted / drafts.
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+POSITION_LABEL = "position"
 # Histograms.
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"

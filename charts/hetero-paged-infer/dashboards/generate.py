@@ -124,6 +124,11 @@ def build() -> dict:
             query(f"sum by ({BY}) (rate(vllm:prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
                   f"sum by ({BY}) (rate(vllm:prefix_cache_queries_total{{{SEL}}}[{RATE}]))"),
         ], "Prompt tokens served from cached KV blocks, of all prompt tokens looked up."))
+        .with_panel(panel("Speculative decoding acceptance rate", "percentunit", [
+            query(f"sum by ({BY}) (rate(vllm:spec_decode_num_accepted_tokens_total{{{SEL}}}[{RATE}])) / "
+                  f"sum by ({BY}) (rate(vllm:spec_decode_num_draft_tokens_total{{{SEL}}}[{RATE}]))"),
+        ], "Draft tokens accepted, of all verified (pods with --speculative-config); each verification also "
+           "yields one token of its own."))
         .with_row(dashboard.Row("Router: queue and tenants"))
         .with_panel(panel("Requests waiting in the router", "short", [
             query(f"sum by (inference_deployment, tenant, priority) (hpi:router_queued_requests{{{ROUTER_SEL}}})",

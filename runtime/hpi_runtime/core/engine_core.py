@@ -9,6 +9,7 @@ offline `LLM` and for tests (frontend/engine.py); both drive the same object.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from hpi_runtime.config import EngineConfig
@@ -153,7 +154,10 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         try:
+            start = time.perf_counter()
             model_output = self.executor.execute_model(scheduler_output)
+            if (policy := self.scheduler.spec_policy) is not None:  # the step-time curve speculation reads
+                policy.step_times.record(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - start)
             return self.scheduler.update_from_output(scheduler_output, model_output)
         except ExecutorDeadError:  # not this step's fault, and no later step can run: the core is over
             self.scheduler.fail_scheduled(scheduler_output)
@@ -184,6 +188,7 @@ class EngineCore:
             kv_host_cached_blocks=host.num_cached_blocks if host is not None else 0,
             kv_blocks_to_host=host.num_blocks_to_host if host is not None else 0,
             kv_blocks_to_device=host.num_blocks_to_device if host is not None else 0,
+            **(scheduler.spec_policy.stats.as_engine_stats() if scheduler.spec_policy is not None else {}),
         )
 
     def shutdown(self) -> None:

@@ -65,6 +65,11 @@ class EngineStats(msgspec.Struct, frozen=True, gc=False):
     kv_host_cached_blocks: int = 0  # host blocks holding offloaded prefix KV
     kv_blocks_to_host: int = 0  # cumulative block copies device -> host (offloads and swaps)
     kv_blocks_to_device: int = 0  # cumulative block copies host -> device (loads)
+    # Speculative decoding (all 0 without it), cumulative as vLLM's spec_decode counters.
+    spec_num_drafts: int = 0  # verifications: request-steps with at least one draft token
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [num_speculative_tokens]: drafts accepted at each position
 
 
 # Frontend -> core messages.

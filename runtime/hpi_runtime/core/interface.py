@@ -16,6 +16,8 @@ so a step sends only what changed, as in vLLM v1:
 - `finished_request_ids` / `preempted_request_ids`: drop the state of these before running this step.
 - `grammar_request_ids` / `grammar_bitmask`: the requests sampled this step under a grammar (structured
   outputs) and, row for row, the tokens each may take next; every other row is sampled unconstrained.
+- `spec_token_ids`: draft tokens (speculative decoding) scheduled after a request's known tokens; the executor
+  verifies them and answers with the accepted ones plus one, so `sampled_token_ids` may hold several tokens.
 - `kv_transfers`: block copies between the device KV cache and the host-memory tier (core/host_tier.py),
   run before the forward: all device -> host copies first, then all host -> device ones. A step may
   carry transfers and no tokens (a request swapped out with nothing else to run).
@@ -75,6 +77,10 @@ class SchedulerOutput:
     grammar_request_ids: tuple[str, ...] = ()
     grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
     kv_transfers: KVTransfers = NO_TRANSFERS
+    # Speculative decoding: request id -> draft tokens to verify. They are the last len(drafts) of the request's
+    # scheduled tokens (after its known ones); the executor samples every one of those positions and returns
+    # the drafts it accepted plus the token after them.
+    spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

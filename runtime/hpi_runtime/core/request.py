@@ -54,7 +54,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "arrival_time", "priority", "token_ids",
         "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
         "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
-        "grammar", "prompt_logprobs", "_hasher", "_num_sent_tokens", "_new_logprobs",
+        "grammar", "prompt_logprobs", "spec_token_ids", "num_draft_tokens", "_hasher", "_num_sent_tokens",
+        "_new_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -90,6 +91,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.grammar = grammar  # structured outputs: advanced with every token, masks the next one
         self.prompt_logprobs: list[TokenLogprobs] = []  # of prompt tokens 1.. (sent with the first output)
+        # Speculative decoding: the drafts scheduled for verification this step (after token_ids; never in
+        # them, nor in the block hashes, until accepted), and how many to propose next (adapted per request).
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
         self._hasher = hasher
         self._num_sent_tokens = 0
         self._new_logprobs: list[TokenLogprobs] = []

@@ -19,6 +19,13 @@ Requests under a grammar (structured outputs) that are sampled this step get a r
 filled from their matcher here and applied by the sampler; `update_from_output` advances the matcher with
 each accepted token (Request.append_token). A request that asked for prompt logprobs is never served from the
 prefix cache: every prompt token has to run through the model.
+
+With speculative decoding (`config.speculative`), each decode first gets draft tokens from the proposer
+(spec_decode/proposer.py), unless the policy (spec_decode/policy.py) says this step would not gain from them.
+The drafts are scheduled as extra query positions of the same request (one step of 1 + k tokens, blocks
+allocated for all of them), and the executor returns the tokens it accepted plus one. `update_from_output`
+then takes num_computed_tokens back over the rejected positions, whose KV the next step overwrites; the
+prefix-cache hashes only ever cover token_ids, so never a draft. Requests under a grammar do not speculate.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from hpi_runtime.core.interface import (
 )
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import Request, RequestStatus
+from hpi_runtime.spec_decode.policy import SpeculationPolicy, next_num_draft_tokens
+from hpi_runtime.spec_decode.proposer import Proposer
 from hpi_runtime.structured.compiler import grammar_bitmask
 
 
@@ -61,6 +70,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # executor must drop these (sent with the next batch)
         self._preempted_ids: set[str] = set()
         self._scheduled: dict[str, Request] = {}  # the batch in flight, until update_from_output
+        spec = config.speculative
+        self.proposer = Proposer(spec) if spec is not None else None
+        self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -78,11 +90,12 @@ class Scheduler:
         scheduled: list[tuple[Request, int, list[KVBlock]]] = []  # batch order
         running, kv = self.running, self.kv
         preempted = False
+        if self.proposer is not None:
+            self._propose_drafts()
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
-            new_blocks = kv.allocate_slots(request, num_new)
+            num_new, new_blocks = self._allocate_running(request, budget)
             while new_blocks is None:
                 victim = running.pop()  # the newest; never one already scheduled (those are before i)
                 self._preempt(victim)
@@ -112,6 +125,39 @@ class Scheduler:
             budget -= num_new
         return self._make_output(scheduled)
 
+    def _allocate_running(self, request: Request, budget: int) -> tuple[int, list[KVBlock] | None]:
+        """Blocks for a running request's next tokens (and drafts) within `budget`: (tokens, new blocks), the
+        blocks None when the pool is short even without the drafts."""
+        drafts = request.spec_token_ids
+        num_new = min(len(request.token_ids) - request.num_computed_tokens + len(drafts), budget)
+        if drafts:  # the budget may cut the drafts short
+            del drafts[max(0, num_new - 1) :]
+        new_blocks = self.kv.allocate_slots(request, num_new)
+        if new_blocks is None and drafts:  # drafts never cost anyone a preemption
+            num_new -= len(drafts)
+            request.spec_token_ids = []
+            new_blocks = self.kv.allocate_slots(request, num_new)
+        return num_new, new_blocks
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for each running decode outside a grammar, or none when the step would not gain."""
+        decodes = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+        maximum = self.config.speculative.num_speculative_tokens
+        num_draft_tokens = 0
+        for request in self.running:
+            request.spec_token_ids = []
+        for request in decodes:
+            if request.grammar is not None:
+                continue
+            request.num_draft_tokens = request.num_draft_tokens or maximum
+            # Never past max_tokens: a step emits at most drafts + 1 tokens (this also keeps max_model_len).
+            limit = min(request.num_draft_tokens, request.max_tokens - len(request.output_token_ids) - 1)
+            request.spec_token_ids = self.proposer.propose(request.token_ids, limit)
+            num_draft_tokens += len(request.spec_token_ids)
+        if num_draft_tokens and not self.spec_policy.should_speculate(len(decodes), num_draft_tokens):
+            for request in decodes:
+                request.spec_token_ids = []
+
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
@@ -121,7 +167,7 @@ class Scheduler:
         self.running.append(request)
 
     def _make_output(self, scheduled: list[tuple[Request, int, list[KVBlock]]]) -> SchedulerOutput:
-        new_requests, cached_requests, num_scheduled = [], [], {}
+        new_requests, cached_requests, num_scheduled, spec_token_ids = [], [], {}, {}
         constrained: list[Request] = []
         for request, num_new, new_blocks in scheduled:
             request_id = request.request_id
@@ -141,9 +187,12 @@ class Scheduler:
                     )
                 )
             num_scheduled[request_id] = num_new
+            num_known = num_new - len(request.spec_token_ids)
+            if request.spec_token_ids:
+                spec_token_ids[request_id] = tuple(request.spec_token_ids)
             # All but a newly sampled token (the last one, past the prompt) is KV of a known token.
-            is_fresh = request.num_computed_tokens + num_new == request.num_tokens > request.num_prompt_tokens
-            self.num_prefill_tokens_computed += num_new - int(is_fresh)
+            is_fresh = request.num_computed_tokens + num_known == request.num_tokens > request.num_prompt_tokens
+            self.num_prefill_tokens_computed += num_known - int(is_fresh)
             request.num_computed_tokens += num_new
             if request.grammar is not None and request.num_computed_tokens == len(request.token_ids):
                 constrained.append(request)  # sampled this step, under its grammar
@@ -158,6 +207,7 @@ class Scheduler:
             grammar_request_ids=tuple(request.request_id for request in constrained),
             grammar_bitmask=grammar_bitmask([request.grammar for request in constrained]) if constrained else None,
             kv_transfers=self.kv.take_transfers(),
+            spec_token_ids=spec_token_ids,
         )
         if not output.is_empty:  # an empty batch is not sent to the executor, so these wait for the next one
             self._finished_ids.clear()
@@ -169,6 +219,7 @@ class Scheduler:
         if self.kv.preempt(request):
             self.num_swapped_preemptions += 1
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_computed_tokens = 0  # admission sets it again, from what was swapped out or cached
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -195,6 +246,8 @@ class Scheduler:
                 continue
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
+            if request.spec_token_ids:
+                self._settle_drafts(request, num_accepted=len(token_ids) - 1)
             logprobs = all_logprobs.get(request_id, ()) if request.sampling_params.logprobs is not None else ()
             for j, token_id in enumerate(token_ids):
                 self.num_generation_tokens += 1
@@ -206,6 +259,16 @@ class Scheduler:
         if any_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return outputs
+
+    def _settle_drafts(self, request: Request, num_accepted: int) -> None:
+        """Take the request's progress back over its rejected drafts (their KV is overwritten next step) and
+        adapt how many it drafts next."""
+        num_drafted = len(request.spec_token_ids)
+        request.num_computed_tokens -= num_drafted - num_accepted
+        maximum = self.config.speculative.num_speculative_tokens
+        self.spec_policy.record_verification(num_drafted, num_accepted, maximum)
+        request.num_draft_tokens = next_num_draft_tokens(num_drafted, num_accepted, request.num_draft_tokens, maximum)
+        request.spec_token_ids = []
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """Finish unfinished requests from outside (abort, failure): free their blocks now."""

@@ -40,6 +40,15 @@ class ServingMetrics:
                                        registry=reg)
         self._prefix_hits = Counter(names.PREFIX_CACHE_HITS, "Prefix-cache hits, in tokens.", labels,
                                     registry=reg)
+        self._spec_drafts = Counter(names.SPEC_DECODE_NUM_DRAFTS, "Speculative decoding: verifications (request-steps "
+                                    "with draft tokens).", labels, registry=reg)
+        self._spec_draft_tokens = Counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Speculative decoding: draft tokens "
+                                          "verified.", labels, registry=reg)
+        self._spec_accepted = Counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Speculative decoding: draft tokens "
+                                      "accepted.", labels, registry=reg)
+        self._spec_accepted_per_pos = Counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, "Speculative "
+                                              "decoding: draft tokens accepted at each draft position.",
+                                              labels + [names.POSITION_LABEL], registry=reg)  # fmt: skip
         self._success = Counter(names.REQUEST_SUCCESS, "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=reg)
         self._ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Time to first token.", labels,
@@ -175,8 +184,13 @@ class ServingMetrics:
             ("num_preemptions", self._preemptions),
             ("prefix_cache_queries", self._prefix_queries),
             ("prefix_cache_hits", self._prefix_hits),
+            ("spec_num_drafts", self._spec_drafts),
+            ("spec_num_draft_tokens", self._spec_draft_tokens),
+            ("spec_num_accepted_tokens", self._spec_accepted),
         ):
             self._advance(name, int(getattr(stats, name)), counter.labels(model))
+        for position, accepted in enumerate(stats.spec_accepted_per_pos):
+            self._advance(f"spec_pos_{position}", accepted, self._spec_accepted_per_pos.labels(model, str(position)))
         self._host_usage.labels(model).set(stats.kv_host_usage)
         self._host_cached.labels(model).set(stats.kv_host_cached_blocks)
         block_bytes = self._block_bytes

@@ -2,7 +2,9 @@
 sampling settings in preallocated host arrays, one row per request, updated from the scheduler's deltas.
 
 A new request fills a free row, a finished or preempted one frees it, a cached one appends its new block
-ids; a sampled token is written into its row. Each step's flat inputs (token ids, positions, KV slots,
+ids; a sampled token is written into its row. A step's draft tokens (speculative decoding) are written after
+a row's known tokens without counting as known (`num_spec`): they are inputs of this step only, and the
+tokens accepted from them are written over them. Each step's flat inputs (token ids, positions, KV slots,
 block tables, query offsets) then come out of whole-array index arithmetic over the step's rows, with no
 Python loop over tokens. The arrays grow (doubling) when a request or a sequence outgrows them.
 """
@@ -34,7 +36,8 @@ class StepInputs:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32 (columns past a request's blocks: stale ids)
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     context_lens: torch.Tensor  # [num_reqs] int32: tokens in the cache after this step
-    is_sampled: tuple[bool, ...]  # per request: its chunk reaches the end of its known tokens
+    is_sampled: tuple[bool, ...]  # per request: its chunk reaches the end of its known tokens (and drafts)
+    num_drafts: tuple[int, ...]  # per request: draft tokens at the end of its chunk (each position is sampled)
     num_decode_reqs: int
     max_query_len: int
     max_context_len: int
@@ -62,6 +65,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_reqs, dtype=np.int64)
+        self.num_spec = np.zeros(max_reqs, dtype=np.int64)  # this step's draft tokens after num_tokens
         self.block_table = np.zeros((max_reqs, -(-max_len // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_reqs
@@ -99,6 +103,13 @@ class InputBatch:
             row = self.row_of[cached.request_id]
             self._append_blocks(row, cached.new_block_ids)
             self.num_computed_tokens[row] = cached.num_computed_tokens
+        self.num_spec[:] = 0
+        for request_id, draft_ids in scheduler_output.spec_token_ids.items():
+            row = self.row_of[request_id]
+            start = int(self.num_tokens[row])
+            self._fit_tokens(start + len(draft_ids))
+            self.token_ids[row, start : start + len(draft_ids)] = draft_ids
+            self.num_spec[row] = len(draft_ids)
 
     def add(self, new: NewRequestData) -> None:
         self.remove(new.request_id)  # a request seen again (after a preemption) starts from scratch
@@ -141,6 +152,14 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Several tokens appended to one row (a verification's accepted drafts and the token after them)."""
+        start = int(self.num_tokens[row])
+        self._fit_tokens(start + len(token_ids))
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+        self.num_computed_tokens[row] = start + len(token_ids) - 1  # the rejected drafts' KV is stale
+
     def _append_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
         if not block_ids:
             return
@@ -159,7 +178,7 @@ class InputBatch:
         for name in ("token_ids", "block_table"):
             array = getattr(self, name)
             setattr(self, name, _grown(array, rows, array.shape[1]))
-        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks", "top_k",
+        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_spec", "num_blocks", "top_k",
                      "min_tokens", "uses_penalties", "uses_logit_bias"):  # fmt: skip
             setattr(self, name, _grown(getattr(self, name), rows))
         self.float_columns = {name: _grown(column, rows) for name, column in self.float_columns.items()}
@@ -183,7 +202,8 @@ class InputBatch:
         rows = self.rows_of(request_ids)
         starts = self.num_computed_tokens[rows]
         ends = starts + query_lens
-        self._check(request_ids, rows, starts, ends, query_lens)
+        num_known = self.num_tokens[rows] + self.num_spec[rows]  # drafts included: they are inputs too
+        self._check(request_ids, rows, starts, ends, query_lens, num_known)
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -202,7 +222,8 @@ class InputBatch:
             block_tables=torch.from_numpy(self.block_table[rows, :max_blocks]),
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             context_lens=torch.from_numpy(ends.astype(np.int32)),
-            is_sampled=tuple((ends == self.num_tokens[rows]).tolist()),
+            is_sampled=tuple((ends == num_known).tolist()),
+            num_drafts=tuple(self.num_spec[rows].tolist()),
             num_decode_reqs=int((query_lens == 1).sum()),
             max_query_len=int(query_lens.max()),
             max_context_len=int(ends.max()),
@@ -215,13 +236,14 @@ class InputBatch:
         starts: np.ndarray,  # [R] int64: computed tokens before this step
         ends: np.ndarray,  # [R] int64: after it
         query_lens: np.ndarray,  # [R] int64
+        num_known: np.ndarray,  # [R] int64: tokens (and drafts) the batch holds
     ) -> None:
         """Deltas that contradict what the batch holds (a scheduler bug), named by request."""
-        beyond = np.flatnonzero(ends > self.num_tokens[rows])
+        beyond = np.flatnonzero(ends > num_known)
         if beyond.size:
             i = int(beyond[0])
             raise ValueError(f"request {request_ids[i]}: {query_lens[i]} tokens scheduled from {starts[i]}, "
-                             f"but only {self.num_tokens[rows[i]]} are known")  # fmt: skip
+                             f"but only {num_known[i]} are known")  # fmt: skip
         needed = -(-ends // self.block_size)
         short = np.flatnonzero(needed > self.num_blocks[rows])
         if short.size:
@@ -246,14 +268,20 @@ class InputBatch:
                                self.params[row].prompt_logprobs))
         return chunks
 
-    def sampling_batch(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
-        """Sampling settings of `rows` ([S] int64), in that order."""
+    def sampling_batch(
+        self, rows: np.ndarray, device: torch.device, offsets: np.ndarray | None = None
+    ) -> SamplingBatch:
+        """Sampling settings of `rows` ([S] int64, a row repeated once per position it samples), in that order.
+
+        `offsets` ([S] int64, default 0): the position sampled, counted from the row's next token; offset j
+        samples as if the row's first j drafts were accepted (seeds, min_tokens and penalties see them)."""
 
         def column(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values[rows]).to(device)
 
         params = [self.params[row] for row in rows.tolist()]
-        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        ends = self.num_tokens[rows] if offsets is None else self.num_tokens[rows] + offsets
+        num_outputs = ends - self.num_prompt_tokens[rows]
         banned: tuple[tuple[int, ...], ...] = ()
         if bool((in_min_tokens := num_outputs < self.min_tokens[rows]).any()):
             banned = tuple(
@@ -267,8 +295,8 @@ class InputBatch:
                 tuple(self.token_ids[row, : self.num_prompt_tokens[row]].tolist()) for row in rows.tolist()
             )
             penalties["output_token_ids"] = tuple(
-                tuple(self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist())
-                for row in rows.tolist()
+                tuple(self.token_ids[row, self.num_prompt_tokens[row] : end].tolist())
+                for row, end in zip(rows.tolist(), ends.tolist(), strict=True)
             )
         logit_bias = tuple(p.logit_bias for p in params) if bool(self.uses_logit_bias[rows].any()) else ()
         return SamplingBatch(

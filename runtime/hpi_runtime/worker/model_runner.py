@@ -3,7 +3,9 @@
 It keeps each request's token ids, block ids, progress and sampling settings in a persistent batch
 (input_batch.py) updated from the `SchedulerOutput` deltas, takes the step's flat tensors from it (decodes
 first, then prefill chunks), runs the model once for all of them (compiled, see compiled_model.py, or
-eagerly), computes logits only for the rows that are sampled, and samples.
+eagerly), computes logits only for the rows that are sampled, and samples. A request verifying draft tokens
+(speculative decoding) has every draft position sampled; it keeps the drafts that match and the token after
+them (spec_decode/verify.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.spec_decode.verify import num_accepted
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
 from hpi_runtime.worker.prompt_logprobs import compute_prompt_logprobs
@@ -31,10 +34,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepLogits:
-    """Logits of the rows sampled this step: row i belongs to request_ids[i]."""
+    """Logits of the rows sampled this step: request_ids[i] has 1 + num_drafts[i] consecutive rows (one when
+    it verifies no drafts), in request order."""
 
     request_ids: tuple[str, ...]
-    logits: torch.Tensor | None  # [num_sampled, vocab_size] float32; None on tensor-parallel ranks other than 0
+    logits: torch.Tensor | None  # [num_rows, vocab_size] float32; None on tensor-parallel ranks other than 0
+    num_drafts: tuple[int, ...] = ()  # per request; () when no request verifies drafts
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
     grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: row i of grammar_bitmask
     grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
@@ -125,8 +130,16 @@ class ModelRunner:
         )
         metadata = self.backend.build_metadata(common)
         hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
-        last_rows = step.query_start_loc[1:].long() - 1
-        sampled_rows = last_rows[torch.tensor(step.is_sampled)]
+        ends = step.query_start_loc[1:].numpy().astype(np.int64)
+        is_sampled = np.asarray(step.is_sampled, dtype=bool)
+        num_drafts = np.asarray(step.num_drafts, dtype=np.int64)[is_sampled]
+        if num_drafts.any():  # each request's last 1 + drafts rows, in order
+            counts = num_drafts + 1
+            first = np.repeat(ends[is_sampled] - counts, counts)  # [num_rows]: its request's first sampled row
+            offsets = np.arange(counts.sum()) - np.repeat(counts.cumsum() - counts, counts)
+            sampled_rows = torch.from_numpy(first + offsets)
+        else:
+            sampled_rows = torch.from_numpy(ends[is_sampled] - 1)
         logits = self.model.compute_logits(hidden.index_select(0, sampled_rows.to(device)))
         prompt_logprobs = {}
         if self.input_batch.prompt_logprob_ids and (chunks := self.input_batch.prompt_logprob_chunks(step)):
@@ -134,6 +147,7 @@ class ModelRunner:
         return StepLogits(
             request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if s),
             logits=logits,
+            num_drafts=tuple(num_drafts.tolist()) if num_drafts.any() else (),
             partial_request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if not s),
             grammar_request_ids=scheduler_output.grammar_request_ids,
             grammar_bitmask=scheduler_output.grammar_bitmask,
@@ -155,25 +169,59 @@ class ModelRunner:
             token_ids, token_logprobs = result.token_ids, result.logprobs
         else:
             token_ids, token_logprobs = self._sample_on_first_rank(step, rows)
+        if step.num_drafts:
+            return self._verify(step, rows, token_ids, token_logprobs, sampled)
         self.input_batch.append_sampled(rows, token_ids)
         logprobs = {r: (lp,) for r, lp in zip(step.request_ids, token_logprobs, strict=True) if lp is not None}
         sampled.update((r, (t,)) for r, t in zip(step.request_ids, token_ids, strict=True))
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)
 
+    def _verify(
+        self,
+        step: StepLogits,
+        rows: np.ndarray,  # [R] int64
+        token_ids: list[int],  # one per sampled position: 1 + num_drafts[i] for request i, in order
+        token_logprobs: list[TokenLogprobs | None],
+        sampled: dict[str, tuple[int, ...]],
+    ) -> ModelRunnerOutput:
+        """Keep each request's drafts that match its samples, and the sample after them."""
+        logprobs = {}
+        start = 0
+        for request_id, row, num_drafts in zip(step.request_ids, rows.tolist(), step.num_drafts, strict=True):
+            end = int(self.input_batch.num_tokens[row])
+            draft_ids = self.input_batch.token_ids[row, end : end + num_drafts].tolist()
+            samples = token_ids[start : start + num_drafts + 1]
+            kept = num_accepted(draft_ids, samples) + 1
+            self.input_batch.append_tokens(row, samples[:kept])
+            sampled[request_id] = tuple(samples[:kept])
+            if token_logprobs[start] is not None:
+                logprobs[request_id] = tuple(token_logprobs[start : start + kept])
+            start += num_drafts + 1
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)
+
     def _sampling_batch(self, step: StepLogits, rows: np.ndarray) -> SamplingBatch:
-        """The rows' sampling settings, plus the grammar bitmask of the constrained ones (if any)."""
-        batch = self.input_batch.sampling_batch(rows, self.device)
+        """The sampling settings of every logits row of `step` (`rows`: [R] int64, the requests' batch rows),
+        plus the grammar bitmask of the constrained ones (if any)."""
+        offsets = None
+        first_row = np.arange(len(rows))  # each request's first logits row
+        if step.num_drafts:
+            counts = np.asarray(step.num_drafts, dtype=np.int64) + 1
+            first_row = counts.cumsum() - counts
+            offsets = np.arange(counts.sum()) - np.repeat(first_row, counts)
+            rows = np.repeat(rows, counts)
+        batch = self.input_batch.sampling_batch(rows, self.device, offsets)
         if step.grammar_bitmask is None:
             return batch
-        position = {request_id: i for i, request_id in enumerate(step.request_ids)}
+        position = {request_id: int(first_row[i]) for i, request_id in enumerate(step.request_ids)}
         grammar_rows = torch.tensor([position[r] for r in step.grammar_request_ids], dtype=torch.int64)
         return replace(batch, grammar_rows=grammar_rows, grammar_bitmask=step.grammar_bitmask)
 
     def _sample_on_first_rank(
         self, step: StepLogits, rows: np.ndarray
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=self.device)
-        token_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        num_rows = len(rows) + sum(step.num_drafts)
+        tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=self.device)
+        token_logprobs: list[TokenLogprobs | None] = [None] * num_rows
         try:
             if self.model.tp.is_first:
                 result = self.sampler(step.logits, self._sampling_batch(step, rows))

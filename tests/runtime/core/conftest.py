@@ -32,7 +32,9 @@ class FakeExecutor:
     attention would, and asserts the cache holds the right token there: paging, sharing of prefix-cache
     blocks and recompute after preemption are all checked against what the model would really see. With
     `num_host_kv_blocks` it also keeps a fake host tier and runs the step's block copies first, so a block
-    offloaded, swapped or loaded wrongly shows up as a position holding the wrong token."""
+    offloaded, swapped or loaded wrongly shows up as a position holding the wrong token. Draft tokens
+    (speculative decoding) are written to the cache like any scheduled token and accepted while they equal the
+    fake model's own tokens, so a rejected draft's KV that a later step or another request read would show too."""
 
     num_kv_blocks: int
     block_size: int
@@ -81,6 +83,8 @@ class FakeExecutor:
         token_fn = self.token_fn or (lambda rid, pos: fake_token(rid, pos, self.vocab_size))
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             state = self.states[request_id]
+            drafts = so.spec_token_ids.get(request_id, ())
+            state.token_ids.extend(drafts)
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
             assert 0 < num_tokens and end <= len(state.token_ids)
             assert len(state.block_ids) * self.block_size >= end
@@ -92,9 +96,13 @@ class FakeExecutor:
                 assert seen == state.token_ids[first:end], f"{request_id}: KV cache does not hold its tokens"
             state.num_computed_tokens = end
             if end == len(state.token_ids):
-                token = token_fn(request_id, end)
-                state.token_ids.append(token)
-                sampled[request_id] = (token,)
+                known = end - len(drafts)
+                del state.token_ids[known:]
+                tokens = [token_fn(request_id, known + j) for j in range(len(drafts) + 1)]
+                kept = next((j for j, d in enumerate(drafts) if d != tokens[j]), len(drafts)) + 1
+                state.token_ids.extend(tokens[:kept])
+                state.num_computed_tokens = len(state.token_ids) - 1
+                sampled[request_id] = tuple(tokens[:kept])
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def _slot(self, state: _ExecutorRequestState, pos: int) -> int:

@@ -27,9 +27,12 @@ VLLM_CONTRACT = [
 @pytest.fixture(scope="module")
 def busy_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("busy") / "server.log"
-    # A small KV cache so that 120 streams force preemptions as well.
+    # A small KV cache so that 120 streams force preemptions as well; speculative decoding on at any batch size,
+    # so that drafts are verified, rolled back and preempted under that load too.
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 1000}'
     with RuntimeServer(tiny_model_dir, log, "--served-model-name", "tiny-llama", "--max-num-seqs", "48",
-                       "--kv-cache-memory", "1MiB", "--max-model-len", "256") as running:
+                       "--kv-cache-memory", "1MiB", "--max-model-len", "256",
+                       "--speculative-config", speculative) as running:  # fmt: skip
         yield running
 
 
@@ -138,6 +141,12 @@ def test_concurrent_streams_with_disconnects(busy_server) -> None:
     after = wait_for_idle(busy_server)
     assert after["vllm:num_requests_running"] == 0
     assert after["vllm:num_requests_waiting"] == 0
+    # Speculative decoding's counters, as vLLM's: drafts were verified, some accepted, per position summing up.
+    accepted = after["vllm:spec_decode_num_accepted_tokens_total"]
+    assert after["vllm:spec_decode_num_drafts_total"] > before["vllm:spec_decode_num_drafts_total"]
+    assert 0 < accepted < after["vllm:spec_decode_num_draft_tokens_total"]
+    per_position = [after[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(3)]
+    assert sum(per_position) == accepted and per_position[0] >= per_position[2]
     assert after["vllm:kv_cache_usage_perc"] == 0  # aborted streams left no blocks behind
     survivors = sum(1 for _, d in plans if not d)
     delta = after["vllm:request_success_total{finished_reason=length}"] - before.get(

@@ -1,0 +1,78 @@
+"""`--speculative-config` (vLLM's JSON keys) parsed and checked once, before any weight is read.
+
+Accepted: `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}`
+(prompt lookup: propose the k tokens that followed the latest earlier occurrence of the sequence's last
+a..b tokens) and `{"method": "suffix", "num_speculative_tokens": k}` (the longest suffix match over the
+prompt and output, whatever its length). `disable_by_batch_size` (vLLM's) turns speculation off above that
+many running requests; without it the engine decides from its measured step times (policy.py). A config
+naming a draft `model` is refused: draft-model speculation is not built yet. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "suffix")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+         "model")  # fmt: skip
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """A checked speculative-decoding config."""
+
+    method: str
+    num_speculative_tokens: int  # the most draft tokens verified per request and step
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 1
+    disable_by_batch_size: int | None = None
+
+
+def _int(config: Mapping[str, Any], key: str, default: int | None, low: int = 1) -> int | None:
+    value = config.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"speculative config: {key} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"speculative config: {key} must be at least {low}, got {value}")
+    return value
+
+
+def parse_speculative_config(config: str | Mapping[str, Any]) -> SpeculativeParams:
+    """JSON text or a dict -> SpeculativeParams; ValueError with the reason for anything else."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"speculative config must be a JSON object, got {config!r}")
+    unknown = sorted(set(config) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"speculative config: unknown key(s) {unknown}; known: {list(_KEYS)}")
+    if config.get("model") is not None:
+        raise ValueError("speculative config: draft-model speculation ('model') is not supported by this runtime "
+                         f"yet; use method {' or '.join(repr(m) for m in METHODS)}")  # fmt: skip
+    method = config.get("method")
+    if method is None:
+        raise ValueError(f"speculative config: 'method' is required, one of {list(METHODS)}")
+    if method not in METHODS:
+        raise ValueError(f"speculative config: unknown method {method!r}; supported: {list(METHODS)}")
+    if "num_speculative_tokens" not in config:
+        raise ValueError("speculative config: 'num_speculative_tokens' is required")
+    k = _int(config, "num_speculative_tokens", None)
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                         f"got {k}")  # fmt: skip
+    # vLLM's rule: one of the two bounds given sets the other; neither: 1..5 here (any repeat may be proposed).
+    low = _int(config, "prompt_lookup_min", None)
+    high = _int(config, "prompt_lookup_max", None)
+    low, high = (low or high or 1), (high or low or 5)
+    if low > high:
+        raise ValueError(f"speculative config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
+    return SpeculativeParams(method, k, low, high, _int(config, "disable_by_batch_size", None))
