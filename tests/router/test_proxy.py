@@ -39,8 +39,9 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, max_tokens
 
 async def test_a_slow_backend_gets_proportionally_fewer_requests(router, fake_backends) -> None:
     fast_a, fast_b = await fake_backends(token_delay_s=0.003), await fake_backends(token_delay_s=0.003)
-    # 8x slower per token: a margin that survives a loaded machine, where a 3 ms sleep can take twice that.
-    slow = await fake_backends(token_delay_s=0.024)
+    # 20x slower per token: a margin that survives a loaded machine, where a 3 ms sleep was seen to take several
+    # times that (at 8x the slow backend's measured speed came within 2x of a fast one's at a load average of 8).
+    slow = await fake_backends(token_delay_s=0.06)
     async with router([fast_a.url, fast_b.url, slow.url], **NO_AFFINITY) as state:
         prompts = [f"question {i}" for i in range(90)]
         statuses = await closed_loop(state.url, prompts, concurrency=9, max_tokens=12)
