@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.cold_start import cpu_isa, cpu_model
+from bench.cold_start import _wait_ready, cpu_isa, cpu_model
 from bench.systems import SERVED_MODEL_NAME, free_port
 from hpi_operator.autoscaling.decision import History, decide
 from hpi_operator.autoscaling.router_queue import scrape_router_queue
@@ -75,21 +75,6 @@ async def autoscaler(router_url: str, t0: float) -> float:
         await asyncio.sleep(POLL_S)
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 1200) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
-
-
 async def run(num_requests: int, compile_cache_dir: str | None, logs: Path) -> dict:
     router_port, runtime_port = free_port(), free_port()
     router_url, runtime_url = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{runtime_port}"
@@ -102,7 +87,7 @@ async def run(num_requests: int, compile_cache_dir: str | None, logs: Path) -> d
     cache = "none" if not compile_cache_dir else "warm" if any(Path(compile_cache_dir).glob("*/*")) else "empty"
     runtime = None
     try:
-        await asyncio.to_thread(wait_ready, f"{router_url}/health", router)
+        await asyncio.to_thread(_wait_ready, router, router_url, 1200, "/health")
         timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
             t0 = time.perf_counter()
@@ -113,7 +98,7 @@ async def run(num_requests: int, compile_cache_dir: str | None, logs: Path) -> d
                                         "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning", *extra],
                                        stdout=open(logs / "cold_from_zero_runtime.log", "wb"), stderr=subprocess.STDOUT,
                                        env=env)  # fmt: skip
-            await asyncio.to_thread(wait_ready, f"{runtime_url}/ready", runtime)
+            await asyncio.to_thread(_wait_ready, runtime, runtime_url, 1200)
             ready_s = time.perf_counter() - t0
             results = await asyncio.gather(*requests)
         with urllib.request.urlopen(f"{runtime_url}/metrics", timeout=30) as response:

@@ -52,19 +52,20 @@ def _complete(base_url: str, max_tokens: int) -> str:
     return body["choices"][0]["text"]
 
 
-def _wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float = 600) -> None:
+def _wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float = 600, path: str = "/ready") -> None:
+    """Until `base_url + path` answers 200; a process that exits first is an error."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"hpi serve exited with {process.returncode}")
+            raise RuntimeError(f"{process.args!r:.80} exited with {process.returncode}")
         try:
-            with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+            with urllib.request.urlopen(f"{base_url}{path}", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.02)  # polling granularity: 20 ms against a cold start of many seconds
-    raise RuntimeError(f"hpi serve not ready after {timeout_s} s")
+    raise RuntimeError(f"{base_url}{path} not ready after {timeout_s} s")
 
 
 def _wake(base_url: str, level: int) -> dict:

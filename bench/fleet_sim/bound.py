@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpi_operator.fleet.optimizer import PoolOffer, optimize, pools_meeting_slo
 from hpi_operator.fleet.performance import Demand, Slo
@@ -97,7 +97,7 @@ def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
             best = Level(rate, mid, replicas, sum(costs[k] * n for k, n in replicas.items()), attained, probes)
         else:
             low = mid
-    return Level(best.rate_rps, best.multiplier, best.replicas, best.cost_per_hour, best.attainment, probes)
+    return replace(best, probes=probes)
 
 
 def day_floor(levels: Sequence[Level], arrivals: Arrivals, step_s: float = 1.0) -> float:

@@ -19,6 +19,7 @@ from hpi_operator.autoscaling.loop import (
 )
 from hpi_operator.autoscaling.scrape import UNREACHABLE, PodTarget, Scraped, ScrapeFailed, ScrapeResult
 from hpi_operator.spec import AutoscalingSpec, parse_spec
+from hpi_testing.kube_emulator import merge_patch
 
 SETTINGS = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6, scale_down_stabilization_s=60,
                            max_scale_step=2, poll_interval_s=15)  # fmt: skip
@@ -43,16 +44,8 @@ def targets(n: int) -> list[PodTarget]:
 
 
 def merge(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """RFC 7386, as the API server applies kopf's status patch (None deletes), then a JSON round trip."""
-    out = dict(status)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return json.loads(json.dumps(out))
+    """kopf's status patch as the API server applies it (the emulator's RFC 7386), then a JSON round trip."""
+    return json.loads(json.dumps(merge_patch(status, patch)))
 
 
 async def test_poll_scales_up_and_writes_status() -> None:

@@ -24,6 +24,7 @@ from hpi_operator.autoscaling.sleep import (
     sleep_to_status,
 )
 from hpi_operator.spec import AutoscalingSpec, SpecError, parse_spec
+from hpi_testing.kube_emulator import merge_patch
 
 SLEEPY = AutoscalingSpec(enabled=True, min_replicas=0, max_replicas=6, scale_down_stabilization_s=60, max_scale_step=2,
                          poll_interval_s=15, scale_to_zero=True, scale_to_zero_idle_s=30, sleep_level=2)  # fmt: skip
@@ -41,16 +42,8 @@ def fake_scraper(kv_by_pod: dict[str, float]):
 
 
 def merge(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """RFC 7386, as the API server applies kopf's status patch (None deletes), then a JSON round trip."""
-    out = dict(status)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return json.loads(json.dumps(out))
+    """kopf's status patch as the API server applies it (the emulator's RFC 7386), then a JSON round trip."""
+    return json.loads(json.dumps(merge_patch(status, patch)))
 
 
 class Caller:
