@@ -139,7 +139,8 @@ class SpeculativeConfig:
     speculative_config: str | None = option(
         None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup) or {"method": "suffix", '
-        '"num_speculative_tokens": 8} (longest suffix match); "disable_by_batch_size": N turns it off above N '
+        '"num_speculative_tokens": 8} (longest suffix match) or {"model": DIR, "num_speculative_tokens": 4} (a '
+        'draft model sharing the tokenizer); "disable_by_batch_size": N turns it off above N '
         'running requests, else the engine turns it off where its measured step times say it stops paying; '
         'default: off (docs/speculative-decoding.md)')  # fmt: skip
 

@@ -27,6 +27,7 @@ from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
 from hpi_runtime.models.parallel import split_heads
 from hpi_runtime.quantization.quantize import QuantizationConfig, resolve_quantization
+from hpi_runtime.spec_decode.draft_config import resolve_draft_model
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.factory import make_executor
 
@@ -168,6 +169,10 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     ))  # fmt: skip
     if not eos_token_ids:
         raise ValueError(f"{model_dir} defines no EOS token (config, generation_config or tokenizer)")
+    spec, draft_model_config = engine_config.speculative, None
+    if spec is not None and spec.method == "draft_model":
+        draft_model_config = resolve_draft_model(spec.model, model_config, tokenizer, max_model_len,
+                                                 tensor_parallel_size, engine_config.kv_sliding_window)  # fmt: skip
     executor_config = ExecutorConfig(
         model_config=model_config.for_max_model_len(max_model_len),  # LongRoPE picks its factors
         dtype=resolve_dtype(load.dtype, device, model_config.torch_dtype),
@@ -185,6 +190,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         eos_token_ids=eos_token_ids,
         quantization=quantization.config,
         enforce_eager=load.enforce_eager,
+        draft_model_config=draft_model_config,
     )
     if platform_dir is not None:
         compile_cache.use_for_model(platform_dir, compile_cache.ModelKey(

@@ -21,7 +21,8 @@ each accepted token (Request.append_token). A request that asked for prompt logp
 prefix cache: every prompt token has to run through the model.
 
 With speculative decoding (`config.speculative`), each decode first gets draft tokens from the proposer
-(spec_decode/proposer.py), unless the policy (spec_decode/policy.py) says this step would not gain from them.
+(spec_decode/proposer.py; with a draft model, slots that the executor's draft model fills), unless the policy
+(spec_decode/policy.py) says this step would not gain from them.
 The drafts are scheduled as extra query positions of the same request (one step of 1 + k tokens, blocks
 allocated for all of them), and the executor returns the tokens it accepted plus one. `update_from_output`
 then takes num_computed_tokens back over the rejected positions, whose KV the next step overwrites; the
@@ -46,7 +47,7 @@ from hpi_runtime.core.interface import (
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import Request, RequestStatus
 from hpi_runtime.spec_decode.policy import SpeculationPolicy, next_num_draft_tokens
-from hpi_runtime.spec_decode.proposer import Proposer
+from hpi_runtime.spec_decode.proposer import make_proposer
 from hpi_runtime.structured.compiler import grammar_bitmask
 
 
@@ -71,7 +72,7 @@ class Scheduler:
         self._preempted_ids: set[str] = set()
         self._scheduled: dict[str, Request] = {}  # the batch in flight, until update_from_output
         spec = config.speculative
-        self.proposer = Proposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
 
     def add_request(self, request: Request) -> None:

@@ -4,8 +4,11 @@ Accepted: `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
 (prompt lookup: propose the k tokens that followed the latest earlier occurrence of the sequence's last
 a..b tokens) and `{"method": "suffix", "num_speculative_tokens": k}` (the longest suffix match over the
 prompt and output, whatever its length). `disable_by_batch_size` (vLLM's) turns speculation off above that
-many running requests; without it the engine decides from its measured step times (policy.py). A config
-naming a draft `model` is refused: draft-model speculation is not built yet. Nothing here imports torch.
+many running requests; without it the engine decides from its measured step times (policy.py).
+`{"model": DIR, "num_speculative_tokens": k}` (or `"method": "draft_model"` with a `model`) is draft-model
+speculation: a small model sharing the target's tokenizer proposes k tokens autoregressively each step
+(draft_model.py); whether it shares the vocabulary is checked where the model is resolved
+(engine_factory.py), since that needs its files. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
          "model")  # fmt: skip
 MAX_SPECULATIVE_TOKENS = 16
@@ -30,6 +33,7 @@ class SpeculativeParams:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model (a directory or a model name), with method "draft_model"
 
 
 def _int(config: Mapping[str, Any], key: str, default: int | None, low: int = 1) -> int | None:
@@ -55,14 +59,17 @@ def parse_speculative_config(config: str | Mapping[str, Any]) -> SpeculativePara
     unknown = sorted(set(config) - set(_KEYS))
     if unknown:
         raise ValueError(f"speculative config: unknown key(s) {unknown}; known: {list(_KEYS)}")
-    if config.get("model") is not None:
-        raise ValueError("speculative config: draft-model speculation ('model') is not supported by this runtime "
-                         f"yet; use method {' or '.join(repr(m) for m in METHODS)}")  # fmt: skip
-    method = config.get("method")
+    model = config.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"speculative config: 'model' must be a model directory or name, got {model!r}")
+    method = config.get("method", "draft_model" if model is not None else None)
     if method is None:
         raise ValueError(f"speculative config: 'method' is required, one of {list(METHODS)}")
     if method not in METHODS:
         raise ValueError(f"speculative config: unknown method {method!r}; supported: {list(METHODS)}")
+    if (method == "draft_model") != (model is not None):
+        raise ValueError("speculative config: a draft 'model' goes with method 'draft_model' (the default when a "
+                         f"model is given), got method {method!r} and model {model!r}")  # fmt: skip
     if "num_speculative_tokens" not in config:
         raise ValueError("speculative config: 'num_speculative_tokens' is required")
     k = _int(config, "num_speculative_tokens", None)
@@ -75,4 +82,4 @@ def parse_speculative_config(config: str | Mapping[str, Any]) -> SpeculativePara
     low, high = (low or high or 1), (high or low or 5)
     if low > high:
         raise ValueError(f"speculative config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
-    return SpeculativeParams(method, k, low, high, _int(config, "disable_by_batch_size", None))
+    return SpeculativeParams(method, k, low, high, _int(config, "disable_by_batch_size", None), model)

@@ -8,6 +8,10 @@ Both methods find an earlier occurrence of the sequence's last tokens and propos
 Of the occurrences of the longest match, the most recent one that still has k tokens after it wins (in a
 rewrite it is where the output last left the source passage); when none has, the earliest (the longest
 continuation: in a repeating pattern the latest occurrence is the one just before the end).
+
+With a draft model the tokens are the executor's to make (draft_model.py): the scheduler's proposer only
+reserves the slots (`DraftModelSlots`), so the scheduler schedules, allocates and settles drafts the same way
+whatever proposes them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from hpi_runtime.spec_decode.params import SpeculativeParams
 
 SUFFIX_MAX_MATCH = 64
+DRAFT_SLOT = 0  # stands for a draft token the executor's draft model writes over it
 
 
 def longest_match(tokens: np.ndarray, min_len: int, max_len: int, num_wanted: int) -> tuple[int, int]:
@@ -65,3 +70,14 @@ class Proposer:
         if self.params.method == "suffix":
             max_tokens = min(max_tokens, n)
         return tokens[end : end + max_tokens].tolist()
+
+
+class DraftModelSlots:
+    """Draft-model speculation as the scheduler sees it: `max_tokens` slots, filled in by the executor."""
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [DRAFT_SLOT] * max(0, max_tokens)
+
+
+def make_proposer(params: SpeculativeParams) -> Proposer | DraftModelSlots:
+    return DraftModelSlots() if params.method == "draft_model" else Proposer(params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.loader import load_model, weight_bytes
 from hpi_runtime.models.parallel import SINGLE, TensorParallel
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
+from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.startup import PhaseClock
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
@@ -64,6 +65,9 @@ class ExecutorConfig:
     # usable). With the C++ kernels built, fp32 linears are packed (pack_cpu_weights) and leave it nothing
     # to prepack. Never for quantized weights, which constant folding would dequantize.
     freeze_weights: bool = False
+    # Draft-model speculation (spec_decode/draft_model.py): the draft, loaded beside the model in `dtype`,
+    # unquantized, run eagerly. Its KV cache has as many blocks as the model's; the KV budget holds both.
+    draft_model_config: ModelConfig | None = None
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -116,19 +120,24 @@ class LocalExecutor:
         backend = get_attention_backend(config.attention_backend, config.dtype, device)
         clock = PhaseClock()  # start-up phases (hpi_runtime/startup.py), reported through CoreInfo
         self.model = _build_model(config, device, backend, tp, clock)
+        draft = None
+        if config.draft_model_config is not None:
+            draft_config = replace(config, model_config=config.draft_model_config, quantization=QuantizationConfig())
+            with clock("draft"):
+                draft = _build_model(draft_config, device, backend, tp)
         kv_started = time.perf_counter()
+        kv_models = [self.model] if draft is None else [self.model, draft]
         # Every rank must hold the same blocks: take the count the tightest rank affords.
         self._num_kv_blocks = tp.min_int(
             num_blocks_for_budget(
                 kv_budget_bytes(config, device),
-                rank_kv_bytes_per_token(self.model, config.dtype),
+                sum(rank_kv_bytes_per_token(model, config.dtype) for model in kv_models),
                 config.cache.block_size,
                 config.kv_tokens_per_request or config.max_model_len,
             )
         )
-        kv_cache_bytes = allocate_kv_caches(
-            self.model, KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.dtype), device
-        )
+        kv_spec = KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.dtype)
+        kv_cache_bytes = sum(allocate_kv_caches(model, kv_spec, device) for model in kv_models)
         block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.cache.block_size
         self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.cache.kv_offload_bytes, block_bytes))
         self.host_kv_cache = None
@@ -136,7 +145,7 @@ class LocalExecutor:
             self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
         clock.phases["kv_cache"] = time.perf_counter() - kv_started
         self.footprint = MemoryFootprint(
-            weight_bytes=weight_bytes(self.model),
+            weight_bytes=sum(weight_bytes(model) for model in (self.model, draft) if model is not None),
             kv_cache_bytes=kv_cache_bytes,
             num_kv_blocks=self._num_kv_blocks,
             block_size=config.cache.block_size,
@@ -144,10 +153,10 @@ class LocalExecutor:
             num_host_kv_blocks=self._num_host_kv_blocks,
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
+        drafter = None if draft is None else DraftModel(draft, backend, config.cache.block_size, config.seed)
         with clock("compile"):
-            self.runner = ModelRunner(
-                self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
-            )
+            self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
+                                      compile_config(config, device), drafter)  # fmt: skip
         self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
 

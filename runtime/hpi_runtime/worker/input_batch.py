@@ -204,6 +204,21 @@ class InputBatch:
         ends = starts + query_lens
         num_known = self.num_tokens[rows] + self.num_spec[rows]  # drafts included: they are inputs too
         self._check(request_ids, rows, starts, ends, query_lens, num_known)
+        flat = self.flat_inputs(rows, starts, query_lens)
+        self.num_computed_tokens[rows] = ends
+        return StepInputs(
+            request_ids=request_ids,
+            **flat,
+            is_sampled=tuple((ends == num_known).tolist()),
+            num_drafts=tuple(self.num_spec[rows].tolist()),
+            num_decode_reqs=int((query_lens == 1).sum()),
+            max_query_len=int(query_lens.max()),
+            max_context_len=int(ends.max()),
+        )
+
+    def flat_inputs(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray) -> dict[str, torch.Tensor]:
+        """The flat tensors of a forward over tokens [starts, starts + query_lens) of `rows` (all [R] int64):
+        StepInputs' input_ids, positions, slot_mapping, block_tables, query_start_loc and context_lens."""
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -212,22 +227,15 @@ class InputBatch:
         token_rows = rows[req_of_token]
         bs = self.block_size
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = int(-(-ends.max() // bs))
-        self.num_computed_tokens[rows] = ends
-        return StepInputs(
-            request_ids=request_ids,
-            input_ids=torch.from_numpy(self.token_ids[token_rows, positions]),
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_tables=torch.from_numpy(self.block_table[rows, :max_blocks]),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            context_lens=torch.from_numpy(ends.astype(np.int32)),
-            is_sampled=tuple((ends == num_known).tolist()),
-            num_drafts=tuple(self.num_spec[rows].tolist()),
-            num_decode_reqs=int((query_lens == 1).sum()),
-            max_query_len=int(query_lens.max()),
-            max_context_len=int(ends.max()),
-        )
+        ends = starts + query_lens
+        return {
+            "input_ids": torch.from_numpy(self.token_ids[token_rows, positions]),
+            "positions": torch.from_numpy(positions),
+            "slot_mapping": torch.from_numpy(slot_mapping),
+            "block_tables": torch.from_numpy(self.block_table[rows, : int(-(-ends.max() // bs))]),
+            "query_start_loc": torch.from_numpy(query_start_loc.astype(np.int32)),
+            "context_lens": torch.from_numpy(ends.astype(np.int32)),
+        }
 
     def _check(
         self,

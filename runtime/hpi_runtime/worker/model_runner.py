@@ -5,7 +5,9 @@ It keeps each request's token ids, block ids, progress and sampling settings in 
 first, then prefill chunks), runs the model once for all of them (compiled, see compiled_model.py, or
 eagerly), computes logits only for the rows that are sampled, and samples. A request verifying draft tokens
 (speculative decoding) has every draft position sampled; it keeps the drafts that match and the token after
-them (spec_decode/verify.py).
+them (spec_decode/verify.py). With a draft model (spec_decode/draft_model.py) the drafts are proposed here,
+just before the forward that verifies them; a sampled request's drafts are then verified by rejection
+sampling against the draft's own distribution.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
-from hpi_runtime.spec_decode.verify import num_accepted
+from hpi_runtime.spec_decode.draft_model import DraftModel
+from hpi_runtime.spec_decode.verify import num_accepted, rejection_sample
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
 from hpi_runtime.worker.prompt_logprobs import compute_prompt_logprobs
-from hpi_runtime.worker.sampler import Sampler, SamplingBatch
+from hpi_runtime.worker.sampler import Sampler, SamplingBatch, logprobs_of, mix_seed
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class StepLogits:
     grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: row i of grammar_bitmask
     grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
     prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
+    # A draft model's sampled requests: request id -> [num_drafts, V] float32, the q each draft was drawn from.
+    draft_probs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int = 0,
         compile_config: CompileConfig | None = None,  # None: run the model eagerly
+        drafter: DraftModel | None = None,  # draft-model speculation: it fills the scheduled draft slots
     ) -> None:
         self.model = model
         self.backend = backend
@@ -98,6 +104,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.sampler = Sampler(seed, self.device)
         self.input_batch = InputBatch(block_size, eos_token_ids)
+        self.drafter = drafter
         self._forward: Callable[..., torch.Tensor] = model
         if compile_config is not None:
             self._compile(compile_config)
@@ -116,6 +123,11 @@ class ModelRunner:
         self.input_batch.update(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return StepLogits((), torch.empty(0, self.model.config.vocab_size, device=self.device))
+        draft_probs = {}
+        if self.drafter is not None:
+            self.drafter.update(scheduler_output)
+            if scheduler_output.spec_token_ids:
+                draft_probs = self.drafter.propose(self.input_batch, list(scheduler_output.spec_token_ids)).draft_probs
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         device = self.device
         common = AttentionMetadata(
@@ -152,6 +164,7 @@ class ModelRunner:
             grammar_request_ids=scheduler_output.grammar_request_ids,
             grammar_bitmask=scheduler_output.grammar_bitmask,
             prompt_logprobs=prompt_logprobs,
+            draft_probs=draft_probs,
         )
 
     @torch.inference_mode()
@@ -164,13 +177,14 @@ class ModelRunner:
         if not step.request_ids:
             return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=step.prompt_logprobs)
         rows = self.input_batch.rows_of(step.request_ids)
+        probs = None
         if self.model.tp.size == 1:
             result = self.sampler(step.logits, self._sampling_batch(step, rows))
-            token_ids, token_logprobs = result.token_ids, result.logprobs
+            token_ids, token_logprobs, probs = result.token_ids, result.logprobs, result.probs
         else:
             token_ids, token_logprobs = self._sample_on_first_rank(step, rows)
         if step.num_drafts:
-            return self._verify(step, rows, token_ids, token_logprobs, sampled)
+            return self._verify(step, rows, (token_ids, token_logprobs, probs), sampled)
         self.input_batch.append_sampled(rows, token_ids)
         logprobs = {r: (lp,) for r, lp in zip(step.request_ids, token_logprobs, strict=True) if lp is not None}
         sampled.update((r, (t,)) for r, t in zip(step.request_ids, token_ids, strict=True))
@@ -180,24 +194,50 @@ class ModelRunner:
         self,
         step: StepLogits,
         rows: np.ndarray,  # [R] int64
-        token_ids: list[int],  # one per sampled position: 1 + num_drafts[i] for request i, in order
-        token_logprobs: list[TokenLogprobs | None],
+        # One entry per sampled position (1 + num_drafts[i] for request i, in order): the sampler's tokens, their
+        # logprobs, and the distributions they were drawn from ([num_rows, V]; None when all were greedy).
+        samples_of_rows: tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None],
         sampled: dict[str, tuple[int, ...]],
     ) -> ModelRunnerOutput:
-        """Keep each request's drafts that match its samples, and the sample after them."""
+        """Keep each request's drafts that match its samples, and the sample after them (a draft model's drafts
+        of a sampled request: those that pass rejection sampling, then a recovered or the bonus token)."""
+        token_ids, token_logprobs, probs = samples_of_rows
         logprobs = {}
         start = 0
         for request_id, row, num_drafts in zip(step.request_ids, rows.tolist(), step.num_drafts, strict=True):
             end = int(self.input_batch.num_tokens[row])
             draft_ids = self.input_batch.token_ids[row, end : end + num_drafts].tolist()
             samples = token_ids[start : start + num_drafts + 1]
-            kept = num_accepted(draft_ids, samples) + 1
-            self.input_batch.append_tokens(row, samples[:kept])
-            sampled[request_id] = tuple(samples[:kept])
+            draft_probs = step.draft_probs.get(request_id)
+            if draft_probs is not None and num_drafts:
+                target_probs = probs[start : start + num_drafts + 1]
+                emitted = rejection_sample(draft_ids, draft_probs, target_probs, samples[-1], self._generator(row))
+            else:
+                emitted = samples[: num_accepted(draft_ids, samples) + 1]
+            kept = len(emitted)
+            self.input_batch.append_tokens(row, emitted)
+            sampled[request_id] = tuple(emitted)
             if token_logprobs[start] is not None:
-                logprobs[request_id] = tuple(token_logprobs[start : start + kept])
+                if emitted == samples[:kept]:
+                    logprobs[request_id] = tuple(token_logprobs[start : start + kept])
+                else:  # rejection sampling kept other tokens than the sampler drew
+                    ids = torch.tensor(emitted, device=self.device)
+                    n = self.input_batch.params[row].logprobs
+                    logprobs[request_id] = tuple(logprobs_of(step.logits[start : start + kept], ids, (n,) * kept))
+            if self.drafter is not None and num_drafts:
+                self.drafter.settle(request_id, end, num_drafts, kept - 1)
             start += num_drafts + 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)
+
+    def _generator(self, row: int) -> torch.Generator:
+        """The draws of a rejection test: a seeded request's own (seeded per output position), else the shared one."""
+        seed = self.input_batch.params[row].seed
+        if seed is None:
+            return self.sampler.generator
+        generator = torch.Generator(device=self.device)
+        num_outputs = int(self.input_batch.num_tokens[row] - self.input_batch.num_prompt_tokens[row])
+        generator.manual_seed(mix_seed(seed, num_outputs) ^ 0x2545F491)
+        return generator
 
     def _sampling_batch(self, step: StepLogits, rows: np.ndarray) -> SamplingBatch:
         """The sampling settings of every logits row of `step` (`rows`: [R] int64, the requests' batch rows),

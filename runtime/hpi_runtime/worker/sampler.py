@@ -47,6 +47,9 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # [S, V] float32: the distribution each sampled row drew from (greedy rows: meaningless); None when every
+    # row is greedy. Rejection sampling of a draft model's drafts reads it.
+    probs: torch.Tensor | None = None
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -111,16 +114,19 @@ def _draw_noise(
     return noise
 
 
-def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
-    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports them."""
-    wanted = [n for n in batch.num_logprobs if n is not None]
+def logprobs_of(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: tuple[int | None, ...]
+) -> list[TokenLogprobs | None]:
+    """raw_logits: [S, V], token_ids: [S] -> logprobs of each row's token under the model's own distribution
+    (before penalties and temperature), as vLLM reports them, with the row's top-n; None where n is None."""
+    wanted = [n for n in num_logprobs if n is not None]
     if not wanted:
-        return [None] * len(batch.num_logprobs)
+        return [None] * len(num_logprobs)
     logprobs = raw_logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     top_values, top_ids = logprobs.topk(max(wanted), dim=-1) if max(wanted) else (None, None)
     results: list[TokenLogprobs | None] = []
-    for row, n in enumerate(batch.num_logprobs):
+    for row, n in enumerate(num_logprobs):
         if n is None:
             results.append(None)
             continue
@@ -164,6 +170,7 @@ class Sampler:
             logits = apply_penalties(logits, batch)
         greedy_ids = logits.argmax(dim=-1)
         is_greedy = batch.temperature == 0
+        probs = None
         if bool(is_greedy.all()):
             token_ids = greedy_ids
         else:
@@ -176,4 +183,4 @@ class Sampler:
             noise = _draw_noise(tuple(probs.shape), batch.seeds, probs.device, self.generator)
             sampled_ids = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw_logits, token_ids, batch))
+        return SamplerOutput(token_ids.tolist(), logprobs_of(raw_logits, token_ids, batch.num_logprobs), probs)

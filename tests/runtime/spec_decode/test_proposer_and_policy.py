@@ -20,7 +20,10 @@ from hpi_runtime.spec_decode.verify import num_accepted
         ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
         ('{"num_speculative_tokens": 2}', "'method' is required"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key(s) ['lookahead']"),
-        ('{"model": "/models/draft", "num_speculative_tokens": 2}', "draft-model speculation"),
+        ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}',
+         "a draft 'model' goes with method 'draft_model'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "a draft 'model' goes with method 'draft_model'"),
+        ('{"model": "", "num_speculative_tokens": 2}', "'model' must be a model directory or name"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
             "prompt_lookup_min (4) is above prompt_lookup_max (2)",
@@ -42,6 +45,8 @@ def test_a_dict_config_is_kept_as_json_and_one_lookup_bound_sets_the_other() -> 
         "ngram", 3, 3, 3)  # fmt: skip
     assert parse_speculative_config(args.speculative.speculative_config) == params
     assert EngineArgs().speculative.params is None
+    draft = EngineArgs.from_options(speculative_config={"model": "/models/draft", "num_speculative_tokens": 4})
+    assert (draft.speculative.params.method, draft.speculative.params.model) == ("draft_model", "/models/draft")
 
 
 def test_ngram_proposes_what_followed_the_longest_match() -> None:
