@@ -15,7 +15,9 @@ so a step sends only what changed, as in vLLM v1:
   the sampled token to its own copy of the token ids (the scheduler appends it to the Request too).
 - `finished_request_ids` / `preempted_request_ids`: drop the state of these before running this step.
 - `grammar_request_ids` / `grammar_bitmask`: the requests sampled this step under a grammar (structured
-  outputs) and, row for row, the tokens each may take next; every other row is sampled unconstrained.
+  outputs) and the tokens each may take next: one row per sampled position, so 1 + its drafts rows for a
+  request verifying drafts (the grammar as it stands after the drafts before that position), in order;
+  every other logits row is sampled unconstrained.
 - `spec_token_ids`: draft tokens (speculative decoding) scheduled after a request's known tokens; the executor
   verifies them and answers with the accepted ones plus one, so `sampled_token_ids` may hold several tokens.
 - `kv_transfers`: block copies between the device KV cache and the host-memory tier (core/host_tier.py),
@@ -75,7 +77,7 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
     grammar_request_ids: tuple[str, ...] = ()
-    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
+    grammar_bitmask: torch.Tensor | None = None  # [rows of grammar_request_ids, ceil(vocab / 32)] int32
     kv_transfers: KVTransfers = NO_TRANSFERS
     # Speculative decoding: request id -> draft tokens to verify. They are the last len(drafts) of the request's
     # scheduled tokens (after its known ones); the executor samples every one of those positions and returns

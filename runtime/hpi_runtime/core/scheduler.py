@@ -26,7 +26,10 @@ With speculative decoding (`config.speculative`), each decode first gets draft t
 The drafts are scheduled as extra query positions of the same request (one step of 1 + k tokens, blocks
 allocated for all of them), and the executor returns the tokens it accepted plus one. `update_from_output`
 then takes num_computed_tokens back over the rejected positions, whose KV the next step overwrites; the
-prefix-cache hashes only ever cover token_ids, so never a draft. Requests under a grammar do not speculate.
+prefix-cache hashes only ever cover token_ids, so never a draft. A request under a grammar has its drafts
+cut at the first token the grammar forbids and one bitmask row per verified position (the target samples each
+under the grammar as it would stand after the drafts before it); with a draft model (whose tokens are made in
+the executor) it does not speculate.
 """
 
 from __future__ import annotations
@@ -148,12 +151,14 @@ class Scheduler:
         for request in self.running:
             request.spec_token_ids = []
         for request in decodes:
-            if request.grammar is not None:
-                continue
+            if request.grammar is not None and not self.proposer.proposes_tokens:
+                continue  # a draft model's tokens are made in the executor, past the grammar's reach
             request.num_draft_tokens = request.num_draft_tokens or maximum
             # Never past max_tokens: a step emits at most drafts + 1 tokens (this also keeps max_model_len).
             limit = min(request.num_draft_tokens, request.max_tokens - len(request.output_token_ids) - 1)
             request.spec_token_ids = self.proposer.propose(request.token_ids, limit)
+            if request.grammar is not None:  # no draft past the first one the grammar forbids
+                del request.spec_token_ids[request.grammar.num_allowed(request.spec_token_ids) :]
             num_draft_tokens += len(request.spec_token_ids)
         if num_draft_tokens and not self.spec_policy.should_speculate(len(decodes), num_draft_tokens):
             for request in decodes:
@@ -195,8 +200,9 @@ class Scheduler:
             is_fresh = request.num_computed_tokens + num_known == request.num_tokens > request.num_prompt_tokens
             self.num_prefill_tokens_computed += num_known - int(is_fresh)
             request.num_computed_tokens += num_new
-            if request.grammar is not None and request.num_computed_tokens == len(request.token_ids):
-                constrained.append(request)  # sampled this step, under its grammar
+            is_sampled = request.num_computed_tokens == len(request.token_ids) + len(request.spec_token_ids)
+            if request.grammar is not None and is_sampled:
+                constrained.append(request)  # sampled this step, under its grammar (at each draft too)
         total = sum(num_scheduled.values())
         output = SchedulerOutput(
             new_requests=tuple(new_requests),
@@ -206,7 +212,8 @@ class Scheduler:
             finished_request_ids=frozenset(self._finished_ids),
             preempted_request_ids=frozenset(self._preempted_ids),
             grammar_request_ids=tuple(request.request_id for request in constrained),
-            grammar_bitmask=grammar_bitmask([request.grammar for request in constrained]) if constrained else None,
+            grammar_bitmask=grammar_bitmask([r.grammar for r in constrained], [r.spec_token_ids for r in constrained])
+            if constrained else None,
             kv_transfers=self.kv.take_transfers(),
             spec_token_ids=spec_token_ids,
         )

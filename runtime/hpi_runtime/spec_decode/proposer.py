@@ -52,6 +52,8 @@ def longest_match(tokens: np.ndarray, min_len: int, max_len: int, num_wanted: in
 class Proposer:
     """Proposes draft tokens for one request from its tokens (a pure function of them)."""
 
+    proposes_tokens = True  # real tokens, which a grammar can check before they are scheduled
+
     def __init__(self, params: SpeculativeParams) -> None:
         self.params = params
         if params.method == "suffix":
@@ -74,6 +76,8 @@ class Proposer:
 
 class DraftModelSlots:
     """Draft-model speculation as the scheduler sees it: `max_tokens` slots, filled in by the executor."""
+
+    proposes_tokens = False
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         return [DRAFT_SLOT] * max(0, max_tokens)

@@ -5,7 +5,9 @@ step's token bitmask and apply it to the logits.
 choice list or EBNF) for the next request that asks for the same one. The tokenizer is loaded at the first
 constrained request, so a core that never sees one pays nothing. A `RequestGrammar` is a request's matcher:
 the scheduler fills its row of the bitmask when the request is sampled and advances it with each accepted
-token. The sampler applies the bitmask to the constrained rows only.
+token. A request verifying draft tokens (speculative decoding) gets one row per verified position: the
+matcher is advanced over its drafts to fill them and rolled back, and its drafts are cut at the first token
+the grammar forbids. The sampler applies the bitmask to the constrained rows only.
 """
 
 from __future__ import annotations
@@ -42,6 +44,28 @@ class RequestGrammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def num_allowed(self, draft_token_ids: list[int]) -> int:
+        """How many of the drafts, in order, the grammar allows from here (the matcher is left unchanged)."""
+        num = 0
+        while num < len(draft_token_ids) and not self.matcher.is_terminated():
+            if not self.matcher.accept_token(draft_token_ids[num]):
+                break
+            num += 1
+        if num:
+            self.matcher.rollback(num)
+        return num
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, row: int, draft_token_ids: list[int]) -> None:
+        """Rows row.. row + len(drafts): the tokens allowed next, then after each draft in turn (drafts the
+        grammar allows: `num_allowed`). The matcher is left unchanged."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        for j, token_id in enumerate(draft_token_ids):
+            accepted = self.matcher.accept_token(token_id)
+            assert accepted, "drafts are cut where the grammar stops allowing them"
+            self.matcher.fill_next_token_bitmask(bitmask, row + j + 1)
+        if draft_token_ids:
+            self.matcher.rollback(len(draft_token_ids))
 
 
 class GrammarCompiler:
@@ -91,14 +115,17 @@ class GrammarCompiler:
 
 
 
-def grammar_bitmask(grammars: Sequence[RequestGrammar]) -> torch.Tensor:
-    """The step's bitmask, [len(grammars), ceil(vocab_size / 32)] int32: row i allows the tokens grammars[i]
-    accepts next."""
+def grammar_bitmask(grammars: Sequence[RequestGrammar], drafts: Sequence[list[int]] | None = None) -> torch.Tensor:
+    """The step's bitmask, [sum(1 + len(drafts[i])), ceil(vocab_size / 32)] int32: grammar i's rows in turn,
+    the tokens it accepts next, then (speculative decoding) after each of its drafts."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
-    for row, grammar in enumerate(grammars):
-        grammar.fill_bitmask(bitmask, row)
+    drafts = drafts or [[] for _ in grammars]
+    bitmask = xgr.allocate_token_bitmask(len(grammars) + sum(map(len, drafts)), grammars[0].vocab_size)
+    row = 0
+    for grammar, draft_token_ids in zip(grammars, drafts, strict=True):
+        grammar.fill_draft_bitmasks(bitmask, row, draft_token_ids)
+        row += 1 + len(draft_token_ids)
     return bitmask
 
 

@@ -44,8 +44,8 @@ class StepLogits:
     logits: torch.Tensor | None  # [num_rows, vocab_size] float32; None on tensor-parallel ranks other than 0
     num_drafts: tuple[int, ...] = ()  # per request; () when no request verifies drafts
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
-    grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: row i of grammar_bitmask
-    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_request_ids), ceil(vocab / 32)] int32
+    grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: 1 + num_drafts rows each of the bitmask
+    grammar_bitmask: torch.Tensor | None = None  # [rows of grammar_request_ids, ceil(vocab / 32)] int32
     prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
     # A draft model's sampled requests: request id -> [num_drafts, V] float32, the q each draft was drawn from.
     draft_probs: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -252,8 +252,12 @@ class ModelRunner:
         batch = self.input_batch.sampling_batch(rows, self.device, offsets)
         if step.grammar_bitmask is None:
             return batch
-        position = {request_id: int(first_row[i]) for i, request_id in enumerate(step.request_ids)}
-        grammar_rows = torch.tensor([position[r] for r in step.grammar_request_ids], dtype=torch.int64)
+        # A constrained request's bitmask rows cover each of its sampled positions (1 + drafts), in order.
+        counts = np.asarray(step.num_drafts, dtype=np.int64) + 1 if step.num_drafts else np.ones(len(rows), np.int64)
+        position = {request_id: i for i, request_id in enumerate(step.request_ids)}
+        grammar_rows = torch.from_numpy(np.concatenate([
+            np.arange(first_row[i], first_row[i] + counts[i]) for i in (position[r] for r in step.grammar_request_ids)
+        ]).astype(np.int64))  # fmt: skip
         return replace(batch, grammar_rows=grammar_rows, grammar_bitmask=step.grammar_bitmask)
 
     def _sample_on_first_rank(

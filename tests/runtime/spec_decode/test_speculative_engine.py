@@ -1,7 +1,8 @@
 """Speculative decoding with real models: greedy output token for token as without it (every method, tiny
 families and the embedded model, fp32), seeded sampling likewise, unseeded sampling keeping the target
 distribution (a chi-square test on many draws), stops and logprobs of the emitted tokens, rejected drafts
-rolled back under a KV pool small enough to preempt, and grammar-constrained requests left unspeculated.
+rolled back under a KV pool small enough to preempt, and grammar-constrained requests speculating under their
+grammar.
 
 Each model is loaded once: the speculative engine is a second engine core over the plain one's executor (the
 same weights and KV tensors; the two never run at once), so a comparison costs one load, not two."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import json
 
 import pytest
 from scipy.stats import chi2_contingency
@@ -153,9 +155,17 @@ def test_rejected_drafts_roll_back_under_preemption(tiny_llama, tiny_model_dir) 
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
 
-def test_grammar_requests_are_not_speculated(tiny_llama) -> None:
-    choice = StructuredOutputsParams.choice(["Paris Paris Paris", "Rome"])
-    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=choice)
-    llm = speculative_twin(tiny_llama, NGRAM)
-    assert llm.generate(["The capital of France is"], params)[0].text in ("Paris Paris Paris", "Rome")
-    assert llm.engine.get_stats().spec_num_drafts == 0
+def test_grammar_requests_speculate_and_keep_their_output(tiny_llama) -> None:
+    """Under a JSON schema the drafts are cut where the grammar forbids them and each verified position is
+    sampled under the grammar as it stands after the drafts before it: the same JSON, drafts accepted."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 6, "maxItems": 8,
+              "items": {"enum": ["red", "green", "blue"]}}}, "required": ["tags"]}  # fmt: skip
+    json_schema = StructuredOutputsParams.json_schema(schema)
+    params = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=json_schema)
+    prompts = ['{"tags": ["red", "green", "red", "green", "blue"]} {"tags": [', "one two three one two three"]
+    expected = [o.output_token_ids for o in tiny_llama.generate(prompts, params)]
+    llm = speculative_twin(tiny_llama, {**SUFFIX, "disable_by_batch_size": 8})
+    outputs = llm.generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert all(isinstance(json.loads(o.text)["tags"], list) for o in outputs)
+    assert _accepted(llm) > 0
