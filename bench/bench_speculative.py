@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 from bench.report import machine_description
-from bench.spec_workload import input_grounded, open_ended
+from bench.spec_workload import FACTS_SCHEMA, input_grounded, open_ended, structured_extraction
 from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.structured.params import StructuredOutputsParams
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--grounded", type=int, default=8, help="input-grounded conversations (of 16)")
     parser.add_argument("--open-ended", type=int, default=4, help="open-ended conversations, one client")
+    parser.add_argument("--structured", type=int, default=0, help="extractions to a JSON schema, one client (of 4)")
     parser.add_argument("--clients", type=int, default=32, help="concurrent requests (0: skip)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of the concurrent batch per engine")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -105,14 +107,22 @@ def main() -> None:
     for llm in llms.values():
         llm.chat(open_ended()[0], warm)
     results = []
-    grounded = input_grounded()[:: max(1, 16 // args.grounded)][: args.grounded]
-    before = llms["spec"].engine.get_stats()
-    results.append(_summary("input-grounded, 1 client", _one_client(llms, grounded, params)))
-    results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
-    crossover_after_grounded = _crossover(llms["spec"], config["num_speculative_tokens"])
-    before = llms["spec"].engine.get_stats()
-    results.append(_summary("open-ended chat, 1 client", _one_client(llms, open_ended()[: args.open_ended], params)))
-    results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
+    structured = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                structured_outputs=StructuredOutputsParams.json_schema(FACTS_SCHEMA))  # fmt: skip
+    phases = [("input-grounded, 1 client", input_grounded()[:: max(1, 16 // max(1, args.grounded))][: args.grounded],
+               params),
+              ("open-ended chat, 1 client", open_ended()[: args.open_ended], params),
+              ("structured extraction (JSON schema), 1 client", structured_extraction()[: args.structured],
+               structured)]  # fmt: skip
+    crossover_after_grounded = None
+    for label, conversations, phase_params in phases:
+        if not conversations:
+            continue
+        before = llms["spec"].engine.get_stats()
+        results.append(_summary(label, _one_client(llms, conversations, phase_params)))
+        results[-1]["acceptance"] = _stats_delta(llms["spec"], before)
+        if crossover_after_grounded is None:
+            crossover_after_grounded = _crossover(llms["spec"], config["num_speculative_tokens"])
     if args.clients:  # 0 skips the concurrent measurement
         many = (open_ended() * -(-args.clients // len(open_ended())))[: args.clients]
         before = llms["spec"].engine.get_stats()

@@ -3,6 +3,7 @@
 Input-grounded: correct, rewrite, summarise or extract from a passage given in the prompt (200-400 prompt
 tokens with the embedded model's chat template), the work where prompt lookup pays: the answer reuses the
 passage's words. No prompt asks to copy the passage. Open-ended: questions whose answers are not in the prompt.
+Structured: extraction from a passage into JSON under a JSON schema (structured outputs).
 """
 
 from __future__ import annotations
@@ -61,3 +62,17 @@ def input_grounded() -> list[list[dict[str, str]]]:
 
 def open_ended() -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": question}] for question in OPEN_ENDED]
+
+
+FACTS_SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string"}, "facts": {"type": "array", "items": {"type": "string"}, "minItems": 3}},
+    "required": ["topic", "facts"],
+}
+
+
+def structured_extraction() -> list[list[dict[str, str]]]:
+    """One conversation per passage, answered under FACTS_SCHEMA: 4 prompts."""
+    task = ("Extract the facts stated in the following passage as JSON: a short topic, then each fact as one "
+            "sentence in the passage's own words.")  # fmt: skip
+    return [[{"role": "user", "content": f"{task}\n\n{passage}"}] for passage in PASSAGES]

@@ -260,6 +260,8 @@ class Scheduler:
             for j, token_id in enumerate(token_ids):
                 self.num_generation_tokens += 1
                 if request.append_token(token_id, logprobs[j] if j < len(logprobs) else None):
+                    if self.proposer is not None:  # later requests may draft from this one's tokens
+                        self.proposer.request_finished(request.prompt_token_ids, request.output_token_ids)
                     self._release(request)
                     any_finished = True
                     break

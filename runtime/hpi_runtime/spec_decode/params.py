@@ -5,6 +5,8 @@ Accepted: `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
 a..b tokens) and `{"method": "suffix", "num_speculative_tokens": k}` (the longest suffix match over the
 prompt and output, whatever its length). `disable_by_batch_size` (vLLM's) turns speculation off above that
 many running requests; without it the engine decides from its measured step times (policy.py).
+`"suffix_decoding_max_cached_requests": N` (vLLM's key; 0 here by default, 10000 in vLLM) lets `suffix` draft
+from the N most recent finished requests too (Arctic Inference's global cache).
 `{"model": DIR, "num_speculative_tokens": k}` (or `"method": "draft_model"` with a `model`) is draft-model
 speculation: a small model sharing the target's tokenizer proposes k tokens autoregressively each step
 (draft_model.py); whether it shares the vocabulary is checked where the model is resolved
@@ -20,7 +22,7 @@ from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-         "model")  # fmt: skip
+         "model", "suffix_decoding_max_cached_requests")  # fmt: skip
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -34,6 +36,8 @@ class SpeculativeParams:
     prompt_lookup_max: int = 1
     disable_by_batch_size: int | None = None
     model: str | None = None  # the draft model (a directory or a model name), with method "draft_model"
+    # suffix: recent finished requests searched for drafts too (Arctic Inference's global cache); 0: none
+    suffix_decoding_max_cached_requests: int = 0
 
 
 def _int(config: Mapping[str, Any], key: str, default: int | None, low: int = 1) -> int | None:
@@ -82,4 +86,8 @@ def parse_speculative_config(config: str | Mapping[str, Any]) -> SpeculativePara
     low, high = (low or high or 1), (high or low or 5)
     if low > high:
         raise ValueError(f"speculative config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
-    return SpeculativeParams(method, k, low, high, _int(config, "disable_by_batch_size", None), model)
+    num_cached = _int(config, "suffix_decoding_max_cached_requests", 0, low=0)
+    if num_cached and method != "suffix":
+        raise ValueError(f"speculative config: suffix_decoding_max_cached_requests goes with method 'suffix', "
+                         f"not {method!r}")  # fmt: skip
+    return SpeculativeParams(method, k, low, high, _int(config, "disable_by_batch_size", None), model, num_cached)

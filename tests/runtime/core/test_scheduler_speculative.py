@@ -64,3 +64,33 @@ def test_random_workloads_keep_every_invariant_with_drafts(fake_executor_cls, po
     stats = engine.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_num_accepted_tokens > 0
     assert engine.kv_cache_manager.pool.num_free == 20
+
+
+def irregular_token(request_id: str, position: int) -> int:
+    """A fake model whose tokens never repeat within a request, the same for every request: only another
+    request's tokens can predict them."""
+    return 100 + (position * 37) % 997
+
+
+def test_a_repeated_request_drafts_from_the_cache_at_its_first_decode(fake_executor_cls) -> None:
+    """`suffix` with a cross-request cache: the second request with the same prompt gets the first one's output
+    as drafts from its first decode step, all accepted; without the cache it gets none."""
+    config = {"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": 64}
+    for num_cached, expect_drafts in ((4, True), (0, False)):
+        cfg = EngineConfig(block_size=8, max_model_len=96, speculative=parse_speculative_config(
+            {**config, "suffix_decoding_max_cached_requests": num_cached}))  # fmt: skip
+        engine = LLMEngine(cfg, fake_executor_cls(64, 8, token_fn=irregular_token), None, frozenset())
+        prompt = [irregular_token("", p) for p in range(10)]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        engine.add_request("first", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request("again", prompt, params)
+        engine.step()  # the prompt, and the first output token
+        engine.step()  # the first decode
+        drafts = engine.executor.batches[-1].spec_token_ids.get("again", ())
+        if expect_drafts:
+            assert list(drafts) == [irregular_token("", p) for p in range(11, 17)]
+            assert engine.get_stats().spec_num_accepted_tokens == 6
+        else:
+            assert not drafts

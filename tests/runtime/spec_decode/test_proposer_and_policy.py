@@ -136,3 +136,18 @@ def test_a_stale_measurement_is_forgotten_so_the_decision_is_revisited() -> None
     for _ in range(2001):  # plain steps only: the 6-token bucket ages
         policy.step_times.record(1, 0.02)
     assert policy.should_speculate(num_decodes=1, num_draft_tokens=5)
+
+
+def test_the_suffix_cache_is_bounded_and_never_matches_across_two_requests() -> None:
+    params = parse_speculative_config({"method": "suffix", "num_speculative_tokens": 4,
+                                       "suffix_decoding_max_cached_requests": 2})  # fmt: skip
+    proposer = Proposer(params)
+    proposer.request_finished([1, 2, 3], [4, 5, 6, 7])
+    assert proposer.propose([9, 2, 3, 4], 4) == [5, 6, 7]  # matched "2 3 4": at most 3 tokens, up to its end
+    proposer.request_finished([8], [10, 11])
+    assert proposer.propose([7, 8], 4) == [10]  # "7 8" spans two cached requests: only "8" matches
+    proposer.request_finished([12], [13])  # the first request leaves the cache
+    assert proposer.propose([9, 2, 3, 4], 4) == []
+    with pytest.raises(ValueError, match="goes with method 'suffix'"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4,
+                                  "suffix_decoding_max_cached_requests": 2})  # fmt: skip

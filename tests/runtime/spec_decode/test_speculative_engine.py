@@ -74,7 +74,10 @@ def _accepted(llm: LLM) -> int:
     return llm.engine.get_stats().spec_num_accepted_tokens
 
 
-@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+SUFFIX_CACHED = {**SUFFIX, "suffix_decoding_max_cached_requests": 8}
+
+
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX, SUFFIX_CACHED], ids=["ngram", "suffix", "suffix-cached"])
 def test_greedy_output_is_identical_with_stops_and_logprobs(tiny_llama, config) -> None:
     expected = _run(tiny_llama, _params())
     llm = speculative_twin(tiny_llama, config)
@@ -84,6 +87,8 @@ def test_greedy_output_is_identical_with_stops_and_logprobs(tiny_llama, config) 
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1]
     assert stats.num_generation_tokens == sum(len(tokens) for tokens, *_ in expected)
+    if config is SUFFIX_CACHED:  # again, now drafting from the first run's requests too
+        assert _run(llm, _params()) == expected
 
 
 def test_greedy_output_is_identical_on_another_family(tiny_model_factory) -> None:
