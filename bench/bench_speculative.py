@@ -6,7 +6,9 @@ over both): one client at a time on input-grounded tasks (bench/spec_workload.py
 from a given passage), one client at a time on open-ended chat, and 32 concurrent open-ended requests (where
 the engine's measured step times should switch speculation off). It also reports how many greedy outputs
 were token-identical, the acceptance figures, and the speculative engine's own decision per batch size from
-its measured step-time curve (the crossover).
+its measured step-time curve (the crossover). `--structured N` adds N extractions from a passage into JSON
+under a JSON schema (structured outputs), one client at a time. With a draft model as the config, make one
+first with bench/truncated_draft.py.
 
     .venv/bin/python -m bench.bench_speculative --config '{"method": "ngram", "num_speculative_tokens": 5}'
 """

@@ -289,6 +289,8 @@ class ModelRunner:
         for query_lens in config.warmup_steps():
             self.forward(_warmup_step(query_lens, self.block_size))
         self.input_batch.clear()
+        if self.drafter is not None:
+            self.drafter.num_computed.clear()  # the warm-up requests never finish
         if config.seal_after_warmup:
             self._forward.seal()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
