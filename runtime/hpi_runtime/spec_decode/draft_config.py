@@ -28,7 +28,10 @@ def resolve_draft_model(
         raise ValueError(f"{prefix}: the target frees KV blocks behind its sliding window "
                          f"({kv_sliding_window} tokens), which the draft's cache shares; use method 'ngram' "
                          "or 'suffix' with this model")  # fmt: skip
-    draft_dir, _ = resolve_model_dir(draft)
+    try:
+        draft_dir, _ = resolve_model_dir(draft)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{prefix}: {exc}") from None
     config = load_model_config(draft_dir)
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"{prefix} has a vocabulary of {config.vocab_size} tokens, the target {target.vocab_size}: "

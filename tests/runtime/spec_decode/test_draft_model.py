@@ -122,6 +122,11 @@ def test_sampled_tokens_keep_the_target_distribution(plain, tiny_model_dir, draf
     assert chi2_contingency(table).pvalue > 1e-3
 
 
+def test_a_missing_draft_is_refused(tiny_model_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match="speculative config: draft model .* does not exist"):
+        LLM(tiny_model_dir, speculative_config=_draft_config(tmp_path / "nowhere"), **OPTIONS)
+
+
 def _edited_copy(src, dst, file: str, edit) -> str:
     shutil.copytree(src, dst)
     path = dst / file
