@@ -121,13 +121,13 @@ class ModelRunner:
     def forward(self, scheduler_output: SchedulerOutput) -> StepLogits:
         """Run the model over every scheduled token; logits for the requests whose chunk ends their tokens."""
         self.input_batch.update(scheduler_output)
+        if self.drafter is not None:
+            self.drafter.update(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return StepLogits((), torch.empty(0, self.model.config.vocab_size, device=self.device))
         draft_probs = {}
-        if self.drafter is not None:
-            self.drafter.update(scheduler_output)
-            if scheduler_output.spec_token_ids:
-                draft_probs = self.drafter.propose(self.input_batch, list(scheduler_output.spec_token_ids)).draft_probs
+        if self.drafter is not None and scheduler_output.spec_token_ids:
+            draft_probs = self.drafter.propose(self.input_batch, list(scheduler_output.spec_token_ids)).draft_probs
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         device = self.device
         common = AttentionMetadata(
