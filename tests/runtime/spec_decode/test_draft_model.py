@@ -18,6 +18,7 @@ from scipy.stats import chi2_contingency, chisquare
 from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.verify import rejection_sample
+from hpi_runtime.structured.params import StructuredOutputsParams
 from hpi_testing.tiny_model import build_tiny_model
 
 OPTIONS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 22, "enforce_eager": True}
@@ -67,6 +68,10 @@ def test_greedy_output_is_identical_with_another_model_as_draft(plain, tiny_mode
     with LLM(tiny_model_dir, speculative_config=_draft_config(draft_dir), **OPTIONS) as llm:
         assert _run(llm, _params()) == expected
         stats = llm.engine.get_stats()
+        # A draft model's tokens are made past the grammar's reach: a constrained request does not speculate.
+        choice = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams.choice(["red", "blue"]))
+        assert llm.generate(["The capital of"], choice)[0].text in ("red", "blue")
+        assert llm.engine.get_stats().spec_num_drafts == stats.spec_num_drafts
     assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
