@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--lead", type=float, default=None,
                         help="optimizer: leadTimeSeconds (default: the operator's)")
     parser.add_argument("--scale-down-window", type=float, default=None,
-                        help="scaleDownStabilizationSeconds (default: the operator's, 300)")
+                        help="scaleDownStabilizationSeconds (default: the operator's: 300 s, the optimizer's "
+                             "lead time)")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
     parser.add_argument("--levels", default=",".join(f"{f:g}" for f in scenarios.BOUND_LEVELS),
                         help="bound: fractions of the peak rate to measure")
@@ -89,15 +90,14 @@ def main() -> None:
         down = args.scale_down_window
         if args.control == "kv":
             result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting,
-                                                 args.min_replicas, down or scenarios.SCALE_DOWN_S)  # fmt: skip
+                                                 args.min_replicas, down)  # fmt: skip
             waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
             floor = "" if args.min_replicas == 1 else f"-min{args.min_replicas}"
             name = f"headline-kv-{args.target:g}{waiting}{floor}{'' if down is None else f'-down{down:g}'}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
             result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead,
-                                                 args.control == "oracle",
-                                                 scenarios.SCALE_DOWN_S if down is None else down)  # fmt: skip
+                                                 args.control == "oracle", down)  # fmt: skip
             name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
                     f"{'' if args.lead is None else f'-lead{args.lead:g}'}"
                     f"{'' if down is None else f'-down{down:g}'}{tag}")  # fmt: skip
@@ -109,7 +109,7 @@ def main() -> None:
             "min_replicas": args.min_replicas if args.control == "kv" else None,
             "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
             "lead_s": None if args.control == "kv" else args.lead,  # None: the operator's default (start + 2 polls)
-            "scale_down_s": args.scale_down_window or scenarios.SCALE_DOWN_S,
+            "scale_down_s": args.scale_down_window,  # None: the operator's default (300 s; optimizer: the lead)
         }
         record(name, result, args.seed, extra, day_s, args.runs)
     elif args.scenario == "sweep":

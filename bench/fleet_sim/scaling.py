@@ -49,10 +49,12 @@ class Control(Protocol):
 
 
 class OptimizerControl:
-    def __init__(self, pools: Sequence[SimPool], slo: Slo, window: Window, utilization: float = DEFAULT_UTILIZATION,
-                 name: str = "optimizer", lead_s: float | None = None, poll_s: float = POLL_S,
-                 foresight: Foresight | None = None):  # fmt: skip
-        self.name, self.pools, self.slo, self.window, self.utilization = name, list(pools), slo, window, utilization
+    def __init__(self, pools: Sequence[SimPool], slo: Slo, settings: AutoscalingSpec,
+                 utilization: float = DEFAULT_UTILIZATION, name: str = "optimizer", lead_s: float | None = None,
+                 poll_s: float = POLL_S, foresight: Foresight | None = None):  # fmt: skip
+        """`settings`: the spec's autoscaling section (its windows and step; the scale-down window in effect comes
+        from its `scale_down_window_s` and the lead, as fleet_loop.py takes it)."""
+        self.name, self.pools, self.slo, self.settings, self.utilization = name, list(pools), slo, settings, utilization
         self.foresight = foresight  # an oracle run: the future's peak rate instead of the forecast (oracle.py)
         self.lead_s, self.poll_s = lead_s, poll_s  # spec.autoscaling.leadTimeSeconds (None: from the start times)
         self.start_s: dict[str, float] = {}
@@ -89,7 +91,10 @@ class OptimizerControl:
         if not reading.measured:  # the first poll only starts the counters (fleet_loop.py does the same)
             recommended = dict(current)
         bounds = {p.name: (0, p.max_replicas) for p in self.pools}
-        replicas, self.histories = stabilize_all(current, recommended, self.histories, bounds, now_s, self.window)
+        settings = self.settings
+        window = Window(settings.scale_up_stabilization_s, settings.scale_down_window_s(self.last_lead.seconds),
+                        settings.max_scale_step)  # fmt: skip
+        replicas, self.histories = stabilize_all(current, recommended, self.histories, bounds, now_s, window)
         self.counters, self.at_s = reading.counters, now_s
         self.mix = (reading.demand.mean_prompt_tokens, reading.demand.mean_output_tokens)
         return replicas

@@ -23,7 +23,6 @@ from dataclasses import replace
 
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
 from hpi_operator.fleet.performance import Demand, Slo
-from hpi_operator.fleet.stabilize import Window
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
 
@@ -59,19 +58,22 @@ def day(seed: int, scale: float = 1.0) -> list[Request]:
     return generate(arrivals, AZURE_CONV_2023, seed)
 
 
-SCALE_DOWN_S = 300.0  # the operator's default scaleDownStabilizationSeconds (HPA's)
-
-
-def _window(scale_down_s: float = SCALE_DOWN_S) -> Window:
-    return Window(scale_up_s=0, scale_down_s=scale_down_s, max_step=MAX_STEP)
+def _optimizer_settings(scale_down_s: float | None) -> AutoscalingSpec:
+    """The optimizer's autoscaling section: scale-up at once, MAX_STEP per poll, `scale_down_s` as
+    scaleDownStabilizationSeconds (None: the operator's default for the mode, the lead time)."""
+    return AutoscalingSpec(enabled=True, mode="optimizer", scale_up_stabilization_s=0, max_scale_step=MAX_STEP,
+                           scale_down_stabilization_s=None if scale_down_s is None else round(scale_down_s),
+                           poll_interval_s=15)  # fmt: skip
 
 
 def _settings(target: float, pools: Sequence[SimPool], target_waiting: int | None = None,
-              min_replicas: int = 1, scale_down_s: float = SCALE_DOWN_S) -> AutoscalingSpec:  # fmt: skip
+              min_replicas: int = 1, scale_down_s: float | None = None) -> AutoscalingSpec:  # fmt: skip
+    """The KV-utilisation baseline's (`scale_down_s` None: the operator's default for the mode, HPA's 300 s)."""
     return AutoscalingSpec(enabled=True, mode="builtin", min_replicas=min_replicas,
                            max_replicas=sum(p.max_replicas for p in pools),
                            target_kv_utilization=target, target_waiting_requests=target_waiting,
-                           scale_up_stabilization_s=0, scale_down_stabilization_s=round(scale_down_s),
+                           scale_up_stabilization_s=0,
+                           scale_down_stabilization_s=None if scale_down_s is None else round(scale_down_s),
                            max_scale_step=MAX_STEP, poll_interval_s=15, scale_to_zero=False,
                            scale_to_zero_idle_s=300)  # fmt: skip
 
@@ -94,21 +96,21 @@ def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial
 
 def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
                        lead_s: float | None = None, oracle: bool = False,
-                       scale_down_s: float = SCALE_DOWN_S) -> RunResult:  # fmt: skip
+                       scale_down_s: float | None = None) -> RunResult:  # fmt: skip
     """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls); `oracle`: plan
     for the day's true peak rate one lead time ahead instead of the forecast (oracle.py)."""
     pools = pools_at(scale)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
     requests = day(seed, scale)
     name = "oracle" if oracle else "gpu-only" if gpu_only else "optimizer"
-    control = OptimizerControl(offered, SLO, _window(scale_down_s), utilization, name=name, lead_s=lead_s,
+    control = OptimizerControl(offered, SLO, _optimizer_settings(scale_down_s), utilization, name=name, lead_s=lead_s,
                                foresight=Foresight(requests) if oracle else None)  # fmt: skip
     initial = _start_plan(offered, scale)
     return _run(offered, requests, control, initial)
 
 
 def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None,
-                      min_replicas: int = 1, scale_down_s: float = SCALE_DOWN_S) -> RunResult:  # fmt: skip
+                      min_replicas: int = 1, scale_down_s: float | None = None) -> RunResult:  # fmt: skip
     """`target_waiting`: the autoscaler's targetWaitingRequests per pod (None: its default, where any queued
     request asks for one more replica); `min_replicas`: its floor (minReplicas), the knob a platform team turns
     when a reactive autoscaler loses the morning ramp."""

@@ -32,6 +32,7 @@ ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 
+HPA_SCALE_DOWN_WINDOW_S = 300  # HPA's behavior.scaleDown.stabilizationWindowSeconds default: the KV modes'
 _PARAM_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
@@ -142,7 +143,8 @@ class AutoscalingSpec:
     target_kv_utilization: float = crd_default("autoscaling.targetKVUtilization")
     target_waiting_requests: int | None = None
     scale_up_stabilization_s: int = crd_default("autoscaling.scaleUpStabilizationSeconds")
-    scale_down_stabilization_s: int = crd_default("autoscaling.scaleDownStabilizationSeconds")
+    # None: by mode, scale_down_window_s (the CRD cannot declare a default that depends on the mode)
+    scale_down_stabilization_s: int | None = None
     max_scale_step: int = crd_default("autoscaling.maxScaleStep")
     poll_interval_s: int = crd_default("autoscaling.pollIntervalSeconds")
     lead_time_s: int | None = None  # optimizer: plan this far ahead on a rise; None: the pools' start + 2 polls
@@ -150,6 +152,18 @@ class AutoscalingSpec:
     scale_to_zero_idle_s: int = crd_default("autoscaling.scaleToZero.idleSeconds")
     # 0: to zero replicas; 1 or 2: the pods stay and sleep at that level (autoscaling/sleep.py)
     sleep_level: int = crd_default("autoscaling.scaleToZero.sleepLevel")
+
+    def scale_down_window_s(self, lead_s: float | None = None) -> float:
+        """The scale-down stabilization window in effect: scaleDownStabilizationSeconds when set; else in optimizer
+        mode `lead_s`, its lead time (fleet/forecast.py), when known; else HPA's default. The optimizer's default:
+        a replica released sooner than one takes to start is missed if the demand returns, and one held longer
+        is paid for idle; on the fleet simulator's day (bench/results/fleet.md) windows from 60 s to 150 s held
+        99% at 9-13% less cost than HPA's 300 s."""
+        if self.scale_down_stabilization_s is not None:
+            return self.scale_down_stabilization_s
+        if self.mode == "optimizer" and lead_s is not None:
+            return lead_s
+        return HPA_SCALE_DOWN_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -465,7 +479,8 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         target_kv_utilization=float(_get(raw, "targetKVUtilization", defaults.target_kv_utilization)),
         target_waiting_requests=raw.get("targetWaitingRequests"),
         scale_up_stabilization_s=int(_get(raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_s)),
-        scale_down_stabilization_s=int(_get(raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_s)),
+        scale_down_stabilization_s=None if raw.get("scaleDownStabilizationSeconds") is None
+        else int(raw["scaleDownStabilizationSeconds"]),
         max_scale_step=int(_get(raw, "maxScaleStep", defaults.max_scale_step)),
         poll_interval_s=int(_get(raw, "pollIntervalSeconds", defaults.poll_interval_s)),
         lead_time_s=None if raw.get("leadTimeSeconds") is None else int(raw["leadTimeSeconds"]),

@@ -11,8 +11,11 @@ from fleet_sim.scaling import KvControl, OptimizerControl
 
 from hpi_operator.fleet.optimizer import PoolOffer, optimize
 from hpi_operator.fleet.performance import Demand, Slo
-from hpi_operator.fleet.stabilize import Window
 from hpi_operator.spec import AutoscalingSpec
+
+# The optimizer's autoscaling section with no stabilization at all: every recommendation applies at once.
+AT_ONCE = AutoscalingSpec(enabled=True, mode="optimizer", scale_up_stabilization_s=0, scale_down_stabilization_s=0,
+                          max_scale_step=1000)
 
 SLO = Slo(2.0, 0.1)
 PROMPT, OUTPUT, RATE = 1000, 200, 40.0
@@ -28,7 +31,7 @@ def _member(name: str, finished: float, kv: float = 0.5) -> Member:
 
 def test_the_optimizer_loop_plans_what_optimize_plans():
     pools = headline_pools(PROMPT + OUTPUT / 2)
-    control = OptimizerControl(pools, SLO, Window(scale_up_s=0, scale_down_s=0, max_step=1000))
+    control = OptimizerControl(pools, SLO, AT_ONCE)
     current = {"h200-bf16": 1, "l4-int8": 1, "cpu-bf16": 0}
     control.poll([_member("a", 0), _member("b", 0)], current, 0.0)  # the first poll starts the counters
     # 15 s later the two pods finished RATE x 15 requests between them: a steady demand of RATE req/s.
@@ -66,11 +69,10 @@ def test_an_oracle_plans_for_the_coming_peak_not_the_measured_rate():
     assert foresight.peak_rate(0.0, 120.0) == surge  # the window starting at 105 s is inside the lead
 
     pools = headline_pools(PROMPT + OUTPUT / 2)
-    window = Window(scale_up_s=0, scale_down_s=0, max_step=1000)
     current = {"h200-bf16": 1, "l4-int8": 1, "cpu-bf16": 0}
     plans = {}
     for name, sight in (("oracle", foresight), ("forecast", None)):
-        control = OptimizerControl(pools, SLO, window, lead_s=120.0, foresight=sight)
+        control = OptimizerControl(pools, SLO, AT_ONCE, lead_s=120.0, foresight=sight)
         control.poll([_member("a", 0), _member("b", 0)], current, 0.0)
         n = quiet * 15 / 2  # each pod finished its half of 15 s of quiet traffic
         plans[name] = control.poll([_member("a", n), _member("b", n)], current, 15.0)

@@ -189,6 +189,26 @@ def test_unset_the_lead_is_the_pools_measured_start_plus_two_polls_and_is_rememb
     assert set_by_spec.status["leadTime"] == {"seconds": 30.0, "source": "spec", "pool": None}
 
 
+@pytest.mark.parametrize(("set_s", "window_s"), [(None, 60), (20, 20)])
+def test_unset_the_scale_down_window_is_the_lead_time(set_s: int | None, window_s: int) -> None:
+    """A replica released sooner than one takes to start is missed when the demand comes back: by default the
+    optimizer holds a lower recommendation for its lead time (HPA's 300 s in the KV modes)."""
+    body = optimized_cr(scaleDownStabilizationSeconds=set_s, leadTimeSeconds=60, maxScaleStep=100)
+    h200, _ = pool_names(body)
+    plan = make_plan(body, NODES)
+    assert plan.spec.autoscaling.scale_down_window_s() == (300 if set_s is None else set_s)  # no lead: HPA's
+    poll = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, dict(plan.replicas_by_pool), 1000.0)
+    history = []
+    for t in range(1010, 1200, 10):  # 12 req/s for ten seconds, then nothing finishes any more
+        poll = fleet_poll(plan, [load("p0", 120, 60_000, 24_000)], {"autoscaling": {"optimizer": poll.status}},
+                          poll.replicas, float(t))  # fmt: skip
+        history.append((t, poll.replicas[h200], poll.status["recommended"][h200]))
+    assert poll.status["scaleDownWindowSeconds"] == window_s
+    lower_since = min(t for t, _, recommended in history if recommended == 0)
+    released_at = min(t for t, replicas, _ in history if replicas == 0)
+    assert released_at - lower_since == window_s
+
+
 def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
     body = optimized_cr()
     h200, l4 = pool_names(body)

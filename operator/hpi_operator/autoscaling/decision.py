@@ -201,14 +201,15 @@ def decide(settings: AutoscalingSpec, current: int, obs: Observation, history: H
     raw, why = _raw_recommendation(settings, current, obs, idle_for_s)
 
     rec = Recommendation(now_s, raw)
-    window_max = _push_max(history.window_max, rec, now_s - settings.scale_down_stabilization_s)
+    down_s = settings.scale_down_window_s()
+    window_max = _push_max(history.window_max, rec, now_s - down_s)
     window_min = _push_min(history.window_min, rec, now_s - settings.scale_up_stabilization_s)
     highest = max(r.replicas for r in window_max)  # over the scale-down window
     lowest = min(r.replicas for r in window_min)  # over the scale-up window
     stabilized = min(max(current, lowest), highest)
     notes = []
     if raw < current and stabilized > raw:
-        notes.append(f"held: {highest} recommended within the {settings.scale_down_stabilization_s}s scale-down window")
+        notes.append(f"held: {highest} recommended within the {down_s:g}s scale-down window")
     elif raw > current and stabilized < raw:
         notes.append(f"held: {lowest} recommended within the {settings.scale_up_stabilization_s}s scale-up window")
 
@@ -218,7 +219,7 @@ def decide(settings: AutoscalingSpec, current: int, obs: Observation, history: H
     if (
         stabilized < current
         and history.last_scale_up_s is not None
-        and now_s - history.last_scale_up_s < settings.scale_down_stabilization_s
+        and now_s - history.last_scale_up_s < down_s
     ):
         stabilized = current  # the cooldown after a scale-up: its pods have not had a window to take load
         notes.append("scale-down waits for the window after the last scale-up")

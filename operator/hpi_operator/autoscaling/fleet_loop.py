@@ -102,7 +102,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     settings = spec.autoscaling
     _floor_total(recommended, settings.min_replicas, offered.bounds, fleet, offered.offers)
-    window = Window(settings.scale_up_stabilization_s, settings.scale_down_stabilization_s, settings.max_scale_step)
+    down_s = settings.scale_down_window_s(lead.seconds)  # by default the lead: what a released replica takes to return
+    window = Window(settings.scale_up_stabilization_s, down_s, settings.max_scale_step)
     if not reading.measured:  # the first poll only starts the counters: keep what runs
         recommended = {pool: current.get(pool, 0) for pool in recommended}
     if num_router_queued > 0:
@@ -140,6 +141,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "histograms": histograms_to_status(latency.histograms),
         "trend": None if trend is None else trend_to_status(trend),
         "leadTime": {"seconds": round(lead.seconds, 1), "source": lead.source, "pool": lead.pool},
+        "scaleDownWindowSeconds": round(down_s, 1),
         "startSeconds": {pool: round(s, 1) for pool, s in sorted(start_s.items())} or None,
         "lastPollEpoch": round(now_s, 3),
         "tokenMix": [round(demand.mean_prompt_tokens, 2), round(demand.mean_output_tokens, 2)],

@@ -40,16 +40,16 @@ def _scale_target(owner: Owner) -> dict[str, str]:
 def hpa_behavior(settings: AutoscalingSpec) -> dict[str, Any]:
     """The builtin scaler's windows and step limit in the HPA's terms (one step per poll interval)."""
 
-    def rules(window_s: int) -> dict[str, Any]:
+    def rules(window_s: float) -> dict[str, Any]:
         return {
-            "stabilizationWindowSeconds": window_s,
+            "stabilizationWindowSeconds": round(window_s),
             "selectPolicy": "Max",
             "policies": [{"type": "Pods", "value": settings.max_scale_step, "periodSeconds": settings.poll_interval_s}],
         }
 
     return {
         "scaleUp": rules(settings.scale_up_stabilization_s),
-        "scaleDown": rules(settings.scale_down_stabilization_s),
+        "scaleDown": rules(settings.scale_down_window_s()),
     }
 
 
