@@ -30,24 +30,29 @@ def _layer_calls(dtype: torch.dtype, rows: int, layers: int) -> dict[str, Callab
     """format -> one call of every linear of `layers` layers (distinct weights: together they do not fit the
     caches, as in the model), inputs in `dtype` (the activation dtype)."""
     calls: dict[str, list[Callable[[], object]]] = {}
+    name = str(dtype).removeprefix("torch.")
     for n, k in [shape for _ in range(layers) for shape in SHAPES.values()]:
         w = torch.randn(n, k) * 0.05
         x = torch.randn(rows, k).to(dtype)
-        xb = x.bfloat16()
         pf = pack_linear_weight(w.to(dtype))
-        calls.setdefault(f"packed {str(dtype)[6:]}", []).append(lambda x=x, p=pf, n=n: packed_linear(x, p, n))
+        calls.setdefault(f"packed {name}", []).append(lambda x=x, p=pf, n=n: packed_linear(x, p, n))
         q8, s8 = quantize_int8(w, torch.bfloat16)
         p8, sc8 = pack_int8_weight(q8, s8)
-        calls.setdefault("int8 hpi", []).append(lambda x=x, p=p8, s=sc8, n=n: int8_linear(x, p, s, n))
-        calls.setdefault("int8 torch", []).append(lambda x=xb, q=q8, s=s8: torch.ops.aten._weight_int8pack_mm(x, q, s))
+        calls.setdefault(f"int8 hpi {name}", []).append(lambda x=x, p=p8, s=sc8, n=n: int8_linear(x, p, s, n))
         q4, s4, z4 = quantize_int4(w, GROUP_SIZE, torch.bfloat16)
         p4, sz4 = pack_int4_weight(q4, s4, z4, GROUP_SIZE)
-        calls.setdefault("int4 hpi", []).append(lambda x=x, p=p4, sz=sz4, n=n: int4_linear(x, p, sz, GROUP_SIZE, n))
-        tq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q4).to(torch.int32), 1)
-        tsz = to_torch_scales_and_zeros(s4, z4)
-        calls.setdefault("int4 torch", []).append(
-            lambda x=xb, q=tq, sz=tsz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, GROUP_SIZE, sz)
+        calls.setdefault(f"int4 hpi {name}", []).append(
+            lambda x=x, p=p4, sz=sz4, n=n: int4_linear(x, p, sz, GROUP_SIZE, n)
         )
+        if dtype == torch.bfloat16:  # torch's CPU ops compute in bf16 (fp32 x is rounded to it)
+            tq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q4).to(torch.int32), 1)
+            tsz = to_torch_scales_and_zeros(s4, z4)
+            calls.setdefault("int8 torch", []).append(
+                lambda x=x, q=q8, s=s8: torch.ops.aten._weight_int8pack_mm(x, q, s)
+            )
+            calls.setdefault("int4 torch", []).append(
+                lambda x=x, q=tq, sz=tsz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, GROUP_SIZE, sz)
+            )
 
     def run(fns: list[Callable[[], object]]) -> Callable[[], None]:
         def layer() -> None:

@@ -8,7 +8,7 @@
 //   The tile sums x * code in fp32 and applies the channel's scale once to the sum (exact up to fp32 summation
 //   order: the scale is constant along k).
 // - int4 (w = (q - 8) * scale + zero per group of `group_size` k): panels [panels, K / 8, kNr] int32, the word
-//   a row the codes of columns j (low nibble) and j + kVecSize (high nibble); scales and zeros [panels,
+//   of a column holding its codes for 8 consecutive k (Int4Words); scales and zeros [panels,
 //   K / group_size, kNr, 2] bf16, the pair of a column one 32-bit lane (widened as the bf16 linear widens).
 //   The tile dequantizes each row of the panel in registers, w = (q - 8) * scale + zero in one FMA per
 //   vector, then runs the fp32 FMAs: the weight, not the product, is what the format defines.
@@ -36,6 +36,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -68,44 +71,63 @@ inline void widen_int8(const int8_t* p, Vec (&w)[kNrVecs]) {
 #endif
 }
 
-// int4 codes of one panel row of 8 k: kNrVecs vectors of 32-bit words, the word of a column holding its codes
-// for k = 8 * k8 + i at bits 4i..4i+3. `next()` gives q - 8 as fp32 for the next k (starting at i = 0).
+// Lanes shifted right (logically) by Shift bits.
+template <int Shift>
+inline IVec shift_right(const IVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_srli_epi32(x, Shift);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_srli_epi32(x, Shift);
+#else
+  int32_t lanes[kVecSize];
+  x.store(lanes);
+  for (int64_t j = 0; j < kVecSize; ++j) lanes[j] = static_cast<int32_t>(static_cast<uint32_t>(lanes[j]) >> Shift);
+  return IVec::loadu(lanes);
+#endif
+}
+
+// The low nibble q of each lane as the fp32 q - 8.
+inline Vec low_code(const IVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // vpermps reads the low 4 bits of each lane: a 16-entry table lookup, no mask, subtract or convert.
+  return _mm512_permutexvar_ps(x, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xf)), _mm256_set1_epi32(8)));
+#else
+  int32_t lanes[kVecSize];
+  float codes[kVecSize];
+  x.store(lanes);
+  for (int64_t j = 0; j < kVecSize; ++j) codes[j] = static_cast<float>((lanes[j] & 0xf) - 8);
+  return Vec::loadu(codes);
+#endif
+}
+
+// int4 codes of one panel row of 8 k: kNrVecs vectors of 32-bit words, a column's word holding its codes for
+// k = 8 * k8 + 2i at bits 4i..4i+3 and for k = 8 * k8 + 2i + 1 at bits 16 + 4i..16 + 4i + 3 (i < 4): the
+// 16-bit halves are the pairs of k that vdpbf16ps multiplies (tile_int4_dp). `next_pair()` gives q - 8 as
+// fp32 for the next pair of k.
 struct Int4Words {
-  IVec words[kNrVecs];
+  IVec even[kNrVecs], odd[kNrVecs];
 
   explicit Int4Words(const int32_t* row) {
-    for (int v = 0; v < kNrVecs; ++v) words[v] = IVec::loadu(row + v * kVecSize);
+    for (int v = 0; v < kNrVecs; ++v) {
+      even[v] = IVec::loadu(row + v * kVecSize);
+      odd[v] = shift_right<16>(even[v]);
+    }
   }
 
-  __attribute__((always_inline)) void next(Vec (&w)[kNrVecs]) {
-#if defined(CPU_CAPABILITY_AVX512)
-    // vpermps reads the low 4 bits of each lane: a 16-entry table lookup, no mask, subtract or convert.
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  __attribute__((always_inline)) void next_pair(Vec (&w_even)[kNrVecs], Vec (&w_odd)[kNrVecs]) {
     for (int v = 0; v < kNrVecs; ++v) {
-      w[v] = _mm512_permutexvar_ps(words[v], table);
-      words[v] = _mm512_srli_epi32(words[v], 4);
+      w_even[v] = low_code(even[v]);
+      w_odd[v] = low_code(odd[v]);
+      even[v] = shift_right<4>(even[v]);
+      odd[v] = shift_right<4>(odd[v]);
     }
-#elif defined(CPU_CAPABILITY_AVX2)
-    const __m256i low = _mm256_set1_epi32(0xf), eight = _mm256_set1_epi32(8);
-    for (int v = 0; v < kNrVecs; ++v) {
-      w[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(words[v], low), eight));
-      words[v] = _mm256_srli_epi32(words[v], 4);
-    }
-#else
-    for (int v = 0; v < kNrVecs; ++v) {
-      int32_t lanes[kVecSize];
-      float codes[kVecSize];
-      words[v].store(lanes);
-      for (int64_t j = 0; j < kVecSize; ++j) {
-        codes[j] = static_cast<float>((lanes[j] & 0xf) - 8);
-        lanes[j] = static_cast<int32_t>(static_cast<uint32_t>(lanes[j]) >> 4);
-      }
-      w[v] = Vec::loadu(codes);
-      words[v] = IVec::loadu(lanes);
-    }
-#endif
   }
 };
+
+// Where the code of k = 8 * k8 + i sits in its column's word (see Int4Words).
+constexpr int int4_bit(int64_t i) { return static_cast<int>(16 * (i % 2) + 4 * (i / 2)); }
 
 // A tile's prefetches at panel row k, once per cache line of rows: the line kPrefetch lines ahead in its own
 // panel into L1, and (every `step`-th line, counting down from the tile's phase) the same line of the
@@ -235,11 +257,12 @@ void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros,
     for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
       Int4Words row(b + k8 * kNr);
       prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        Vec w[kNrVecs];
-        row.next(w);
-        accumulate<R>(t, 8 * k8 + i, w, part);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        Vec w_even[kNrVecs], w_odd[kNrVecs];
+        row.next_pair(w_even, w_odd);
+        accumulate<R>(t, 8 * k8 + 2 * i, w_even, part);
+        accumulate<R>(t, 8 * k8 + 2 * i + 1, w_odd, part);
       }
     }
     Vec scale[kNrVecs], zero_point[kNrVecs];
@@ -256,6 +279,123 @@ void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros,
   }
   store_tile<R>(t, acc);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// int4 with bf16 x on CPUs with AVX512-BF16 (chosen at run time): vdpbf16ps multiplies a pair of k per 32-bit
+// lane, x's pair broadcast as it is in memory and the codes' pair looked up as bf16 (q - 8 is exact in bf16)
+// from the 16-bit halves of Int4Words' layout by one vpermw. Products are exact and summed in fp32, so this
+// differs from tile_int4 by summation order only; it issues half the instructions per k (Zen 4 runs
+// vdpbf16ps at the FMA's rate, twice its multiply-adds).
+// HPI_CPU_DPBF16=0 turns the path off (to measure the fp32 tile against it on the same machine).
+bool use_dpbf16() {
+  static const bool use = __builtin_cpu_supports("avx512bf16") &&
+                          !(std::getenv("HPI_CPU_DPBF16") != nullptr && std::string(std::getenv("HPI_CPU_DPBF16")) == "0");
+  return use;
+}
+
+// int8 with bf16 x, likewise: codes k and k + 1 of 16 columns widened to fp32 (an integer of 8 bits is exact in
+// bf16, so the fp32's high half is its bf16) and interleaved into pairs by a shift and a 16-bit blend.
+template <int R>
+__attribute__((target("avx512bf16"))) void tile_int8_dp(const TileArgs& t, const c10::BFloat16* x, int64_t ldx,
+                                                        const int8_t* b, const int8_t* next, int64_t phase,
+                                                        int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns of pairs per vector");
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  __m512 acc[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t countdown = phase;
+  for (int64_t k = 0; k < t.K; k += 2) {
+    __m512bh w[kNrVecs];
+    for (int v = 0; v < kNrVecs; ++v) {
+      const auto* even = reinterpret_cast<const __m128i*>(b + k * kNr + v * kVecSize);
+      const auto* odd = reinterpret_cast<const __m128i*>(b + (k + 1) * kNr + v * kVecSize);
+      const __m512i w_even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(even))));
+      const __m512i w_odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(odd))));
+      w[v] = (__m512bh)_mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd);
+    }
+    prefetch_line<kNr>(bytes, next_bytes, k, countdown, step);
+    prefetch_line<kNr>(bytes, next_bytes, k + 1, countdown, step);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + (t.row + r) * ldx + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, w[v]);
+    }
+  }
+  Vec out[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) out[r][v] = acc[r][v];
+  }
+  store_tile<R>(t, out);
+}
+
+template <int R>
+__attribute__((target("avx512bf16"))) void tile_int4_dp(const TileArgs& t, const c10::BFloat16* x, int64_t ldx,
+                                                        const int32_t* b, const int32_t* scales_zeros,
+                                                        int64_t group_size, const float* x_sums, const int32_t* next,
+                                                        int64_t phase, int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns of pairs per vector");
+  const int64_t groups = t.K / group_size;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  // vpermw reads the low 5 bits of each 16-bit lane: the nibble, and one bit of the next (the table repeats).
+  alignas(64) static const uint16_t kCodes[32] = {
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,  // -8 .. -1
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,  // 0 .. 7
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+  const __m512i codes_table = _mm512_load_si512(kCodes);
+  __m512 acc[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_setzero_ps();
+    }
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      __m512i words[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) words[v] = _mm512_loadu_si512(b + k8 * kNr + v * kVecSize);
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m512bh w[kNrVecs];
+        for (int v = 0; v < kNrVecs; ++v) {
+          w[v] = (__m512bh)_mm512_permutexvar_epi16(words[v], codes_table);
+          words[v] = _mm512_srli_epi16(words[v], 4);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + (t.row + r) * ldx + 8 * k8 + 2 * i, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbf16_ps(part[r][v], xv, w[v]);
+        }
+      }
+    }
+    Vec scale[kNrVecs], zero_point[kNrVecs];
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_sum = _mm512_set1_ps(x_sums[r * groups + g]);
+      for (int v = 0; v < kNrVecs; ++v) {
+        acc[r][v] = _mm512_fmadd_ps(part[r][v], scale[v], acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(x_sum, zero_point[v], acc[r][v]);
+      }
+    }
+  }
+  Vec out[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) out[r][v] = acc[r][v];
+  }
+  store_tile<R>(t, out);
+}
+#endif
 
 // x as fp32 rows: itself when it is fp32 with unit column stride, else widened into a per-thread scratch.
 const float* fp32_rows(const at::Tensor& a, int64_t& lda) {
@@ -405,9 +545,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     });
     return p.out;
   }
+  const int64_t panel_bytes = p.K * kNr;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (p.a.scalar_type() == at::kBFloat16 && p.K % 2 == 0 && use_dpbf16()) {
+    const auto* x = p.a.const_data_ptr<c10::BFloat16>();
+    const int64_t ldx = p.a.stride(0);
+    run_tiles<kMrInt8>(p, nullptr, 0, scale, panel_bytes, reinterpret_cast<const uint8_t*>(codes),
+                       [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                           int64_t phase, int64_t step) {
+                         tile_int8_dp<decltype(height)::value>(args, x, ldx, reinterpret_cast<const int8_t*>(panel),
+                                                               reinterpret_cast<const int8_t*>(next), phase, step);
+                       });
+    return p.out;
+  }
+#endif
   int64_t lda = 0;
   const float* a = fp32_rows(p.a, lda);
-  const int64_t panel_bytes = p.K * kNr;
   run_tiles<kMrInt8>(p, a, lda, scale, panel_bytes, reinterpret_cast<const uint8_t*>(codes),
                      [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
                          int64_t phase, int64_t step) {
@@ -448,7 +601,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, c
           uint32_t word = 0;
           for (int64_t i = 0; i < 8; ++i) {
             const uint8_t byte = w[q * kNr + j][(8 * k8 + i) / 2];
-            word |= static_cast<uint32_t>(i % 2 == 0 ? byte >> 4 : byte & 0xf) << (4 * i);
+            word |= static_cast<uint32_t>(i % 2 == 0 ? byte >> 4 : byte & 0xf) << int4_bit(i);
           }
           dst[(q * (K / 8) + k8) * kNr + j] = word;
         }
@@ -485,7 +638,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
             const int32_t* row = codes + q * panel_words + (k / 8) * kNr;
             const c10::BFloat16* group = pairs + ((q * groups + k / group_size) * kNr) * 2;
             for (int64_t j = 0; j < ncols; ++j) {
-              const int code = static_cast<int>((static_cast<uint32_t>(row[j]) >> (4 * (k % 8))) & 0xf) - 8;
+              const int code = static_cast<int>((static_cast<uint32_t>(row[j]) >> int4_bit(k % 8)) & 0xf) - 8;
               dst[k * p.N + q * kNr + j] =
                   static_cast<float>(code) * static_cast<float>(group[2 * j]) + static_cast<float>(group[2 * j + 1]);
             }
@@ -504,6 +657,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t k = 0; k < K; ++k) x_sums[m * groups + k / group_size] += a[m * lda + k];
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (p.a.scalar_type() == at::kBFloat16 && use_dpbf16()) {
+    const auto* x = p.a.const_data_ptr<c10::BFloat16>();
+    const int64_t ldx = p.a.stride(0);
+    run_tiles<kMrInt4>(p, a, lda, nullptr, panel_bytes, panels,
+                       [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
+                           int64_t phase, int64_t step) {
+                         tile_int4_dp<decltype(height)::value>(args, x, ldx, words(panel), sz + q * groups * kNr,
+                                                               group_size, x_sums.data() + args.row * groups,
+                                                               words(next), phase, step);
+                       });
+    return p.out;
+  }
+#endif
   run_tiles<kMrInt4>(p, a, lda, nullptr, panel_bytes, panels,
                      [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
                          int64_t phase, int64_t step) {
