@@ -3,7 +3,8 @@ dequantized weight (hpi_kernels.quant's formats), summed in fp64.
 
 Row counts cover each path: one register tile, several tiles (and, for int4, tiles of the per-group folded
 sums), two chunks of rows, and the prefill path that dequantizes the weight for MKL (over 320 rows). Shapes
-cover a last panel that is partly padding. fp32 and bf16 activations; the AVX2 and generic builds run this
+cover a last panel that is partly padding. fp32 and bf16 activations: bf16 runs the vdpbf16ps tiles on CPUs with
+AVX512-BF16 and the fp32 tiles (over x widened, as fp32 x runs) elsewhere; the AVX2 and generic builds run this
 file again in child processes.
 """
 

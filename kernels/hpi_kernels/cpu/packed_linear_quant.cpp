@@ -1,24 +1,27 @@
-// Weight-only int8 / int4 linear layers over prepacked weights: the tile of packed_linear.cpp with the weight
-// streamed at one byte (int8) or half a byte (int4) per value and widened to fp32 in registers.
+// Weight-only int8 / int4 linear layers over prepacked weights: the panels of packed_linear.cpp, with the weight
+// streamed at one byte (int8) or half a byte (int4) per value and widened in registers.
 //
 // torch's own CPU ops (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu) run in bf16 with a tile per
 // output block that re-reads x and leaves the FMA units idle at 8-64 rows: slower than the packed bf16 linear
 // beyond one row (bench/results/quantization.md). Here:
 // - int8 (one scale per output channel): panels [panels, K, kNr] int8, the codes of kNr output columns per k.
-//   The tile sums x * code in fp32 and applies the channel's scale once to the sum (exact up to fp32 summation
-//   order: the scale is constant along k).
+//   The tiles sum x * code and apply the channel's scale once to the sum (the scale is constant along k).
 // - int4 (w = (q - 8) * scale + zero per group of `group_size` k): panels [panels, K / 8, kNr] int32, the word
 //   of a column holding its codes for 8 consecutive k (Int4Words); scales and zeros [panels,
 //   K / group_size, kNr, 2] bf16, the pair of a column one 32-bit lane (widened as the bf16 linear widens).
-//   The tile dequantizes each row of the panel in registers, w = (q - 8) * scale + zero in one FMA per
-//   vector, then runs the fp32 FMAs: the weight, not the product, is what the format defines.
-// x is read in fp32 (bf16 widened once per call); sums are fp32 in k order, plus the bias, rounded to x's dtype
-// once. Prefill-sized x (more than kMaxTileRows rows) goes to MKL's sgemm over the weight dequantized into a
-// per-thread fp32 scratch copy: dequantizing costs one pass over the weight, which a long prefill amortizes.
-// A row's result does not depend on the other rows below that size.
+//   The tiles sum x * (q - 8) and x over each group apart and add scale * the one + zero * the other per
+//   group: per k only the codes are widened (a table lookup with AVX512).
+// Two tiles per format: fp32 FMAs over the codes widened to fp32 (x read in fp32, bf16 x widened once per
+// call), and, for bf16 x on CPUs with AVX512-BF16 (checked at run time), vdpbf16ps over pairs of k, x's pairs as
+// they are in memory and the codes as bf16 (exact: they are small integers). Both sum in fp32, so they differ
+// in summation order only; on Zen 4 vdpbf16ps issues at the FMA's rate with twice its multiply-adds, which
+// doubles the compute-bound steps (bench/results/quantization.md, "Tries"). The bias joins the fp32 sums; the
+// result is rounded to x's dtype once. Prefill-sized x (more than kMaxTileRows rows) goes to MKL's sgemm over
+// the weight dequantized into a per-thread fp32 scratch copy: one pass over the weight, which a long prefill
+// amortizes. A row's result does not depend on the other rows below that size.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
-// plain loops in the generic one.
+// plain loops in the generic one; the vdpbf16ps tiles exist in the AVX512 build only.
 
 #include "packed_linear.h"
 
