@@ -137,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--quantized-dtypes", nargs="+", default=None,
+                        help="dtypes the int8/int4 variants run in (default: --dtypes)")  # fmt: skip
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[DEFAULT_INT4_GROUP_SIZE],
                         help="int4 group sizes to try")
     parser.add_argument("--int4-schemes", nargs="+", default=["mse-mixed"],
@@ -153,6 +155,7 @@ def main() -> None:
         Variant(dtype, method, group_size, *scheme.split("-"))
         for dtype in args.dtypes
         for method in args.methods
+        if method == "none" or dtype in (args.quantized_dtypes or args.dtypes)
         for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
         for scheme in (args.int4_schemes if method == "int4" else ["mse-mixed"])
     ]
