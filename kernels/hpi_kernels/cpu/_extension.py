@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp")
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_quant.cpp")
 )
 
 # torch's per-capability compiler flags (cmake/Codegen.cmake), plus F16C, which every AVX2 CPU has and

@@ -1,11 +1,14 @@
 """Weight-only quantized linear layers: int8 / int4 weights in memory, the matmul op picked by device.
 
-CPU: torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
+CPU, fp32 or bf16 activations: hpi_kernels' packed tiles (`hpi_kernels.cpu.quant_linear`, where the C++ CPU
+kernels build): the portable weight repacked once into column panels that stream once per step, widened to
+fp32 in registers, summed in fp32; activations are not rounded. Elsewhere on CPU (fp16 activations, or no
+C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
 `aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
 `aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
 CUDA: hpi_kernels' Triton `int8_weight_only_matmul` / `int4_weight_only_matmul` over the portable
-layout of hpi_kernels.quant. Both ops want their scales in the activation dtype, so a layer is built for
-one (device type, activation dtype); the portable `QuantizedWeight` is what stays device-neutral.
+layout of hpi_kernels.quant. The ops want their scales in one dtype (op_dtype), so a layer is built for one
+(device type, activation dtype); the portable `QuantizedWeight` is what stays device-neutral.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpi_kernels.cpu import cpu_kernels_available
+from hpi_kernels.cpu.quant_linear import pack_int4_weight, pack_int8_weight
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
 CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
@@ -26,12 +31,14 @@ CPU_INT8_DEQUANT_MIN_ROWS = 256
 
 
 def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the quantized matmul computes in (and keeps its scales in).
+    """The dtype the quantized weight's scales are kept in (the codes are fitted against them as stored), and
+    the dtype torch's CPU ops compute in.
 
-    torch's fp32 CPU kernels for the packed ops are scalar fallbacks (16-32x slower than their bf16
-    kernels on an AVX2 CPU at 443 rows, see docs/quantization.md), so on CPU fp32 activations are rounded to
-    bf16 at the matmul's input (2**-9 relative, below int8's own weight error) and the fp32 accumulator's
-    result is cast back. The Triton kernels take fp32 as it is.
+    On CPU that is bf16 for fp32 activations: hpi_kernels' int4 panels keep (scale, zero) as bf16 pairs, and
+    torch's fp32 CPU kernels for the packed ops, the fallback, are scalar (16-32x slower than their bf16
+    kernels on an AVX2 CPU at 443 rows, see docs/quantization.md), so that fallback rounds fp32 activations to
+    bf16 at the matmul's input (2**-9 relative, below int8's own weight error) and casts the result back.
+    hpi_kernels' tiles and the Triton kernels take fp32 activations as they are.
     """
     if torch.device(device).type == "cpu" and activation_dtype == torch.float32:
         return torch.bfloat16
@@ -83,6 +90,16 @@ def pack_int4_for_cpu(
     return packed, to_torch_scales_and_zeros(scales, zeros)
 
 
+def uses_cpu_panels(weight: QuantizedWeight, activation_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a CPU layer runs on hpi_kernels' int8/int4 panels: fp32 or bf16 activations, int4 groups of a
+    multiple of 8 (the panels hold 8 codes per word), and the C++ kernels built here."""
+    if torch.device(device).type != "cpu" or activation_dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if weight.method == "int4" and (weight.group_size or 0) % 8 != 0:
+        return False
+    return cpu_kernels_available()
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W).T + b with W kept quantized; built for one device type and activation dtype.
 
@@ -104,11 +121,22 @@ class QuantizedLinear(nn.Module):
         self.method, self.group_size = weight.method, weight.group_size
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.device_type = torch.device(device).type
+        self.cpu_panels = uses_cpu_panels(weight, dtype, device)
 
         def frozen(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
 
-        if self.method == "int8":
+        if self.cpu_panels and self.method == "int8":
+            packed, scales = pack_int8_weight(weight.qweight.cpu(), weight.scales.to(scale_dtype))
+            self.qweight = frozen(packed)  # [N / PANEL, K, PANEL] int8 panels
+            self.scales = frozen(scales)  # [N / PANEL * PANEL] fp32 (the bf16 scales, widened)
+        elif self.cpu_panels:
+            assert weight.zeros is not None and weight.group_size is not None
+            packed, scales_and_zeros = pack_int4_weight(weight.qweight.cpu(), weight.scales.to(scale_dtype),
+                                                        weight.zeros.to(scale_dtype), weight.group_size)  # fmt: skip
+            self.qweight = frozen(packed)  # [N / PANEL, K / 8, PANEL] int32: 8 codes of a column per word
+            self.scales_and_zeros = frozen(scales_and_zeros)  # [N / PANEL, K / g, PANEL, 2] bf16
+        elif self.method == "int8":
             self.qweight = frozen(weight.qweight)  # [N, K] int8
             self.scales = frozen(weight.scales.to(scale_dtype))  # [N]
         elif self.device_type == "cpu":
@@ -128,7 +156,8 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method == "int4" else ""
         perm = ", input_perm" if self.input_perm is not None else ""
-        return f"{self.in_features}, {self.out_features}, {self.method}{group}{perm}, {self.device_type}"
+        panels = ", hpi_kernels panels" if self.cpu_panels else ""
+        return f"{self.in_features}, {self.out_features}, {self.method}{group}{perm}, {self.device_type}{panels}"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] contiguous -> [M, N]
         if x.device.type != self.device_type:
@@ -149,7 +178,9 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.input_perm is not None:
             rows = rows.index_select(1, self.input_perm)
-        if not self._may_dequantize(rows):
+        if self.cpu_panels:
+            out = self._panel_forward(rows)
+        elif not self._may_dequantize(rows):
             out = self._packed_forward(rows)
         elif torch.compiler.is_compiling():  # the row count is unbacked there: both branches go in the graph
             out = torch.cond(rows.shape[0] >= CPU_INT8_DEQUANT_MIN_ROWS, self._dequantized_forward,
@@ -159,6 +190,16 @@ class QuantizedLinear(nn.Module):
         else:
             out = self._packed_forward(rows)
         return out.reshape(*lead, self.out_features)
+
+    def _panel_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """hpi_kernels' C++ ops, called directly (opaque to torch.compile, which sees their fake kernels)."""
+        x = rows.to(self.activation_dtype)
+        if self.method == "int8":
+            out = torch.ops.hpi_kernels.int8_linear(x, self.qweight, self.scales, self.out_features, self.bias)
+        else:
+            out = torch.ops.hpi_kernels.int4_linear(x, self.qweight, self.scales_and_zeros, self.group_size,
+                                                    self.out_features, self.bias)  # fmt: skip
+        return out.to(rows.dtype)
 
     def _packed_forward(self, rows: torch.Tensor) -> torch.Tensor:
         out = self._matmul(rows.to(self.compute_dtype).contiguous()).to(rows.dtype)

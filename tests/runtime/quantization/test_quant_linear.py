@@ -30,29 +30,37 @@ def _reference(x: torch.Tensor, layer_weight, bias: torch.Tensor | None, compute
     return out if bias is None else out + bias.float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-g{c.group_size}")
 def test_quantized_linear_matches_dequantize_then_matmul(config, dtype) -> None:
+    """fp32 / bf16 on hpi_kernels' panels (activations as they are), fp16 on torch's ops."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(40, 128, generator=generator).to(dtype)  # N = 40: the CPU int4 op pads N to 48
+    weight = torch.randn(40, 128, generator=generator).to(dtype)  # N = 40: padded to whole panels
     bias = torch.randn(40, generator=generator).to(dtype)
-    compute_dtype = op_dtype(torch.device("cpu"), dtype)
-    qw = quantize_weight(weight, config, compute_dtype)
+    qw = quantize_weight(weight, config, op_dtype(torch.device("cpu"), dtype))
     layer = QuantizedLinear(qw, bias, dtype, torch.device("cpu"))
-    for num_tokens in (1, 7, 33):
+    assert layer.cpu_panels == (dtype != torch.float16)
+    compute_dtype = dtype if layer.cpu_panels else op_dtype(torch.device("cpu"), dtype)
+    for num_tokens in (1, 7, 33, 400):  # 400: the prefill path (weight dequantized for MKL)
         x = torch.randn(num_tokens, 128, generator=generator).to(dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (num_tokens, 40)
         expected = _reference(x, qw, bias, compute_dtype)
-        # The only differences: fp32 vs bf16 output rounding (2**-8 relative) and summation order.
-        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=8e-3)
+        # The only differences: the output's rounding to its dtype and summation order.
+        torch.testing.assert_close(out.float(), expected, **_OUT_TOLERANCE[dtype])
     assert layer(torch.empty(0, 128, dtype=dtype)).shape == (0, 40)
     assert layer(torch.randn(2, 3, 128).to(dtype)).shape == (2, 3, 40)
 
 
-def test_int8_prefill_on_cpu_runs_fp32_over_dequantized_weights() -> None:
-    """Many rows, fp32 activations: torch's fp32 GEMM over the dequantized layer (exact up to fp32 rounding);
-    few rows: the packed op, which rounds activations to bf16."""
+_OUT_TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-5},  # fp32 sums of 128 products in another order
+    torch.bfloat16: {"atol": 2e-2, "rtol": 8e-3},  # + bf16 output rounding (2**-8 relative)
+    torch.float16: {"atol": 2e-2, "rtol": 8e-3},
+}
+
+
+def test_cpu_panels_keep_fp32_activations_unrounded() -> None:
+    """torch's CPU ops (the fallback) round fp32 activations to bf16; the panels do not, at any row count."""
     generator = torch.Generator().manual_seed(1)
     qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig("int8"), torch.bfloat16)
     bias = torch.randn(40, generator=generator)
@@ -60,7 +68,9 @@ def test_int8_prefill_on_cpu_runs_fp32_over_dequantized_weights() -> None:
     x = torch.randn(CPU_INT8_DEQUANT_MIN_ROWS, 128, generator=generator)
     exact = x @ qw.dequantize().T + bias
     torch.testing.assert_close(layer(x), exact, atol=1e-4, rtol=1e-5)
-    assert (layer(x[:8]) - exact[:8]).abs().max() > 1e-3  # the bf16 path, visibly
+    torch.testing.assert_close(layer(x[:8]), exact[:8], atol=1e-4, rtol=1e-5)
+    rounded = torch.ops.aten._weight_int8pack_mm(x[:8].bfloat16(), qw.qweight, qw.scales).float() + bias
+    assert (rounded - exact[:8]).abs().max() > 1e-3  # what the fallback would give, visibly
 
 
 def _tiny_model(model_dir: Path):

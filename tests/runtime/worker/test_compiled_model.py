@@ -88,7 +88,9 @@ def test_compiled_step_generates_the_eager_tokens(tiny_model_dir: Path, dtype: t
 def test_int8_layers_choose_by_step_size_inside_one_graph(tiny_model_dir: Path) -> None:
     """fp32 activations over int8 weights dequantize the layer for steps of CPU_INT8_DEQUANT_MIN_ROWS rows
     or more: a `torch.cond` on the unbacked row count, so small and large steps share one graph and the
-    compiled tokens stay the eager ones on both sides of the threshold."""
+    compiled tokens stay the eager ones on both sides of the threshold. (That is torch's-ops fallback; where
+    the C++ CPU kernels build, the layer is one opaque op, hpi_kernels' int8 panels, which choose inside: the
+    same assertions hold.)"""
     long_prompt = CPU_INT8_DEQUANT_MIN_ROWS + 40  # its one-step prefill takes the dequantized branch
     eager = _runner(tiny_model_dir, torch.float32, compiled=False, num_blocks=160, quantization="int8")
     compiled = _runner(tiny_model_dir, torch.float32, compiled=True, num_blocks=160, quantization="int8", seal=False)

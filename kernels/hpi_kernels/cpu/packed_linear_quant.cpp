@@ -1,0 +1,724 @@
+// Weight-only int8 / int4 linear layers over prepacked weights: the panels of packed_linear.cpp, with the weight
+// streamed at one byte (int8) or half a byte (int4) per value and widened in registers.
+//
+// torch's own CPU ops (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu) run in bf16 with a tile per
+// output block that re-reads x and leaves the FMA units idle at 8-64 rows: slower than the packed bf16 linear
+// beyond one row (bench/results/quantization.md). Here:
+// - int8 (one scale per output channel): panels [panels, K, kNr] int8, the codes of kNr output columns per k.
+//   The tiles sum x * code and apply the channel's scale once to the sum (the scale is constant along k).
+// - int4 (w = (q - 8) * scale + zero per group of `group_size` k): panels [panels, K / 8, kNr] int32, the word
+//   of a column holding its codes for 8 consecutive k (Int4Words); scales and zeros [panels,
+//   K / group_size, kNr, 2] bf16, the pair of a column one 32-bit lane (widened as the bf16 linear widens).
+//   The tiles sum x * (q - 8) and x over each group apart and add scale * the one + zero * the other per
+//   group: per k only the codes are widened (a table lookup with AVX512).
+// Two tiles per format: fp32 FMAs over the codes widened to fp32 (x read in fp32, bf16 x widened once per
+// call), and, for bf16 x on CPUs with AVX512-BF16 (checked at run time), vdpbf16ps over pairs of k, x's pairs as
+// they are in memory and the codes as bf16 (exact: they are small integers). Both sum in fp32, so they differ
+// in summation order only; on Zen 4 vdpbf16ps issues at the FMA's rate with twice its multiply-adds, which
+// doubles the compute-bound steps (bench/results/quantization.md, "Tries"). The bias joins the fp32 sums; the
+// result is rounded to x's dtype once. Prefill-sized x (more than kMaxTileRows rows) goes to MKL's sgemm over
+// the weight dequantized into a per-thread fp32 scratch copy: one pass over the weight, which a long prefill
+// amortizes. A row's result does not depend on the other rows below that size.
+//
+// Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
+// plain loops in the generic one; the vdpbf16ps tiles exist in the AVX512 build only.
+
+#include "packed_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace hpi_packed;
+using IVec = at::vec::Vectorized<int32_t>;
+static_assert(kNrVecs == 2, "a panel row is two vectors: int4's low and high nibbles of one run of bytes");
+constexpr int64_t kMaxTileRows = 320;           // more rows (prefill): dequantize and call at::mm,
+constexpr int64_t kMaxScratchFloats = 1 << 24;  // for weights of up to 64 MiB as fp32
+constexpr int64_t kLine = 64;                   // bytes per cache line
+constexpr int kMrInt8 = kVecSize >= 16 ? 12 : 6;  // 24 (12) accumulators + 2 weights + a broadcast
+// int4: 2 * 2 * rows accumulators (sums and the current group's) + codes + widened weights + a table.
+constexpr int kMrInt4 = kVecSize >= 16 ? 4 : 2;
+
+// Two fp32 vectors (columns 0..kVecSize-1, kVecSize..kNr-1) from the kNr int8 codes at p.
+inline void widen_int8(const int8_t* p, Vec (&w)[kNrVecs]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+#else
+  float lanes[kNr];
+  for (int64_t j = 0; j < kNr; ++j) lanes[j] = static_cast<float>(p[j]);
+  w[0] = Vec::loadu(lanes);
+  w[1] = Vec::loadu(lanes + kVecSize);
+#endif
+}
+
+// Lanes shifted right (logically) by Shift bits.
+template <int Shift>
+inline IVec shift_right(const IVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_srli_epi32(x, Shift);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_srli_epi32(x, Shift);
+#else
+  int32_t lanes[kVecSize];
+  x.store(lanes);
+  for (int64_t j = 0; j < kVecSize; ++j) lanes[j] = static_cast<int32_t>(static_cast<uint32_t>(lanes[j]) >> Shift);
+  return IVec::loadu(lanes);
+#endif
+}
+
+// The low nibble q of each lane as the fp32 q - 8.
+inline Vec low_code(const IVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // vpermps reads the low 4 bits of each lane: a 16-entry table lookup, no mask, subtract or convert.
+  return _mm512_permutexvar_ps(x, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xf)), _mm256_set1_epi32(8)));
+#else
+  int32_t lanes[kVecSize];
+  float codes[kVecSize];
+  x.store(lanes);
+  for (int64_t j = 0; j < kVecSize; ++j) codes[j] = static_cast<float>((lanes[j] & 0xf) - 8);
+  return Vec::loadu(codes);
+#endif
+}
+
+// int4 codes of one panel row of 8 k: kNrVecs vectors of 32-bit words, a column's word holding its codes for
+// k = 8 * k8 + 2i at bits 4i..4i+3 and for k = 8 * k8 + 2i + 1 at bits 16 + 4i..16 + 4i + 3 (i < 4): the
+// 16-bit halves are the pairs of k that vdpbf16ps multiplies (tile_int4_dp). `next_pair()` gives q - 8 as
+// fp32 for the next pair of k.
+struct Int4Words {
+  IVec even[kNrVecs], odd[kNrVecs];
+
+  explicit Int4Words(const int32_t* row) {
+    for (int v = 0; v < kNrVecs; ++v) {
+      even[v] = IVec::loadu(row + v * kVecSize);
+      odd[v] = shift_right<16>(even[v]);
+    }
+  }
+
+  __attribute__((always_inline)) void next_pair(Vec (&w_even)[kNrVecs], Vec (&w_odd)[kNrVecs]) {
+    for (int v = 0; v < kNrVecs; ++v) {
+      w_even[v] = low_code(even[v]);
+      w_odd[v] = low_code(odd[v]);
+      even[v] = shift_right<4>(even[v]);
+      odd[v] = shift_right<4>(odd[v]);
+    }
+  }
+};
+
+// Where the code of k = 8 * k8 + i sits in its column's word (see Int4Words).
+constexpr int int4_bit(int64_t i) { return static_cast<int>(16 * (i % 2) + 4 * (i / 2)); }
+
+// A tile's prefetches at panel row k, once per cache line of rows: the line kPrefetch lines ahead in its own
+// panel into L1, and (every `step`-th line, counting down from the tile's phase) the same line of the
+// thread's next panel into L2, so that a panel's tiles share the next one's stream (as packed_linear.h's).
+template <int64_t RowBytes>
+__attribute__((always_inline)) inline void prefetch_line(const uint8_t* panel, const uint8_t* next, int64_t k,
+                                                        int64_t& countdown, int64_t step) {
+  constexpr int64_t rows_per_line = RowBytes >= kLine ? 1 : kLine / RowBytes;
+  if (k % rows_per_line != 0) return;
+  for (int64_t b = 0; b < std::max<int64_t>(RowBytes, kLine); b += kLine) {
+    __builtin_prefetch(panel + (k + kPrefetch * rows_per_line) * RowBytes + b, 0, 3);
+  }
+  if (next != nullptr && --countdown < 0) {
+    countdown = step - 1;
+    for (int64_t b = 0; b < std::max<int64_t>(RowBytes, kLine); b += kLine) __builtin_prefetch(next + k * RowBytes + b, 0, 2);
+  }
+}
+
+// What the tiles share: where the rows of x and of out are, and the per-column epilogue.
+struct TileArgs {
+  int64_t row;           // of x: the tile's first
+  const float* a;        // [R, K] fp32, row stride lda
+  int64_t lda;
+  int64_t K;
+  const float* scale;    // [kNr] per-column factor applied to the sums (int8's scales), or nullptr
+  const float* bias;     // [ncols] fp32, or nullptr
+  void* c;               // out rows (fp32 or bf16), row stride ldc, this panel's first column
+  int64_t ldc;
+  int64_t ncols;
+  bool bf16_out;
+};
+
+template <int R>
+inline void store_tile(const TileArgs& t, Vec (&acc)[R][kNrVecs]) {
+  Vec scale[kNrVecs] = {Vec(1.f), Vec(1.f)}, bias[kNrVecs] = {Vec(0.f), Vec(0.f)};
+  for (int v = 0; v < kNrVecs; ++v) {
+    const int64_t count = std::clamp<int64_t>(t.ncols - v * kVecSize, 0, kVecSize);
+    if (t.scale != nullptr) scale[v] = Vec::loadu(t.scale + v * kVecSize);  // padded to whole panels
+    if (t.bias != nullptr && count > 0) bias[v] = Vec::loadu(t.bias + v * kVecSize, count);
+  }
+  for (int r = 0; r < R; ++r) {
+    const Vec y0 = at::vec::fmadd(acc[r][0], scale[0], bias[0]), y1 = at::vec::fmadd(acc[r][1], scale[1], bias[1]);
+    if (t.bf16_out) {
+      auto* c = static_cast<c10::BFloat16*>(t.c) + r * t.ldc;
+      const auto rounded = at::vec::convert_float_bfloat16(y0, y1);
+      if (t.ncols == kNr) {
+        rounded.store(c);
+      } else {
+        rounded.store(c, t.ncols);
+      }
+    } else {
+      float* c = static_cast<float*>(t.c) + r * t.ldc;
+      const Vec y[kNrVecs] = {y0, y1};
+      for (int v = 0; v < kNrVecs; ++v) {
+        const int64_t count = std::clamp<int64_t>(t.ncols - v * kVecSize, 0, kVecSize);
+        if (count == kVecSize) {
+          y[v].store(c + v * kVecSize);
+        } else if (count > 0) {
+          y[v].store(c + v * kVecSize, count);
+        }
+      }
+    }
+  }
+}
+
+template <int R>
+inline void zero(Vec (&acc)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = Vec(0.f);
+  }
+}
+
+template <int R>
+__attribute__((always_inline)) inline void accumulate(const TileArgs& t, int64_t k, const Vec (&w)[kNrVecs],
+                                                      Vec (&acc)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const Vec av(t.a[r * t.lda + k]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = at::vec::fmadd(av, w[v], acc[r][v]);
+  }
+}
+
+// int8: sums of x * code; the channel scale joins in store_tile.
+template <int R>
+void tile_int8(const TileArgs& t, const int8_t* b, const int8_t* next, int64_t phase, int64_t step) {
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  for (int64_t k = 0; k < t.K; ++k) {
+    Vec w[kNrVecs];
+    widen_int8(b + k * kNr, w);
+    prefetch_line<kNr>(bytes, reinterpret_cast<const uint8_t*>(next), k, countdown, step);
+    accumulate<R>(t, k, w, acc);
+  }
+  store_tile<R>(t, acc);
+}
+
+// A group's (scale, zero) bf16 pairs of the panel's columns, widened.
+inline void widen_scales_zeros(const int32_t* pairs, Vec (&scale)[kNrVecs], Vec (&zero_point)[kNrVecs]) {
+  const IVec shift(16), high(static_cast<int32_t>(0xffff0000u));
+  for (int v = 0; v < kNrVecs; ++v) {
+    const IVec lanes = IVec::loadu(pairs + v * kVecSize);
+    scale[v] = at::vec::cast<float>(lanes << shift);  // a bf16 is the high half of its fp32
+    zero_point[v] = at::vec::cast<float>(lanes & high);
+  }
+}
+
+// int4: per group, sum x * (q - 8) and sum x apart, then add scale * the first + zero * the second: the
+// scales cost two FMAs per group and row instead of a dequantizing FMA per k, and the codes turn into fp32 by
+// a table lookup, so that a k costs little more than its FMAs.
+template <int R>
+void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros, int64_t group_size,
+                      const float* x_sums, const int32_t* next, int64_t phase, int64_t step) {
+  const int64_t groups = t.K / group_size;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec part[R][kNrVecs];
+    zero<R>(part);
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      Int4Words row(b + k8 * kNr);
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        Vec w_even[kNrVecs], w_odd[kNrVecs];
+        row.next_pair(w_even, w_odd);
+        accumulate<R>(t, 8 * k8 + 2 * i, w_even, part);
+        accumulate<R>(t, 8 * k8 + 2 * i + 1, w_odd, part);
+      }
+    }
+    Vec scale[kNrVecs], zero_point[kNrVecs];
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec x_sum(x_sums[r * groups + g]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNrVecs; ++v) {
+        acc[r][v] = at::vec::fmadd(part[r][v], scale[v], acc[r][v]);
+        acc[r][v] = at::vec::fmadd(x_sum, zero_point[v], acc[r][v]);
+      }
+    }
+  }
+  store_tile<R>(t, acc);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// int4 with bf16 x on CPUs with AVX512-BF16 (chosen at run time): vdpbf16ps multiplies a pair of k per 32-bit
+// lane, x's pair broadcast as it is in memory and the codes' pair looked up as bf16 (q - 8 is exact in bf16)
+// from the 16-bit halves of Int4Words' layout by one vpermw. Products are exact and summed in fp32, so this
+// differs from tile_int4 by summation order only; it issues half the instructions per k (Zen 4 runs
+// vdpbf16ps at the FMA's rate, twice its multiply-adds).
+// HPI_CPU_DPBF16=0 turns the path off (to measure the fp32 tile against it on the same machine).
+bool use_dpbf16() {
+  static const bool use = __builtin_cpu_supports("avx512bf16") &&
+                          !(std::getenv("HPI_CPU_DPBF16") != nullptr && std::string(std::getenv("HPI_CPU_DPBF16")) == "0");
+  return use;
+}
+
+// int8 with bf16 x, likewise: codes k and k + 1 of 16 columns widened to fp32 (an integer of 8 bits is exact in
+// bf16, so the fp32's high half is its bf16) and interleaved into pairs by a shift and a 16-bit blend.
+template <int R>
+__attribute__((target("avx512bf16"))) void tile_int8_dp(const TileArgs& t, const c10::BFloat16* x, int64_t ldx,
+                                                        const int8_t* b, const int8_t* next, int64_t phase,
+                                                        int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns of pairs per vector");
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  __m512 acc[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t countdown = phase;
+  for (int64_t k = 0; k < t.K; k += 2) {
+    __m512bh w[kNrVecs];
+    for (int v = 0; v < kNrVecs; ++v) {
+      const auto* even = reinterpret_cast<const __m128i*>(b + k * kNr + v * kVecSize);
+      const auto* odd = reinterpret_cast<const __m128i*>(b + (k + 1) * kNr + v * kVecSize);
+      const __m512i w_even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(even))));
+      const __m512i w_odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(odd))));
+      w[v] = (__m512bh)_mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd);
+    }
+    prefetch_line<kNr>(bytes, next_bytes, k, countdown, step);
+    prefetch_line<kNr>(bytes, next_bytes, k + 1, countdown, step);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + (t.row + r) * ldx + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, w[v]);
+    }
+  }
+  Vec out[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) out[r][v] = acc[r][v];
+  }
+  store_tile<R>(t, out);
+}
+
+template <int R>
+__attribute__((target("avx512bf16"))) void tile_int4_dp(const TileArgs& t, const c10::BFloat16* x, int64_t ldx,
+                                                        const int32_t* b, const int32_t* scales_zeros,
+                                                        int64_t group_size, const float* x_sums, const int32_t* next,
+                                                        int64_t phase, int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns of pairs per vector");
+  const int64_t groups = t.K / group_size;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  // vpermw reads the low 5 bits of each 16-bit lane: the nibble, and one bit of the next (the table repeats).
+  alignas(64) static const uint16_t kCodes[32] = {
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,  // -8 .. -1
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,  // 0 .. 7
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+  const __m512i codes_table = _mm512_load_si512(kCodes);
+  __m512 acc[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_setzero_ps();
+    }
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      __m512i words[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) words[v] = _mm512_loadu_si512(b + k8 * kNr + v * kVecSize);
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m512bh w[kNrVecs];
+        for (int v = 0; v < kNrVecs; ++v) {
+          w[v] = (__m512bh)_mm512_permutexvar_epi16(words[v], codes_table);
+          words[v] = _mm512_srli_epi16(words[v], 4);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + (t.row + r) * ldx + 8 * k8 + 2 * i, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbf16_ps(part[r][v], xv, w[v]);
+        }
+      }
+    }
+    Vec scale[kNrVecs], zero_point[kNrVecs];
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_sum = _mm512_set1_ps(x_sums[r * groups + g]);
+      for (int v = 0; v < kNrVecs; ++v) {
+        acc[r][v] = _mm512_fmadd_ps(part[r][v], scale[v], acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(x_sum, zero_point[v], acc[r][v]);
+      }
+    }
+  }
+  Vec out[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) out[r][v] = acc[r][v];
+  }
+  store_tile<R>(t, out);
+}
+#endif
+
+// x as fp32 rows: itself when it is fp32 with unit column stride, else widened into a per-thread scratch.
+const float* fp32_rows(const at::Tensor& a, int64_t& lda) {
+  if (a.scalar_type() == at::kFloat) {
+    lda = a.stride(0);
+    return a.const_data_ptr<float>();
+  }
+  static thread_local std::vector<float> scratch;
+  const int64_t M = a.size(0), K = a.size(1);
+  if (scratch.size() < static_cast<size_t>(M * K)) scratch.resize(M * K);
+  float* a32 = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
+  const auto* src = a.const_data_ptr<c10::BFloat16>();
+  const int64_t stride = a.stride(0);
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t k = 0; k < K; ++k) a32[m * K + k] = static_cast<float>(src[m * stride + k]);
+    }
+  });
+  lda = K;
+  return a32;
+}
+
+// The layer's shape and inputs, checked; shared by both formats.
+struct Problem {
+  at::Tensor a;      // [M, K] rows of x, unit column stride
+  at::Tensor out;    // x's leading shape + [N], x's dtype
+  at::Tensor bias;   // [N] fp32, or undefined
+  int64_t M, K, N;
+};
+
+Problem problem(const char* op, const at::Tensor& x, int64_t K, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
+                        x.device().is_cpu(),
+                    op, " takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ", x.sizes(),
+                    " on ", x.device());
+  TORCH_CHECK_VALUE(x.size(-1) == K, op, ": x has ", x.size(-1), " features, the packed weight ", K);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type()),
+                    op, "'s bias must be ", x.scalar_type(), " [", N, "], got ", bias->scalar_type(), " ",
+                    bias->sizes());
+  at::Tensor a = x.reshape({-1, K});
+  if (a.stride(1) != 1 || (a.size(0) > 1 && a.stride(0) < K)) a = a.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  return {a, at::empty(out_shape, x.options()), has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor(),
+          a.size(0), K, N};
+}
+
+void check_panels(const char* op, const at::Tensor& packed, at::ScalarType dtype, int64_t out_features) {
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kNr && packed.scalar_type() == dtype &&
+                        packed.is_contiguous() && packed.device().is_cpu(),
+                    op, ": the packed weight must be a contiguous ", dtype, " CPU tensor [panels, rows, ", kNr,
+                    "] from its pack op on this CPU, got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK_VALUE(out_features > (packed.size(0) - 1) * kNr && out_features <= packed.size(0) * kNr,
+                    op, ": out_features ", out_features, " does not fit a packed weight of ", packed.size(0),
+                    " panels of ", kNr, " columns");
+}
+
+// Runs `panel_tile(tile_args, panel, next_panel_or_null, phase, step, rows)` over every (panel, row tile),
+// threads splitting the panels, rows in chunks of kMc.
+template <int MaxRows, typename PanelTile>
+void run_tiles(const Problem& p, const float* a, int64_t lda, const float* scales, int64_t panel_bytes,
+               const uint8_t* packed, PanelTile&& panel_tile) {
+  const int64_t panels = (p.N + kNr - 1) / kNr;
+  const bool bf16_out = p.out.scalar_type() == at::kBFloat16;
+  const size_t out_bytes = bf16_out ? 2 : 4;
+  auto* out = static_cast<char*>(p.out.data_ptr());
+  const float* bias = p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr;
+  for (int64_t m0 = 0; m0 < p.M; m0 += kMc) {
+    const int64_t mc = std::min(kMc, p.M - m0), tiles = (mc + MaxRows - 1) / MaxRows;
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t q = p0; q < p1; ++q) {
+        const uint8_t* panel = packed + q * panel_bytes;
+        const uint8_t* next = q + 1 < p1 ? panel + panel_bytes : nullptr;
+        const int64_t ncols = std::min(kNr, p.N - q * kNr);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + t * MaxRows, rows = std::min<int64_t>(MaxRows, m0 + mc - m);
+          const TileArgs args{m, a + m * lda, lda, p.K, scales != nullptr ? scales + q * kNr : nullptr,
+                              bias != nullptr ? bias + q * kNr : nullptr, out + (m * p.N + q * kNr) * out_bytes,
+                              p.N, ncols, bf16_out};
+          with_rows<MaxRows>(rows, [&](auto height) { panel_tile(height, args, q, panel, next, t, tiles); });
+        }
+      }
+    });
+  }
+}
+
+// Prefill: out = x @ W + bias by MKL over `dequantize(dst)`'s fp32 [K, N] copy in a per-thread scratch.
+template <typename Dequantize>
+void dequantized_mm(const Problem& p, Dequantize&& dequantize) {
+  static thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < p.K * p.N) scratch = at::empty({p.K * p.N}, p.a.options().dtype(at::kFloat));
+  dequantize(scratch.data_ptr<float>());
+  at::Tensor out32 = at::mm(p.a.to(at::kFloat), scratch.narrow(0, 0, p.K * p.N).view({p.K, p.N}));
+  if (p.bias.defined()) out32.add_(p.bias);
+  p.out.view({p.M, p.N}).copy_(out32);
+}
+
+bool prefill_sized(const Problem& p) { return p.M > kMaxTileRows && p.K * p.N <= kMaxScratchFloats; }
+
+std::tuple<at::Tensor, at::Tensor> pack_int8_weight(const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.device().is_cpu(),
+                    "pack_int8_weight takes int8 CPU codes [out_features, in_features], got ", qweight.scalar_type(),
+                    " ", qweight.sizes(), " on ", qweight.device());
+  const int64_t N = qweight.size(0), K = qweight.size(1), panels = (N + kNr - 1) / kNr;
+  TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == N && scales.is_floating_point(),
+                    "pack_int8_weight's scales must be float [", N, "], got ", scales.scalar_type(), " ",
+                    scales.sizes());
+  at::Tensor packed = at::zeros({panels, K, kNr}, qweight.options());
+  at::Tensor scales32 = at::zeros({panels * kNr}, scales.options().dtype(at::kFloat));
+  scales32.narrow(0, 0, N).copy_(scales);
+  const auto w = qweight.accessor<int8_t, 2>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t q = p0; q < p1; ++q) {
+      const int64_t ncols = std::min(kNr, N - q * kNr);
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < ncols; ++j) dst[(q * K + k) * kNr + j] = w[q * kNr + j][k];
+      }
+    }
+  });
+  return {packed, scales32};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  check_panels("int8_linear", packed, at::kChar, out_features);
+  TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == packed.size(0) * kNr && scales.scalar_type() == at::kFloat &&
+                        scales.is_contiguous(),
+                    "int8_linear: scales must be the float32 [", packed.size(0) * kNr, "] from pack_int8_weight, got ",
+                    scales.scalar_type(), " ", scales.sizes());
+  const Problem p = problem("int8_linear", x, packed.size(1), out_features, bias);
+  if (p.M == 0) return p.out;
+  const auto* codes = packed.const_data_ptr<int8_t>();
+  const float* scale = scales.const_data_ptr<float>();
+  if (prefill_sized(p)) {
+    dequantized_mm(p, [&](float* dst) {
+      at::parallel_for(0, p.K, 16, [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k) {
+          for (int64_t q = 0; q * kNr < p.N; ++q) {
+            const int64_t ncols = std::min(kNr, p.N - q * kNr);
+            const int8_t* row = codes + (q * p.K + k) * kNr;
+            for (int64_t j = 0; j < ncols; ++j) dst[k * p.N + q * kNr + j] = row[j] * scale[q * kNr + j];
+          }
+        }
+      });
+    });
+    return p.out;
+  }
+  const int64_t panel_bytes = p.K * kNr;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (p.a.scalar_type() == at::kBFloat16 && p.K % 2 == 0 && use_dpbf16()) {
+    const auto* x = p.a.const_data_ptr<c10::BFloat16>();
+    const int64_t ldx = p.a.stride(0);
+    run_tiles<kMrInt8>(p, nullptr, 0, scale, panel_bytes, reinterpret_cast<const uint8_t*>(codes),
+                       [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                           int64_t phase, int64_t step) {
+                         tile_int8_dp<decltype(height)::value>(args, x, ldx, reinterpret_cast<const int8_t*>(panel),
+                                                               reinterpret_cast<const int8_t*>(next), phase, step);
+                       });
+    return p.out;
+  }
+#endif
+  int64_t lda = 0;
+  const float* a = fp32_rows(p.a, lda);
+  run_tiles<kMrInt8>(p, a, lda, scale, panel_bytes, reinterpret_cast<const uint8_t*>(codes),
+                     [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                         int64_t phase, int64_t step) {
+                       tile_int8<decltype(height)::value>(args, reinterpret_cast<const int8_t*>(panel),
+                                                          reinterpret_cast<const int8_t*>(next), phase, step);
+                     });
+  return p.out;
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                                    const at::Tensor& zeros, int64_t group_size) {
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.device().is_cpu(),
+                    "pack_int4_weight takes uint8 CPU codes [out_features, in_features / 2] (two per byte, the "
+                    "first k in the high nibble), got ", qweight.scalar_type(), " ", qweight.sizes(), " on ",
+                    qweight.device());
+  const int64_t N = qweight.size(0), K = 2 * qweight.size(1), panels = (N + kNr - 1) / kNr;
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, "pack_int4_weight: group_size ",
+                    group_size, " must be a multiple of 8 that divides in_features ", K);
+  const int64_t groups = K / group_size;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == N && t->size(1) == groups && t->is_floating_point(),
+                      "pack_int4_weight's scales and zeros must be float [", N, ", ", groups, "], got ",
+                      t->scalar_type(), " ", t->sizes());
+  }
+  // Padding columns: code 8 at every k (with scale and zero 0 they dequantize to 0).
+  at::Tensor packed = at::full({panels, K / 8, kNr}, static_cast<int32_t>(0x88888888u), qweight.options().dtype(at::kInt));
+  at::Tensor scales_zeros = at::zeros({panels * kNr, groups, 2}, scales.options().dtype(at::kBFloat16));
+  scales_zeros.narrow(0, 0, N).select(2, 0).copy_(scales);
+  scales_zeros.narrow(0, 0, N).select(2, 1).copy_(zeros);
+  scales_zeros = scales_zeros.view({panels, kNr, groups, 2}).permute({0, 2, 1, 3}).contiguous();
+  const auto w = qweight.accessor<uint8_t, 2>();
+  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t q = p0; q < p1; ++q) {
+      const int64_t ncols = std::min(kNr, N - q * kNr);
+      for (int64_t k8 = 0; k8 < K / 8; ++k8) {
+        for (int64_t j = 0; j < ncols; ++j) {
+          uint32_t word = 0;
+          for (int64_t i = 0; i < 8; ++i) {
+            const uint8_t byte = w[q * kNr + j][(8 * k8 + i) / 2];
+            word |= static_cast<uint32_t>(i % 2 == 0 ? byte >> 4 : byte & 0xf) << int4_bit(i);
+          }
+          dst[(q * (K / 8) + k8) * kNr + j] = word;
+        }
+      }
+    }
+  });
+  return {packed, scales_zeros};
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                       int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  check_panels("int4_linear", packed, at::kInt, out_features);
+  const int64_t K = 8 * packed.size(1);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, "int4_linear: group_size ",
+                    group_size, " must be a multiple of 8 that divides in_features ", K);
+  TORCH_CHECK_VALUE(scales_zeros.dim() == 4 && scales_zeros.size(0) == packed.size(0) &&
+                        scales_zeros.size(1) == K / group_size && scales_zeros.size(2) == kNr &&
+                        scales_zeros.size(3) == 2 && scales_zeros.scalar_type() == at::kBFloat16 &&
+                        scales_zeros.is_contiguous(),
+                    "int4_linear: scales_zeros must be the bfloat16 [", packed.size(0), ", ", K / group_size, ", ",
+                    kNr, ", 2] from pack_int4_weight, got ", scales_zeros.scalar_type(), " ", scales_zeros.sizes());
+  const Problem p = problem("int4_linear", x, K, out_features, bias);
+  if (p.M == 0) return p.out;
+  const int32_t* codes = packed.const_data_ptr<int32_t>();
+  const auto* sz = reinterpret_cast<const int32_t*>(scales_zeros.const_data_ptr<c10::BFloat16>());
+  const int64_t groups = K / group_size, panel_words = K / 8 * kNr;
+  if (prefill_sized(p)) {
+    const auto* pairs = scales_zeros.const_data_ptr<c10::BFloat16>();
+    dequantized_mm(p, [&](float* dst) {
+      at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k) {
+          for (int64_t q = 0; q * kNr < p.N; ++q) {
+            const int64_t ncols = std::min(kNr, p.N - q * kNr);
+            const int32_t* row = codes + q * panel_words + (k / 8) * kNr;
+            const c10::BFloat16* group = pairs + ((q * groups + k / group_size) * kNr) * 2;
+            for (int64_t j = 0; j < ncols; ++j) {
+              const int code = static_cast<int>((static_cast<uint32_t>(row[j]) >> int4_bit(k % 8)) & 0xf) - 8;
+              dst[k * p.N + q * kNr + j] =
+                  static_cast<float>(code) * static_cast<float>(group[2 * j]) + static_cast<float>(group[2 * j + 1]);
+            }
+          }
+        }
+      });
+    });
+    return p.out;
+  }
+  int64_t lda = 0;
+  const float* a = fp32_rows(p.a, lda);
+  const auto* panels = reinterpret_cast<const uint8_t*>(codes);
+  const int64_t panel_bytes = panel_words * 4;
+  auto words = [](const uint8_t* panel) { return reinterpret_cast<const int32_t*>(panel); };
+  std::vector<float> x_sums(p.M * groups, 0.f);  // [M, groups]: each row's sum of x over each group
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t k = 0; k < K; ++k) x_sums[m * groups + k / group_size] += a[m * lda + k];
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (p.a.scalar_type() == at::kBFloat16 && use_dpbf16()) {
+    const auto* x = p.a.const_data_ptr<c10::BFloat16>();
+    const int64_t ldx = p.a.stride(0);
+    run_tiles<kMrInt4>(p, a, lda, nullptr, panel_bytes, panels,
+                       [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
+                           int64_t phase, int64_t step) {
+                         tile_int4_dp<decltype(height)::value>(args, x, ldx, words(panel), sz + q * groups * kNr,
+                                                               group_size, x_sums.data() + args.row * groups,
+                                                               words(next), phase, step);
+                       });
+    return p.out;
+  }
+#endif
+  run_tiles<kMrInt4>(p, a, lda, nullptr, panel_bytes, panels,
+                     [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
+                         int64_t phase, int64_t step) {
+                       tile_int4<decltype(height)::value>(args, words(panel), sz + q * groups * kNr, group_size,
+                                                          x_sums.data() + args.row * groups,
+                                                          words(next), phase, step);
+                     });
+  return p.out;
+}
+
+at::Tensor quant_linear_meta(const at::Tensor& x, int64_t out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = c10::SymInt(out_features);
+  return at::empty_symint(shape, x.options());
+}
+
+at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t out_features,
+                            const std::optional<at::Tensor>&) {
+  return quant_linear_meta(x, out_features);
+}
+
+at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t, int64_t out_features,
+                            const std::optional<at::Tensor>&) {
+  return quant_linear_meta(x, out_features);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
+  m.def("pack_int8_weight(Tensor qweight, Tensor scales) -> (Tensor, Tensor)");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("pack_int4_weight(Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> (Tensor, Tensor)");
+  m.def(
+      "int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
+      "Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
+  m.impl("pack_int8_weight", &pack_int8_weight);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("pack_int4_weight", &pack_int4_weight);
+  m.impl("int4_linear", &int4_linear);
+}
+
+TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
+  m.impl("int8_linear", &int8_linear_meta);
+  m.impl("int4_linear", &int4_linear_meta);
+}

@@ -1,0 +1,66 @@
+"""Weight-only int8 / int4 linear layers over prepacked weights on CPU (packed_linear_quant.cpp).
+
+The portable formats of hpi_kernels.quant go in: int8 codes [N, K] with one scale per output channel; int4
+codes [N, K // 2] (two per byte, the first k in the high nibble) with a scale and a zero per group of k,
+w = (q - 8) * scale + zero. They are repacked once into column panels of PANEL outputs (32 with AVX512, 16
+with AVX2), as the fp32 and bf16 packed linears are, so that each panel streams once per step while the
+kernel widens it in registers and sums in fp32: fp32 FMAs, or, for bf16 activations on CPUs with
+AVX512-BF16, vdpbf16ps over pairs of k (products exact either way; HPI_CPU_DPBF16=0 turns that path off,
+to measure one against the other). int4 scales and zeros are kept as bf16 pairs (the
+runtime fits the codes against bf16 scales on CPU, hpi_runtime.quantization.linear.op_dtype): a scale given
+in fp32 is rounded to bf16 here. Prefill-sized inputs (over 320 rows) go to MKL's sgemm over the weight
+dequantized into a scratch copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpi_kernels.cpu._extension import load_extension
+
+
+def pack_int8_weight(
+    qweight: torch.Tensor,  # [N, K] int8
+    scales: torch.Tensor,  # [N] float
+) -> tuple[torch.Tensor, torch.Tensor]:  # (panels [ceil(N / PANEL), K, PANEL] int8, scales [panels * PANEL] fp32)
+    """The int8 weight in int8_linear's panels; columns past N are zero. ValueError for bad shapes or dtypes."""
+    load_extension()
+    return torch.ops.hpi_kernels.pack_int8_weight(qweight, scales)
+
+
+def int8_linear(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int8_weight
+    scales: torch.Tensor,  # from pack_int8_weight
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [..., N], x's dtype
+    """x @ (q * scale).T + bias, summed in fp32 (the scale applied to each output's sum)."""
+    load_extension()
+    return torch.ops.hpi_kernels.int8_linear(x, packed, scales, out_features, bias)
+
+
+def pack_int4_weight(
+    qweight: torch.Tensor,  # [N, K // 2] uint8
+    scales: torch.Tensor,  # [N, K // group_size] float
+    zeros: torch.Tensor,  # [N, K // group_size] float
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([ceil(N / PANEL), K // 8, PANEL] int32, [.., K // g, PANEL, 2] bf16)
+    """The int4 weight in int4_linear's panels: a column's codes for 8 consecutive k per int32 word (k = 8j + i
+    at bits 4i..4i+3); (scale, zero) pairs in bf16. Padding columns dequantize to 0. ValueError for bad
+    shapes or a group size that is no multiple of 8."""
+    load_extension()
+    return torch.ops.hpi_kernels.pack_int4_weight(qweight, scales, zeros, group_size)
+
+
+def int4_linear(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int4_weight
+    scales_zeros: torch.Tensor,  # from pack_int4_weight
+    group_size: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [..., N], x's dtype
+    """x @ ((q - 8) * scale + zero).T + bias, the weight dequantized in registers, summed in fp32."""
+    load_extension()
+    return torch.ops.hpi_kernels.int4_linear(x, packed, scales_zeros, group_size, out_features, bias)

@@ -1,0 +1,175 @@
+"""The C++ int8 / int4 packed linears (hpi_kernels.cpu.quant_linear) against an fp64 reference: x times the
+dequantized weight (hpi_kernels.quant's formats), summed in fp64.
+
+Row counts cover each path: one register tile, several tiles (and, for int4, tiles of the per-group folded
+sums), two chunks of rows, and the prefill path that dequantizes the weight for MKL (over 320 rows). Shapes
+cover a last panel that is partly padding. fp32 and bf16 activations: bf16 runs the vdpbf16ps tiles on CPUs with
+AVX512-BF16 and the fp32 tiles (over x widened, as fp32 x runs) elsewhere; the AVX2 and generic builds run this
+file again in child processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpi_kernels.cpu import int4_linear, int8_linear, load_extension, pack_int4_weight, pack_int8_weight
+from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+from .conftest import run_at_lower_capability
+
+FP32 = {"atol": 1e-4, "rtol": 1e-5}  # fp32 sums of up to 576 products against fp64
+BF16 = {"atol": 1e-3, "rtol": 2**-7}  # + one bf16 rounding of the output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension() -> str:
+    return load_extension()
+
+
+def _int8(out_features: int, in_features: int, seed: int = 0):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    qweight, scales = quantize_int8(weight, torch.bfloat16)
+    return (qweight, scales), dequantize_int8(qweight, scales).double()
+
+
+def _int4(out_features: int, in_features: int, group_size: int, seed: int = 0):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    packed, scales, zeros = quantize_int4(weight, group_size, torch.bfloat16)
+    return (packed, scales, zeros), dequantize_int4(packed, scales, zeros, group_size).double()
+
+
+def _reference(x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(x.double(), dequantized, None if bias is None else bias.double())
+    return out.to(x.dtype)
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, **(BF16 if out.dtype == torch.bfloat16 else FP32))
+
+
+ROWS = [1, 3, 4, 5, 12, 13, 40, 257, 321]
+SHAPES = [(96, 64), (50, 128), (17, 576)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int8_matches_the_fp64_reference(out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    (qweight, scales), dequantized = _int8(out_features, in_features)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        _check(int8_linear(x, packed, packed_scales, out_features), _reference(x, dequantized, None))
+        _check(int8_linear(x, packed, packed_scales, out_features, bias), _reference(x, dequantized, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int4_matches_the_fp64_reference(out_features: int, in_features: int, group_size: int,
+                                         dtype: torch.dtype) -> None:  # fmt: skip
+    (qweight, scales, zeros), dequantized = _int4(out_features, in_features, group_size)
+    packed, scales_zeros = pack_int4_weight(qweight, scales, zeros, group_size)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        _check(int4_linear(x, packed, scales_zeros, group_size, out_features), _reference(x, dequantized, None))
+        _check(int4_linear(x, packed, scales_zeros, group_size, out_features, bias),
+               _reference(x, dequantized, bias))  # fmt: skip
+
+
+def test_padding_columns_are_zero_and_layouts_follow_the_panel_width() -> None:
+    (qweight, scales), _ = _int8(50, 64)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    panel = packed.shape[2]
+    assert packed.shape == (-(-50 // panel), 64, panel) and packed_scales.shape == (packed.shape[0] * panel,)
+    columns = packed.permute(1, 0, 2).reshape(64, -1)  # [K, panels * panel]: the codes transposed, then zeros
+    assert torch.equal(columns[:, :50], qweight.t()) and not columns[:, 50:].any()
+    (q4, s4, z4), dequantized = _int4(50, 64, 32)
+    packed4, scales_zeros = pack_int4_weight(q4, s4, z4, 32)
+    assert packed4.shape == (packed.shape[0], 64 // 8, panel) and packed4.dtype == torch.int32
+    assert scales_zeros.shape == (packed.shape[0], 2, panel, 2) and scales_zeros.dtype == torch.bfloat16
+    out = int4_linear(torch.eye(64), packed4, scales_zeros, 32, 50)  # row k: the weight's column k
+    torch.testing.assert_close(out, dequantized.t().float(), **FP32)
+
+
+def test_any_leading_shape_strided_rows_and_no_rows() -> None:
+    (qweight, scales), dequantized = _int8(64, 96)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    (q4, s4, z4), dequantized4 = _int4(64, 96, 32)
+    packed4, scales_zeros = pack_int4_weight(q4, s4, z4, 32)
+    x = torch.randn(3, 5, 96)
+    _check(int8_linear(x, packed, packed_scales, 64), _reference(x, dequantized, None))
+    _check(int4_linear(x, packed4, scales_zeros, 32, 64), _reference(x, dequantized4, None))
+    wide = torch.randn(9, 130)[:, 20:116]  # rows of a wider tensor: row stride 130
+    _check(int8_linear(wide, packed, packed_scales, 64), _reference(wide, dequantized, None))
+    _check(int4_linear(wide, packed4, scales_zeros, 32, 64), _reference(wide, dequantized4, None))
+    assert int8_linear(torch.empty(0, 96), packed, packed_scales, 64).shape == (0, 64)
+    assert int4_linear(torch.empty(0, 96), packed4, scales_zeros, 32, 64).shape == (0, 64)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    """Below the prefill path each row sums in the same order whatever the other rows: a request's greedy
+    tokens do not change with what it is batched with."""
+    x = torch.randn(64, 128)
+    (qweight, scales), _ = _int8(96, 128)
+    (q4, s4, z4), _ = _int4(96, 128, 32)
+    ops = [lambda rows, p=pack_int8_weight(qweight, scales): int8_linear(rows, *p, 96),
+           lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_linear(rows, p[0], p[1], 32, 96)]  # fmt: skip
+    for op in ops:
+        alone = torch.cat([op(x[i : i + 1]) for i in range(64)])
+        assert torch.equal(op(x), alone)
+        assert torch.equal(op(x[5:30]), alone[5:30])
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    (qweight, scales), _ = _int8(64, 96)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    (q4, s4, z4), _ = _int4(64, 96, 32)
+    packed4, scales_zeros = pack_int4_weight(q4, s4, z4, 32)
+    with pytest.raises(ValueError, match="int8 CPU codes"):
+        pack_int8_weight(qweight.float(), scales)
+    with pytest.raises(ValueError, match="scales must be float"):
+        pack_int8_weight(qweight, scales[:5])
+    with pytest.raises(ValueError, match="uint8 CPU codes"):
+        pack_int4_weight(q4.to(torch.int8), s4, z4, 32)
+    with pytest.raises(ValueError, match="group_size 12 must be a multiple of 8 that divides"):
+        pack_int4_weight(q4, s4, z4, 12)
+    with pytest.raises(ValueError, match="scales and zeros must be float"):
+        pack_int4_weight(q4, s4, z4[:, :1], 32)
+    with pytest.raises(ValueError, match="x has 95 features"):
+        int8_linear(torch.randn(2, 95), packed, packed_scales, 64)
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU x"):
+        int4_linear(torch.randn(2, 96).half(), packed4, scales_zeros, 32, 64)
+    with pytest.raises(ValueError, match="does not fit a packed weight"):
+        int8_linear(torch.randn(2, 96), packed, packed_scales, 65 + packed.shape[2])
+    with pytest.raises(ValueError, match="from its pack op"):
+        int8_linear(torch.randn(2, 96), qweight, packed_scales, 64)  # codes never packed
+    with pytest.raises(ValueError, match="scales_zeros must be the bfloat16"):
+        int4_linear(torch.randn(2, 96), packed4, scales_zeros, 96, 64)  # another group size than packed
+    with pytest.raises(ValueError, match="bias must be Float"):
+        int4_linear(torch.randn(2, 96), packed4, scales_zeros, 32, 64, torch.randn(64).bfloat16())
+
+
+def test_op_schemas_and_fake_kernels() -> None:
+    # The fake kernels let torch.compile keep the ops opaque, with a symbolic row count.
+    (qweight, scales), _ = _int8(64, 96)
+    (q4, s4, z4), _ = _int4(64, 96, 32)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    packed4, scales_zeros = pack_int4_weight(q4, s4, z4, 32)
+    int8_op, int4_op = torch.ops.hpi_kernels.int8_linear.default, torch.ops.hpi_kernels.int4_linear.default
+    torch.library.opcheck(int8_op, (torch.randn(5, 96), packed, packed_scales, 64, None))
+    torch.library.opcheck(int8_op, (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64,
+                                    torch.randn(64).bfloat16()))  # fmt: skip
+    torch.library.opcheck(int4_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
+    torch.library.opcheck(int4_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_lower_capability_builds_agree(capability) -> None:
+    """This file again under the AVX2 and generic builds (other panel widths, register tiles and widening)."""
+    run_at_lower_capability(__file__, capability, "not lower_capability")
