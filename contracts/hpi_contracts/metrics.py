@@ -28,6 +28,14 @@ SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 POSITION_LABEL = "position"
+# LoRA adapters (only with --enable-lora), vLLM's gauge: one sample per state, labelled with the adapters that have
+# requests running and waiting (comma-separated names) and max_lora (adapters one batch may hold); its value is the
+# time the state was set (epoch seconds), and earlier states stay on the page, so the newest sample is the current
+# one. The Gateway API inference extension's LoRA affinity reads it the same way; so does the router.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"
+WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
+MAX_LORA_LABEL = "max_lora"
 # Histograms.
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
@@ -79,4 +87,4 @@ READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_R
                                      REQUEST_TIME_PER_OUTPUT_TOKEN)  # fmt: skip
 # Everything the router reads.
 READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY,
-                                   *PROFILE_GAUGES)  # fmt: skip
+                                   LORA_REQUESTS_INFO, *PROFILE_GAUGES)  # fmt: skip

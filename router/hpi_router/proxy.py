@@ -180,6 +180,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
     raw = json.dumps(body).encode() if tenant is not None else await request.read()
     headers = _request_headers(request, upstream_authorization(state, request))
     key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
+    adapter = state.pool.adapter_of(body.get("model"))  # a LoRA adapter's requests gather where it is resident
     flow = flow_of(tenant)
     deadline_s = time.monotonic() + state.settings.queue.max_wait_s  # the whole wait, however often it waits
     tried: set[str] = set()
@@ -189,10 +190,10 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
         if state.queue.max_queued:  # 0: no queue, no backend is a 503 at once (below)
             await _wait_in_queue(state, flow, deadline_s)
         try:
-            choice = state.choose(key, exclude=tried, priority=flow.priority)
+            choice = state.choose(key, exclude=tried, priority=flow.priority, adapter=adapter)
             if choice is not None:
                 backend, pick = choice
-                state.pool.started(backend)
+                state.pool.started(backend, adapter)
         finally:
             state.queue.dispatched()  # the turn passes on: this request holds its backend, or has none
         if choice is None:
@@ -212,7 +213,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
             logger.info("request %s: %s failed before the first byte (%s); trying another backend",
                         request[REQUEST_ID], backend.url, exc.detail)
         finally:
-            state.pool.finished(backend)
+            state.pool.finished(backend, adapter)
     if last is None:
         state.metrics.unrouted.labels("no_ready_backend").inc()
         raise ApiError(503, "no backend is ready to take the request", code="no_backend")
