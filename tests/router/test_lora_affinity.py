@@ -4,7 +4,10 @@ load, base-model requests are not affected, and the holder index stays in step w
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+
+import aiohttp
 
 from hpi_router.config import PolicySettings
 from hpi_router.pool import BackendPool
@@ -104,3 +107,21 @@ def test_holders_follow_scrapes_requests_and_readiness() -> None:
     assert pool.holders("sql") == 0
     pool.restore(resident)
     assert pool.holders("sql") == 1
+
+
+async def test_an_adapters_404_moves_on_to_a_backend_that_has_it_and_an_unknown_one_is_a_404(
+        router, fake_backends) -> None:  # fmt: skip
+    missing, holder = await fake_backends(), await fake_backends()
+    missing.adapters, holder.adapters = set(), {"sql"}  # `missing` has just started: nothing loaded yet
+    async with router([missing.url, holder.url]) as state, aiohttp.ClientSession() as s:
+        while not state.pool.base_names:  # the first scrapes name the base model: then "sql" is an adapter
+            await asyncio.sleep(0.02)
+        for i in range(6):
+            body = {"model": "sql", "prompt": f"q{i}", "max_tokens": 2}
+            async with s.post(f"{state.url}/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        assert holder.num_requests == 6 and missing.num_requests == 0
+        async with s.post(f"{state.url}/v1/completions", json={"model": "nope", "prompt": "q"}) as response:
+            error = (await response.json())["error"]
+            assert response.status == 404 and error["code"] == "model_not_found" and "'nope'" in error["message"]
+        assert missing.ready and holder.ready  # a 404 is no fault of the backend: nobody was ejected
