@@ -11,9 +11,7 @@ engine in tests/runtime. The test plays the Job controller (it marks the downloa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp.web
@@ -28,7 +26,7 @@ from hpi_operator.op_metrics import OperatorMetrics
 from hpi_testing.cluster_state import AsyncApi
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
 from hpi_testing.kube_emulator import runtime_pod as make_runtime_pod
-from hpi_testing.server import free_port
+from hpi_testing.server import serving
 
 pytestmark = pytest.mark.slow
 
@@ -88,18 +86,6 @@ class LoraRuntime:
 def _error(status: int, message: str) -> aiohttp.web.Response:
     return aiohttp.web.json_response({"error": {"message": message, "type": "BadRequestError", "code": status}},
                                      status=status)  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def serving(app: aiohttp.web.Application) -> AsyncIterator[int]:
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield port
-    finally:
-        await runner.cleanup()
 
 
 def job_of(kube: KubeClient, kind: str) -> dict[str, Any] | None:
