@@ -67,3 +67,17 @@ def test_bad_lora_requests_are_refused(llm, tiny_model_dir, adapters, tmp_path):
     with LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True) as plain:
         with pytest.raises(ValueError, match="enable_lora"):
             plain.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, str(big)))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_the_adapters_like_their_layers(tiny_model_dir, adapters):
+    """tp 2: A and B are cut like the projection they adapt (column-parallel: B's rows; row-parallel: A's
+    columns, the delta summed by the layer's all-reduce); greedy tokens still equal transformers + peft."""
+    loras = [LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"])), None]
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+             dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 * 2**20) as llm:  # fmt: skip
+        ids = llm.tokenizer(PROMPTS[4]).input_ids
+        outputs = llm.generate([ids] * 3, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), lora_request=loras)
+    for lora, output in zip(loras, outputs, strict=True):
+        expected, _ = reference_greedy(tiny_model_dir, adapters[lora.lora_name] if lora else None, ids, MAX_TOKENS)
+        assert list(output.output_token_ids) == expected
