@@ -185,6 +185,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         eos_token_ids=eos_token_ids,
         quantization=quantization.config,
         enforce_eager=load.enforce_eager,
+        max_loras=args.lora.max_loras if args.lora.enable_lora else 0,
+        max_lora_rank=args.lora.max_lora_rank,
     )
     if platform_dir is not None:
         compile_cache.use_for_model(platform_dir, compile_cache.ModelKey(

@@ -20,6 +20,7 @@ from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.config import CacheConfig, ParallelConfig
 from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
+from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
@@ -64,6 +65,9 @@ class ExecutorConfig:
     # usable). With the C++ kernels built, fp32 linears are packed (pack_cpu_weights) and leave it nothing
     # to prepack. Never for quantized weights, which constant folding would dequantize.
     freeze_weights: bool = False
+    # LoRA: device slots (distinct adapters per batch; 0: LoRA off) and the largest rank they hold.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -83,9 +87,10 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, or on CUDA, whose Triton attention
-    backend is not a compilable op yet)."""
-    if config.enforce_eager or device.type != "cpu":
+    """How the model step is compiled here; None: eagerly (asked for, with LoRA, or on CUDA, whose Triton
+    attention backend is not a compilable op yet)."""
+    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly.
+    if config.enforce_eager or device.type != "cpu" or config.max_loras:
         return None
     freeze = config.freeze_weights and not config.quantization.enabled
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
@@ -144,9 +149,11 @@ class LocalExecutor:
             num_host_kv_blocks=self._num_host_kv_blocks,
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, tp) if config.max_loras else None
         with clock("compile"):
+            compiled = compile_config(config, device)
             self.runner = ModelRunner(
-                self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compile_config(config, device)
+                self.model, backend, config.cache.block_size, eos_token_ids, config.seed, compiled, self.lora
             )
         self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
@@ -164,6 +171,8 @@ class LocalExecutor:
         return self._num_host_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.lora_updates:
+            self.lora.apply(scheduler_output.lora_updates)
         if scheduler_output.kv_transfers:
             self.host_kv_cache.apply(scheduler_output.kv_transfers)
             if scheduler_output.total_num_scheduled_tokens == 0:  # a swap with nothing else to run
