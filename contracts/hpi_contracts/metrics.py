@@ -28,14 +28,6 @@ SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 POSITION_LABEL = "position"
-# LoRA adapters (only with --enable-lora), vLLM's gauge: one sample per state, labelled with the adapters that have
-# requests running and waiting (comma-separated names) and max_lora (adapters one batch may hold); its value is the
-# time the state was set (epoch seconds), and earlier states stay on the page, so the newest sample is the current
-# one. The Gateway API inference extension's LoRA affinity reads it the same way; so does the router.
-LORA_REQUESTS_INFO = "vllm:lora_requests_info"
-RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"
-WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
-MAX_LORA_LABEL = "max_lora"
 # Histograms.
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
@@ -46,7 +38,9 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 # ("mean ITL within the target") counts requests, so the operator reads this one.
 REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
 # LoRA (vLLM's info gauge: one series whose labels name the adapters with running / waiting requests, comma-
-# separated, and max_lora; its value is the time it was set) and the runtime's adapter moves (counters).
+# separated, and max_lora; its value is the time it was set: vLLM leaves earlier states on the page, so readers
+# take the newest sample, as the Gateway API inference extension's LoRA affinity and the router do) and the
+# runtime's adapter moves (counters).
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"
 WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"

@@ -22,7 +22,7 @@ from typing import Any
 
 from hpi_contracts.kv_cache import BLOCK_SIZES
 from hpi_contracts.pool_profile import parse_pool_profile
-from hpi_runtime.lora.request import LoRAModulePath, parse_lora_module
+from hpi_runtime.lora.request import LoRAModulePath, lora_modules
 from hpi_runtime.options import OptionSpec, check_choices, option, option_specs, parse_bytes, positive_int
 from hpi_runtime.spec_decode.params import SpeculativeParams, parse_speculative_config
 
@@ -162,8 +162,8 @@ class LoRAConfig:
     enable_lora: bool = option(False, "serve LoRA adapters: a request names one in its 'model' field")
     lora_modules: tuple[str, ...] | None = option(
         None, "adapters to load at start-up: name=path or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": "
-        "...}, several separated by spaces; a path is a PEFT directory (adapter_config.json + "
-        "adapter_model.safetensors)", multiple=True)  # fmt: skip
+        "...}, several separated by spaces, or @PATH: a file with a JSON list of such objects (missing: none); a "
+        "path is a PEFT directory (adapter_config.json + adapter_model.safetensors)", multiple=True)  # fmt: skip
     max_loras: int = option(1, "distinct adapters in one batch at most (device slots); requests for others wait")
     max_lora_rank: int = option(16, "the largest adapter rank accepted (the slots are sized for it)",
                                 choices=(1, 8, 16, 32, 64, 128, 256, 320, 512))
@@ -189,7 +189,7 @@ class LoRAConfig:
     @property
     def modules(self) -> tuple[LoRAModulePath, ...]:
         """--lora-modules parsed (ValueError for a malformed one)."""
-        return tuple(parse_lora_module(text) for text in self.lora_modules or ())
+        return lora_modules(self.lora_modules or ())
 
     @property
     def num_cpu_loras(self) -> int:

@@ -1,12 +1,22 @@
 """What names an adapter: `LoRARequest` (vLLM's), and the `--lora-modules` values that register adapters at start.
 
 Nothing here imports torch: the config tree parses `--lora-modules` with it, before a model loads.
+
+`--lora-modules @PATH` reads the list from a file: a JSON list of vLLM's objects (`{"name", "path",
+"base_model_name"}`), as the operator writes each pool's adapters into a mounted ConfigMap (docs/lora.md): a pod
+that starts loads what the spec lists then, and later changes reach running pods through the admin endpoints. A
+missing file lists nothing (the ConfigMap is optional: a pod may start before the operator wrote it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,3 +66,36 @@ def parse_lora_module(text: str) -> LoRAModulePath:
     if not module.name or not module.path:
         raise ValueError(f"--lora-modules: the name and the path must not be empty, got {text!r}")
     return module
+
+
+def _file_modules(path: str) -> list[LoRAModulePath]:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        logger.info("--lora-modules @%s: no such file yet, no adapter to load at start", path)
+        return []
+    except OSError as exc:
+        raise ValueError(f"--lora-modules @{path}: cannot read it: {exc}") from None
+    if not text.strip():
+        return []
+    try:
+        entries = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--lora-modules @{path}: not valid JSON ({exc})") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--lora-modules @{path}: expected a JSON list of objects, got {text[:200]!r}")
+    return [parse_lora_module(json.dumps(entry)) for entry in entries]
+
+
+def lora_modules(values: Iterable[str]) -> tuple[LoRAModulePath, ...]:
+    """--lora-modules values -> the adapters they name: `name=path`, a JSON object, or `@PATH` (a file's list)."""
+    modules: list[LoRAModulePath] = []
+    for text in values:
+        text = text.strip()
+        if text.startswith("@"):
+            if len(text) == 1:
+                raise ValueError("--lora-modules @PATH needs a path after the @")
+            modules += _file_modules(text[1:])
+        else:
+            modules.append(parse_lora_module(text))
+    return tuple(modules)

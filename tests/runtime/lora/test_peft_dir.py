@@ -140,3 +140,22 @@ def test_lora_modules_round_trip_through_the_operator_flag_contract():
     parsed = build_parser().parse_args(["serve", *argv])
     assert EngineArgs.from_options(enable_lora=parsed.enable_lora, lora_modules=parsed.lora_modules).lora.modules == (
         LoRAModulePath("a", "/cache/a"), LoRAModulePath("b", "/cache/b"))  # fmt: skip
+
+
+def test_lora_modules_from_a_file_as_the_operator_mounts_it(tmp_path):
+    """`--lora-modules @PATH`: the pool's list from the operator's ConfigMap; missing or empty lists nothing."""
+    listing = tmp_path / "lora-modules.json"
+    listing.write_text(json.dumps([{"name": "sql", "path": "/cache/sql", "base_model_name": "m"},
+                                   {"name": "chat", "path": "/cache/chat"}]))  # fmt: skip
+    config = LoRAConfig(enable_lora=True, lora_modules=(f"@{listing}", "extra=/x"))
+    assert config.modules == (LoRAModulePath("sql", "/cache/sql", "m"), LoRAModulePath("chat", "/cache/chat"),
+                              LoRAModulePath("extra", "/x"))  # fmt: skip
+    assert LoRAConfig(enable_lora=True, lora_modules=(f"@{tmp_path / 'absent.json'}",)).modules == ()
+    (tmp_path / "empty.json").write_text("")
+    assert LoRAConfig(enable_lora=True, lora_modules=(f"@{tmp_path / 'empty.json'}",)).modules == ()
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(ValueError, match="expected a JSON list of objects"):
+        LoRAConfig(enable_lora=True, lora_modules=(f"@{tmp_path / 'bad.json'}",))
+    listing.write_text(json.dumps([{"name": "sql", "path": "/a"}, {"name": "sql", "path": "/b"}]))
+    with pytest.raises(ValueError, match="twice"):
+        LoRAConfig(enable_lora=True, lora_modules=(f"@{listing}",))
