@@ -26,13 +26,16 @@ KEY = "lora-test-key"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, adapters, tmp_path_factory):
-    log = tmp_path_factory.mktemp("lora-server") / "server.log"
-    attn = json.dumps({"name": "attn", "path": str(adapters["attn"]), "base_model_name": BASE})
+    folder = tmp_path_factory.mktemp("lora-server")
+    log = folder / "server.log"
+    # "attn" comes from a file, as the operator's ConfigMap lists a pool's adapters (--lora-modules @PATH).
+    listing = folder / "lora-modules.json"
+    listing.write_text(json.dumps([{"name": "attn", "path": str(adapters["attn"]), "base_model_name": BASE}]))
     with RuntimeServer(
         tiny_model_dir, log,
         "--served-model-name", BASE, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--api-key", KEY,
-        "--lora-modules", f"all={adapters['all']}", attn,
+        "--lora-modules", f"all={adapters['all']}", f"@{listing}",
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
     ) as running:  # fmt: skip
         yield running
