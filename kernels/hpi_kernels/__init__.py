@@ -1,5 +1,4 @@
-"""hetero-paged-infer kernels: Triton paged attention, weight-only quantized matmul, fused MoE and multi-LoRA, with
-references.
+"""hetero-paged-infer kernels: Triton paged attention, weight-only quantized matmul and fused MoE, with references.
 
 Launchers import Triton lazily, on first use: importing hpi_kernels (or hpi_kernels.quant /
 hpi_kernels.reference, which need only torch) works on machines without a GPU or without Triton.
@@ -19,8 +18,6 @@ _LAUNCHERS = {
     "fused_experts": "hpi_kernels.fused_moe",
     "int8_weight_only_matmul": "hpi_kernels.quant_matmul",
     "int4_weight_only_matmul": "hpi_kernels.quant_matmul",
-    "lora_add_": "hpi_kernels.lora",
-    "group_tokens": "hpi_kernels.lora",
     "quantize_int8": "hpi_kernels.quant",
     "dequantize_int8": "hpi_kernels.quant",
     "quantize_int4": "hpi_kernels.quant",

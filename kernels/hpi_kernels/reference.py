@@ -133,13 +133,3 @@ def fused_experts_ref(
             gate, up = (w13[expert].float() @ x).chunk(2)
             out[t] += weight * (w2[expert].float() @ (torch.nn.functional.silu(gate) * up))
     return out.to(hidden.dtype)
-
-
-def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
-                   base_slot: int = -1) -> torch.Tensor:  # fmt: skip
-    """[num_tokens, N] in float64: B[s_t] @ (A[s_t] @ x[t]) per token, zero for base_slot tokens."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64, device=x.device)
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot != base_slot:
-            out[t] = b[slot].double() @ (a[slot].double() @ x[t].double())
-    return out
