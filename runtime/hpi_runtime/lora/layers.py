@@ -9,8 +9,10 @@ k, v; gate_up: gate, up) stacks one rank block per part, and part p's output row
 
 The delta is grouped by slot (the punica / S-LoRA idea, with torch ops): per distinct adapter present in the
 step, its tokens are gathered, run through two small matmuls and added back; when more than half the slots are
-present, two matmuls over all slots with a per-token one-hot mask cost less (LoRABatch). Either is set up once
-per step on the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
+present, two matmuls over all slots with a per-token one-hot mask cost less (LoRABatch). On CUDA the Triton
+kernel of hpi_kernels.lora (punica's BGMV: each token times its own slot's matrices, read in place) does both
+in two launches. Each is set up once per step on the host from the per-token slots (`LoRABatch.set_step`),
+so no layer synchronises with the device.
 
 Tensor parallelism: a column-parallel projection keeps the whole A and the rows of B its output holds; a
 row-parallel one (o_proj, down_proj) keeps the columns of A its input holds and the whole B: its delta is a
@@ -63,11 +65,16 @@ class LoRABatch:
         self.num_slots, self.like = num_slots, like
         self.groups: tuple[tuple[int, torch.Tensor | None], ...] = ()  # (slot, token rows or None: all tokens)
         self.one_hot: torch.Tensor | None = None  # [num_tokens, num_slots] in the activation dtype
+        self.token_slots: torch.Tensor | None = None  # [num_tokens] int64 on the device: hpi_kernels.lora_delta
 
-    def set_step(self, token_slots: np.ndarray | None, device: torch.device) -> None:
-        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's."""
-        self.groups, self.one_hot = (), None
+    def set_step(self, token_slots: np.ndarray | None, device: torch.device, use_kernel: bool | None = None) -> None:
+        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's.
+        `use_kernel` (default: on CUDA): the Triton BGMV kernel, one launch per shrink and expand."""
+        self.groups, self.one_hot, self.token_slots = (), None, None
         if token_slots is None:
+            return
+        if use_kernel if use_kernel is not None else device.type == "cuda":
+            self.token_slots = torch.from_numpy(token_slots).to(device)
             return
         slots = np.unique(token_slots)
         slots = slots[slots != BASE_SLOT]
@@ -105,6 +112,10 @@ class LoRAProjection:
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         x = args[0]  # [num_tokens, in]
+        if batch.token_slots is not None:
+            from hpi_kernels import lora_delta
+
+            return lora_delta(x, self.a, self.b, batch.token_slots, output)
         if batch.one_hot is not None:
             num_slots = self.a.shape[0]
             shrunk = F.linear(x, self.a.view(num_slots * self.width, -1)).view(-1, num_slots, self.width)

@@ -83,3 +83,36 @@ def test_tensor_parallel_shards_the_adapters_like_their_layers(tiny_model_dir, a
     for lora, output in zip(loras, outputs, strict=True):
         expected, _ = reference_greedy(tiny_model_dir, adapters[lora.lora_name] if lora else None, ids, MAX_TOKENS)
         assert list(output.output_token_ids) == expected
+
+
+@pytest.mark.parametrize("slots", [[0, -1, 1, 1, 0, -1], [1, 1, 1, 1, 1, 1], [0, 2, 3, 1, -1, 2]])
+def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
+    """Per-adapter groups, the one-hot masked matmuls and the Triton kernel (CUDA's path, here in Triton's
+    interpreter) add the same deltas to a projection's output."""
+    import numpy as np
+    import torch
+
+    from hpi_runtime.lora.layers import LoRABatch, LoRAProjection, PartSlice, ProjectionShape
+    from hpi_runtime.models.parallel import Span
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(0)
+    shape = ProjectionShape((PartSlice("gate", 0, Span(0, 12)), PartSlice("up", 12, Span(0, 12))), None, 16, 24)
+    batch = LoRABatch(4, torch.zeros(0))
+    projection = LoRAProjection(shape, 4, 4, batch)
+    for slot in range(4):
+        for part in ("gate", "up"):
+            a, b = torch.randn(3, 16, generator=generator), torch.randn(12, 3, generator=generator)
+            projection.load_part(slot, part, a, b, scaling=0.5)
+    x, base = torch.randn(6, 16, generator=generator), torch.randn(6, 24, generator=generator)
+    token_slots = np.array(slots, dtype=np.int64)
+    expected = base.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[t] += projection.b[:, slot] @ (projection.a[slot] @ x[t])
+    for use_kernel in (False, True):  # without the kernel: groups or one-hot, by how many slots are present
+        batch.set_step(token_slots, torch.device("cpu"), use_kernel=use_kernel)
+        torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)
+    batch.one_hot, batch.groups = None, tuple((s, torch.tensor([t for t, v in enumerate(slots) if v == s]))
+                                              for s in sorted(set(slots) - {-1}))  # fmt: skip
+    torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)
