@@ -32,15 +32,20 @@ def build_adapter(model_dir: Path, out_dir: Path, *, rank: int = 8, alpha: float
     return Path(out_dir)
 
 
-def reference_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int):
-    """transformers (+ peft): greedy token ids and each one's logprob, in fp32."""
+def reference_model(model_dir: Path, adapter_dir: Path | None):
+    """transformers' model of `model_dir` in fp32, with peft's adapter on it when one is given."""
     import torch
     import transformers
     from peft import PeftModel
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
+    return PeftModel.from_pretrained(model, adapter_dir) if adapter_dir is not None else model
+
+
+def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and each one's logprob, as transformers generates them."""
+    import torch
+
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
@@ -48,3 +53,8 @@ def reference_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list
     tokens = out.sequences[0, ids.shape[1] :].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
+
+
+def reference_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int):
+    """transformers (+ peft): greedy token ids and each one's logprob, in fp32."""
+    return greedy(reference_model(model_dir, adapter_dir), prompt_ids, max_new_tokens)

@@ -3,13 +3,16 @@
 Every adapted projection of the model (each layer's qkv_proj, o_proj, gate_up_proj and down_proj, whatever
 module computes it: float, int8/int4, packed for the CPU) gets a forward hook that adds the LoRA delta of
 each token's adapter: out[t] += B[s] @ (A[s] @ x[t]) with s = the token's slot (BASE_SLOT: nothing). Slot
-weights are kept as A [num_slots, parts * max_rank, in] and B [num_slots, out, parts * max_rank] in the
+weights are kept as A [num_slots, parts * max_rank, in] and B [out, num_slots, parts * max_rank] in the
 activation dtype, zero-padded to max_rank with the scaling folded into B. A fused projection (qkv: parts q,
 k, v; gate_up: gate, up) stacks one rank block per part, and part p's output rows read only block p of B.
 
 The delta is grouped by slot (the punica / S-LoRA idea, with torch ops): per distinct adapter present in the
-step, its tokens are gathered, run through two small matmuls and added back. The step's groups are built once
-on the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
+step, its tokens are gathered, run through two small matmuls and added back; when more than half the slots are
+present, two matmuls over all slots with a per-token one-hot mask cost less (LoRABatch). On CUDA the Triton
+kernel of hpi_kernels.lora (punica's BGMV: each token times its own slot's matrices, read in place) does both
+in two launches. Each is set up once per step on the host from the per-token slots (`LoRABatch.set_step`),
+so no layer synchronises with the device.
 
 Tensor parallelism: a column-parallel projection keeps the whole A and the rows of B its output holds; a
 row-parallel one (o_proj, down_proj) keeps the columns of A its input holds and the whole B: its delta is a
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
@@ -50,22 +54,39 @@ class PartSlice:
 
 
 class LoRABatch:
-    """The current step's tokens grouped by adapter slot; set by the runner before each forward."""
+    """The current step's tokens by adapter slot; set by the runner before each forward.
 
-    def __init__(self) -> None:
+    Two ways to add the deltas, chosen per step from how many distinct adapters it holds (measured on CPU,
+    docs/lora.md): `groups`, one gather + two small matmuls + one scatter-add per adapter present, cheapest for
+    few adapters; or `one_hot` [num_tokens, num_slots], two matmuls over every slot's rank block with each
+    token's other blocks zeroed, whose cost does not grow with the number of adapters present."""
+
+    def __init__(self, num_slots: int, like: torch.Tensor) -> None:
+        self.num_slots, self.like = num_slots, like
         self.groups: tuple[tuple[int, torch.Tensor | None], ...] = ()  # (slot, token rows or None: all tokens)
+        self.one_hot: torch.Tensor | None = None  # [num_tokens, num_slots] in the activation dtype
+        self.token_slots: torch.Tensor | None = None  # [num_tokens] int64 on the device: hpi_kernels.lora_delta
 
-    def set_step(self, token_slots: np.ndarray | None, device: torch.device) -> None:
-        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's."""
+    def set_step(self, token_slots: np.ndarray | None, device: torch.device, use_kernel: bool | None = None) -> None:
+        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's.
+        `use_kernel` (default: on CUDA): the Triton BGMV kernel, one launch per shrink and expand."""
+        self.groups, self.one_hot, self.token_slots = (), None, None
         if token_slots is None:
-            self.groups = ()
+            return
+        if use_kernel if use_kernel is not None else device.type == "cuda":
+            self.token_slots = torch.from_numpy(token_slots).to(device)
             return
         slots = np.unique(token_slots)
         slots = slots[slots != BASE_SLOT]
-        if len(slots) == 1 and (token_slots == slots[0]).all():
+        if 2 * len(slots) > self.num_slots:
+            one_hot = np.zeros((len(token_slots), self.num_slots), dtype=np.float32)
+            adapted = np.flatnonzero(token_slots != BASE_SLOT)
+            one_hot[adapted, token_slots[adapted]] = 1.0
+            self.one_hot = torch.from_numpy(one_hot).to(device=device, dtype=self.like.dtype)
+        elif len(slots) == 1 and (token_slots == slots[0]).all():
             self.groups = ((int(slots[0]), None),)
-            return
-        self.groups = tuple((int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in slots)
+        else:
+            self.groups = tuple((int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in slots)
 
 
 @dataclass(frozen=True)
@@ -81,30 +102,36 @@ class ProjectionShape:
 class LoRAProjection:
     """The slots of one projection and the hook that adds their delta."""
 
-    def __init__(self, shape: ProjectionShape, num_slots: int, max_rank: int, batch: LoRABatch,
-                 like: torch.Tensor) -> None:  # fmt: skip
-        """`like`: a tensor of the activation dtype on the model's device."""
+    def __init__(self, shape: ProjectionShape, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
         self.parts, self.in_span, self.max_rank, self.batch = shape.parts, shape.in_span, max_rank, batch
-        width = len(shape.parts) * max_rank
-        self.a = like.new_zeros(num_slots, width, shape.in_features)  # [S, P * R, in]
-        self.b = like.new_zeros(num_slots, shape.out_features, width)  # [S, out, P * R]
+        self.width = len(shape.parts) * max_rank  # W: one rank block per part
+        like = batch.like
+        self.a = like.new_zeros(num_slots, self.width, shape.in_features)  # [S, W, in]
+        self.b = like.new_zeros(shape.out_features, num_slots, self.width)  # [out, S, W]: B of slot s is b[:, s]
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        groups = self.batch.groups
-        if not groups:
-            return output
+        batch = self.batch
         x = args[0]  # [num_tokens, in]
-        for slot, rows in groups:
+        if batch.token_slots is not None:
+            from hpi_kernels import lora_delta
+
+            return lora_delta(x, self.a, self.b, batch.token_slots, output)
+        if batch.one_hot is not None:
+            num_slots = self.a.shape[0]
+            shrunk = F.linear(x, self.a.view(num_slots * self.width, -1)).view(-1, num_slots, self.width)
+            shrunk = (shrunk * batch.one_hot.unsqueeze(-1)).view(-1, num_slots * self.width)
+            return output + F.linear(shrunk, self.b.view(self.b.shape[0], -1))
+        for slot, rows in batch.groups:
             if rows is None:
-                output = output + torch.nn.functional.linear(torch.nn.functional.linear(x, self.a[slot]), self.b[slot])
+                output = output + F.linear(F.linear(x, self.a[slot]), self.b[:, slot])
             else:
-                shrunk = torch.nn.functional.linear(x.index_select(0, rows), self.a[slot])
-                output = output.index_add(0, rows, torch.nn.functional.linear(shrunk, self.b[slot]))
+                shrunk = F.linear(x.index_select(0, rows), self.a[slot])
+                output = output.index_add(0, rows, F.linear(shrunk, self.b[:, slot]))
         return output
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b[:, slot].zero_()
 
     def load_part(self, slot: int, part: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """a: [r, in] (unsharded), b: [part_out, r] (unsharded, this part's rows) -> slot `slot`."""
@@ -116,7 +143,7 @@ class LoRAProjection:
             a = a.narrow(1, self.in_span.start, self.in_span.size)
         b = b.narrow(0, spec.rows.start, spec.rows.size) * scaling
         self.a[slot, cols] = a.to(self.a.dtype)
-        self.b[slot, spec.out_offset : spec.out_offset + spec.rows.size, cols] = b.to(self.b.dtype)
+        self.b[spec.out_offset : spec.out_offset + spec.rows.size, slot, cols] = b.to(self.b.dtype)
 
 
 def _projection_shapes(config: ModelConfig, layer: int, tp: TensorParallel) -> dict[str, ProjectionShape]:
@@ -158,13 +185,12 @@ class LoRAModel:
         config: ModelConfig = model.config
         self.config, self.max_rank = config, max_rank
         # The activation dtype on the model's device (quantized weights are integers: the norms say it).
-        like = model.model.norm.weight.new_zeros(0)
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(num_slots, model.model.norm.weight.new_zeros(0))
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         self.host: dict[int, tuple[AdapterSpec, dict]] = {}  # lora_int_id -> (spec, tensors) in host memory
         for index, layer in enumerate(model.model.layers):
             for path, shape in _projection_shapes(config, index, tp).items():
-                projection = LoRAProjection(shape, num_slots, max_rank, self.batch, like)
+                projection = LoRAProjection(shape, num_slots, max_rank, self.batch)
                 layer.get_submodule(path).register_forward_hook(projection)
                 self.projections[(index, path)] = projection
 

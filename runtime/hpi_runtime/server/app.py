@@ -149,8 +149,7 @@ async def list_models(request: web.Request) -> web.Response:
     card = {"id": model.name, "object": "model", "created": created, "owned_by": "hetero-paged-infer",
             "root": model.name, "parent": None, "max_model_len": model.max_model_len}  # fmt: skip
     adapters = [{"id": lora.lora_name, "object": "model", "created": created, "owned_by": "hpi",
-                 "root": lora.lora_path, "parent": model.name, "max_model_len": model.max_model_len}
-                for lora in (model.loras or ())]  # fmt: skip
+                 "root": lora.lora_path, "parent": model.name} for lora in (model.loras or ())]  # fmt: skip
     return web.json_response({"object": "list", "data": [card, *adapters]})
 
 

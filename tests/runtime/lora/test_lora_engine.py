@@ -10,7 +10,7 @@ import pytest
 from hpi_runtime.llm import LLM
 from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.sampling_params import SamplingParams
-from hpi_testing.lora_adapters import reference_greedy
+from hpi_testing.lora_adapters import greedy, reference_greedy, reference_model
 
 PROMPTS = ["The capital of France is", "Hello world! How", "one two three four", "def add(a, b):",
            "A paged KV cache", "Kubernetes operators"]  # fmt: skip
@@ -32,8 +32,9 @@ def test_mixed_batch_matches_transformers_and_peft(llm, tiny_model_dir, adapters
     prompt_ids = [llm.tokenizer(prompt).input_ids for prompt, _ in cases]
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0),
                            lora_request=[loras[name] if name else None for _, name in cases])  # fmt: skip
+    references = {name: reference_model(tiny_model_dir, adapters[name] if name else None) for name in (*loras, None)}
     for (prompt, name), ids, output in zip(cases, prompt_ids, outputs, strict=True):
-        tokens, logprobs = reference_greedy(tiny_model_dir, adapters[name] if name else None, ids, MAX_TOKENS)
+        tokens, logprobs = greedy(references[name], ids, MAX_TOKENS)
         assert list(output.output_token_ids) == tokens, (prompt, name)
         ours = [entry.logprob for entry in output.new_logprobs]
         assert ours == pytest.approx(logprobs, abs=1e-4), (prompt, name)
@@ -74,10 +75,44 @@ def test_tensor_parallel_shards_the_adapters_like_their_layers(tiny_model_dir, a
     """tp 2: A and B are cut like the projection they adapt (column-parallel: B's rows; row-parallel: A's
     columns, the delta summed by the layer's all-reduce); greedy tokens still equal transformers + peft."""
     loras = [LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"])), None]
-    with LLM(str(tiny_model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+    # Four slots, two adapters in the batch: the per-adapter grouped path (the others test the one-hot one).
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=4, max_lora_rank=8,
              dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 * 2**20) as llm:  # fmt: skip
         ids = llm.tokenizer(PROMPTS[4]).input_ids
         outputs = llm.generate([ids] * 3, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), lora_request=loras)
     for lora, output in zip(loras, outputs, strict=True):
         expected, _ = reference_greedy(tiny_model_dir, adapters[lora.lora_name] if lora else None, ids, MAX_TOKENS)
         assert list(output.output_token_ids) == expected
+
+
+@pytest.mark.parametrize("slots", [[0, -1, 1, 1, 0, -1], [1, 1, 1, 1, 1, 1], [0, 2, 3, 1, -1, 2]])
+def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
+    """Per-adapter groups, the one-hot masked matmuls and the Triton kernel (CUDA's path, here in Triton's
+    interpreter) add the same deltas to a projection's output."""
+    import numpy as np
+    import torch
+
+    from hpi_runtime.lora.layers import LoRABatch, LoRAProjection, PartSlice, ProjectionShape
+    from hpi_runtime.models.parallel import Span
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(0)
+    shape = ProjectionShape((PartSlice("gate", 0, Span(0, 12)), PartSlice("up", 12, Span(0, 12))), None, 16, 24)
+    batch = LoRABatch(4, torch.zeros(0))
+    projection = LoRAProjection(shape, 4, 4, batch)
+    for slot in range(4):
+        for part in ("gate", "up"):
+            a, b = torch.randn(3, 16, generator=generator), torch.randn(12, 3, generator=generator)
+            projection.load_part(slot, part, a, b, scaling=0.5)
+    x, base = torch.randn(6, 16, generator=generator), torch.randn(6, 24, generator=generator)
+    token_slots = np.array(slots, dtype=np.int64)
+    expected = base.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[t] += projection.b[:, slot] @ (projection.a[slot] @ x[t])
+    for use_kernel in (False, True):  # without the kernel: groups or one-hot, by how many slots are present
+        batch.set_step(token_slots, torch.device("cpu"), use_kernel=use_kernel)
+        torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)
+    batch.one_hot, batch.groups = None, tuple((s, torch.tensor([t for t, v in enumerate(slots) if v == s]))
+                                              for s in sorted(set(slots) - {-1}))  # fmt: skip
+    torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)

@@ -57,7 +57,9 @@ def test_models_list_adapters_and_requests_select_them(server, tiny_model_dir, a
         client = _client(server)
         models = (await client.models.list()).data
         assert [m.id for m in models] == [BASE, "all", "attn"]
-        assert models[1].parent == BASE and models[1].root == str(adapters["all"]) and models[1].owned_by == "hpi"
+        card = models[1].model_dump(exclude_unset=True)  # the fields the server sent
+        assert card == {"id": "all", "object": "model", "created": card["created"], "owned_by": "hpi",
+                        "root": str(adapters["all"]), "parent": BASE}  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         prompt = "The capital of France is"
         for name in ("all", "attn", BASE):
