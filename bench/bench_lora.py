@@ -5,9 +5,9 @@ Adapters: rank 16 on all seven projections (q, k, v, o, gate, up, down) of the e
 built with `peft` (random A and B). `hpi serve --enable-lora --max-loras 4`: 8 adapters through 4 slots, so
 adapters are swapped in and out while the load runs. Load: a closed loop of `concurrency` streaming clients,
 requests spread evenly over the 8 adapter names (the base run sends the same requests to the base model).
-Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve` per merged model,
-all 8 up at once, each given concurrency / 8 clients and an eighth of the requests. Memory: the resident set
-of each server and its engine-core process, summed. Also: the decode step time of a 32-request batch whose
+Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
+merged model (eager like the LoRA server's step), all 8 up at once, each given concurrency / 8 clients and an
+eighth of the requests. Memory: the resident set of each server and its engine-core process, summed. Also: the decode step time of a 32-request batch whose
 requests use 0, 1, 2 or 4 distinct adapters (in-process, eager), against the eager base model.
 
     .venv/bin/python -m bench.bench_lora
@@ -116,9 +116,11 @@ def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
 def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> dict:
     """All merged engines at once, each with its share of the clients and of the requests."""
     with ExitStack() as stack:
-        servers = [stack.enter_context(ServerProcess(hpi_command(plan.num_threads, "--model", str(path),
-                   "--kv-cache-memory", plan.merged_kv_cache_memory), log_dir / f"merged{i}.log"))
-                   for i, path in enumerate(merged)]  # fmt: skip
+        # Eager, like the LoRA server (whose step is not compiled): the comparison is then of LoRA against merging.
+        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager")
+        commands = [hpi_command(plan.num_threads, "--model", str(path), *flags) for path in merged]
+        servers = [stack.enter_context(ServerProcess(command, log_dir / f"merged{i}.log"))
+                   for i, command in enumerate(commands)]  # fmt: skip
         per = plan.concurrency // len(servers)
         shares = [requests[i :: len(servers)] for i in range(len(servers))]
 
@@ -206,12 +208,18 @@ def main(argv: list[str] | None = None) -> None:
     machine = {"cpu": platform.processor() or platform.machine(), "isa": cpu_isa(), "cores": psutil.cpu_count(),
                "load_avg_at_start": psutil.getloadavg()}  # fmt: skip
     results: dict = {"plan": asdict(plan), "machine": machine}
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
     print("base model alone ...", flush=True)
     results["base"] = serve_and_load(hpi_command(plan.num_threads, *kv), logs / "base.log", requests,
                                      plan.concurrency)  # fmt: skip
+    save()
     print("base model, eager step ...", flush=True)
     results["base_eager"] = serve_and_load(hpi_command(plan.num_threads, *kv, "--enforce-eager"),
                                            logs / "base_eager.log", requests, plan.concurrency)  # fmt: skip
+    save()
     print("8 adapters, --max-loras 4 ...", flush=True)
     modules = [f"{name}={path}" for name, path in zip(names, adapters, strict=True)]
     lora_flags = ("--enable-lora", "--max-loras", str(plan.max_loras), "--max-lora-rank", str(plan.rank),
@@ -222,11 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         print("8 merged models in 8 engines ...", flush=True)
         merged = merge_adapters(base_dir, adapters, work)
         results["merged"] = merged_run(plan, merged, requests, logs)
+    save()
     print("step time per distinct adapters ...", flush=True)
     results["step_ms"] = step_times(plan, base_dir, adapters)
     results["machine"]["load_avg_at_end"] = psutil.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    save()
     base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
     print(f"output tok/s: base {base:.1f}, base eager {results['base_eager']['output_tokens_per_s']:.1f}, "
           f"8 LoRA {lora:.1f} ({lora / base:.2f}x base)")  # fmt: skip
