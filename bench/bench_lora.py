@@ -8,7 +8,8 @@ requests spread evenly over the 8 adapter names (the base run sends the same req
 Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
 merged model (eager like the LoRA server's step), all 8 up at once, each given concurrency / 8 clients and an
 eighth of the requests. Memory: the resident set of each server and its engine-core process, summed.
-Also: the decode step time of a 32-request batch whose requests use 0, 1, 2 or 4 distinct adapters (in-process, eager), against the eager base model.
+Also: the decode step time of a 32-request batch whose requests use 0, 1, 2 or 4 distinct adapters
+(in-process, eager), against the eager base model.
 
     .venv/bin/python -m bench.bench_lora
     .venv/bin/python -m bench.bench_lora --num-requests 64 --output-len 32 --out bench/results/tmp/lora.json
