@@ -48,7 +48,8 @@ class LoRAPlan:
     output_len: int = 64
     num_threads: int = 2
     kv_cache_memory: str = "512MiB"
-    merged_kv_cache_memory: str = "128MiB"  # per merged engine: 4 clients each
+    merged_kv_cache_memory: str = "256MiB"  # per merged engine: 4 clients each
+    merged_max_model_len: int = 1024  # so that its smaller KV budget holds one whole request
     step_batch: int = 32
     step_distinct: tuple[int, ...] = (0, 1, 2, 4)
     num_timed_steps: int = 12
@@ -118,7 +119,8 @@ def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> d
     """All merged engines at once, each with its share of the clients and of the requests."""
     with ExitStack() as stack:
         # Eager, like the LoRA server (whose step is not compiled): the comparison is then of LoRA against merging.
-        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager")
+        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager", "--max-model-len",
+                 str(plan.merged_max_model_len))  # fmt: skip
         commands = [hpi_command(plan.num_threads, "--model", str(path), *flags) for path in merged]
         servers = [stack.enter_context(ServerProcess(command, log_dir / f"merged{i}.log"))
                    for i, command in enumerate(commands)]  # fmt: skip
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
+    parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
     args = parser.parse_args(argv)
     plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len)
     from transformers import AutoTokenizer
@@ -209,33 +212,31 @@ def main(argv: list[str] | None = None) -> None:
     machine = {"cpu": platform.processor() or platform.machine(), "isa": cpu_isa(), "cores": psutil.cpu_count(),
                "load_avg_at_start": psutil.getloadavg()}  # fmt: skip
     results: dict = {"plan": asdict(plan), "machine": machine}
-    def save() -> None:  # after every phase: a run cut short keeps what it measured
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
-
-    print("base model alone ...", flush=True)
-    results["base"] = serve_and_load(hpi_command(plan.num_threads, *kv), logs / "base.log", requests,
-                                     plan.concurrency)  # fmt: skip
-    save()
-    print("base model, eager step ...", flush=True)
-    results["base_eager"] = serve_and_load(hpi_command(plan.num_threads, *kv, "--enforce-eager"),
-                                           logs / "base_eager.log", requests, plan.concurrency)  # fmt: skip
-    save()
-    print("8 adapters, --max-loras 4 ...", flush=True)
+    if args.resume and args.out.exists():
+        results = {**json.loads(args.out.read_text()), "machine_resumed": machine}
     modules = [f"{name}={path}" for name, path in zip(names, adapters, strict=True)]
     lora_flags = ("--enable-lora", "--max-loras", str(plan.max_loras), "--max-lora-rank", str(plan.rank),
                   "--lora-modules", *modules)  # fmt: skip
-    results["lora"] = serve_and_load(hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log",
-                                     lora_requests, plan.concurrency)  # fmt: skip
-    if not args.skip_merged:
-        print("8 merged models in 8 engines ...", flush=True)
-        merged = merge_adapters(base_dir, adapters, work)
-        results["merged"] = merged_run(plan, merged, requests, logs)
-    save()
-    print("step time per distinct adapters ...", flush=True)
-    results["step_ms"] = step_times(plan, base_dir, adapters)
-    results["machine"]["load_avg_at_end"] = psutil.getloadavg()
-    save()
+    phases = {
+        "base": ("base model alone", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv), logs / "base.log", requests, plan.concurrency)),
+        "base_eager": ("base model, eager step", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, "--enforce-eager"), logs / "base_eager.log", requests,
+            plan.concurrency)),
+        "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        "merged": (f"{plan.num_adapters} merged models in {plan.num_adapters} engines", lambda: merged_run(
+            plan, merge_adapters(base_dir, adapters, work), requests, logs)),
+        "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
+    }  # fmt: skip
+    for key, (what, run) in phases.items():
+        if key in results or (key == "merged" and args.skip_merged):
+            continue
+        print(f"{what} ...", flush=True)
+        results[key] = run()
+        # After every phase: a run cut short keeps what it measured (--resume goes on from there).
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
     base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
     print(f"output tok/s: base {base:.1f}, base eager {results['base_eager']['output_tokens_per_s']:.1f}, "
           f"8 LoRA {lora:.1f} ({lora / base:.2f}x base)")  # fmt: skip
