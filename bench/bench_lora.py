@@ -5,10 +5,11 @@ Adapters: rank 16 on all seven projections (q, k, v, o, gate, up, down) of the e
 built with `peft` (random A and B). `hpi serve --enable-lora --max-loras 4`: 8 adapters through 4 slots, so
 adapters are swapped in and out while the load runs. Load: a closed loop of `concurrency` streaming clients,
 requests spread evenly over the 8 adapter names (the base run sends the same requests to the base model).
-Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve` per merged model,
-all 8 up at once, each given concurrency / 8 clients and an eighth of the requests. Memory: the resident set
-of each server and its engine-core process, summed. Also: the decode step time of a 32-request batch whose
-requests use 0, 1, 2 or 4 distinct adapters (in-process, eager), against the eager base model.
+Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
+merged model (eager like the LoRA server's step), all 8 up at once, each given concurrency / 8 clients and an
+eighth of the requests. Memory: the resident set of each server and its engine-core process, summed.
+Also: the decode step time of a 32-request batch whose requests use 0, 1, 2 or 4 distinct adapters
+(in-process, eager), against the eager base model.
 
     .venv/bin/python -m bench.bench_lora
     .venv/bin/python -m bench.bench_lora --num-requests 64 --output-len 32 --out bench/results/tmp/lora.json
@@ -47,7 +48,8 @@ class LoRAPlan:
     output_len: int = 64
     num_threads: int = 2
     kv_cache_memory: str = "512MiB"
-    merged_kv_cache_memory: str = "128MiB"  # per merged engine: 4 clients each
+    merged_kv_cache_memory: str = "256MiB"  # per merged engine: 4 clients each
+    merged_max_model_len: int = 1024  # so that its smaller KV budget holds one whole request
     step_batch: int = 32
     step_distinct: tuple[int, ...] = (0, 1, 2, 4)
     num_timed_steps: int = 12
@@ -116,9 +118,12 @@ def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
 def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> dict:
     """All merged engines at once, each with its share of the clients and of the requests."""
     with ExitStack() as stack:
-        servers = [stack.enter_context(ServerProcess(hpi_command(plan.num_threads, "--model", str(path),
-                   "--kv-cache-memory", plan.merged_kv_cache_memory), log_dir / f"merged{i}.log"))
-                   for i, path in enumerate(merged)]  # fmt: skip
+        # Eager, like the LoRA server (whose step is not compiled): the comparison is then of LoRA against merging.
+        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager", "--max-model-len",
+                 str(plan.merged_max_model_len))  # fmt: skip
+        commands = [hpi_command(plan.num_threads, "--model", str(path), *flags) for path in merged]
+        servers = [stack.enter_context(ServerProcess(command, log_dir / f"merged{i}.log"))
+                   for i, command in enumerate(commands)]  # fmt: skip
         per = plan.concurrency // len(servers)
         shares = [requests[i :: len(servers)] for i in range(len(servers))]
 
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
+    parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
     args = parser.parse_args(argv)
     plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len)
     from transformers import AutoTokenizer
@@ -206,27 +212,31 @@ def main(argv: list[str] | None = None) -> None:
     machine = {"cpu": platform.processor() or platform.machine(), "isa": cpu_isa(), "cores": psutil.cpu_count(),
                "load_avg_at_start": psutil.getloadavg()}  # fmt: skip
     results: dict = {"plan": asdict(plan), "machine": machine}
-    print("base model alone ...", flush=True)
-    results["base"] = serve_and_load(hpi_command(plan.num_threads, *kv), logs / "base.log", requests,
-                                     plan.concurrency)  # fmt: skip
-    print("base model, eager step ...", flush=True)
-    results["base_eager"] = serve_and_load(hpi_command(plan.num_threads, *kv, "--enforce-eager"),
-                                           logs / "base_eager.log", requests, plan.concurrency)  # fmt: skip
-    print("8 adapters, --max-loras 4 ...", flush=True)
+    if args.resume and args.out.exists():
+        results = {**json.loads(args.out.read_text()), "machine_resumed": machine}
     modules = [f"{name}={path}" for name, path in zip(names, adapters, strict=True)]
     lora_flags = ("--enable-lora", "--max-loras", str(plan.max_loras), "--max-lora-rank", str(plan.rank),
                   "--lora-modules", *modules)  # fmt: skip
-    results["lora"] = serve_and_load(hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log",
-                                     lora_requests, plan.concurrency)  # fmt: skip
-    if not args.skip_merged:
-        print("8 merged models in 8 engines ...", flush=True)
-        merged = merge_adapters(base_dir, adapters, work)
-        results["merged"] = merged_run(plan, merged, requests, logs)
-    print("step time per distinct adapters ...", flush=True)
-    results["step_ms"] = step_times(plan, base_dir, adapters)
-    results["machine"]["load_avg_at_end"] = psutil.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    phases = {
+        "base": ("base model alone", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv), logs / "base.log", requests, plan.concurrency)),
+        "base_eager": ("base model, eager step", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, "--enforce-eager"), logs / "base_eager.log", requests,
+            plan.concurrency)),
+        "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        "merged": (f"{plan.num_adapters} merged models in {plan.num_adapters} engines", lambda: merged_run(
+            plan, merge_adapters(base_dir, adapters, work), requests, logs)),
+        "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
+    }  # fmt: skip
+    for key, (what, run) in phases.items():
+        if key in results or (key == "merged" and args.skip_merged):
+            continue
+        print(f"{what} ...", flush=True)
+        results[key] = run()
+        # After every phase: a run cut short keeps what it measured (--resume goes on from there).
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
     base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
     print(f"output tok/s: base {base:.1f}, base eager {results['base_eager']['output_tokens_per_s']:.1f}, "
           f"8 LoRA {lora:.1f} ({lora / base:.2f}x base)")  # fmt: skip
