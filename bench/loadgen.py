@@ -53,6 +53,7 @@ class RequestSpec:
     prompt: str
     num_prompt_tokens: int
     max_tokens: int
+    model: str | None = None  # the 'model' to ask for (a LoRA adapter's name); None: LoadConfig.model
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ async def send_one(session: aiohttp.ClientSession, config: LoadConfig, request: 
     start = time.perf_counter()
     chunk_times, usage, finish_reason = [], None, None
     try:
-        async with session.post(f"{config.base_url}/v1/completions", json=request_body(config.model, request)) as r:
+        body = request_body(request.model or config.model, request)
+        async with session.post(f"{config.base_url}/v1/completions", json=body) as r:
             if r.status != 200:
                 body = (await r.text())[:200]
                 return RequestResult(False, start - t0, time.perf_counter() - start, error=f"HTTP {r.status}: {body}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FLAG_TYPES = ("int", "float", "str", "bytes", "switch")  # bytes: an int, or a size such as 2GiB; switch: no value
+# bytes: an int, or a size such as 2GiB; switch: no value; strs: one or more strings after the flag
+FLAG_TYPES = ("int", "float", "str", "bytes", "switch", "strs")
 
 
 @dataclass(frozen=True)
@@ -15,5 +16,5 @@ class ServeFlag:
     name: str  # the spelling, e.g. "--block-size"
     field: str  # the runtime's option (LLM's keyword argument), e.g. "block_size"
     type: str  # one of FLAG_TYPES
-    default: int | float | str | bool | None  # the runtime's default when the flag is absent
+    default: int | float | str | bool | tuple[str, ...] | None  # the runtime's default when the flag is absent
     choices: tuple[int | float | str, ...] = ()  # empty: any value of `type`

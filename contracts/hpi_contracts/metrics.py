@@ -37,6 +37,16 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 # (e2e - TTFT) / (output tokens - 1). The per-token ITL histogram weighs long answers more; SLO attainment
 # ("mean ITL within the target") counts requests, so the operator reads this one.
 REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+# LoRA (vLLM's info gauge: one series whose labels name the adapters with running / waiting requests, comma-
+# separated, and max_lora; its value is the time it was set: vLLM leaves earlier states on the page, so readers
+# take the newest sample, as the Gateway API inference extension's LoRA affinity and the router do) and the
+# runtime's adapter moves (counters).
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"
+WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
+MAX_LORA_LABEL = "max_lora"
+LORA_LOADS = "hpi:lora_loads"  # adapters copied into a device slot (from host memory, read from disk if evicted)
+LORA_EVICTIONS = "hpi:lora_evictions"  # adapters dropped from host memory (least recently used, --max-cpu-loras)
 # The project's own: 1 while the server is ready to take requests (the router reads it).
 READY = "hpi:ready"
 # 1 while the engine sleeps (vLLM's sleep mode: POST /sleep frees its KV cache or weights; it is not ready then).
@@ -79,4 +89,4 @@ READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_R
                                      REQUEST_TIME_PER_OUTPUT_TOKEN)  # fmt: skip
 # Everything the router reads.
 READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY,
-                                   *PROFILE_GAUGES)  # fmt: skip
+                                   LORA_REQUESTS_INFO, *PROFILE_GAUGES)  # fmt: skip

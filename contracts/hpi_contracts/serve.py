@@ -10,7 +10,8 @@ from hpi_contracts.serve_flags import SERVE_FLAGS
 
 def serve_args(values: Mapping[str, object]) -> list[str]:
     """{flag: value} -> argument list, in the mapping's order. None leaves a flag out (the runtime's default);
-    a switch is given for True and left out for False."""
+    a switch is given for True and left out for False; a `strs` flag takes a string or a list of them (an
+    empty list leaves it out)."""
     args: list[str] = []
     for name, value in values.items():
         flag = SERVE_FLAGS.get(name)
@@ -22,6 +23,12 @@ def serve_args(values: Mapping[str, object]) -> list[str]:
             if value is not True:
                 raise ValueError(f"{name} is a switch: True or False, got {value!r}")
             args.append(name)
+            continue
+        if flag.type == "strs":  # one or more values: --lora-modules a=/p b=/q
+            values = [value] if isinstance(value, str) else list(value)
+            if not values:
+                continue
+            args += [name, *map(str, values)]
             continue
         if flag.choices and value not in flag.choices:
             raise ValueError(f"{name} must be one of {', '.join(map(str, flag.choices))}; got {value!r}")

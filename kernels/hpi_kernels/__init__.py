@@ -1,4 +1,5 @@
-"""hetero-paged-infer kernels: Triton paged attention, weight-only quantized matmul and fused MoE, with references.
+"""hetero-paged-infer kernels: Triton paged attention, weight-only quantized matmul, fused MoE and
+batched LoRA, with references.
 
 Launchers import Triton lazily, on first use: importing hpi_kernels (or hpi_kernels.quant /
 hpi_kernels.reference, which need only torch) works on machines without a GPU or without Triton.
@@ -16,6 +17,8 @@ _LAUNCHERS = {
     "paged_decode_attention": "hpi_kernels.paged_attention",
     "paged_prefill_attention": "hpi_kernels.prefill_attention",
     "fused_experts": "hpi_kernels.fused_moe",
+    "lora_bgmv": "hpi_kernels.lora",
+    "lora_delta": "hpi_kernels.lora",
     "int8_weight_only_matmul": "hpi_kernels.quant_matmul",
     "int4_weight_only_matmul": "hpi_kernels.quant_matmul",
     "quantize_int8": "hpi_kernels.quant",

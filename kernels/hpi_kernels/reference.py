@@ -133,3 +133,20 @@ def fused_experts_ref(
             gate, up = (w13[expert].float() @ x).chunk(2)
             out[t] += weight * (w2[expert].float() @ (torch.nn.functional.silu(gate) * up))
     return out.to(hidden.dtype)
+
+
+def lora_bgmv_ref(
+    x: torch.Tensor,  # [T, K]
+    weights: torch.Tensor,  # [S, N, K]
+    slot_ids: torch.Tensor,  # [T], -1: none
+    out: torch.Tensor,  # [T, N]
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """lora_bgmv's reference, token by token in fp32 (rows with slot -1 keep `out`'s values)."""
+    result = out.clone()
+    for t, slot in enumerate(slot_ids.tolist()):
+        if slot < 0:
+            continue
+        row = weights[slot].float() @ x[t].float()
+        result[t] = (row + out[t].float() if accumulate else row).to(out.dtype)
+    return result

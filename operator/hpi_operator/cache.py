@@ -39,7 +39,7 @@ from .spec import InferenceSpec
 
 COMPONENT = "model-cache"
 ANNOTATION_ATTEMPT = f"{GROUP}/cache-attempt"
-LABEL_CACHE_JOB = f"{GROUP}/cache-job"  # fill | remove
+LABEL_CACHE_JOB = f"{GROUP}/cache-job"  # fill | remove | adapter (adapters.py)
 JOB_BACKOFF_LIMIT = 3  # pod retries inside one Job (the Job controller waits 10 s, 20 s, 40 s between them)
 JOB_DEADLINE_S = 6 * 3600  # a download that hangs this long is a failure, retried like one
 RETRY_BASE_DELAY_S = 60.0
@@ -112,6 +112,9 @@ def _pod_template(owner: Owner, spec: InferenceSpec, claim: str, args: list[str]
     return {"metadata": {"labels": _labels(owner)}, "spec": pod_spec}
 
 
+JOB_KINDS = {"cache": "fill", "cache-gc": "remove", "adapter": "adapter"}  # name part -> LABEL_CACHE_JOB value
+
+
 def _job(owner: Owner, kind: str, template: dict[str, Any], attempt: int) -> dict[str, Any]:
     job_spec = {
         "backoffLimit": JOB_BACKOFF_LIMIT,
@@ -126,7 +129,7 @@ def _job(owner: Owner, kind: str, template: dict[str, Any], attempt: int) -> dic
         "metadata": {
             "name": short_name(f"{owner.name}-{kind}-{digest}"),
             "namespace": owner.namespace,
-            "labels": {**_labels(owner), LABEL_CACHE_JOB: "fill" if kind == "cache" else "remove"},
+            "labels": {**_labels(owner), LABEL_CACHE_JOB: JOB_KINDS[kind]},
             "annotations": {ANNOTATION_ATTEMPT: str(attempt)},
         },
         "spec": job_spec,
@@ -139,6 +142,13 @@ def build_fill_job(owner: Owner, spec: InferenceSpec, claim: str, attempt: int =
     args = ["fetch", spec.model.hf_id or "", cache_model_dir(spec), "--revision", spec.model.hf_revision,
             "--termination-log", "/dev/termination-log"]  # fmt: skip
     return _job(owner, "cache", _pod_template(owner, spec, claim, args), attempt)
+
+
+def build_adapter_job(owner: Owner, spec: InferenceSpec, claim: str, hf_id: str, revision: str, path: str,
+                      attempt: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The Job that downloads a LoRA adapter (adapters.py) into its directory on the claim."""
+    args = ["fetch", hf_id, path, "--revision", revision, "--adapter", "--termination-log", "/dev/termination-log"]
+    return _job(owner, "adapter", _pod_template(owner, spec, claim, args), attempt)
 
 
 def build_remove_job(owner: Owner, spec: InferenceSpec, claim: str, path: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ It wakes on:
 A pass that finds everything in place writes nothing. Besides the loop:
 - an index of nodes (the inventory; kopf keeps it current from a watch, nothing polls);
 - the builtin KV-cache autoscaler (autoscaling/handlers.py): an index of runtime pods and a timer per resource;
-- status.routing.tenantKeys, read from the router pods (tenant_keys.py): a timer per resource with tenants.
+- status.routing.tenantKeys, read from the router pods (tenant_keys.py): a timer per resource with tenants;
+- spec.adapters, downloaded and loaded on the running pods (adapter_sync.py): a timer per resource with adapters.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import kopf
 
+from .adapter_sync import register_adapters
 from .autoscaling.handlers import register_autoscaler
 from .cache import RETRY_BASE_DELAY_S
 from .kube import KubeClient, load_api_client
@@ -67,6 +69,7 @@ class OperatorConfig:
     debounce_s: float = 0.05  # after a wake-up: let the burst of events (its own writes) settle into one pass
     node_price_label: str = NODE_PRICE_LABEL  # the fleet optimizer's node price label ("" reads none)
     tenant_keys_interval_s: float = 15.0  # how often status.routing.tenantKeys is read from the router pods
+    adapters_interval_s: float = 10.0  # how often spec.adapters is brought to the pods (adapter_sync.py)
     # The operator's own pod, which spec.networkPolicy admits to the pods it calls; None: unknown (run outside a
     # cluster), and the policies admit no operator (a warning says so once, at start-up).
     identity: OperatorIdentity | None = None
@@ -166,4 +169,6 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     register_autoscaler(registry, tick_s=config.autoscale_tick_s,
                         node_price_label=config.node_price_label)  # autoscaling/handlers.py
     register_tenant_keys(registry, interval_s=config.tenant_keys_interval_s)  # its router_pods index
+    register_adapters(registry, interval_s=config.adapters_interval_s,
+                      retry_base_s=config.cache_retry_base_s)  # its runtime_pods index  # fmt: skip
     return registry

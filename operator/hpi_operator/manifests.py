@@ -166,8 +166,17 @@ def model_dir(spec: InferenceSpec, cached_dir: str | None = None) -> str | None:
 # updates reach the running pods (a subPath mount would never see them).
 POOL_PROFILE_MOUNT = "/etc/hpi/pool-profile"
 POOL_PROFILE_FILE = "profile.json"
-# The flags of `hpi serve` that are the HTTP server's: `hpi profile` takes the rest (the engine's) alone.
-SERVER_ONLY_FLAGS = ("--host", "--port", "--served-model-name", "--drain-timeout", "--pool-profile")
+# spec.adapters (adapters.py): the pool's list of available adapters, in the adapters ConfigMap, mounted as a
+# directory (kubelet updates reach the pod) and passed as `--lora-modules @file`: what a starting pod loads. Running
+# pods get later changes through their admin endpoints (adapter_sync.py), which VLLM_ALLOW_RUNTIME_LORA_UPDATING
+# turns on, as in vLLM.
+ADAPTERS_MOUNT = "/etc/hpi/adapters"
+ADAPTERS_FILE = "lora-modules.json"
+ALLOW_LORA_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# The flags of `hpi serve` that are the HTTP server's: `hpi profile` takes the rest (the engine's) alone. The LoRA
+# flags are left out of profiling too: a pool is measured on its base model.
+SERVER_ONLY_FLAGS = ("--host", "--port", "--served-model-name", "--drain-timeout", "--pool-profile", "--enable-lora",
+                     "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras")  # fmt: skip
 
 
 def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None,
@@ -209,7 +218,30 @@ def _serve_values(owner_name: str, spec: InferenceSpec, profile: Profile, cached
         "--max-num-batched-tokens": engine.max_num_batched_tokens or None,
         "--tensor-parallel-size": profile.num_gpus if profile.num_gpus > 1 else None,
         "--compile-cache-dir": COMPILE_CACHE_MOUNT if uses_cache_volume(spec) else None,
+        **_lora_values(spec),
     }  # fmt: skip
+
+
+def _lora_values(spec: InferenceSpec) -> dict[str, Any]:
+    if not spec.adapters:
+        return {}
+    engine = spec.engine
+    return {
+        "--enable-lora": True,
+        "--lora-modules": f"@{ADAPTERS_MOUNT}/{ADAPTERS_FILE}",
+        "--max-loras": engine.max_loras,
+        "--max-lora-rank": engine.max_lora_rank,
+        "--max-cpu-loras": engine.max_cpu_loras or max(len(spec.adapters), engine.max_loras),
+    }
+
+
+def adapters_configmap_name(owner_name: str) -> str:
+    return short_name(f"{owner_name}-adapters")
+
+
+def adapters_configmap_key(pool_name: str) -> str:
+    """The key of a pool's adapter list in the adapters ConfigMap."""
+    return f"{short_name(pool_name)}.json"
 
 
 # The runtime's own downloader (same image, runtime/hpi_runtime/download.py): configs first, then only the
@@ -278,6 +310,8 @@ def _env(spec: InferenceSpec) -> list[dict[str, Any]]:
     if spec.api_key_secret:
         ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    if spec.adapters:
+        env.append({"name": ALLOW_LORA_UPDATES_ENV, "value": "true"})
     token = spec.model.hf_token_secret
     if spec.model.source == "huggingface" and token and not uses_cache(spec, "persistentVolumeClaim"):
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
@@ -390,6 +424,11 @@ def build_deployment(
     if pool_profile_configmap:  # the runtime container's alone (after the init containers copied its mounts)
         volumes.append({"name": "pool-profile", "configMap": {"name": pool_profile_configmap, "optional": True}})
         mounts.append({"name": "pool-profile", "mountPath": POOL_PROFILE_MOUNT, "readOnly": True})
+    if spec.adapters:  # optional: a pod that starts before the operator wrote the list starts with no adapter
+        items = [{"key": adapters_configmap_key(pool.name), "path": ADAPTERS_FILE}]
+        volumes.append({"name": "adapters",
+                        "configMap": {"name": adapters_configmap_name(owner.name), "items": items, "optional": True}})
+        mounts.append({"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True})
     affinity = _affinity(pool)
     if affinity:
         pod_spec["affinity"] = affinity

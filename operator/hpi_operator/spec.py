@@ -17,6 +17,7 @@ from kubernetes.utils import parse_quantity
 
 from hpi_contracts.kv_cache import BLOCK_SIZES
 
+from .adapter_spec import AdapterSpec, parse_adapters
 from .crd_defaults import crd_default, with_defaults
 from .fleet.performance import Slo
 from .fleet.settings import PoolSettings, parse_pools, parse_slo
@@ -107,6 +108,9 @@ class EngineSpec:
     kv_cache_memory_fraction: float = crd_default("engine.kvCacheMemoryFraction")
     block_size: int = crd_default("engine.blockSize")
     kv_offload_bytes: int | None = None  # the host KV tier per replica; None: "auto" (profiles.py decides)
+    max_loras: int = crd_default("engine.maxLoras")  # with spec.adapters: adapters one batch holds
+    max_lora_rank: int = crd_default("engine.maxLoraRank")
+    max_cpu_loras: int | None = None  # None: as many as spec.adapters lists, at least max_loras
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ class InferenceSpec:
     routing: RoutingSpec = field(default_factory=RoutingSpec)
     slo: Slo | None = None
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters (adapters.py)
 
     @property
     def optimized(self) -> bool:
@@ -397,6 +402,9 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         kv_cache_memory_fraction=float(_get(raw, "kvCacheMemoryFraction", EngineSpec.kv_cache_memory_fraction)),
         block_size=int(_get(raw, "blockSize", EngineSpec.block_size)),
         kv_offload_bytes=_kv_offload_bytes(raw.get("kvOffloadMemory", "auto")),
+        max_loras=int(_get(raw, "maxLoras", EngineSpec.max_loras)),
+        max_lora_rank=int(_get(raw, "maxLoraRank", EngineSpec.max_lora_rank)),
+        max_cpu_loras=raw.get("maxCpuLoras"),
     )
     if engine.block_size not in BLOCK_SIZES:
         raise SpecError(f"spec.engine.blockSize must be one of {BLOCK_SIZES}; got {engine.block_size}")
@@ -601,6 +609,31 @@ def _parse_network_policy(raw: Mapping[str, Any]) -> NetworkPolicySpec:
     )
 
 
+def _check_adapters(spec: InferenceSpec) -> None:
+    """What spec.adapters needs from the rest of the spec: a volume to find each adapter on, and no API key on the
+    pods (the operator loads adapters through their admin endpoints and may not read Secrets)."""
+    if not spec.adapters:
+        return
+    if spec.api_key_secret:
+        raise SpecError("spec.adapters cannot be used with spec.apiKeySecretRef yet: the operator loads adapters "
+                        "through the pods' /v1/load_lora_adapter, which would want the key, and it may not read "
+                        "Secrets; serve the adapters behind the router's tenant keys instead "
+                        "(spec.routing.router.tenantsSecretRef)")  # fmt: skip
+    model, cache = spec.model, spec.model.cache
+    for i, adapter in enumerate(spec.adapters):
+        at = f"spec.adapters[{i}] ({adapter.name})"
+        if adapter.name == model.served_name:
+            raise SpecError(f"{at}: the name is the base model's served name (spec.model.servedName)")
+        if adapter.hf_id and not (model.source == "huggingface" and cache.enabled
+                                  and cache.volume == "persistentVolumeClaim"):  # fmt: skip
+            raise SpecError(f"{at}: a Hugging Face adapter is downloaded onto the model cache, which needs "
+                            "spec.model.source huggingface and spec.model.cache on a persistentVolumeClaim; give "
+                            "source.path for an adapter already on the model's volume")  # fmt: skip
+        if adapter.path and model.source != "pvc" and not cache.enabled:
+            raise SpecError(f"{at}: source.path is a directory on the model's volume (spec.model.pvc, or the "
+                            f"model cache), and model source {model.source} has none")  # fmt: skip
+
+
 def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
     """Parse an InferenceDeployment's `.spec` (defaulted by the API server or not: the same result)."""
     raw = with_defaults(raw)
@@ -628,7 +661,9 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         routing=_parse_routing(_get(raw, "routing", {})),
         slo=_fleet(parse_slo, raw.get("slo")),
         network_policy=_parse_network_policy(_get(raw, "networkPolicy", {})),
+        adapters=_fleet(parse_adapters, raw.get("adapters")),
     )
+    _check_adapters(spec)
     if spec.autoscaling.mode == "optimizer" and spec.slo is None:
         raise SpecError("spec.autoscaling.mode optimizer needs spec.slo (ttftP90 and itlP90)")
     if spec.autoscaling.sleep_level and spec.api_key_secret:

@@ -10,10 +10,11 @@ picks from never holds a stale rank.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from hpi_contracts.pool_profile import PoolProfile
-from hpi_router.signals import ScrapeSample
+from hpi_router.signals import LoraState, ScrapeSample
 
 SPEED_EWMA_WEIGHT = 0.3  # weight of the newest decode-speed sample
 
@@ -31,6 +32,8 @@ class BackendView:
     in_flight_at_scrape: int = 0  # this router's in-flight count when the gauges were scraped
     num_picks: int = 0  # requests this router has sent it, ever (breaks ties: idle backends take turns)
     profile: PoolProfile | None = None  # its pool's profile (scraped): the prior speed until one is measured
+    adapters: frozenset[str] = frozenset()  # LoRA adapters with requests there: scraped, or sent since by this router
+    max_loras: int | None = None  # adapters one of its batches holds (scraped); None: not known (LoRA off, not scraped)
 
 
 class Backend:
@@ -46,11 +49,20 @@ class Backend:
         self.profile: PoolProfile | None = None
         self.in_flight_at_scrape = 0
         self.num_picks = 0
+        self.lora: LoraState | None = None  # scraped
+        self.model_names: frozenset[str] = frozenset()  # scraped: the base model's served names
+        self.adapters_in_flight: Counter[str] = Counter()  # this router's requests there, by LoRA adapter
         self._last_tokens: tuple[float, float] | None = None  # (monotonic s, generation tokens)
+
+    def adapters(self) -> frozenset[str]:
+        """The adapters resident in its batch: with requests there at the last scrape, or sent since."""
+        scraped = self.lora.active if self.lora is not None else frozenset()
+        return scraped | {name for name, count in self.adapters_in_flight.items() if count > 0}
 
     def view(self) -> BackendView:
         return BackendView(self.url, self.in_flight, self.num_running, self.num_waiting, self.kv_usage,
-                           self.decode_speed, self.in_flight_at_scrape, self.num_picks, self.profile)
+                           self.decode_speed, self.in_flight_at_scrape, self.num_picks, self.profile,
+                           self.adapters(), self.lora.max_loras if self.lora is not None else None)
 
     def observe(self, sample: ScrapeSample, now_s: float | None = None) -> None:
         """Take one scrape: gauges as they are; decode speed from the generation-token counter's delta over the
@@ -65,6 +77,8 @@ class Backend:
         self.num_waiting = sample.num_waiting or 0.0
         self.kv_usage = sample.kv_usage or 0.0
         self.profile = sample.profile
+        self.lora = sample.lora
+        self.model_names = sample.model_names
         self.in_flight_at_scrape = self.in_flight
         if sample.generation_tokens is None:
             return

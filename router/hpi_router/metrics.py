@@ -30,7 +30,8 @@ class RouterMetrics:
         backend = ["backend"]
         self.requests = Counter("hpi:router_requests", "Requests forwarded, by backend and upstream status.",
                                 backend + ["code"], registry=reg)
-        self.picks = Counter("hpi:router_picks", "Backend picks, by reason (affinity, load).",
+        self.picks = Counter("hpi:router_picks", "Backend picks, by reason (affinity, load, round_robin, adapter, "
+                             "adapter_slot).",
                              backend + ["reason"], registry=reg)
         self.retries = Counter("hpi:router_retries", "Attempts that failed before the first byte and were retried "
                                "elsewhere, by the backend that failed and why.", backend + ["reason"], registry=reg)

@@ -52,7 +52,9 @@ MAX_AFFINITY_PROBES = 8
 @dataclass(frozen=True)
 class Pick:
     url: str
-    reason: str  # "affinity" (the ring's choice), "load" (lowest score) or "round_robin"
+    # "affinity" (the ring's choice), "load" (lowest score), "round_robin", or for a LoRA adapter's request (pool.py)
+    # "adapter" (a backend where it is resident) or "adapter_slot" (the lowest score among those with a free slot)
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,16 @@ each ready backend's exact rank under the round's `SpeedScale`: `started` / `fin
 (the proxy), `observe` / `eject` / `restore` from the monitor, and `rescale` once per scrape round, which
 recomputes the fleet-wide scale (O(n log n)) and re-ranks everyone. A pick (`choose`) is then O(log n): at most
 MAX_AFFINITY_PROBES backends read along the ring, and the index's lowest rank outside the excluded ones.
+
+LoRA adapter affinity (as the Gateway API inference extension's): a request whose `model` is an adapter goes to
+the best-ranked backend that has the adapter resident in its batch (requests for it there at the last scrape, or
+sent since by this router), if that backend is within the same bounded load as prefix affinity; otherwise it is
+goes to the best-ranked backend with a free adapter slot (fewer adapters in use than its max_lora, or not known),
+where it does not wait for another adapter's requests to leave the batch; and the backend it lands on becomes a
+holder. So an adapter's requests gather on few backends, each of which loads it once, instead of every backend
+swapping every adapter in and out of its `--max-loras` slots. An index of each adapter's holders and one of the
+backends with a free slot keep this O(log n) too. A model name is an adapter when it is not one of the base
+model's served names (the model_name label of the backends' metrics).
 """
 
 from __future__ import annotations
@@ -47,6 +57,10 @@ class BackendPool:
         self.scale = SpeedScale()  # this round's
         self._loads: dict[str, float] = {}  # load_of each indexed backend, as last ranked
         self._fleet_load = 0.0  # their sum (integral values: exact under + and -)
+        self._holders: dict[str, RankIndex] = {}  # LoRA adapter -> the ready backends it is resident on, by rank
+        self._held: dict[str, frozenset[str]] = {}  # backend -> the adapters it is indexed under
+        self._free_slot_index = RankIndex()  # the ready backends with room for one more adapter in their batch
+        self.base_names: frozenset[str] = frozenset()  # the base model's served names, from the scrapes
 
     def apply(self, urls: Iterable[str]) -> None:
         wanted = {url.rstrip("/") for url in urls}
@@ -82,6 +96,17 @@ class BackendPool:
             return self._bulk_index
         return self._room_index if self._saturated_waiting else self.index
 
+    def adapter_of(self, model: object) -> str | None:
+        """The LoRA adapter a request's `model` names, or None (the base model, or no scrape has named it yet)."""
+        if not isinstance(model, str) or not model or not self.base_names or model in self.base_names:
+            return None
+        return model
+
+    def holders(self, adapter: str) -> int:
+        """How many ready backends have `adapter` resident."""
+        index = self._holders.get(adapter)
+        return len(index) if index is not None else 0
+
     def get(self, url: str) -> Backend | None:
         return self._backends.get(url)
 
@@ -90,15 +115,21 @@ class BackendPool:
 
     # -- the changes that move a rank ----------------------------------------------------------------------------
 
-    def started(self, backend: Backend) -> None:
-        """A request was sent to `backend`."""
+    def started(self, backend: Backend, adapter: str | None = None) -> None:
+        """A request (for LoRA `adapter`, if not None) was sent to `backend`."""
         backend.in_flight += 1
         backend.num_picks += 1
+        if adapter is not None:
+            backend.adapters_in_flight[adapter] += 1
         self._rerank(backend)
 
-    def finished(self, backend: Backend) -> None:
-        """A request sent to `backend` ended (answered, failed or cancelled)."""
+    def finished(self, backend: Backend, adapter: str | None = None) -> None:
+        """A request sent to `backend` (with the same `adapter` as `started`) ended (answered, failed or cancelled)."""
         backend.in_flight -= 1
+        if adapter is not None:
+            backend.adapters_in_flight[adapter] -= 1
+            if backend.adapters_in_flight[adapter] <= 0:
+                del backend.adapters_in_flight[adapter]
         self._rerank(backend)
 
     def observe(self, backend: Backend, sample: ScrapeSample, now_s: float | None = None) -> None:
@@ -121,6 +152,11 @@ class BackendPool:
         views = [b.view() for b in self._backends.values() if b.ready]
         self.scale = speed_scale(views)
         self.index.rebuild((v.url, rank(v, self.scale, self._settings)) for v in views)
+        self.base_names = frozenset().union(*(b.model_names for b in self._backends.values()))
+        self._holders, self._held = {}, {}
+        for v in views:
+            self._index_adapters(v.url, v.adapters)
+        self._free_slot_index.rebuild((v.url, self.index.rank(v.url)) for v in views if _free_slot(v))
         self._loads = {v.url: load_of(v) for v in views}
         self._fleet_load = sum(self._loads.values())
         if self._saturated_waiting or self._reserved_slots:
@@ -130,15 +166,25 @@ class BackendPool:
 
     # -- the pick ------------------------------------------------------------------------------------------------
 
-    def choose(self, ring_walk: Iterable[str] | None, exclude: Collection[str] = (), priority: int = 0) -> Pick | None:
+    def choose(self, ring_walk: Iterable[str] | None, exclude: Collection[str] = (), priority: int = 0,
+               adapter: str | None = None) -> Pick | None:  # fmt: skip
         """policy.pick's decision over the ready backends, without a scan. `ring_walk`: the backends in ring
         order from the request's affinity key (HashRing.walk), or None; only its first MAX_AFFINITY_PROBES
-        are read."""
+        are read. `adapter`: the request's LoRA adapter (adapter_of), or None."""
         round_robin = self._settings.strategy == "round-robin"
         # With saturation gating, only backends with room are candidates (any, if none has: the queue lets a
         # request through then only in a race, and a backend that can queue it beats a 503).
         gated = self._candidates(priority)
         index = gated if len(gated) else self.index
+        if adapter is not None and not round_robin:
+            holders = self._holders.get(adapter)
+            url = holders.lowest(exclude) if holders is not None else None
+            if url is not None and url in index:
+                if affinity_fits(self._backends[url].view(), self.scale, self._fleet_load, self._settings):
+                    return Pick(url, "adapter")
+            url = self._free_slot_index.lowest(exclude)
+            if url is not None and url in index:
+                return Pick(url, "adapter_slot")
         if ring_walk is not None and not round_robin:
             for url in islice(ring_walk, MAX_AFFINITY_PROBES):
                 if url in index and url not in exclude:
@@ -158,6 +204,11 @@ class BackendPool:
             return
         view = backend.view()
         self.index.set(backend.url, rank(view, self.scale, self._settings))
+        self._index_adapters(backend.url, view.adapters)
+        if _free_slot(view):
+            self._free_slot_index.set(backend.url, self.index.rank(backend.url))
+        else:
+            self._free_slot_index.remove(backend.url)
         load = load_of(view)
         self._fleet_load += load - self._loads.get(backend.url, 0.0)
         self._loads[backend.url] = load
@@ -169,7 +220,28 @@ class BackendPool:
                     index.remove(backend.url)
         self._capacity_changed()
 
+    def _index_adapters(self, url: str, adapters: frozenset[str]) -> None:
+        """Keep `url` in the holder index of exactly `adapters`, at its rank in the main index."""
+        old = self._held.get(url, frozenset())
+        for adapter in old - adapters:
+            self._drop_holder(adapter, url)
+        for adapter in adapters:
+            self._holders.setdefault(adapter, RankIndex()).set(url, self.index.rank(url))
+        if adapters:
+            self._held[url] = adapters
+        else:
+            self._held.pop(url, None)
+
+    def _drop_holder(self, adapter: str, url: str) -> None:
+        index = self._holders[adapter]
+        index.remove(url)
+        if not len(index):
+            del self._holders[adapter]
+
     def _unindex(self, url: str) -> None:
+        for adapter in self._held.pop(url, frozenset()):
+            self._drop_holder(adapter, url)
+        self._free_slot_index.remove(url)
         self.index.remove(url)
         self._fleet_load -= self._loads.pop(url, 0.0)
         self._room_index.remove(url)
@@ -203,3 +275,8 @@ class BackendPool:
     def _capacity_changed(self) -> None:
         if self._on_capacity is not None:
             self._on_capacity()
+
+
+def _free_slot(view: BackendView) -> bool:
+    """Room for one more LoRA adapter in its batch: fewer in use than its max_lora, or no limit known."""
+    return view.max_loras is None or len(view.adapters) < view.max_loras

@@ -2,8 +2,9 @@
 
 An attempt fails over to another backend (up to `max_attempts` in all) while nothing has been sent to the
 client: connection errors and a backend that dies before its first byte eject it; 503 (draining, loading)
-ejects it too; 429 (its queue is full) and 502/504 only move on. Non-streamed answers are read whole before
-they are sent, so they fail over even when the backend dies mid-generation. A streamed answer goes out as
+ejects it too; 429 (its queue is full), 502/504 and a LoRA adapter's 404 (not loaded there yet: a pod that has
+just started) only move on. Non-streamed answers are read whole before they are sent, so they fail over even when
+the backend dies mid-generation. A streamed answer goes out as
 the backend's first bytes arrive (hpi holds its headers until the first token, so a refusal at admission
 is still a plain HTTP error here) and every chunk is written as it arrives; a backend failure after that
 cuts the client's connection (a clean end would pass a truncated answer off as complete). A client that
@@ -74,10 +75,12 @@ def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 async def _attempt(request: web.Request, state: RouterState, backend: Backend, raw: bytes, headers: dict[str, str],
-                   tenant: Tenant | None, strip_usage: bool) -> web.StreamResponse:  # fmt: skip
+                   tenant: Tenant | None, strip_usage: bool,
+                   adapter: str | None = None) -> web.StreamResponse:  # fmt: skip
     """One try on `backend`; raises AttemptFailed while the client has been sent nothing. `tenant`: whose usage
     the answer counts to (None: no tenants); `strip_usage`: the router asked for the stream's usage chunk, the
-    client did not."""
+    client did not; `adapter`: the request's LoRA adapter, whose 404 (not loaded there, as on a pod that has
+    just started) moves on to another backend."""
     metrics = state.metrics
     start = time.perf_counter()
     try:
@@ -89,6 +92,9 @@ async def _attempt(request: web.Request, state: RouterState, backend: Backend, r
             detail = (await upstream.text(errors="replace"))[:300]
             raise AttemptFailed(f"http_{upstream.status}", f"HTTP {upstream.status}: {detail}",
                                 eject=RETRY_STATUSES[upstream.status], status=upstream.status)
+        if adapter is not None and upstream.status == 404:
+            detail = (await upstream.text(errors="replace"))[:300]
+            raise AttemptFailed("adapter_missing", f"HTTP 404: {detail}", eject=False, status=404)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         try:
             first = await (upstream.content.readany() if streamed else upstream.read())
@@ -180,6 +186,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
     raw = json.dumps(body).encode() if tenant is not None else await request.read()
     headers = _request_headers(request, upstream_authorization(state, request))
     key = prefix_key(body, state.settings.policy.affinity_prefix_chars)
+    adapter = state.pool.adapter_of(body.get("model"))  # a LoRA adapter's requests gather where it is resident
     flow = flow_of(tenant)
     deadline_s = time.monotonic() + state.settings.queue.max_wait_s  # the whole wait, however often it waits
     tried: set[str] = set()
@@ -189,10 +196,10 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
         if state.queue.max_queued:  # 0: no queue, no backend is a 503 at once (below)
             await _wait_in_queue(state, flow, deadline_s)
         try:
-            choice = state.choose(key, exclude=tried, priority=flow.priority)
+            choice = state.choose(key, exclude=tried, priority=flow.priority, adapter=adapter)
             if choice is not None:
                 backend, pick = choice
-                state.pool.started(backend)
+                state.pool.started(backend, adapter)
         finally:
             state.queue.dispatched()  # the turn passes on: this request holds its backend, or has none
         if choice is None:
@@ -203,7 +210,7 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
         tried.add(backend.url)
         state.metrics.picks.labels(backend.url, pick.reason).inc()
         try:
-            return await _attempt(request, state, backend, raw, headers, tenant, strip_usage)
+            return await _attempt(request, state, backend, raw, headers, tenant, strip_usage, adapter)
         except AttemptFailed as exc:
             last = exc
             state.metrics.retries.labels(backend.url, exc.reason).inc()
@@ -212,11 +219,14 @@ async def _route(request: web.Request, state: RouterState, body: dict, tenant: T
             logger.info("request %s: %s failed before the first byte (%s); trying another backend",
                         request[REQUEST_ID], backend.url, exc.detail)
         finally:
-            state.pool.finished(backend)
+            state.pool.finished(backend, adapter)
     if last is None:
         state.metrics.unrouted.labels("no_ready_backend").inc()
         raise ApiError(503, "no backend is ready to take the request", code="no_backend")
     state.metrics.unrouted.labels("attempts_failed").inc()
+    if last.status == 404:  # no backend tried has the adapter: the model is unknown, as each of them said
+        raise ApiError(404, f"the model {adapter!r} is not loaded on any of the {len(tried)} backend(s) tried; last: "
+                            f"{last.detail}", code="model_not_found")  # fmt: skip
     status = 429 if last.status == 429 else 503
     raise ApiError(status, f"{len(tried)} backend(s) failed the request; last: {last.detail}",
                    code="backends_failed")

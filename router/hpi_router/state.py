@@ -39,12 +39,13 @@ class RouterState:
         self.ring = HashRing(self.pool.urls())
         self.metrics.refresh(self.pool.all())
 
-    def choose(self, affinity_key: str | None, exclude: set[str], priority: int = 0) -> tuple[Backend, Pick] | None:
+    def choose(self, affinity_key: str | None, exclude: set[str], priority: int = 0,
+               adapter: str | None = None) -> tuple[Backend, Pick] | None:  # fmt: skip
         """The backend for one request of `priority` (O(log n): BackendPool.choose), or None when none is ready
         outside `exclude`. The caller reports what it does with it: `pool.started(backend)`, then
         `pool.finished`."""
         walk = self.ring.walk(affinity_key) if affinity_key is not None else None
-        choice = self.pool.choose(walk, exclude, priority)
+        choice = self.pool.choose(walk, exclude, priority, adapter)
         if choice is None:
             return None
         return self.pool.get(choice.url), choice

@@ -79,6 +79,7 @@ def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     from hpi_runtime.embedded import EMBEDDED_MODEL_NAME
+    from hpi_runtime.server.lora import runtime_lora_updating_allowed
     from hpi_runtime.server.main import serve as run_server
     from hpi_runtime.server.state import ServerSettings
 
@@ -98,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
                               pool_profile=None if server.pool_profile is None or server.pool_profile_path
                               else parse_pool_profile(server.pool_profile),
                               pool_profile_path=server.pool_profile_path,
+                              allow_runtime_lora_updating=runtime_lora_updating_allowed(os.environ),
                               allowed_origins=tuple(o.strip() for o in (server.allowed_origins or "").split(",")
                                                     if o.strip()))  # fmt: skip
 

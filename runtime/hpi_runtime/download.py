@@ -5,7 +5,8 @@ runtime image; `hpi serve <org/name>` uses it through `llm.download_from_hub`.
 
 - What to fetch: the configs, tokenizer and chat template first, then only the shards the loader reads
   (`model.loader.weight_file_patterns`: the index's weight_map, else `model*.safetensors`), never e.g.
-  Mistral's `consolidated.safetensors` copy.
+  Mistral's `consolidated.safetensors` copy. A PEFT LoRA adapter (`--adapter`): its adapter_config.json and
+  adapter_model.safetensors.
 - Verified against the hub's metadata (`/api/models/<id>/revision/<rev>?blobs=true`): every file's size, and
   its sha256 (LFS files: the weights) or git blob id (small files). A mismatch deletes the partial file and
   fails; nothing is ever left at its final name unverified.
@@ -39,6 +40,7 @@ LOG = logging.getLogger("hpi_runtime.download")
 
 # Everything but the weights that the runtime needs: configs (and the shard index), tokenizer, template.
 HUB_METADATA_PATTERNS = ("*.json", "tokenizer*", "*.jinja")
+ADAPTER_WEIGHT_PATTERNS = ("adapter_model.safetensors",)  # PEFT's file (its .bin form is not read: pickle)
 MARKER_FILE = ".hpi-complete.json"
 WORK_DIR = ".hpi-download"
 CHUNK_BYTES = 1 << 20
@@ -231,14 +233,26 @@ def weight_files(snapshot: Snapshot, local_dir: Path) -> list[HubFile]:
     return shards
 
 
+def adapter_files(snapshot: Snapshot) -> list[HubFile]:
+    """A PEFT LoRA adapter's weights (its adapter_config.json comes with the metadata)."""
+    shards = snapshot.select(ADAPTER_WEIGHT_PATTERNS)
+    names = {f.name for f in snapshot.files}
+    if not shards or "adapter_config.json" not in names:
+        raise DownloadError(f"{snapshot.repo_id}@{snapshot.commit} is not a PEFT adapter: it lacks "
+                            f"adapter_config.json or {ADAPTER_WEIGHT_PATTERNS[0]}")  # fmt: skip
+    return shards
+
+
 def download_model(
     repo_id: str,
     local_dir: Path,
     revision: str = "main",
     token: str | None = None,
     endpoint: str | None = None,
+    adapter: bool = False,
 ) -> DownloadResult:
-    """Fetch `repo_id` at `revision` into `local_dir` (see the module docstring); idempotent."""
+    """Fetch `repo_id` at `revision` into `local_dir` (see the module docstring); idempotent. `adapter`: a PEFT
+    LoRA adapter (adapter_config.json and adapter_model.safetensors) rather than a model."""
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers, get_session
 
@@ -261,7 +275,7 @@ def download_model(
 
         metadata = snapshot.select(HUB_METADATA_PATTERNS)
         fetch_all(metadata)
-        shards = weight_files(snapshot, local_dir)
+        shards = adapter_files(snapshot) if adapter else weight_files(snapshot, local_dir)
         fetch_all(shards)
         files = tuple(sorted({f.name: f for f in (*metadata, *shards)}.values(), key=lambda f: f.name))
         marker = {
@@ -294,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fetch.add_argument("repo_id")
     fetch.add_argument("local_dir", type=Path)
     fetch.add_argument("--revision", default="main")
+    fetch.add_argument("--adapter", action="store_true", help="a PEFT LoRA adapter, not a model")
     fetch.add_argument("--termination-log", type=Path, help="write a JSON summary here (Kubernetes reads it)")
     check = commands.add_parser("check", help="exit 0 if the directory holds a complete download, else 1")
     check.add_argument("local_dir", type=Path)
@@ -310,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.local_dir}: {'removed' if remove_download(args.local_dir) else 'already gone'}")
         return 0
     try:
-        result = download_model(args.repo_id, args.local_dir, args.revision)
+        result = download_model(args.repo_id, args.local_dir, args.revision, adapter=args.adapter)
     except DownloadError as e:
         summary = {"ok": False, "error": str(e)}
         LOG.error("%s", e)

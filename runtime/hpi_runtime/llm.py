@@ -3,6 +3,8 @@
 `LLM(model, **options)` takes every engine option of the config tree (hpi_runtime/config.py) as a keyword
 argument, with the same names and defaults as `hpi serve`'s flags; `model=None` means the embedded
 SmolLM2-135M-Instruct. Assembling the engine is engine_factory.py's job, which the server shares.
+With `enable_lora=True`, `generate(..., lora_request=LoRARequest(name, id, path))` runs prompts with a PEFT
+adapter (one for all prompts, or one per prompt, None for the base model), mixed in the same batches.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from hpi_runtime.config import EngineArgs, engine_options
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.engine_factory import create_engine
 from hpi_runtime.frontend.engine import QueueFullError
+from hpi_runtime.lora.registry import LoRARegistry
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -40,6 +44,12 @@ class LLM:
         self.engine = self.bundle.engine
         self.tokenizer = self.bundle.resolved.tokenizer
         self._request_counter = itertools.count()
+        resolved = self.bundle.resolved
+        self.lora_registry = None
+        if resolved.args.lora.enable_lora:
+            self.lora_registry = LoRARegistry(resolved.model_config, resolved.args.lora.max_lora_rank)
+            for module in resolved.args.lora.modules:
+                self.lora_registry.load(module.name, module.path, module.base_model_name)
 
     def shutdown(self) -> None:
         """Release the KV cache and stop tensor-parallel worker processes (also done by `with LLM(...)`)."""
@@ -61,14 +71,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) and return the final outputs in prompt order.
-        `priority`: one per prompt, lower is admitted first (as vLLM's); None: all 0, first come first served."""
+        `priority`: one per prompt, lower is admitted first (as vLLM's); None: all 0, first come first served.
+        `lora_request`: the adapter for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         # With special tokens, as the server and vLLM's LLM.generate do: Llama 2/3 prompts need their BOS.
         token_ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(token_ids, sampling_params, priority)
+        return self._run(token_ids, sampling_params, priority, lora_request)
 
     def chat(
         self,
@@ -77,6 +89,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -88,14 +101,16 @@ class LLM:
             )
             for c in conversations
         ]
-        return self._run(token_ids, sampling_params, priority)
+        return self._run(token_ids, sampling_params, priority, lora_request)
 
     def _run(
         self,
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        loras = self._loras(lora_request, len(token_ids))
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -107,8 +122,10 @@ class LLM:
         if len(priorities) != len(token_ids):
             raise ValueError(f"{len(priorities)} priorities for {len(token_ids)} prompts")
         request_ids = [f"llm-{next(self._request_counter)}" for _ in token_ids]
+        lora_of = dict(zip(request_ids, loras, strict=True))
         for request_id, ids, p in zip(request_ids, token_ids, params, strict=True):
-            self.engine.make_request(request_id, ids, p)  # validate everything before running anything
+            # validate everything before running anything
+            self.engine.make_request(request_id, ids, p, lora_request=lora_of[request_id])
         pending = list(zip(request_ids, token_ids, params, strict=True))[::-1]
         priority_of = dict(zip(request_ids, priorities, strict=True))
         finished: dict[str, RequestOutput] = {}
@@ -117,8 +134,12 @@ class LLM:
             while pending:
                 try:
                     # DELTA: only the final output carries the whole text, and only it is kept.
+                    request_id = pending[-1][0]
                     self.engine.add_request(
-                        *pending[-1], priority=priority_of[pending[-1][0]], output_kind=RequestOutputKind.DELTA
+                        *pending[-1],
+                        priority=priority_of[request_id],
+                        output_kind=RequestOutputKind.DELTA,
+                        lora_request=lora_of[request_id],
                     )
                 except QueueFullError:
                     break
@@ -134,6 +155,19 @@ class LLM:
                         new_logprobs=tuple(logprobs[output.request_id]),
                     )
         return [finished[r] for r in request_ids]
+
+    def _loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """One checked adapter (or None) per prompt."""
+        if lora_request is None:
+            return [None] * num_prompts
+        if self.lora_registry is None:
+            raise ValueError("lora_request needs an LLM built with enable_lora=True")
+        loras = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(f"{len(loras)} lora requests for {num_prompts} prompts")
+        return [None if lora is None else self.lora_registry.check(lora) for lora in loras]
 
 
 def _options_signature() -> inspect.Signature:

@@ -48,12 +48,14 @@ class OptionInfo:
     aliases: tuple[str, ...] = ()
     choices: tuple[Any, ...] | None = None
     parse: Callable[[str], Any] | None = None  # argparse `type=` when the field's type is not enough (sizes)
+    multiple: bool = False  # one or more values after the flag (argparse nargs="+"); the field holds a tuple
 
 
 def option(default: Any, help: str, *, flag: str | None = None, aliases: Sequence[str] = (),
-           choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None) -> Any:  # fmt: skip
-    """A dataclass field that is a user-facing option."""
-    info = OptionInfo(help, flag, tuple(aliases), None if choices is None else tuple(choices), parse)
+           choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None,
+           multiple: bool = False) -> Any:  # fmt: skip
+    """A dataclass field that is a user-facing option (`multiple`: a tuple of values, `--flag A B ...`)."""
+    info = OptionInfo(help, flag, tuple(aliases), None if choices is None else tuple(choices), parse, multiple)
     return dataclasses.field(default=default, metadata={_META_KEY: info})
 
 
@@ -63,7 +65,7 @@ class OptionSpec:
 
     name: str  # the field name: LLM's keyword argument and argparse's dest
     section: str  # the section's name (argparse group)
-    type: type  # int, float, str or bool (None removed from `X | None`)
+    type: type  # int, float, str or bool (None removed from `X | None`; of each value for a `multiple` option)
     default: Any
     info: OptionInfo
 
@@ -87,13 +89,17 @@ def option_specs(section_cls: type, section: str) -> list[OptionSpec]:
         info = f.metadata.get(_META_KEY)
         if info is None:
             continue
-        specs.append(OptionSpec(f.name, section, _base_type(hints[f.name]), f.default, info))
+        specs.append(OptionSpec(f.name, section, _base_type(hints[f.name], info.multiple), f.default, info))
     return specs
 
 
-def _base_type(hint: Any) -> type:
+def _base_type(hint: Any, multiple: bool = False) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
+    if multiple:  # tuple[X, ...]
+        if typing.get_origin(base) is not tuple:
+            raise TypeError(f"a multiple option must be a tuple[X, ...], got {hint!r}")
+        base = typing.get_args(base)[0]
     if base not in (int, float, str, bool):
         raise TypeError(f"options must be int, float, str or bool (or None), got {hint!r}")
     return base
@@ -123,4 +129,5 @@ def add_flags(group: argparse._ActionsContainer, specs: Sequence[OptionSpec]) ->
             continue
         metavar = None if spec.info.choices else spec.flag.lstrip("-").replace("-", "_").upper()
         group.add_argument(*names, dest=spec.name, type=spec.info.parse or spec.type, default=spec.default,
-                           choices=spec.info.choices, metavar=metavar, help=help_text)  # fmt: skip
+                           choices=spec.info.choices, metavar=metavar, help=help_text,
+                           nargs="+" if spec.info.multiple else None)  # fmt: skip

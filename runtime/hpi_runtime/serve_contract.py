@@ -27,6 +27,8 @@ _FLAGS = (
 def flag_type(spec: OptionSpec) -> str:
     if spec.is_switch:
         return "switch"
+    if spec.info.multiple:
+        return "strs"
     if spec.info.parse is parse_bytes:
         return "bytes"
     return spec.type.__name__

@@ -39,7 +39,9 @@ def exported() -> dict[str, set[str]]:
     from hpi_runtime.server.metrics import ServingMetrics
 
     series: dict[str, set[str]] = {}
-    for registry in (ServingMetrics("m").registry, OperatorMetrics().registry, RouterMetrics().registry):
+    runtime = ServingMetrics("m")
+    runtime.set_max_loras(2)  # the LoRA families exist on pods with --enable-lora
+    for registry in (runtime.registry, OperatorMetrics().registry, RouterMetrics().registry):
         # prometheus_client exposes no label names for a metric without children: read its collectors'.
         collector_labels = {c._name: set(c._labelnames) for c in registry._collector_to_names}
         for family in registry.collect():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import aiohttp.web
@@ -130,6 +131,14 @@ def metric_samples(text: str) -> dict[str, float]:
     return values
 
 
+async def _start(app: aiohttp.web.Application) -> tuple[aiohttp.web.AppRunner, int]:
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
 async def serve_metrics(render: Callable[[], str]) -> tuple[aiohttp.web.AppRunner, int]:
     """A loopback aiohttp server answering GET /metrics with `render()` (Prometheus text): a fake runtime pod's
     metrics for the operator's scrapers. Returns (the runner to clean up, its port)."""
@@ -139,8 +148,14 @@ async def serve_metrics(render: Callable[[], str]) -> tuple[aiohttp.web.AppRunne
 
     app = aiohttp.web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
+    return await _start(app)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: aiohttp.web.Application) -> AsyncIterator[int]:
+    """`app` served on a free loopback port for the block (a stand-in pod the operator calls); yields the port."""
+    runner, port = await _start(app)
+    try:
+        yield port
+    finally:
+        await runner.cleanup()

@@ -61,6 +61,7 @@ CONFIGS = [
         {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"},
         {"TOP_K": 1, "MUL_ROUTED_WEIGHT": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False}, 4,
     ),
+    ("lora", "_lora_bgmv_kernel", {"slot_ids_ptr": "*i64"}, {"ACCUMULATE": True, "BLOCK_N": 64, "BLOCK_K": 128}, 4),
 ]
 
 

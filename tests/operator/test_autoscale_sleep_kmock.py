@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -34,7 +33,7 @@ from hpi_operator.routing_manifests import router_name, router_pod_labels
 from hpi_testing.cluster_state import autoscaler_polls
 from hpi_testing.kube_emulator import eventually, make_node, operator_thread
 from hpi_testing.kube_emulator import runtime_pod as make_runtime_pod
-from hpi_testing.server import free_port, serve_metrics
+from hpi_testing.server import serve_metrics, serving
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +78,6 @@ class SleepyRuntime:
         app.router.add_post("/sleep", sleep)
         app.router.add_post("/wake_up", wake_up)
         return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: aiohttp.web.Application) -> AsyncIterator[int]:
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield port
-    finally:
-        await runner.cleanup()
 
 
 async def call(kube: KubeClient, method: str, path: str, body: Any = None, content_type: str = "application/json"):

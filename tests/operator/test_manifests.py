@@ -54,6 +54,12 @@ SPECS = {
         "placement": {"tolerations": [{"key": "spot", "operator": "Exists"}], "maxGpusPerReplica": 1},
         "engine": {"maxNumBatchedTokens": 4096},
     },
+    "pvc-lora": {  # LoRA adapters on a volume the pods mount (tests/operator/test_adapters.py: the rest)
+        "model": {"source": "pvc", "pvc": {"claimName": "weights"},
+                  "size": {"parameters": "1B", "numLayers": 16, "numKVHeads": 8, "headDim": 64}},
+        "adapters": [{"name": "sql", "source": {"path": "adapters/sql"}}],
+        "engine": {"maxLoras": 2},
+    },
 }
 
 

@@ -58,6 +58,7 @@ class FakeBackend:
         self.fail_status: int | None = None  # answer every generation request with this status
         self.die_after_tokens: int | None = None  # drop the connection after this many streamed tokens
         self.max_model_len = 1_000_000  # max_tokens must be an integer in [1, this], as the runtime checks (400)
+        self.adapters: set[str] | None = None  # LoRA adapters loaded: a request's model must be one or `name` (404)
         self.die_on_request = False  # a pod that dies on its first generation request: the connection drops, then
         # it stops listening (connections refused, probes fail)
         self.stats = BackendCounters()
@@ -124,6 +125,9 @@ class FakeBackend:
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "refused", "type": "x", "param": None, "code": None}},
                                      status=self.fail_status)
+        if self.adapters is not None and body.get("model") not in {self.name, *self.adapters}:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                "type": "NotFoundError", "param": None, "code": 404}}, status=404)
         num_tokens = body.get("max_tokens") or 8
         if not isinstance(num_tokens, int) or not 1 <= num_tokens <= self.max_model_len:
             return web.json_response({"error": {"message": f"max_tokens must be in [1, {self.max_model_len}]",

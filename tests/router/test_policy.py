@@ -107,7 +107,8 @@ def test_signals_from_the_runtimes_own_metrics_page() -> None:
     metrics.refresh(stats)
     metrics.set_ready(True)
     sample = parse_metrics(metrics.render().decode())
-    assert sample == ScrapeSample(num_running=3, num_waiting=2, kv_usage=0.4, generation_tokens=250, ready=True)
+    assert sample == ScrapeSample(num_running=3, num_waiting=2, kv_usage=0.4, generation_tokens=250, ready=True,
+                                  model_names=frozenset({"m"}))  # fmt: skip
     assert parse_metrics("# some other server\nfoo_total 3\n") == ScrapeSample(None, None, None, None, None)
 
 

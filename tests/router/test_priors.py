@@ -129,4 +129,4 @@ def test_without_profile_gauges_every_speed_is_as_before(backends) -> None:
              for i, (speed, in_flight, running) in enumerate(backends)]
     scale = speed_scale(views)
     assert {v.url: speed_of(v, scale) for v in views} == old_speeds(views)
-    assert parse_metrics(page(None, 2, 50)) == ScrapeSample(2, 0, 0.0, 50, True, None)
+    assert parse_metrics(page(None, 2, 50)) == ScrapeSample(2, 0, 0.0, 50, True, None, model_names=frozenset({"m"}))

@@ -217,3 +217,17 @@ def test_check_and_remove_cli(tmp_path: Path) -> None:
     with pytest.raises(DownloadError, match="not a model download"):
         remove_download(tmp_path)  # never deletes a directory it did not write
     assert download.main(["remove", str(target)]) == 0 and not target.exists()
+
+
+async def test_an_adapter_fetch_takes_the_peft_files_and_refuses_a_repo_without_them(hub: FakeHub,
+                                                                                      tmp_path: Path) -> None:
+    adapter_weights = os.urandom(1 << 16)
+    hub.files = {"adapter_config.json": b'{"peft_type": "LORA", "r": 8}', "adapter_model.safetensors": adapter_weights,
+                 "README.md": b"# adapter", "training_args.bin": b"pickle"}  # fmt: skip
+    result = await asyncio.to_thread(download_model, REPO_ID, tmp_path / "a", "main", None, hub.url, True)
+    assert {f.name for f in result.files} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == adapter_weights
+    assert is_complete(tmp_path / "a")
+    del hub.files["adapter_config.json"]
+    with pytest.raises(DownloadError, match="not a PEFT adapter"):
+        await asyncio.to_thread(download_model, REPO_ID, tmp_path / "b", "main", None, hub.url, True)

@@ -129,6 +129,17 @@ def build() -> dict:
                   f"sum by ({BY}) (rate(vllm:spec_decode_num_draft_tokens_total{{{SEL}}}[{RATE}]))"),
         ], "Draft tokens accepted, of all verified (pods with --speculative-config); each verification also "
            "yields one token of its own."))
+        .with_row(dashboard.Row("LoRA adapters"))
+        .with_panel(panel("Adapter loads and evictions / s", "short", [
+            query(f"sum by ({BY}) (rate(hpi:lora_loads_total{{{SEL}}}[{RATE}]))", f"loads {LEGEND}"),
+            query(f"sum by ({BY}) (rate(hpi:lora_evictions_total{{{SEL}}}[{RATE}]))", f"evictions {LEGEND}", "B"),
+        ], "Adapters copied into a device slot (--max-loras) and dropped from host memory (--max-cpu-loras): a "
+           "steady load rate means more adapters are in use than the slots hold (spec.engine.maxLoras)."))
+        .with_panel(panel("Router picks by reason", "reqps", [
+            query(f"sum by (inference_deployment, reason) (rate(hpi:router_picks_total{{{ROUTER_SEL}}}[{RATE}]))",
+                  "{{inference_deployment}} {{reason}}"),
+        ], "How the router chose each backend: adapter (where the LoRA adapter is resident), adapter_slot (a "
+           "free adapter slot), affinity (the prompt prefix), load, round_robin."))
         .with_row(dashboard.Row("Router: queue and tenants"))
         .with_panel(panel("Requests waiting in the router", "short", [
             query(f"sum by (inference_deployment, tenant, priority) (hpi:router_queued_requests{{{ROUTER_SEL}}})",

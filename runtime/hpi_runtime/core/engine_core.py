@@ -93,6 +93,8 @@ class EngineCore:
                 f"{self.config.max_num_waiting}); retry later"
             )
         grammar = None
+        if request.lora_request is not None and self.scheduler.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
         if (structured := request.sampling_params.structured_outputs) is not None:
             if self.grammar_compiler is None:
                 raise ValueError("this engine serves no structured outputs (it has no grammar compiler)")
@@ -108,6 +110,7 @@ class EngineCore:
                 priority=request.priority,
                 hasher=self._hasher,
                 grammar=grammar,
+                lora_request=request.lora_request,
             )
         )
 
@@ -189,6 +192,7 @@ class EngineCore:
             kv_blocks_to_host=host.num_blocks_to_host if host is not None else 0,
             kv_blocks_to_device=host.num_blocks_to_device if host is not None else 0,
             **(scheduler.spec_policy.stats.as_engine_stats() if scheduler.spec_policy is not None else {}),
+            **scheduler.lora_stats(),
         )
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from hpi_runtime.core.interface import MemoryFootprint, TokenLogprobs
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineCoreRequest:
     max_tokens: int  # already capped so that prompt + output fits max_model_len
     arrival_time: float  # time.monotonic() in the frontend (the same clock in every process of the host)
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter to run it with; None: the base model
 
 
 class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False):
@@ -70,6 +72,11 @@ class EngineStats(msgspec.Struct, frozen=True, gc=False):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [num_speculative_tokens]: drafts accepted at each position
+    # LoRA (all empty or 0 without it): adapter names with running / waiting requests, cumulative moves.
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    lora_slot_loads: int = 0  # adapters copied into a device slot
+    lora_host_evictions: int = 0  # adapters dropped from host memory (least recently used)
 
 
 # Frontend -> core messages.

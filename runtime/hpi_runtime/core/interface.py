@@ -20,6 +20,8 @@ so a step sends only what changed, as in vLLM v1:
   every other logits row is sampled unconstrained.
 - `spec_token_ids`: draft tokens (speculative decoding) scheduled after a request's known tokens; the executor
   verifies them and answers with the accepted ones plus one, so `sampled_token_ids` may hold several tokens.
+- `lora_updates`: LoRA adapters copied into device slots (and dropped from host memory) before the forward;
+  a new request's `lora_slot` names the slot its tokens use (lora/slot_table.py decides).
 - `kv_transfers`: block copies between the device KV cache and the host-memory tier (core/host_tier.py),
   run before the forward: all device -> host copies first, then all host -> device ones. A step may
   carry transfers and no tokens (a request swapped out with nothing else to run).
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from hpi_runtime.lora.slot_table import BASE_SLOT, NO_LORA_UPDATES, LoRAUpdates
 from hpi_runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +48,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    lora_slot: int = BASE_SLOT  # the device slot of its LoRA adapter (lora/slot_table.py); pinned while it runs
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class SchedulerOutput:
     # scheduled tokens (after its known ones); the executor samples every one of those positions and returns
     # the drafts it accepted plus the token after them.
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # LoRA adapters to drop from host memory and to copy into device slots, before the forward.
+    lora_updates: LoRAUpdates = NO_LORA_UPDATES
 
     @property
     def is_empty(self) -> bool:

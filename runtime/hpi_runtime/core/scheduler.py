@@ -30,6 +30,12 @@ prefix-cache hashes only ever cover token_ids, so never a draft. A request under
 cut at the first token the grammar forbids and one bitmask row per verified position (the target samples each
 under the grammar as it would stand after the drafts before it); with a draft model (whose tokens are made in
 the executor) it does not speculate.
+
+With LoRA (`config.max_loras`), a batch runs at most max_loras distinct adapters (lora/slot_table.py pins each
+running request's adapter in a device slot). A waiting request whose adapter would exceed that is passed over,
+and the requests behind it may still be admitted when their adapter is already running (or they use the base
+model), except for one running adapter chosen to drain (the one with the fewest running requests): it takes no
+new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from hpi_runtime.core.interface import (
 )
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import Request, RequestStatus
+from hpi_runtime.lora.slot_table import LoRASlotTable
 from hpi_runtime.spec_decode.policy import SpeculationPolicy, next_num_draft_tokens
 from hpi_runtime.spec_decode.proposer import make_proposer
 from hpi_runtime.structured.compiler import grammar_bitmask
@@ -77,6 +84,8 @@ class Scheduler:
         spec = config.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
+        self.lora = LoRASlotTable(config.max_loras, config.max_cpu_loras) if config.max_loras else None
+        self._draining_lora: int | None = None  # the running adapter that admits nothing while one waits
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -113,8 +122,13 @@ class Scheduler:
             budget -= num_new
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
-        while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        position, passed_over = 0, False  # position: of the next candidate in `waiting`
+        while not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+            request = self.waiting[position]
+            if self.lora is not None and not self._lora_fits(request, passed_over):
+                passed_over = True
+                position += 1
+                continue
             # Prompt logprobs need every prompt token to run through the model: no prefix-cache hit.
             computed = kv.get_computed_blocks(request, request.sampling_params.prompt_logprobs is None)
             num_hit_tokens = computed.num_tokens
@@ -123,11 +137,31 @@ class Scheduler:
                 break
             if kv.allocate_slots(request, num_new, computed) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             self._admit(request, num_hit_tokens)
             scheduled.append((request, num_new, []))
             budget -= num_new
+        if not passed_over:
+            self._draining_lora = None
         return self._make_output(scheduled)
+
+    def _lora_fits(self, request: Request, passed_over: bool) -> bool:
+        """Whether the adapter limit lets `request` in now (`passed_over`: one before it in the queue waits)."""
+        lora = request.lora_request
+        if not self.lora.can_admit(lora):
+            if not passed_over and self._draining_lora not in self.lora.users:
+                # The first one kept waiting: pick the running adapter to drain for it.
+                self._draining_lora = min(self.lora.users, key=lambda i: (self.lora.users[i], i))
+            return False
+        return not (passed_over and lora is not None and lora.lora_int_id == self._draining_lora)
+
+    def lora_stats(self) -> dict:
+        """EngineStats' LoRA fields (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        waiting = {r.lora_request.lora_name for r in self.waiting if r.lora_request is not None}
+        return {"lora_running": self.lora.active_names(), "lora_waiting": tuple(sorted(waiting)),
+                "lora_slot_loads": self.lora.num_slot_loads, "lora_host_evictions": self.lora.num_host_evictions}
 
     def _allocate_running(self, request: Request, budget: int) -> tuple[int, list[KVBlock] | None]:
         """Blocks for a running request's next tokens (and drafts) within `budget`: (tokens, new blocks), the
@@ -170,6 +204,8 @@ class Scheduler:
             request.num_cached_prompt_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
+        if self.lora is not None:
+            request.lora_slot = self.lora.acquire(request.lora_request)
         self.running.append(request)
 
     def _make_output(self, scheduled: list[tuple[Request, int, list[KVBlock]]]) -> SchedulerOutput:
@@ -190,6 +226,7 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=self.kv.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
+                        **({} if request.lora_slot is None else {"lora_slot": request.lora_slot}),
                     )
                 )
             num_scheduled[request_id] = num_new
@@ -216,6 +253,7 @@ class Scheduler:
             if constrained else None,
             kv_transfers=self.kv.take_transfers(),
             spec_token_ids=spec_token_ids,
+            **({} if self.lora is None else {"lora_updates": self.lora.take_updates()}),
         )
         if not output.is_empty:  # an empty batch is not sent to the executor, so these wait for the next one
             self._finished_ids.clear()
@@ -223,7 +261,13 @@ class Scheduler:
         self._scheduled = {request.request_id: request for request, _, _ in scheduled}
         return output
 
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot is not None:
+            self.lora.release(request.lora_request)
+            request.lora_slot = None
+
     def _preempt(self, request: Request) -> None:
+        self._release_lora(request)
         if self.kv.preempt(request):
             self.num_swapped_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -304,11 +348,14 @@ class Scheduler:
         self.running = [request for request in self.running if not request.is_finished]
         unfinished_ids = [rid for rid, request in scheduled.items() if self.requests.get(rid) is request]
         self.kv.uncache_step()
+        if self.lora is not None:  # the slots this step was to fill may hold anything now
+            self.lora.forget_loads(scheduler_output.lora_updates)
         self.finish_requests(unfinished_ids, RequestStatus.FINISHED_ABORTED)
         # All of them: one may have finished before the failure without its output being delivered.
         return list(scheduled)
 
     def _release(self, request: Request) -> None:
+        self._release_lora(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._in_executor:

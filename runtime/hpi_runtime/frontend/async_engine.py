@@ -37,6 +37,7 @@ from hpi_runtime.core.engine_io import (
 )
 from hpi_runtime.frontend.input_processor import make_core_request
 from hpi_runtime.frontend.output_processor import OutputProcessor
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -147,7 +148,12 @@ class AsyncLLM:
             await self.client.shutdown()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas; the last one, finished=True, also carries the whole output).
 
@@ -155,14 +161,15 @@ class AsyncLLM:
         before any output. A failed step raises EngineError. Close the generator when abandoning it
         (`contextlib.aclosing`, or `aclose()`) so the abort happens at once rather than when asyncio
         finalizes the garbage-collected generator; task cancellation aborts at once either way.
-        A lower `priority` is admitted first among waiting requests.
+        A lower `priority` is admitted first among waiting requests. `lora_request`: the adapter to run it
+        with (checked by the caller: lora/registry.py); None: the base model.
         """
         if self.dead_error is not None or self._stopping or not self._started:
             raise EngineDeadError("the engine core is not running") from self.dead_error
         if self._sleeping:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) or retry on another replica")
         request = make_core_request(
-            self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority
+            self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority, lora_request
         )
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(request, RequestOutputKind.DELTA)  # refuses an id in use

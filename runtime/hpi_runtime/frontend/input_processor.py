@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.engine_io import EngineCoreRequest
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -61,10 +62,13 @@ def make_core_request(
     sampling_params: SamplingParams,
     arrival_time: float,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> EngineCoreRequest:
     """Check a request against the config (not against the queues) and build it; RequestError (a ValueError)
     says what is wrong."""
     check_prompt(prompt_token_ids, config.max_model_len)
+    if lora_request is not None and not config.max_loras:
+        raise RequestError("this engine serves no LoRA adapters (start it with enable_lora)", "model")
     num_prompt = len(prompt_token_ids)
     return EngineCoreRequest(
         request_id=request_id,
@@ -73,4 +77,5 @@ def make_core_request(
         max_tokens=min(sampling_params.max_tokens, config.max_model_len - num_prompt),
         arrival_time=arrival_time,
         priority=priority,
+        lora_request=lora_request,
     )

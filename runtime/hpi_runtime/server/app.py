@@ -15,6 +15,7 @@ from hpi_runtime.server.chat import create_chat_completion
 from hpi_runtime.server.completions import create_completion
 from hpi_runtime.server.errors import REQUEST_ID, ApiError
 from hpi_runtime.server.errors import error_middleware as shared_error_middleware
+from hpi_runtime.server.lora import add_lora_routes
 from hpi_runtime.server.openapi import OPENAPI_PATH, openapi_json
 from hpi_runtime.server.sleep import SLEEP_PATHS, add_sleep_routes
 from hpi_runtime.server.state import STATE_KEY, ServerState
@@ -144,9 +145,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     model = state.admit()
-    card = {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "hetero-paged-infer",
-            "root": model.name, "parent": None, "max_model_len": model.max_model_len}
-    return web.json_response({"object": "list", "data": [card]})
+    created = int(time.time())
+    card = {"id": model.name, "object": "model", "created": created, "owned_by": "hetero-paged-infer",
+            "root": model.name, "parent": None, "max_model_len": model.max_model_len}  # fmt: skip
+    adapters = [{"id": lora.lora_name, "object": "model", "created": created, "owned_by": "hpi",
+                 "root": lora.lora_path, "parent": model.name} for lora in (model.loras or ())]  # fmt: skip
+    return web.json_response({"object": "list", "data": [card, *adapters]})
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -167,4 +171,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get(OPENAPI_PATH, openapi_json)
     add_sleep_routes(app)
+    if state.settings.allow_runtime_lora_updating:
+        add_lora_routes(app)
     return app

@@ -53,15 +53,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     body = parse_chat(await read_json(request))
     model = state.admit()
-    check_model(model, body.model)
+    lora = check_model(model, body.model)
     plan, body = plan_tools(body, state.settings.tool_call_parser)
     await check_structured(body.sampling)
     tokenizer = model.tokenizer
     num_chars = sum(len(str(message.get("content") or "")) for message in body.messages)
     prompt_ids = await tokenize_off_loop(lambda: render_prompt(tokenizer, body, plan.tools), num_chars)
     chat_id = new_id("chatcmpl")
-    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages")
-    head = {"id": chat_id, "created": int(time.time()), "model": model.name}
+    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages", lora)
+    head = {"id": chat_id, "created": int(time.time()), "model": lora.lora_name if lora else model.name}
     want_logprobs = body.sampling.logprobs is not None
 
     if not body.stream:

@@ -24,7 +24,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     body = parse_completion(await read_json(request))
     model = state.admit()
-    check_model(model, body.model)
+    lora = check_model(model, body.model)
     await check_structured(body.sampling)
     tokenizer = model.tokenizer
     num_chars = sum(len(p) for p in body.prompts if isinstance(p, str))
@@ -32,9 +32,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         lambda: [list(p) if isinstance(p, tuple) else tokenizer(p).input_ids for p in body.prompts], num_chars
     )
     completion_id = new_id("cmpl")
-    choices = plan_choices(completion_id, prompt_ids, body.sampling, body.n, model, "prompt")
+    choices = plan_choices(completion_id, prompt_ids, body.sampling, body.n, model, "prompt", lora)
     echo = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
-    head = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model.name}
+    head = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+            "model": lora.lora_name if lora else model.name}
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     want_logprobs = body.sampling.logprobs is not None
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from hpi_runtime.frontend.input_processor import RequestError, check_max_tokens, check_prompt
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.outputs import FINISH_ABORT, RequestOutput
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.errors import ApiError, bad_request
@@ -30,6 +31,7 @@ class Choice:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter the request's 'model' named; None: the base model
 
 
 def new_id(prefix: str) -> str:
@@ -43,6 +45,7 @@ def plan_choices(
     n: int,
     model: ServedModel,
     prompt_param: str,
+    lora_request: LoRARequest | None = None,
 ) -> list[Choice]:
     """One Choice per (prompt, i < n); the input processor checks token ids against the vocabulary and lengths
     against max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
@@ -90,7 +93,9 @@ def plan_choices(
             except ValueError as exc:
                 raise bad_request(str(exc)) from exc
             index = len(choices)
-            choices.append(Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority))
+            choices.append(
+                Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority, lora_request)
+            )
     return choices
 
 
@@ -148,7 +153,7 @@ async def stream_choices(
         accepted = True
         try:
             async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params,
-                                             choice.priority):
+                                             choice.priority, choice.lora_request):
                 timer.tick(out)
                 if out.finished:
                     finish = out.finish_reason or FINISH_ABORT

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hpi_runtime.lora.registry import LoRARegistry
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.app import build_app
 from hpi_runtime.server.state import ServedModel, ServerSettings, ServerState
@@ -84,6 +85,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     try:
         with clock("prepare"):
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
+            loras = _load_lora_modules(prepared)  # a bad --lora-modules directory fails before the core starts
         spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
                                logging.getLogger().getEffectiveLevel())
         engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
@@ -106,12 +108,14 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     state.metrics.set_startup(clock.phases, total_s)
     logger.info("%s", describe(clock.phases, total_s))
     state.metrics.set_quantization(prepared.quantization, prepared.quantization_scheme)
+    if loras is not None:
+        state.metrics.set_max_loras(prepared.args.lora.max_loras)
     # A token id must be both decodable and a row of the embedding: the smaller of the two sizes bounds it.
     vocab_size = min(len(prepared.tokenizer), prepared.vocab_size)
     max_model_len = prepared.engine_config.max_model_len
     state.set_model(ServedModel(engine=engine, tokenizer=prepared.tokenizer, name=state.settings.served_model_name,
                                 max_model_len=max_model_len, vocab_size=vocab_size,
-                                sampling_defaults=prepared.sampling_defaults))
+                                sampling_defaults=prepared.sampling_defaults, loras=loras))
     if prepared.sampling_defaults:
         logger.info("sampling defaults from generation_config.json for requests that leave them out: %s",
                     prepared.sampling_defaults)
@@ -126,6 +130,18 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     if footprint.num_host_kv_blocks:
         logger.info("host KV tier: %.1f MiB of host memory in %d blocks (offloaded prefix blocks, swapped-out "
                     "requests)", footprint.host_kv_cache_bytes / 2**20, footprint.num_host_kv_blocks)
+
+
+def _load_lora_modules(prepared) -> LoRARegistry | None:
+    """The adapter registry with --lora-modules loaded (ValueError for a bad one: the server does not start)."""
+    lora = prepared.args.lora
+    if not lora.enable_lora:
+        return None
+    registry = LoRARegistry(prepared.model_config, lora.max_lora_rank)
+    for module in lora.modules:
+        registry.load(module.name, module.path, module.base_model_name)
+        logger.info("LoRA adapter '%s' from %s", module.name, module.path)
+    return registry
 
 
 async def _warm_up(engine, tokenizer) -> None:

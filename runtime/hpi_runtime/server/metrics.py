@@ -115,6 +115,7 @@ class ServingMetrics:
                                               "KV cache holds at the profiled context.", profile_labels,
                                               registry=reg),
         }  # fmt: skip
+        self._max_loras: int | None = None  # set_max_loras: LoRA is on
         self._model = model_name
         self._block_bytes = 0  # bytes of one KV block over all ranks, once the footprint is known
         self._last: dict[str, int] = {}
@@ -166,6 +167,30 @@ class ServingMetrics:
     def set_quantization(self, method: str, scheme: str) -> None:
         self._quantization.labels(self._model, method, scheme).set(1)
 
+    def set_max_loras(self, max_loras: int) -> None:
+        """LoRA is on: export vllm:lora_requests_info and the adapter counters (at 0 from the start)."""
+        reg, labels = self.registry, [names.MODEL_NAME_LABEL]
+        self._max_loras = max_loras
+        self._lora_info = Gauge(names.LORA_REQUESTS_INFO, "Running and waiting LoRA adapters (labels, comma-separated) "
+                                "and max_lora; the value is when it was set.", [names.RUNNING_LORA_ADAPTERS_LABEL,
+                                names.WAITING_LORA_ADAPTERS_LABEL, names.MAX_LORA_LABEL], registry=reg)  # fmt: skip
+        self._lora_loads = Counter(names.LORA_LOADS, "LoRA adapters copied into a device slot.", labels, registry=reg)
+        self._lora_evictions = Counter(names.LORA_EVICTIONS, "LoRA adapters dropped from host memory (least "
+                                       "recently used).", labels, registry=reg)  # fmt: skip
+        self._lora_loads.labels(self._model)
+        self._lora_evictions.labels(self._model)
+        self._lora_info.labels("", "", str(max_loras)).set_to_current_time()
+
+    def _refresh_lora(self, stats) -> None:
+        if self._max_loras is None:
+            return
+        # One series at a time (vLLM adds one per change and leaves the old ones): the current adapters.
+        self._lora_info.clear()
+        self._lora_info.labels(",".join(stats.lora_running), ",".join(stats.lora_waiting),
+                               str(self._max_loras)).set_to_current_time()  # fmt: skip
+        self._advance("lora_loads", stats.lora_slot_loads, self._lora_loads.labels(self._model))
+        self._advance("lora_evictions", stats.lora_host_evictions, self._lora_evictions.labels(self._model))
+
     def set_ready(self, ready: bool) -> None:
         self._ready.labels(self._model).set(1 if ready else 0)
 
@@ -208,6 +233,7 @@ class ServingMetrics:
              self._preemption_modes.labels(model, "recompute")),
         ):  # fmt: skip
             self._advance(key, total, child)
+        self._refresh_lora(stats)
 
     def _advance(self, key: str, total: int, child) -> None:
         """Bring one counter up to the engine's cumulative total."""

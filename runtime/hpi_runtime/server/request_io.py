@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.server.errors import ApiError, bad_request
 from hpi_runtime.server.state import STATE_KEY, ServedModel
 
@@ -42,12 +43,19 @@ async def tokenize_off_loop(tokenize: Callable[[], T], num_chars: int) -> T:
     return await asyncio.to_thread(tokenize)
 
 
-def check_model(model: ServedModel, requested: str | None) -> None:
-    if requested is not None and requested != model.name:
+def check_model(model: ServedModel, requested: str | None) -> LoRARequest | None:
+    """The LoRA adapter the request's 'model' names (None: the base model); a 404 naming what is served for
+    any other name."""
+    if requested is None or requested == model.name:
+        return None
+    lora = model.loras.get(requested) if model.loras is not None else None
+    if lora is None:
+        served = ", ".join(f"'{name}'" for name in [model.name, *(model.loras.names() if model.loras else ())])
         raise ApiError(
-            404, f"The model '{requested}' does not exist; this server serves '{model.name}'.",
+            404, f"The model '{requested}' does not exist; this server serves {served}.",
             param="model", code="model_not_found",
-        )
+        )  # fmt: skip
+    return lora
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from hpi_contracts.pool_profile import PoolProfile
 from hpi_runtime.config import ServerConfig
+from hpi_runtime.lora.registry import LoRARegistry
 from hpi_runtime.server.errors import ApiError
 from hpi_runtime.server.metrics import ServingMetrics
 from hpi_runtime.server.profile_file import PoolProfileFile
@@ -27,6 +28,7 @@ class ServedModel:
     vocab_size: int
     # generation_config.json's temperature/top_p/top_k/min_p/repetition_penalty: used where a request is silent
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    loras: LoRARegistry | None = None  # the LoRA adapters served beside the base model (--enable-lora)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); empty: no CORS
     pool_profile: PoolProfile | None = None  # exported as hpi:profile_* gauges (the router's speed prior)
     pool_profile_path: str | None = None  # --pool-profile @PATH: the profile from this file, re-read on change
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    allow_runtime_lora_updating: bool = False
 
 
 class ServerState:

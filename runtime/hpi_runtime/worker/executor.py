@@ -20,6 +20,7 @@ from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.config import CacheConfig, ParallelConfig
 from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
+from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
@@ -68,6 +69,9 @@ class ExecutorConfig:
     # Draft-model speculation (spec_decode/draft_model.py): the draft, loaded beside the model in `dtype`,
     # unquantized, run eagerly. Its KV cache has as many blocks as the model's; the KV budget holds both.
     draft_model_config: ModelConfig | None = None
+    # LoRA: device slots (distinct adapters per batch; 0: LoRA off) and the largest rank they hold.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -87,9 +91,10 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, or on CUDA, whose Triton attention
-    backend is not a compilable op yet)."""
-    if config.enforce_eager or device.type != "cpu":
+    """How the model step is compiled here; None: eagerly (asked for, with LoRA, or on CUDA, whose Triton
+    attention backend is not a compilable op yet)."""
+    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly.
+    if config.enforce_eager or device.type != "cpu" or config.max_loras:
         return None
     freeze = config.freeze_weights and not config.quantization.enabled
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
@@ -154,9 +159,10 @@ class LocalExecutor:
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         drafter = None if draft is None else DraftModel(draft, backend, config.cache.block_size, config.seed)
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, tp) if config.max_loras else None
         with clock("compile"):
             self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
-                                      compile_config(config, device), drafter)  # fmt: skip
+                                      compile_config(config, device), drafter, self.lora)  # fmt: skip
         self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
 
@@ -173,6 +179,8 @@ class LocalExecutor:
         return self._num_host_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.lora_updates:
+            self.lora.apply(scheduler_output.lora_updates)
         if scheduler_output.kv_transfers:
             self.host_kv_cache.apply(scheduler_output.kv_transfers)
             if scheduler_output.total_num_scheduled_tokens == 0:  # a swap with nothing else to run

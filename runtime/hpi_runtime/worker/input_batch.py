@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpi_runtime.core.interface import NewRequestData, SchedulerOutput
+from hpi_runtime.lora.slot_table import BASE_SLOT
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.sampler import SamplingBatch, mix_seed
 
@@ -41,6 +42,8 @@ class StepInputs:
     num_decode_reqs: int
     max_query_len: int
     max_context_len: int
+    # [num_tokens] int64: each token's LoRA slot (lora/slot_table.py); None: no token of the step uses an adapter
+    token_lora_slots: np.ndarray | None = None
 
 
 def _grown(array: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
@@ -68,6 +71,7 @@ class InputBatch:
         self.num_spec = np.zeros(max_reqs, dtype=np.int64)  # this step's draft tokens after num_tokens
         self.block_table = np.zeros((max_reqs, -(-max_len // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
+        self.lora_slot = np.full(max_reqs, BASE_SLOT, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_reqs
         # Sampling settings as columns, so a step's batch is one gather per setting.
         self.float_columns = {name: np.zeros(max_reqs, dtype=np.float32) for name in _FLOAT_COLUMNS}
@@ -126,6 +130,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.block_table[row] = 0
         self._append_blocks(row, new.block_ids)
+        self.lora_slot[row] = new.lora_slot
         params = new.sampling_params
         self.params[row] = params
         for name, column in self.float_columns.items():
@@ -179,7 +184,7 @@ class InputBatch:
             array = getattr(self, name)
             setattr(self, name, _grown(array, rows, array.shape[1]))
         for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_spec", "num_blocks", "top_k",
-                     "min_tokens", "uses_penalties", "uses_logit_bias"):  # fmt: skip
+                     "min_tokens", "uses_penalties", "uses_logit_bias", "lora_slot"):  # fmt: skip
             setattr(self, name, _grown(getattr(self, name), rows))
         self.float_columns = {name: _grown(column, rows) for name, column in self.float_columns.items()}
         old = len(self.params)
@@ -206,6 +211,7 @@ class InputBatch:
         self._check(request_ids, rows, starts, ends, query_lens, num_known)
         flat = self.flat_inputs(rows, starts, query_lens)
         self.num_computed_tokens[rows] = ends
+        token_lora_slots = np.repeat(self.lora_slot[rows], query_lens)
         return StepInputs(
             request_ids=request_ids,
             **flat,
@@ -214,6 +220,7 @@ class InputBatch:
             num_decode_reqs=int((query_lens == 1).sum()),
             max_query_len=int(query_lens.max()),
             max_context_len=int(ends.max()),
+            token_lora_slots=token_lora_slots if (token_lora_slots != BASE_SLOT).any() else None,
         )
 
     def flat_inputs(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray) -> dict[str, torch.Tensor]:

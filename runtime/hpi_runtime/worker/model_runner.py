@@ -23,6 +23,7 @@ import torch
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.draft_model import DraftModel
@@ -97,6 +98,7 @@ class ModelRunner:
         seed: int = 0,
         compile_config: CompileConfig | None = None,  # None: run the model eagerly
         drafter: DraftModel | None = None,  # draft-model speculation: it fills the scheduled draft slots
+        lora: LoRAModel | None = None,  # the model's LoRA slots (lora/layers.py); None: no adapters
     ) -> None:
         self.model = model
         self.backend = backend
@@ -105,6 +107,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.input_batch = InputBatch(block_size, eos_token_ids)
         self.drafter = drafter
+        self.lora = lora
         self._forward: Callable[..., torch.Tensor] = model
         if compile_config is not None:
             self._compile(compile_config)
@@ -141,6 +144,8 @@ class ModelRunner:
             block_size=self.block_size,
         )
         metadata = self.backend.build_metadata(common)
+        if self.lora is not None:
+            self.lora.batch.set_step(step.token_lora_slots, device)
         hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
         ends = step.query_start_loc[1:].numpy().astype(np.int64)
         is_sampled = np.asarray(step.is_sampled, dtype=bool)

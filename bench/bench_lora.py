@@ -1,0 +1,251 @@
+"""Multi-LoRA serving: 8 adapters on one base model against the base model alone and against the same 8
+adapters merged into 8 models served by 8 engines, on the same machine, in one run.
+
+Adapters: rank 16 on all seven projections (q, k, v, o, gate, up, down) of the embedded SmolLM2-135M-Instruct,
+built with `peft` (random A and B). `hpi serve --enable-lora --max-loras 4`: 8 adapters through 4 slots, so
+adapters are swapped in and out while the load runs. Load: a closed loop of `concurrency` streaming clients,
+requests spread evenly over the 8 adapter names (the base run sends the same requests to the base model).
+Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
+merged model (eager like the LoRA server's step), all 8 up at once, each given concurrency / 8 clients and an
+eighth of the requests. Memory: the resident set of each server and its engine-core process, summed.
+Also: the decode step time of a 32-request batch whose requests use 0, 1, 2 or 4 distinct adapters
+(in-process, eager), against the eager base model.
+
+    .venv/bin/python -m bench.bench_lora
+    .venv/bin/python -m bench.bench_lora --num-requests 64 --output-len 32 --out bench/results/tmp/lora.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import platform
+import shutil
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
+from bench.systems import SERVED_MODEL_NAME, ServerProcess, cache_dir, hpi_command, metric_value
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    num_adapters: int = 8
+    rank: int = 16
+    max_loras: int = 4
+    concurrency: int = 32
+    num_requests: int = 128
+    prompt_len: int = 64
+    output_len: int = 64
+    num_threads: int = 2
+    kv_cache_memory: str = "512MiB"
+    merged_kv_cache_memory: str = "256MiB"  # per merged engine: 4 clients each
+    merged_max_model_len: int = 1024  # so that its smaller KV budget holds one whole request
+    step_batch: int = 32
+    step_distinct: tuple[int, ...] = (0, 1, 2, 4)
+    num_timed_steps: int = 12
+    seed: int = 0
+
+
+def build_adapters(base_dir: Path, plan: LoRAPlan, root: Path) -> list[Path]:
+    """`num_adapters` PEFT directories (random A and B, small enough to keep the text sensible), built once."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    paths = [root / f"adapter{i}" for i in range(plan.num_adapters)]
+    for i, path in enumerate(paths):
+        if (path / "adapter_model.safetensors").exists():
+            continue
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        config = LoraConfig(r=plan.rank, lora_alpha=2 * plan.rank, target_modules=list(PROJECTIONS))
+        model = get_peft_model(base, config)
+        generator = torch.Generator().manual_seed(plan.seed * 1000 + i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+        model.save_pretrained(path)
+    return paths
+
+
+def merge_adapters(base_dir: Path, adapters: list[Path], root: Path) -> list[Path]:
+    """Each adapter merged into a copy of the base model (weights + tokenizer files), built once."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    merged = []
+    for adapter in adapters:
+        out = root / f"merged-{adapter.name}"
+        if not (out / "config.json").exists():
+            base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(out)
+            for name in base_dir.iterdir():
+                if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
+                    shutil.copy(name, out / name.name)
+        merged.append(out)
+    return merged
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a server process and its children (the engine core)."""
+    process = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+
+
+def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
+    with ServerProcess(command, log) as server:
+        run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency)))
+        summary = summarize(run)
+        text = server.metrics_text()
+        summary["rss_bytes"] = rss_bytes(server.process.pid)
+        summary["lora_loads"] = metric_value(text, "hpi:lora_loads_total")
+        summary["lora_evictions"] = metric_value(text, "hpi:lora_evictions_total")
+    summary.pop("samples")
+    return summary
+
+
+def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> dict:
+    """All merged engines at once, each with its share of the clients and of the requests."""
+    with ExitStack() as stack:
+        # Eager, like the LoRA server (whose step is not compiled): the comparison is then of LoRA against merging.
+        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager", "--max-model-len",
+                 str(plan.merged_max_model_len))  # fmt: skip
+        commands = [hpi_command(plan.num_threads, "--model", str(path), *flags) for path in merged]
+        servers = [stack.enter_context(ServerProcess(command, log_dir / f"merged{i}.log"))
+                   for i, command in enumerate(commands)]  # fmt: skip
+        per = plan.concurrency // len(servers)
+        shares = [requests[i :: len(servers)] for i in range(len(servers))]
+
+        async def all_loads():
+            return await asyncio.gather(*(run_load(share, LoadConfig(s.base_url, SERVED_MODEL_NAME, per))
+                                          for s, share in zip(servers, shares, strict=True)))  # fmt: skip
+
+        start = time.perf_counter()
+        runs = asyncio.run(all_loads())
+        wall_s = time.perf_counter() - start
+        rss = sum(rss_bytes(s.process.pid) for s in servers)
+    summaries = [summarize(run) for run in runs]
+    num_output = sum(s["output_tokens_per_s"] * s["duration_s"] for s in summaries)
+    return {"engines": len(servers), "concurrency_each": per, "duration_s": wall_s,
+            "output_tokens_per_s": num_output / wall_s, "num_errors": sum(s["num_errors"] for s in summaries),
+            "rss_bytes": rss, "tpot_ms_p50_each": [s["tpot_ms"]["p50"] for s in summaries]}  # fmt: skip
+
+
+def step_times(plan: LoRAPlan, base_dir: Path, adapters: list[Path]) -> dict:
+    """Median decode step (ms) of `step_batch` requests over k distinct adapters, and of the eager base model."""
+    from hpi_runtime.llm import LLM
+    from hpi_runtime.lora.request import LoRARequest
+    from hpi_runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=plan.num_timed_steps + 4, ignore_eos=True, temperature=0.0)
+    loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
+    prompt = list(range(100, 116))
+
+    def median_decode_ms(llm: LLM, per_request) -> float:
+        engine = llm.engine
+        for i, lora in enumerate(per_request):
+            engine.add_request(f"s{time.monotonic_ns()}-{i}", prompt, params, lora_request=lora)
+        for _ in range(3):  # prefill, then the first decodes (adapters loaded into their slots)
+            engine.step()
+        times = []
+        for _ in range(plan.num_timed_steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return 1000 * statistics.median(times)
+
+    out = {}
+    with LLM(str(base_dir), enforce_eager=True, max_num_seqs=plan.step_batch) as base:
+        out["base_eager"] = median_decode_ms(base, [None] * plan.step_batch)
+    with LLM(str(base_dir), enable_lora=True, max_loras=plan.max_loras, max_lora_rank=plan.rank,
+             max_num_seqs=plan.step_batch) as llm:  # fmt: skip
+        for k in plan.step_distinct:
+            per_request = [loras[i % k] if k else None for i in range(plan.step_batch)]
+            out[f"lora_{k}_distinct"] = median_decode_ms(llm, per_request)
+    return out
+
+
+def cpu_isa() -> str:
+    from hpi_runtime import cpu_features
+
+    flags = [name for name, present in (("amx", cpu_features.has_amx()), ("avx512_bf16", cpu_features.has_fast_bf16()))
+             if present]  # fmt: skip
+    return ", ".join(flags) or "avx2 or less"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=LoRAPlan.num_requests)
+    parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
+    parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
+    parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
+    args = parser.parse_args(argv)
+    plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len)
+    from transformers import AutoTokenizer
+
+    from hpi_runtime.embedded import ensure_embedded_model
+
+    base_dir = ensure_embedded_model()
+    work = cache_dir() / "bench-lora"
+    adapters = build_adapters(base_dir, plan, work)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    spec = WorkloadSpec(plan.num_requests, LengthDist(plan.prompt_len), LengthDist(plan.output_len), seed=plan.seed)
+    requests = build_requests(tokenizer, spec)
+    names = [f"adapter{i}" for i in range(plan.num_adapters)]
+    lora_requests = [dataclasses.replace(r, model=names[i % len(names)]) for i, r in enumerate(requests)]
+    logs = Path("bench/results/tmp/lora-logs")
+    kv = ("--kv-cache-memory", plan.kv_cache_memory)
+    machine = {"cpu": platform.processor() or platform.machine(), "isa": cpu_isa(), "cores": psutil.cpu_count(),
+               "load_avg_at_start": psutil.getloadavg()}  # fmt: skip
+    results: dict = {"plan": asdict(plan), "machine": machine}
+    if args.resume and args.out.exists():
+        results = {**json.loads(args.out.read_text()), "machine_resumed": machine}
+    modules = [f"{name}={path}" for name, path in zip(names, adapters, strict=True)]
+    lora_flags = ("--enable-lora", "--max-loras", str(plan.max_loras), "--max-lora-rank", str(plan.rank),
+                  "--lora-modules", *modules)  # fmt: skip
+    phases = {
+        "base": ("base model alone", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv), logs / "base.log", requests, plan.concurrency)),
+        "base_eager": ("base model, eager step", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, "--enforce-eager"), logs / "base_eager.log", requests,
+            plan.concurrency)),
+        "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        "merged": (f"{plan.num_adapters} merged models in {plan.num_adapters} engines", lambda: merged_run(
+            plan, merge_adapters(base_dir, adapters, work), requests, logs)),
+        "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
+    }  # fmt: skip
+    for key, (what, run) in phases.items():
+        if key in results or (key == "merged" and args.skip_merged):
+            continue
+        print(f"{what} ...", flush=True)
+        results[key] = run()
+        # After every phase: a run cut short keeps what it measured (--resume goes on from there).
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
+    base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
+    print(f"output tok/s: base {base:.1f}, base eager {results['base_eager']['output_tokens_per_s']:.1f}, "
+          f"8 LoRA {lora:.1f} ({lora / base:.2f}x base)")  # fmt: skip
+    if "merged" in results:
+        merged_tps = results["merged"]["output_tokens_per_s"]
+        print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "
+              f"vs LoRA server {results['lora']['rss_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+    print("decode step ms:", {k: round(v, 1) for k, v in results["step_ms"].items()})
+
+
+if __name__ == "__main__":
+    main()

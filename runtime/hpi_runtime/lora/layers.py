@@ -1,0 +1,222 @@
+"""Batched LoRA in the model runner: device slots of adapter weights per projection, a delta per token by slot.
+
+Every adapted projection of the model (each layer's qkv_proj, o_proj, gate_up_proj and down_proj, whatever
+module computes it: float, int8/int4, packed for the CPU) gets a forward hook that adds the LoRA delta of
+each token's adapter: out[t] += B[s] @ (A[s] @ x[t]) with s = the token's slot (BASE_SLOT: nothing). Slot
+weights are kept as A [num_slots, parts * max_rank, in] and B [out, num_slots, parts * max_rank] in the
+activation dtype, zero-padded to max_rank with the scaling folded into B. A fused projection (qkv: parts q,
+k, v; gate_up: gate, up) stacks one rank block per part, and part p's output rows read only block p of B.
+
+The delta is grouped by slot (the punica / S-LoRA idea, with torch ops): per distinct adapter present in the
+step, its tokens are gathered, run through two small matmuls and added back; when more than half the slots are
+present, two matmuls over all slots with a per-token one-hot mask cost less (LoRABatch). On CUDA the Triton
+kernel of hpi_kernels.lora (punica's BGMV: each token times its own slot's matrices, read in place) does both
+in two launches. Each is set up once per step on the host from the per-token slots (`LoRABatch.set_step`),
+so no layer synchronises with the device.
+
+Tensor parallelism: a column-parallel projection keeps the whole A and the rows of B its output holds; a
+row-parallel one (o_proj, down_proj) keeps the columns of A its input holds and the whole B: its delta is a
+partial sum that the layer's all-reduce completes, like the base product. Hooks are used instead of wrapping
+modules so that parameter names stay as loaded (sleep mode's wake copies weights by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from hpi_runtime.lora.peft_dir import ADAPTER_KEY, WEIGHTS_FILE, AdapterSpec, part_shapes, read_adapter
+from hpi_runtime.lora.slot_table import BASE_SLOT, LoRAUpdates
+from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.parallel import Span, TensorParallel, mlp_span, split_heads
+
+# checkpoint module -> (projection attribute path in the decoder layer)
+PROJECTION_OF = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+                 "self_attn.v_proj": "self_attn.qkv_proj", "self_attn.qkv_proj": "self_attn.qkv_proj",
+                 "self_attn.o_proj": "self_attn.o_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+                 "mlp.up_proj": "mlp.gate_up_proj", "mlp.gate_up_proj": "mlp.gate_up_proj",
+                 "mlp.down_proj": "mlp.down_proj"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PartSlice:
+    """One part of a projection on this rank: its rows of the layer's output and of the full part's output."""
+
+    name: str  # q, k, v, o, gate, up, down
+    out_offset: int  # first row in this rank's (fused) output
+    rows: Span  # rows of the unsharded part's output this rank holds
+
+
+class LoRABatch:
+    """The current step's tokens by adapter slot; set by the runner before each forward.
+
+    Two ways to add the deltas, chosen per step from how many distinct adapters it holds (measured on CPU,
+    docs/lora.md): `groups`, one gather + two small matmuls + one scatter-add per adapter present, cheapest for
+    few adapters; or `one_hot` [num_tokens, num_slots], two matmuls over every slot's rank block with each
+    token's other blocks zeroed, whose cost does not grow with the number of adapters present."""
+
+    def __init__(self, num_slots: int, like: torch.Tensor) -> None:
+        self.num_slots, self.like = num_slots, like
+        self.groups: tuple[tuple[int, torch.Tensor | None], ...] = ()  # (slot, token rows or None: all tokens)
+        self.one_hot: torch.Tensor | None = None  # [num_tokens, num_slots] in the activation dtype
+        self.token_slots: torch.Tensor | None = None  # [num_tokens] int64 on the device: hpi_kernels.lora_delta
+
+    def set_step(self, token_slots: np.ndarray | None, device: torch.device, use_kernel: bool | None = None) -> None:
+        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's.
+        `use_kernel` (default: on CUDA): the Triton BGMV kernel, one launch per shrink and expand."""
+        self.groups, self.one_hot, self.token_slots = (), None, None
+        if token_slots is None:
+            return
+        if use_kernel if use_kernel is not None else device.type == "cuda":
+            self.token_slots = torch.from_numpy(token_slots).to(device)
+            return
+        slots = np.unique(token_slots)
+        slots = slots[slots != BASE_SLOT]
+        if 2 * len(slots) > self.num_slots:
+            one_hot = np.zeros((len(token_slots), self.num_slots), dtype=np.float32)
+            adapted = np.flatnonzero(token_slots != BASE_SLOT)
+            one_hot[adapted, token_slots[adapted]] = 1.0
+            self.one_hot = torch.from_numpy(one_hot).to(device=device, dtype=self.like.dtype)
+        elif len(slots) == 1 and (token_slots == slots[0]).all():
+            self.groups = ((int(slots[0]), None),)
+        else:
+            self.groups = tuple((int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in slots)
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    """One adaptable projection on this rank: its parts, and the columns of the full input it reads."""
+
+    parts: tuple[PartSlice, ...]
+    in_span: Span | None  # row-parallel: this rank's columns of the full input; None: the whole input
+    in_features: int
+    out_features: int
+
+
+class LoRAProjection:
+    """The slots of one projection and the hook that adds their delta."""
+
+    def __init__(self, shape: ProjectionShape, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
+        self.parts, self.in_span, self.max_rank, self.batch = shape.parts, shape.in_span, max_rank, batch
+        self.width = len(shape.parts) * max_rank  # W: one rank block per part
+        like = batch.like
+        self.a = like.new_zeros(num_slots, self.width, shape.in_features)  # [S, W, in]
+        self.b = like.new_zeros(shape.out_features, num_slots, self.width)  # [out, S, W]: B of slot s is b[:, s]
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        batch = self.batch
+        x = args[0]  # [num_tokens, in]
+        if batch.token_slots is not None:
+            from hpi_kernels import lora_delta
+
+            return lora_delta(x, self.a, self.b, batch.token_slots, output)
+        if batch.one_hot is not None:
+            num_slots = self.a.shape[0]
+            shrunk = F.linear(x, self.a.view(num_slots * self.width, -1)).view(-1, num_slots, self.width)
+            shrunk = (shrunk * batch.one_hot.unsqueeze(-1)).view(-1, num_slots * self.width)
+            return output + F.linear(shrunk, self.b.view(self.b.shape[0], -1))
+        for slot, rows in batch.groups:
+            if rows is None:
+                output = output + F.linear(F.linear(x, self.a[slot]), self.b[:, slot])
+            else:
+                shrunk = F.linear(x.index_select(0, rows), self.a[slot])
+                output = output.index_add(0, rows, F.linear(shrunk, self.b[:, slot]))
+        return output
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[:, slot].zero_()
+
+    def load_part(self, slot: int, part: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """a: [r, in] (unsharded), b: [part_out, r] (unsharded, this part's rows) -> slot `slot`."""
+        index = next(i for i, p in enumerate(self.parts) if p.name == part)
+        spec = self.parts[index]
+        rank = a.shape[0]
+        cols = slice(index * self.max_rank, index * self.max_rank + rank)
+        if self.in_span is not None:
+            a = a.narrow(1, self.in_span.start, self.in_span.size)
+        b = b.narrow(0, spec.rows.start, spec.rows.size) * scaling
+        self.a[slot, cols] = a.to(self.a.dtype)
+        self.b[spec.out_offset : spec.out_offset + spec.rows.size, slot, cols] = b.to(self.b.dtype)
+
+
+def _projection_shapes(config: ModelConfig, layer: int, tp: TensorParallel) -> dict[str, ProjectionShape]:
+    """projection path -> its shape on this rank, for `layer`."""
+    d = config.head_dim
+    heads = split_heads(config.num_heads, config.num_kv_heads, tp.size, tp.rank)
+    q_rows, kv_rows = Span(heads.q.start * d, heads.q.size * d), Span(heads.kv.start * d, heads.kv.size * d)
+    qkv = (PartSlice("q", 0, q_rows), PartSlice("k", q_rows.size, kv_rows),
+           PartSlice("v", q_rows.size + kv_rows.size, kv_rows))  # fmt: skip
+    hidden = config.hidden_size
+    found = {
+        "self_attn.qkv_proj": ProjectionShape(qkv, None, hidden, q_rows.size + 2 * kv_rows.size),
+        "self_attn.o_proj": ProjectionShape((PartSlice("o", 0, Span(0, hidden)),), q_rows, q_rows.size, hidden),
+    }
+    if "gate" in part_shapes(config, layer):
+        span = mlp_span(config.intermediate_size, tp.size, tp.rank)
+        gate_up = (PartSlice("gate", 0, span), PartSlice("up", span.size, span))
+        found["mlp.gate_up_proj"] = ProjectionShape(gate_up, None, hidden, 2 * span.size)
+        found["mlp.down_proj"] = ProjectionShape((PartSlice("down", 0, Span(0, hidden)),), span, span.size, hidden)
+    return found
+
+
+def read_adapter_tensors(spec: AdapterSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, checkpoint module) -> (A [r, in], B [out, r]) on the CPU, as stored."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(Path(spec.path) / WEIGHTS_FILE), device="cpu").items():
+        match = ADAPTER_KEY.match(key)
+        if match is not None:
+            pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    return {
+        (t.layer, t.module): (pairs[(t.layer, t.module)]["A"], pairs[(t.layer, t.module)]["B"]) for t in spec.targets
+    }
+
+
+class LoRAModel:
+    """The adapters of one model on this rank: its projections' slots, the host-memory copies, the step's groups."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, tp: TensorParallel) -> None:
+        config: ModelConfig = model.config
+        self.config, self.max_rank = config, max_rank
+        # The activation dtype on the model's device (quantized weights are integers: the norms say it).
+        self.batch = LoRABatch(num_slots, model.model.norm.weight.new_zeros(0))
+        self.projections: dict[tuple[int, str], LoRAProjection] = {}
+        self.host: dict[int, tuple[AdapterSpec, dict]] = {}  # lora_int_id -> (spec, tensors) in host memory
+        for index, layer in enumerate(model.model.layers):
+            for path, shape in _projection_shapes(config, index, tp).items():
+                projection = LoRAProjection(shape, num_slots, max_rank, self.batch)
+                layer.get_submodule(path).register_forward_hook(projection)
+                self.projections[(index, path)] = projection
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
+                   for p in self.projections.values())  # fmt: skip
+
+    def apply(self, updates: LoRAUpdates) -> None:
+        """The step's adapter moves (slot_table.py): drop host copies, then fill slots (reading from disk when
+        host memory does not hold the adapter). ValueError for an adapter that no longer fits."""
+        for lora_id in updates.host_evictions:
+            self.host.pop(lora_id, None)
+        for load in updates.loads:
+            lora = load.lora
+            if lora.lora_int_id not in self.host:
+                spec = read_adapter(lora.lora_path, self.config, self.max_rank)
+                self.host[lora.lora_int_id] = (spec, read_adapter_tensors(spec))
+            self._fill(load.slot, *self.host[lora.lora_int_id])
+
+    def _fill(self, slot: int, spec: AdapterSpec, tensors: dict) -> None:
+        for projection in self.projections.values():
+            projection.clear(slot)
+        for target in spec.targets:
+            a, b = tensors[(target.layer, target.module)]
+            projection = self.projections[(target.layer, PROJECTION_OF[target.module])]
+            sizes = [part_shapes(self.config, target.layer)[p][0] for p in target.parts]
+            for part, b_part in zip(target.parts, b.split(sizes), strict=True):
+                projection.load_part(slot, part, a, b_part, spec.scaling)
