@@ -183,8 +183,7 @@ class LocalExecutor:
             self.lora.apply(scheduler_output.lora_updates)
         if scheduler_output.kv_transfers:
             self.host_kv_cache.apply(scheduler_output.kv_transfers)
-            if scheduler_output.total_num_scheduled_tokens == 0:  # a swap with nothing else to run
-                return ModelRunnerOutput({})
+        # Also a step of block copies alone: the runner still takes its finished and preempted requests out.
         return self.runner.execute_model(scheduler_output)
 
     def sleep(self, level: int) -> int:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpi_runtime.core.interface import KVTransfers
+from hpi_runtime.core.interface import KVTransfers, SchedulerOutput
 from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
@@ -92,6 +92,13 @@ def test_same_greedy_tokens_with_the_tier_and_far_less_prefill(tiny_model_dir: P
     off.shutdown()
     on = LLM(tiny_model_dir, kv_offload_bytes=256 * BLOCK * TOKEN_BYTES, **options)
     answers_on, stats_on = _conversations(on)
+    # The last step's finished requests reach the runner with the next step, even one of block copies alone.
+    runner = on.engine.executor.runner
+    pending = frozenset(runner.input_batch.row_of)
+    assert pending
+    copies_only = SchedulerOutput((), (), {}, 0, finished_request_ids=pending, kv_transfers=KVTransfers(((0, 0),)))
+    on.engine.executor.execute_model(copies_only)
+    assert not runner.input_batch.row_of
     on.shutdown()
     assert answers_on == answers_off
     assert stats_on.prefix_cache_host_hits > 0 and stats_on.kv_blocks_to_device > 0
