@@ -39,8 +39,12 @@ RUNTIME_LAYERS = (
     ("hpi_runtime.attention",),
     # The model on one device: families, weights, quantization, and the engine settings beside them.
     ("hpi_runtime.models", "hpi_runtime.quantization", "hpi_runtime.config", "hpi_runtime.download",
-     "hpi_runtime.model_source"),
-    ("hpi_runtime.worker",),  # model runner, executors
+     "hpi_runtime.model_source",
+     # LoRA adapters as the model sees them (their checks, registry and slot weights), and a draft model's config:
+     # lora.request and lora.slot_table, the names and slot decisions the scheduler passes down, stay plain data.
+     "hpi_runtime.lora.peft_dir", "hpi_runtime.lora.registry", "hpi_runtime.lora.layers",
+     "hpi_runtime.spec_decode.draft_config"),
+    ("hpi_runtime.worker", "hpi_runtime.spec_decode.draft_model"),  # model runner, executors; the draft runs there
     ("hpi_runtime.core",),  # scheduler, KV cache manager, engine core and its process
     ("hpi_runtime.frontend",),  # input and output processors, AsyncLLM, LLMEngine
     ("hpi_runtime.engine_factory",),  # EngineArgs -> the resolved engine, for the server and LLM
