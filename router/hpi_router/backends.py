@@ -57,7 +57,9 @@ class Backend:
     def adapters(self) -> frozenset[str]:
         """The adapters resident in its batch: with requests there at the last scrape, or sent since."""
         scraped = self.lora.active if self.lora is not None else frozenset()
-        return scraped | {name for name, count in self.adapters_in_flight.items() if count > 0}
+        if not self.adapters_in_flight:  # every view of a backend without LoRA passes here: no new set
+            return scraped
+        return scraped.union(self.adapters_in_flight)  # counts reach 0 only by leaving (pool.finished)
 
     def view(self) -> BackendView:
         return BackendView(self.url, self.in_flight, self.num_running, self.num_waiting, self.kv_usage,

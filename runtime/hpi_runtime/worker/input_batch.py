@@ -211,7 +211,8 @@ class InputBatch:
         self._check(request_ids, rows, starts, ends, query_lens, num_known)
         flat = self.flat_inputs(rows, starts, query_lens)
         self.num_computed_tokens[rows] = ends
-        token_lora_slots = np.repeat(self.lora_slot[rows], query_lens)
+        lora_slots = self.lora_slot[rows]
+        uses_lora = bool((lora_slots != BASE_SLOT).any())
         return StepInputs(
             request_ids=request_ids,
             **flat,
@@ -220,7 +221,7 @@ class InputBatch:
             num_decode_reqs=int((query_lens == 1).sum()),
             max_query_len=int(query_lens.max()),
             max_context_len=int(ends.max()),
-            token_lora_slots=token_lora_slots if (token_lora_slots != BASE_SLOT).any() else None,
+            token_lora_slots=np.repeat(lora_slots, query_lens) if uses_lora else None,
         )
 
     def flat_inputs(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray) -> dict[str, torch.Tensor]:

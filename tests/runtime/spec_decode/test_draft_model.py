@@ -19,36 +19,13 @@ from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.verify import rejection_sample
 from hpi_runtime.structured.params import StructuredOutputsParams
+from hpi_testing.speculation import OPTIONS, outcomes, request_params
 from hpi_testing.tiny_model import build_tiny_model
-
-OPTIONS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 22, "enforce_eager": True}
-PROMPTS = [
-    "The capital of France is Paris. The capital of Italy is Rome. The capital of",
-    "one two three four five six seven one two three",
-    "def add(a, b):\n    return a + b\n\nprint(add(",
-    "Hello world! How are you today? Hello world! How",
-]
 
 
 def _draft_config(draft_dir, **extra) -> dict:
     # Kept on at every batch size: the measured step times may (rightly) turn it off on a loaded machine.
     return {"model": str(draft_dir), "num_speculative_tokens": 4, "disable_by_batch_size": 64, **extra}
-
-
-def _params(**overrides) -> list[SamplingParams]:
-    base = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **overrides}
-    return [
-        SamplingParams(**base),
-        SamplingParams(**{**base, "max_tokens": 7}),
-        SamplingParams(**{**base, "logprobs": 2}),
-        SamplingParams(**{**base, "stop": ["e"], "ignore_eos": False}),
-    ]
-
-
-def _run(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
-    outputs = llm.generate(PROMPTS, params)
-    return [(o.output_token_ids, o.text, o.finish_reason, [(lp.token_id, round(lp.logprob, 4)) for lp in
-             o.new_logprobs]) for o in outputs]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +41,9 @@ def plain(tiny_model_dir):
 
 
 def test_greedy_output_is_identical_with_another_model_as_draft(plain, tiny_model_dir, draft_dir) -> None:
-    expected = _run(plain, _params())
+    expected = outcomes(plain, request_params(max_tokens=40))
     with LLM(tiny_model_dir, speculative_config=_draft_config(draft_dir), **OPTIONS) as llm:
-        assert _run(llm, _params()) == expected
+        assert outcomes(llm, request_params(max_tokens=40)) == expected
         stats = llm.engine.get_stats()
         # A draft model's tokens are made past the grammar's reach: a constrained request does not speculate.
         choice = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams.choice(["red", "blue"]))
@@ -79,12 +56,12 @@ def test_self_draft_accepts_every_draft_under_preemption(plain, tiny_model_dir) 
     """20 blocks of 8 tokens (both caches) for four requests growing to ~60 tokens: requests are preempted and
     recomputed, and the draft catches up over accepted tokens each step. The target as its own draft sees
     exactly the target's context only if its KV is right at every position, so every draft is accepted."""
-    params = _params(max_tokens=48)
-    expected = [run[:3] for run in _run(plain, params)]
+    params = request_params()
+    expected = [run[:3] for run in outcomes(plain, params)]
     options = {**OPTIONS, "max_model_len": 128, "block_size": 8, "kv_admission_watermark": 0.0,
                "kv_cache_memory_bytes": 2 * 20 * 8 * 512}  # fmt: skip
     with LLM(tiny_model_dir, speculative_config=_draft_config(tiny_model_dir), **options) as llm:
-        assert [run[:3] for run in _run(llm, params)] == expected
+        assert [run[:3] for run in outcomes(llm, params)] == expected
         stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0
     assert stats.spec_num_draft_tokens > 50 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens

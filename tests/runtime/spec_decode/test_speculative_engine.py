@@ -22,33 +22,10 @@ from hpi_runtime.llm import LLM
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.params import parse_speculative_config
 from hpi_runtime.structured.params import StructuredOutputsParams
+from hpi_testing.speculation import OPTIONS, outcomes, request_params
 
-OPTIONS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 22, "enforce_eager": True}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
-PROMPTS = [
-    "The capital of France is Paris. The capital of Italy is Rome. The capital of",
-    "one two three four five six seven one two three",
-    "def add(a, b):\n    return a + b\n\nprint(add(",
-    "Hello world! How are you today? Hello world! How",
-]
-
-
-def _params(**overrides) -> list[SamplingParams]:
-    """One request per prompt, with different stops, so speculation must never emit past any of them."""
-    base = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True, **overrides}
-    return [
-        SamplingParams(**base),
-        SamplingParams(**{**base, "max_tokens": 7}),
-        SamplingParams(**{**base, "logprobs": 2}),
-        SamplingParams(**{**base, "stop": ["e"], "ignore_eos": False}),
-    ]
-
-
-def _run(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
-    outputs = llm.generate(PROMPTS, params)
-    return [(o.output_token_ids, o.text, o.finish_reason, [(lp.token_id, round(lp.logprob, 4)) for lp in
-             o.new_logprobs]) for o in outputs]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -79,24 +56,24 @@ SUFFIX_CACHED = {**SUFFIX, "suffix_decoding_max_cached_requests": 8}
 
 @pytest.mark.parametrize("config", [NGRAM, SUFFIX, SUFFIX_CACHED], ids=["ngram", "suffix", "suffix-cached"])
 def test_greedy_output_is_identical_with_stops_and_logprobs(tiny_llama, config) -> None:
-    expected = _run(tiny_llama, _params())
+    expected = outcomes(tiny_llama, request_params())
     llm = speculative_twin(tiny_llama, config)
-    assert _run(llm, _params()) == expected
+    assert outcomes(llm, request_params()) == expected
     stats = llm.engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_drafts > 0
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1]
     assert stats.num_generation_tokens == sum(len(tokens) for tokens, *_ in expected)
     if config is SUFFIX_CACHED:  # again, now drafting from the first run's requests too
-        assert _run(llm, _params()) == expected
+        assert outcomes(llm, request_params()) == expected
 
 
 def test_greedy_output_is_identical_on_another_family(tiny_model_factory) -> None:
     """Gemma 2: logit soft-capping, sliding-window layers, a scaled embedding."""
     with LLM(tiny_model_factory("gemma2"), **OPTIONS) as llm:
-        expected = _run(llm, _params())
+        expected = outcomes(llm, request_params())
         twin = speculative_twin(llm, NGRAM)
-        assert _run(twin, _params()) == expected
+        assert outcomes(twin, request_params()) == expected
         assert _accepted(twin) > 0
 
 
@@ -114,10 +91,10 @@ def test_greedy_output_is_identical_on_the_embedded_model(embedded_model_dir) ->
 
 def test_seeded_sampling_draws_the_same_tokens(tiny_llama) -> None:
     """Each verified position samples with the seed of its output position, as without speculation."""
-    params = _params(temperature=0.7, seed=11)
-    expected = _run(tiny_llama, params)
+    params = request_params(temperature=0.7, seed=11)
+    expected = outcomes(tiny_llama, params)
     llm = speculative_twin(tiny_llama, NGRAM)
-    assert _run(llm, params) == expected
+    assert outcomes(llm, params) == expected
     assert _accepted(llm) > 0
 
 
@@ -149,13 +126,13 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_llama) -> None:
 def test_rejected_drafts_roll_back_under_preemption(tiny_llama, tiny_model_dir) -> None:
     """A pool of 20 blocks of 8 tokens for four requests growing to ~75 tokens each: requests are preempted
     and recomputed while verifying drafts, and every token matches the roomy plain engine."""
-    params = _params(max_tokens=56)
+    params = request_params(max_tokens=56)
     params[1] = params[0]
     # Tokens and text; the logprobs differ in the 4th decimal with the block size (attention's summation order).
-    expected = [run[:3] for run in _run(tiny_llama, params)]
+    expected = [run[:3] for run in outcomes(tiny_llama, params)]
     with LLM(tiny_model_dir, speculative_config=NGRAM, block_size=8, kv_admission_watermark=0.0,
              **{**OPTIONS, "max_model_len": 128, "kv_cache_memory_bytes": 20 * 8 * 512}) as llm:  # fmt: skip
-        assert [run[:3] for run in _run(llm, params)] == expected
+        assert [run[:3] for run in outcomes(llm, params)] == expected
         stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
