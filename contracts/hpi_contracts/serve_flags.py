@@ -29,6 +29,7 @@ _FLAGS = (
     ServeFlag('--max-num-waiting', 'max_num_waiting', 'int', 1024),
     ServeFlag('--kv-admission-watermark', 'kv_admission_watermark', 'float', 0.02),
     ServeFlag('--tensor-parallel-size', 'tensor_parallel_size', 'int', 1),
+    ServeFlag('--pipeline-parallel-size', 'pipeline_parallel_size', 'int', 1),
     ServeFlag('--speculative-config', 'speculative_config', 'str', None),
     ServeFlag('--enable-lora', 'enable_lora', 'switch', False),
     ServeFlag('--lora-modules', 'lora_modules', 'strs', None),

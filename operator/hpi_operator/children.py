@@ -28,8 +28,10 @@ from .plan import Plan
 from .status import ChildState
 
 APPLY_PATCH = "application/apply-patch+yaml"
-PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool", "HorizontalPodAutoscaler", "ScaledObject", "ConfigMap", "NetworkPolicy")  # fmt: skip
+RUNTIME_KINDS = ("Deployment", "LeaderWorkerSet")  # a pool's runtime pods: one per replica, or a group per replica
+PRUNED_KINDS = ("Deployment", "LeaderWorkerSet", "Service", "PodDisruptionBudget", "ServiceAccount", "Role",
+                "RoleBinding", "InferencePool", "HorizontalPodAutoscaler", "ScaledObject", "ConfigMap",
+                "NetworkPolicy")  # fmt: skip
 
 
 def apply_object(kube: KubeClient, desired: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -79,20 +81,29 @@ def prune(kube: KubeClient, plan: Plan, owner_uid: str | None) -> list[str]:
 
 @dataclass(frozen=True)
 class ApplyResult:
-    states: dict[str, ChildState]  # by Deployment name
+    states: dict[str, ChildState]  # by Deployment (or LeaderWorkerSet) name
     actions: dict[str, str]  # "Kind/name" -> created | applied | unchanged | deleted
+    # LeaderWorkerSets not written because the cluster does not serve that API (LWS not installed), by name.
+    missing: tuple[str, ...] = ()
 
 
 def apply_plan(kube: KubeClient, plan: Plan, owner_uid: str | None) -> ApplyResult:
     """Make the cluster match `plan`: apply every child, delete the children it no longer wants."""
     states: dict[str, ChildState] = {}
     actions: dict[str, str] = {}
+    missing: list[str] = []
     for child in plan.children:
-        live, action = apply_object(kube, child)
+        try:
+            live, action = apply_object(kube, child)
+        except KubeError as e:
+            if e.status != 404 or child["kind"] != "LeaderWorkerSet":
+                raise
+            missing.append(child["metadata"]["name"])  # no LWS API: the other pools still serve
+            continue
         actions[f"{child['kind']}/{child['metadata']['name']}"] = action
-        if child["kind"] == "Deployment":
+        if child["kind"] in RUNTIME_KINDS:
             states[child["metadata"]["name"]] = ChildState.from_deployment(live)
-    if plan.waiting_for_cache:
-        return ApplyResult(states=states, actions=actions)  # running pods (cache just enabled) stay for now
+    if plan.waiting_for_cache:  # running pods (cache just enabled) stay for now
+        return ApplyResult(states=states, actions=actions, missing=tuple(missing))
     actions.update(dict.fromkeys(prune(kube, plan, owner_uid), "deleted"))
-    return ApplyResult(states=states, actions=actions)
+    return ApplyResult(states=states, actions=actions, missing=tuple(missing))

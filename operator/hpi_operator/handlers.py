@@ -50,6 +50,7 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("inference.networking.k8s.io", "v1", "inferencepools"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("keda.sh", "v1alpha1", "scaledobjects"),

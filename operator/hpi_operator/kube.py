@@ -31,6 +31,8 @@ _PATHS = {
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
     "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
+    # Pools whose replicas span nodes (manifests_lws.py): the LeaderWorkerSet API, when installed.
+    "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets",
     # spec.networkPolicy (network_policies.py).
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
     # The external autoscalers (autoscaling/manifests.py).

@@ -217,6 +217,10 @@ def _serve_values(owner_name: str, spec: InferenceSpec, profile: Profile, cached
         "--quantization": None if prequantized_or_none else profile.quantization,
         "--max-num-batched-tokens": engine.max_num_batched_tokens or None,
         "--tensor-parallel-size": profile.num_gpus if profile.num_gpus > 1 else None,
+        # A group (manifests_lws.py): one stage per pod; the runtime reads the group's size, this pod's index and
+        # the leader's address from the variables LeaderWorkerSet sets (LWS_GROUP_SIZE, LWS_WORKER_INDEX,
+        # LWS_LEADER_ADDRESS), so every pod of the group runs this same command line.
+        "--pipeline-parallel-size": profile.num_nodes if profile.multi_node else None,
         "--compile-cache-dir": COMPILE_CACHE_MOUNT if uses_cache_volume(spec) else None,
         **_lora_values(spec),
     }  # fmt: skip
@@ -369,16 +373,15 @@ def _affinity(pool: Pool) -> dict[str, Any] | None:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
 
 
-def build_deployment(
-    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None,
+def pod_template(
+    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, cached_dir: str | None = None,
     pool_profile_configmap: str | None = None,
 ) -> dict[str, Any]:
-    """The Deployment that runs `replicas` runtime pods with `profile` on `pool` (from `cached_dir`, the complete
-    revision on the shared model cache, when there is one). `pool_profile_configmap`: the pool's profile
-    ConfigMap, mounted and passed as `--pool-profile @file` (the template stays the same when the figures change:
-    no rollout)."""
+    """The runtime pod template of `profile` on `pool` (from `cached_dir`, the complete revision on the shared model
+    cache, when there is one): the template of a pool's Deployment, and of a group's leader (manifests_lws.py).
+    `pool_profile_configmap`: the pool's profile ConfigMap, mounted and passed as `--pool-profile @file` (the
+    template stays the same when the figures change: no rollout)."""
     labels = {**common_labels(owner.name), LABEL_POOL: short_name(pool.name)}
-    pod_selector = {**selector_labels(owner.name), LABEL_POOL: short_name(pool.name)}
     volumes, mounts = _volumes(owner.name, spec, profile)
     pool_profile = f"@{POOL_PROFILE_MOUNT}/{POOL_PROFILE_FILE}" if pool_profile_configmap else None
     container = {
@@ -413,7 +416,7 @@ def build_deployment(
                 "maxSkew": 1,
                 "topologyKey": "kubernetes.io/hostname",
                 "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": dict(pod_selector)},
+                "labelSelector": {"matchLabels": pool_pod_selector(owner.name, pool.name)},
             }
         ],
     }
@@ -434,6 +437,31 @@ def build_deployment(
         pod_spec["affinity"] = affinity
     if spec.runtime.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.runtime.image_pull_secrets]
+    return {
+        "metadata": {
+            "labels": labels,
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(RUNTIME_PORT),
+                "prometheus.io/path": "/metrics",
+                "kubectl.kubernetes.io/default-container": "runtime",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def pool_pod_selector(owner_name: str, pool_name: str) -> dict[str, str]:
+    """The labels of one pool's serving pods (a Deployment's selector; a group's leaders)."""
+    return {**selector_labels(owner_name), LABEL_POOL: short_name(pool_name)}
+
+
+def build_deployment(
+    owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None,
+    pool_profile_configmap: str | None = None,
+) -> dict[str, Any]:
+    """The Deployment that runs `replicas` runtime pods with `profile` on `pool` (pod_template says the rest)."""
+    template = pod_template(owner, spec, pool, profile, cached_dir, pool_profile_configmap)
     # GPU pools rarely have a spare GPU for a surge pod: replace one pod at a time instead.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if profile.device == "cuda" else {"maxSurge": 1, "maxUnavailable": 0}
     return {
@@ -442,26 +470,15 @@ def build_deployment(
         "metadata": {
             "name": deployment_name(owner.name, pool.name),
             "namespace": owner.namespace,
-            "labels": labels,
+            "labels": dict(template["metadata"]["labels"]),
             "annotations": {},
         },
         "spec": {
             "replicas": replicas,
             "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": pod_selector},
+            "selector": {"matchLabels": pool_pod_selector(owner.name, pool.name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(RUNTIME_PORT),
-                        "prometheus.io/path": "/metrics",
-                        "kubectl.kubernetes.io/default-container": "runtime",
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
 

@@ -26,6 +26,9 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 # The operator's own labels: which InferenceDeployment and which node pool a child serves.
 LABEL_DEPLOYMENT = f"{GROUP}/inference-deployment"
 LABEL_POOL = f"{GROUP}/pool"
+# Every pod of a multi-node group (leader and workers; the value: the InferenceDeployment): its network policy
+# admits the group's own traffic (torch.distributed). Workers carry no LABEL_DEPLOYMENT: they serve nobody.
+LABEL_GROUP_MEMBER = f"{GROUP}/group-member"
 
 # Set on every child: the hash of its declaration, so a resync that finds it in sync writes nothing (drift.py).
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"

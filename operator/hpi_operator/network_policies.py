@@ -21,8 +21,10 @@ The runtime serves the OpenAI API and /metrics on one port. A NetworkPolicy matc
 HTTP paths, so whatever may scrape the runtime may also reach its API: the prometheus peers get the API port
 too. spec.apiKeySecretRef still guards /v1 there; separating the ports would take a runtime change.
 
-There are no multi-node groups (one replica spanning pods) yet; when tensor parallelism across nodes arrives,
-the pods of a group need a rule admitting each other.
+Pools whose replicas span nodes (LeaderWorkerSet groups, manifests_lws.py) add one policy, `<name>-group`: the pods
+of the groups (leaders and workers, label serving.hpi.dev/group-member) admit each other on every port, since
+torch.distributed (gloo, NCCL) listens on ports it picks at start. Workers are selected by no other policy: only
+their group reaches them.
 
 An empty peer list admits nobody on that rule: a rule whose `from` is empty would admit everybody, so such a
 rule is left out rather than written.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .manifests import Owner, common_labels, selector_labels, short_name
+from .manifests_lws import group_labels
 from .names import LABEL_COMPONENT, RUNTIME_PORT
 from .routing_manifests import (
     EPP_GRPC_PORT,
@@ -86,6 +89,10 @@ def endpoint_picker_policy_name(owner_name: str) -> str:
     return short_name(f"{owner_name}-endpoint-picker")
 
 
+def group_policy_name(owner_name: str) -> str:
+    return short_name(f"{owner_name}-group")
+
+
 def _rule(port: int, peers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One ingress rule, or none when no peer is allowed (`from: []` would admit everybody). A peer listed twice
     (the clients' and the gateway's default are both "this namespace") is written once."""
@@ -104,9 +111,10 @@ def _policy(owner: Owner, name: str, pod_selector: Mapping[str, str], ingress: l
                      "ingress": ingress}}  # fmt: skip
 
 
-def network_policies(owner: Owner, spec: InferenceSpec, mode: str,
-                     operator: OperatorIdentity | None) -> list[dict[str, Any]]:  # fmt: skip
-    """The policies of routing `mode` (the effective one); none while spec.networkPolicy is off."""
+def network_policies(owner: Owner, spec: InferenceSpec, mode: str, operator: OperatorIdentity | None,
+                     multi_node: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """The policies of routing `mode` (the effective one), and with `multi_node` (a pool runs groups) the groups';
+    none while spec.networkPolicy is off."""
     np = spec.network_policy
     if not np.enabled:
         return []
@@ -125,4 +133,8 @@ def network_policies(owner: Owner, spec: InferenceSpec, mode: str,
         policies.append(_policy(owner, endpoint_picker_policy_name(owner.name),
                                 picker_pods["podSelector"]["matchLabels"],
                                 _rule(EPP_GRPC_PORT, np.gateway) + _rule(EPP_METRICS_PORT, np.prometheus)))  # fmt: skip
+    if multi_node:
+        members = group_labels(owner.name)
+        policies.append(_policy(owner, group_policy_name(owner.name), members,
+                                [{"from": [{"podSelector": {"matchLabels": dict(members)}}]}]))  # fmt: skip
     return policies

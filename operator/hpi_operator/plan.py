@@ -20,6 +20,7 @@ from .autoscaling.fleet_status import optimizer_replicas
 from .autoscaling.manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
 from .manifests import Owner, build_deployment, build_pdb, label_selector, short_name, stamp_hash
+from .manifests_lws import build_leaderworkerset
 from .names import ANNOTATION_SPEC_HASH
 from .network_policies import OperatorIdentity, network_policies
 from .nodes import NodeInfo, group_pools
@@ -46,7 +47,9 @@ class Plan:
     spec: InferenceSpec
     choices: tuple[PoolChoice, ...]  # every usable pool, with or without a profile
     replicas_by_pool: Mapping[str, int]  # pools that serve, most wanted first
-    deployments: tuple[dict[str, Any], ...]  # in the order of replicas_by_pool
+    # The pools' runtime workloads, in the order of replicas_by_pool: a Deployment, or a LeaderWorkerSet for a pool
+    # whose replicas span nodes (manifests_lws.py).
+    deployments: tuple[dict[str, Any], ...]
     routing: tuple[dict[str, Any], ...]  # the routing objects of `routing_mode`, the user-facing Service among them
     routing_mode: str  # router | inferencePool | service: spec.routing.mode, or the default for this plan
     pdb: dict[str, Any]
@@ -140,8 +143,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         if cache is None or cached_dir:  # never a pod on a partial cache
             replicas = replicas_by_pool[choice.pool.name]
             configmap = pool_configmap_name(owner.name, choice.pool.name) if spec.profiled else None
-            deployments.append(build_deployment(owner, spec, choice.pool, choice.profile, replicas, cached_dir,
-                                                configmap))  # fmt: skip
+            build = build_leaderworkerset if choice.profile.multi_node else build_deployment
+            deployments.append(build(owner, spec, choice.pool, choice.profile, replicas, cached_dir, configmap))
             started.append(choice)
     figures: dict[str, PoolProfile | None] = {}
     targets, profile_configmaps = [], []
@@ -153,7 +156,9 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
             pool_name = choice.pool.name
             figures[pool_name] = pool_figures(spec, choice, shape, measured.get(pool_name))
             profile_configmaps.append(build_pool_configmap(owner, pool_name, figures[pool_name]))
-            if spec.placement.pool(pool_name).performance is None and choice.profile is not None:
+            # A group is not measured: `hpi profile` runs one pod (its figures stay assumed or overridden).
+            measurable = choice.profile is not None and not choice.profile.multi_node
+            if spec.placement.pool(pool_name).performance is None and measurable:
                 job = build_profile_job(owner, spec, choice.pool, choice.profile, cached_dir)
                 targets.append(ProfileTarget(pool_name, keys[pool_name], node_kind(choice.pool), job))
     measured = measured if spec.profiled and measured else {}
@@ -168,7 +173,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
             "(node label serving.hpi.dev/pool) or set spec.routing.mode: service"
         )
     pdb = build_pdb(owner)
-    policies = network_policies(owner, spec, routing_mode, operator)
+    multi_node = any(c.profile is not None and c.profile.multi_node for c in started)
+    policies = network_policies(owner, spec, routing_mode, operator, multi_node)
     children = [*deployments, *routing, pdb, *policies, *([cache.pvc] if cache and cache.pvc else []),
                 *profile_configmaps, *(t.job for t in targets)]  # fmt: skip
     if cache is not None:

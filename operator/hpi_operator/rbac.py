@@ -50,6 +50,7 @@ RULES: tuple[Rule, ...] = (
     Rule("rbac.authorization.k8s.io", "roles", _CHILD, "their Roles"),
     Rule("rbac.authorization.k8s.io", "rolebindings", _CHILD, "their bindings"),
     Rule("inference.networking.k8s.io", "inferencepools", _CHILD, "routing mode inferencePool"),
+    Rule("leaderworkerset.x-k8s.io", "leaderworkersets", _CHILD, "pools whose replicas span nodes"),
     # spec.networkPolicy: the policies of the routing mode; pruned on a mode switch or when it is turned off.
     Rule("networking.k8s.io", "networkpolicies", _CHILD, "spec.networkPolicy"),
     # spec.autoscaling.mode hpa|keda: one HPA or ScaledObject; the other kind is pruned on a mode change.

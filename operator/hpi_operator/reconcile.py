@@ -135,7 +135,8 @@ def reconcile(
         return Outcome(status, events, kopf.TemporaryError(message), "error")
     cache = cache_status(plan, report) if report is not None else None
     profiled = profiled_condition(plan, measurements) if plan.spec.profiled and plan.deployments else None
-    status = build_status(plan, applied.states, generation, old_status, now, cache, measurements, profiled)
+    status = build_status(plan, applied.states, generation, old_status, now, cache, measurements, profiled,
+                          applied.missing)
     changes = [f"{action} {name}" for name, action in applied.actions.items() if action != "unchanged"]
     events = [Event("Normal", "Applied", "; ".join(changes))] if changes else []
     events += _transition_events(old_status, status)

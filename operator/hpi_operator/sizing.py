@@ -82,6 +82,8 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "meta-llama-3-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
     "llama-3.1-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256, num_heads=64),
     "llama-3.3-70b-instruct": ModelShape(70_553_706_496, 80, 8, 128, 8192, 128256, num_heads=64),
+    "llama-3.1-405b-instruct": ModelShape(405_853_388_800, 126, 8, 128, 16384, 128256, num_heads=128),
+    "llama-3.1-405b": ModelShape(405_853_388_800, 126, 8, 128, 16384, 128256, num_heads=128),
     "mistral-7b-instruct-v0.3": ModelShape(7_248_023_552, 32, 8, 128, 4096, 32768, num_heads=32),
     "qwen2.5-7b-instruct": ModelShape(7_615_616_512, 28, 4, 128, 3584, 152064, num_heads=28),
     # Mixture-of-Experts: (all parameters, ..., active parameters), counted from each config.json (untied heads).
@@ -178,17 +180,41 @@ def weight_bytes(shape: ModelShape, dtype: str, quantization: str, prequantized:
     return math.ceil(linear * per_weight) + embeddings * dense
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1) -> int:
-    """KV bytes one token costs a replica over all its GPUs. Every rank allocates the blocks the fullest rank
-    affords, so a replica pays num_gpus x the fullest rank's share (the plain K and V size when even)."""
+def stage_layers(shape: ModelShape, num_stages: int = 1) -> int:
+    """Decoder layers of the fullest pipeline stage: consecutive layers split as evenly as they go, as the
+    runtime splits them."""
+    return -(-shape.num_layers // max(num_stages, 1))
+
+
+def stage_weight_bytes(
+    shape: ModelShape, dtype: str, quantization: str, num_stages: int = 1, prequantized: bool = False
+) -> int:
+    """Weight bytes of the fullest of `num_stages` pipeline stages (the whole model for one): its share of the
+    decoder layers and one vocabulary matrix (the embedding on the first stage, the LM head on the last)."""
+    total = weight_bytes(shape, dtype, quantization, prequantized)
+    if num_stages <= 1:
+        return total
+    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters) * DTYPE_BYTES[dtype]
+    return math.ceil((total - vocabulary) * stage_layers(shape, num_stages) / shape.num_layers) + vocabulary
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_stages: int = 1) -> int:
+    """KV bytes one token costs a replica's fullest pipeline stage (the whole replica with one stage) over the
+    stage's GPUs. Every rank allocates the blocks the fullest rank affords, so a stage pays num_gpus x the
+    fullest rank's share (the plain K and V size when even)."""
     num_ranks = max(num_gpus, 1)
     num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
-    return kv_cache.kv_bytes_per_token(shape.num_layers, num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype])
+    layers = stage_layers(shape, num_stages)
+    return kv_cache.kv_bytes_per_token(layers, num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype])
 
 
-def kv_cache_bytes(shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1) -> int:
-    """Bytes for `num_tokens` tokens of KV cache over a replica's GPUs, rounded up to whole blocks."""
-    return math.ceil(num_tokens / block_size) * block_size * kv_bytes_per_token(shape, dtype, num_gpus)
+def kv_cache_bytes(
+    shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1, num_stages: int = 1
+) -> int:
+    """Bytes for `num_tokens` tokens of KV cache over the GPUs of a replica's fullest stage, rounded up to whole
+    blocks (every stage holds its own layers' KV of every token)."""
+    per_token = kv_bytes_per_token(shape, dtype, num_gpus, num_stages)
+    return math.ceil(num_tokens / block_size) * block_size * per_token
 
 
 def overhead_bytes(weights: int, num_gpus: int) -> int:

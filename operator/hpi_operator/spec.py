@@ -32,6 +32,7 @@ PROFILING_MODES = ("auto", "always", "never")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
+MAX_PIPELINE_STAGES = 64  # nodes one replica may span (spec.parallelism.pipeline, placement.maxNodesPerReplica)
 
 HPA_SCALE_DOWN_WINDOW_S = 300  # HPA's behavior.scaleDown.stabilizationWindowSeconds default: the KV modes'
 _PARAM_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -127,6 +128,8 @@ class PlacementSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     max_gpus_per_replica: int = crd_default("placement.maxGpusPerReplica")
+    # Nodes one replica may span: pipeline stages across nodes, run as a LeaderWorkerSet group (profiles.py).
+    max_nodes_per_replica: int = crd_default("placement.maxNodesPerReplica")
     pins: ProfilePins = field(default_factory=ProfilePins)
     forbidden_quantizations: tuple[str, ...] = ()
     pools: tuple[PoolSettings, ...] = ()  # per-pool price, bounds and performance (the fleet optimizer's)
@@ -196,6 +199,15 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class ParallelismSpec:
+    """spec.parallelism: a replica's layout pinned, as vLLM's flags say it: `tensor` ranks on each node (GPUs per
+    node, 1 on CPU) and `pipeline` stages, one node each. None: the operator chooses (profiles.py)."""
+
+    tensor: int | None = None
+    pipeline: int | None = None
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     replicas: int = crd_default("replicas")
@@ -209,6 +221,7 @@ class InferenceSpec:
     slo: Slo | None = None
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
     adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters (adapters.py)
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
 
     @property
     def optimized(self) -> bool:
@@ -450,17 +463,32 @@ def _parse_placement(raw: Mapping[str, Any]) -> PlacementSpec:
     max_gpus = int(_get(raw, "maxGpusPerReplica", PlacementSpec.max_gpus_per_replica))
     if max_gpus not in (1, 2, 4, 8):
         raise SpecError(f"spec.placement.maxGpusPerReplica must be 1, 2, 4 or 8; got {max_gpus}")
+    max_nodes = int(_get(raw, "maxNodesPerReplica", PlacementSpec.max_nodes_per_replica))
+    if not 1 <= max_nodes <= MAX_PIPELINE_STAGES:
+        raise SpecError(f"spec.placement.maxNodesPerReplica must be 1 to {MAX_PIPELINE_STAGES}; got {max_nodes}")
     return PlacementSpec(
         allowed_pools=allowed,
         preferred_pools=preferred,
         node_selector=dict(_get(raw, "nodeSelector", {})),
         tolerations=tuple(_get(raw, "tolerations", ())),
         max_gpus_per_replica=max_gpus,
+        max_nodes_per_replica=max_nodes,
         pins=pins,
         forbidden_quantizations=forbidden,
         pools=_fleet(parse_pools, raw.get("pools")),
         profiling=_profiling(_get(raw, "profiling", PlacementSpec.profiling)),
     )
+
+
+def _parse_parallelism(raw: Mapping[str, Any] | None) -> ParallelismSpec:
+    raw = raw or {}
+    tensor, pipeline = raw.get("tensor"), raw.get("pipeline")
+    if tensor is not None and int(tensor) not in (1, 2, 4, 8):
+        raise SpecError(f"spec.parallelism.tensor must be 1, 2, 4 or 8; got {tensor}")
+    if pipeline is not None and not 1 <= int(pipeline) <= MAX_PIPELINE_STAGES:
+        raise SpecError(f"spec.parallelism.pipeline must be 1 to {MAX_PIPELINE_STAGES}; got {pipeline}")
+    return ParallelismSpec(tensor=None if tensor is None else int(tensor),
+                           pipeline=None if pipeline is None else int(pipeline))  # fmt: skip
 
 
 def _profiling(value: Any) -> str:
@@ -662,6 +690,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> InferenceSpec:
         slo=_fleet(parse_slo, raw.get("slo")),
         network_policy=_parse_network_policy(_get(raw, "networkPolicy", {})),
         adapters=_fleet(parse_adapters, raw.get("adapters")),
+        parallelism=_parse_parallelism(raw.get("parallelism")),
     )
     _check_adapters(spec)
     if spec.autoscaling.mode == "optimizer" and spec.slo is None:

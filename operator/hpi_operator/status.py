@@ -23,7 +23,8 @@ SLO_ATTAINABLE = "SLOAttainable"  # with autoscaling mode optimizer: whether the
 
 @dataclass(frozen=True)
 class ChildState:
-    """What the operator needs from one Deployment it owns."""
+    """What the operator needs from one Deployment it owns, or one LeaderWorkerSet (a pool whose replicas span
+    nodes: its spec and status count groups with the same fields, observedGeneration included)."""
 
     name: str
     desired_replicas: int
@@ -130,7 +131,8 @@ def pool_statuses(plan: Plan, states: Mapping[str, ChildState],
                 profile=profile.label(),
                 dtype=profile.dtype,
                 quantization=profile.quantization,
-                gpusPerReplica=profile.num_gpus,
+                gpusPerReplica=profile.num_gpus * profile.num_nodes,
+                nodesPerReplica=profile.num_nodes,
                 kvCacheBytes=profile.kv_cache_bytes,
                 capacity=choice.capacity,
             )
@@ -169,9 +171,11 @@ def build_status(
     cache: tuple[Mapping[str, Any], Mapping[str, str]] | None = None,
     measurements: Mapping[str, PoolMeasurement] | None = None,
     profiled: Mapping[str, str] | None = None,
+    missing: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Status after a successful apply (or a resync) of `plan`; `cache`: status.modelCache and ModelCached;
-    `measurements` and `profiled`: the pools' measurements and the PoolsProfiled condition (profile_sync.py)."""
+    `measurements` and `profiled`: the pools' measurements and the PoolsProfiled condition (profile_sync.py);
+    `missing`: the LeaderWorkerSets the cluster could not take (no LWS API)."""
     desired = plan.desired_replicas
     wanted = [d["metadata"]["name"] for d in plan.deployments]
     present = [states[name] for name in wanted if name in states]
@@ -209,7 +213,14 @@ def build_status(
     else:
         progressing = condition(PROGRESSING, False, "RolloutComplete", "every Deployment is rolled out")
     unused = [c.pool.name for c in plan.choices if c.profile is None]
-    if plan.num_unplaced:
+    if missing:
+        degraded = condition(
+            DEGRADED, True, "LeaderWorkerSetNotInstalled",
+            f"{', '.join(missing)} run replicas that span nodes as LeaderWorkerSets (leaderworkerset.x-k8s.io/v1), "
+            "which this cluster does not serve: install LWS (https://lws.sigs.k8s.io) or set "
+            "spec.placement.maxNodesPerReplica to 1; the other pools serve",
+        )  # fmt: skip
+    elif plan.num_unplaced:
         degraded = condition(
             DEGRADED, True, "InsufficientCapacity",
             f"{plan.num_unplaced} replica(s) exceed the capacity of the serving pools and wait Pending",

@@ -43,6 +43,7 @@ EXAMPLES = {
     "gpu-autoscaling.yaml": "gpu-nodes.yaml",
     "huggingface-cache.yaml": "gpu-nodes.yaml",
     "mixed-gpu-cpu.yaml": "mixed-nodes.yaml",
+    "llama-405b-multi-node.yaml": "gpu-nodes.yaml",  # a LeaderWorkerSet
 }
 
 

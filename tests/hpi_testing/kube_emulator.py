@@ -11,7 +11,8 @@ What stock kmock lacks, and this subclass adds:
 - server-side apply (`application/apply-patch+yaml`, `?fieldManager=`, `?force=`): managed fields per manager,
   conflicts as 409, an apply that creates (field_manager.py); every write records its manager's fields;
 - a write that changes nothing is not stored: no new resourceVersion, no watch event (as the API server);
-- custom resources of a CRD created here get its structural schema on every write: nulls dropped, unknown
+- an API that no built-in kind or CRD created here serves is 404 (a CRD's resources are served from its creation
+  on); custom resources of a CRD created here get its structural schema on every write: nulls dropped, unknown
   fields pruned, defaults filled, validation failures answered 422 (crd_schema.py); pruned fields are logged
   in `pruned` so tests can fail on a field a real cluster would silently drop;
 - label selectors (equality and existence) on lists and watches;
@@ -341,6 +342,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
         try:
+            plural = getattr(request.resource, "plural", None)
+            if plural and self._kind(request.resource) is None:
+                # An API no built-in kind or installed CRD serves (LWS, KEDA not installed): the API server's 404.
+                return self._error(404, "NotFound", "the server could not find the requested resource")
             if request.resource is not None and method == "GET" and request.subresource == "scale":
                 return await self._fetch_scale(request)
             if request.resource is not None and method == "GET" and request.subresource is None:
@@ -445,6 +450,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if request.resource == "apiextensions.k8s.io/v1/customresourcedefinitions":
                 self.schemas.update(crd_schemas(obj))
                 self.scale_paths.update(crd_scale_paths(obj))
+                self.resources.update(crd_resources(obj))  # served from now on, as the API server does
             if key in self.objects:
                 self.objects[key].create(obj)
             else:
@@ -714,6 +720,18 @@ def crd_scale_paths(crd: Mapping[str, Any]) -> dict[str, tuple[str, str, str | N
     return found
 
 
+def crd_resources(crd: Mapping[str, Any]) -> dict[str, kmock.ResourceInfo]:
+    """The resources a CustomResourceDefinition makes the API server serve ("group/version/plural" -> info)."""
+    spec = crd.get("spec") or {}
+    return {
+        f"{spec['group']}/{version['name']}/{spec['names']['plural']}": kmock.ResourceInfo(
+            kind=spec["names"]["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced", verbs=VERBS,
+            subresources=set(version.get("subresources") or {}))  # fmt: skip
+        for version in spec.get("versions") or []
+        if version.get("served", True)
+    }
+
+
 def install_crd(emulator: KubeEmulator, crd: Mapping[str, Any]) -> None:
     """Put a CustomResourceDefinition in place before serving, as `kubectl apply -f crds/` would."""
     obj = copy.deepcopy(dict(crd))
@@ -721,6 +739,7 @@ def install_crd(emulator: KubeEmulator, crd: Mapping[str, Any]) -> None:
     emulator.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, obj["metadata"]["name"]] = obj
     emulator.schemas.update(crd_schemas(obj))
     emulator.scale_paths.update(crd_scale_paths(obj))
+    emulator.resources.update(crd_resources(obj))
 
 
 # -- running things against it -------------------------------------------------------------------------------

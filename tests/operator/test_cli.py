@@ -65,12 +65,11 @@ def test_render_reports_an_invalid_spec_and_missing_crs(tmp_path: Path) -> None:
 
 def test_every_example_renders_on_its_node_list(capsys) -> None:  # type: ignore[no-untyped-def]
     pairs = {"embedded-cpu.yaml": "cpu-nodes.yaml", "gpu-autoscaling.yaml": "gpu-nodes.yaml",
-             "mixed-gpu-cpu.yaml": "mixed-nodes.yaml"}  # fmt: skip
+             "mixed-gpu-cpu.yaml": "mixed-nodes.yaml", "llama-405b-multi-node.yaml": "gpu-nodes.yaml"}  # fmt: skip
     for example, nodes in pairs.items():
-        if not (REPO / "examples" / example).exists():
-            continue
         assert main(["render", "-f", str(REPO / "examples" / example), "--nodes", str(NODE_LISTS / nodes)]) == 0
-        assert "kind: Deployment" in capsys.readouterr().out
+        kind = "LeaderWorkerSet" if "multi-node" in example else "Deployment"
+        assert f"kind: {kind}" in capsys.readouterr().out
 
 
 def test_cli_help_and_console_script() -> None:

@@ -8,6 +8,8 @@ real cluster. The emulator runs no controllers: tests play the Deployment contro
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.slow
 NS = "default"
 CRS = f"/apis/serving.hpi.dev/v1alpha1/namespaces/{NS}/inferencedeployments"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+LWS_CRD = json.loads((Path(__file__).parent / "data" / "leaderworkerset-v1-crd.json").read_text())
 
 
 def cr(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -355,6 +358,15 @@ async def test_rbac_rules_cover_every_call_the_operator_makes(emulator: Any, kub
                                   if c["metadata"]["name"].startswith("audit-")])  # fmt: skip
     await api.call("DELETE", "/api/v1/nodes/gpu-0")
     await eventually(lambda: len(deployments_of(kube, "audit")) == 1)
+    # A pool whose replicas span nodes: a LeaderWorkerSet once LWS is installed, pruned when one node is enough again.
+    await api.call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", LWS_CRD)
+    await api.call("POST", "/api/v1/nodes", make_node("cpu-1", bf16=True))
+    groups = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets?labelSelector=" \
+             "serving.hpi.dev/inference-deployment=audit"  # fmt: skip
+    await api.patch(f"{CRS}/audit", {"spec": {"parallelism": {"pipeline": 2}}})
+    await eventually(lambda: kube.request("GET", groups)["items"])
+    await api.patch(f"{CRS}/audit", {"spec": {"parallelism": None}})
+    await eventually(lambda: not kube.request("GET", groups)["items"] and len(deployments_of(kube, "audit")) == 1)
     # spec.model.cache: a claim and a fill Job; a revision change replaces the Job, a size change patches the claim.
     pvc = f"/api/v1/namespaces/{NS}/persistentvolumeclaims/audit-model-cache"
     hub_model = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}

@@ -72,15 +72,17 @@ def assumed_performance(
     figures = gpu_figures(product)
     if figures is None or profile.device != "cuda":
         return None
-    num_gpus = max(profile.num_gpus, 1)
+    # Per stage: a replica that spans nodes runs its stages one after another for each token (pipeline parallel),
+    # so a step reads every stage's weights and KV at one stage's bandwidth; its KV budget is a stage's.
+    num_gpus, num_stages = max(profile.num_gpus, 1), profile.num_nodes
     bandwidth = figures.memory_bandwidth_gbps * 1e9 * DECODE_BANDWIDTH_EFFICIENCY * num_gpus
-    kv_per_token = kv_bytes_per_token(shape, profile.dtype, num_gpus)
+    kv_per_token = kv_bytes_per_token(shape, profile.dtype, num_gpus, num_stages)
     context = max(context_tokens, 1.0)
     max_num_seqs = max(1, int(profile.kv_cache_bytes // (kv_per_token * context)))
     flops = figures.dense_tflops_16bit * 1e12 * PREFILL_FLOPS_EFFICIENCY * num_gpus
     return PoolPerformance(
-        itl_alpha_s=profile.weight_bytes / bandwidth,
-        itl_beta_s=kv_per_token * context / bandwidth,
+        itl_alpha_s=profile.weight_bytes * num_stages / bandwidth,
+        itl_beta_s=kv_per_token * num_stages * context / bandwidth,
         prefill_tokens_per_s=flops / (2 * active_parameters(shape)),
         max_num_seqs=max_num_seqs,
         source="assumed",

@@ -52,12 +52,15 @@ def parse_node_price(raw: str) -> float:
 
 
 def _replica_share(pool: Pool, profile: Profile, index: int) -> float | None:
-    """The fraction of node `index` one replica takes; None when the node cannot hold one."""
+    """The nodes like node `index` one replica takes (a fraction of one, or a group's pod on each of
+    `num_nodes`); None when the node cannot hold a pod of it."""
     if pool.device == "cpu":
         memory = pool.memory_bytes_per_node[index] if index < len(pool.memory_bytes_per_node) else 0
-        return profile.needed_bytes / memory if memory >= profile.needed_bytes > 0 else None
-    gpus = pool.gpus_per_node[index] if index < len(pool.gpus_per_node) else 0
-    return profile.num_gpus / gpus if gpus >= profile.num_gpus > 0 else None
+        share = profile.needed_bytes / memory if memory >= profile.needed_bytes > 0 else None
+    else:
+        gpus = pool.gpus_per_node[index] if index < len(pool.gpus_per_node) else 0
+        share = profile.num_gpus / gpus if gpus >= profile.num_gpus > 0 else None
+    return None if share is None else share * profile.num_nodes
 
 
 def label_price(pool: Pool, profile: Profile, prices: NodePrices) -> LabelPrice:

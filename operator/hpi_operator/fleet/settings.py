@@ -23,6 +23,9 @@ class PoolSettings:
     min_replicas: int = 0
     max_replicas: int | None = None  # None: the pool's node capacity alone bounds it
     performance: PoolPerformance | None = None  # None: measured or assumed (fleet/offers.py)
+    # The node label whose values are the pool's network domains (a rack, a block): a group that spans nodes
+    # (manifests_lws.py) gets one domain to itself, LWS's exclusive topology. None: groups land anywhere.
+    topology_key: str | None = None
 
 
 def parse_duration_s(text: Any, where: str) -> float:
@@ -64,7 +67,8 @@ def parse_pools(raw: Sequence[Mapping[str, Any]] | None) -> tuple[PoolSettings, 
         perf = item.get("performance")
         pools.append(PoolSettings(name=name, cost_per_hour=None if cost is None else float(cost), min_replicas=low,
                                   max_replicas=None if high is None else int(high),
-                                  performance=_performance(perf, where) if perf else None))  # fmt: skip
+                                  performance=_performance(perf, where) if perf else None,
+                                  topology_key=str(item.get("topologyKey") or "") or None))  # fmt: skip
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ValueError("spec.placement.pools names each pool once")
