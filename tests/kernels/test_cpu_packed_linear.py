@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpi_kernels.cpu import cpu_capability, load_extension, pack_linear_weight, packed_linear, packed_weight_rows
+from hpi_kernels.cpu import (
+    cpu_capability,
+    load_extension,
+    pack_linear_weight,
+    packed_linear,
+    packed_logits,
+    packed_weight_rows,
+)
 
 from .conftest import run_at_lower_capability
 
@@ -149,6 +156,21 @@ def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in
     torch.testing.assert_close(out, _bf16_reference(x, weight), **BF16_STEP)
     torch.testing.assert_close(packed_linear(x, packed, out_features, bias), _bf16_reference(x, weight, bias),
                                **BF16_STEP)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 13, 321])
+def test_bf16_logits_are_the_fp32_sums_unrounded(rows: int) -> None:
+    """packed_logits (an LM head): the same fp32 sums as packed_linear, not rounded to bf16."""
+    weight, x = _weight(200, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    packed = pack_linear_weight(weight)
+    logits = packed_logits(x, packed, 200)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 200)
+    torch.testing.assert_close(logits, F.linear(x.double(), weight.double()).float(), atol=1e-4, rtol=1e-5)
+    assert not torch.equal(logits, logits.bfloat16().float())  # finer than bf16's steps
+    assert torch.equal(logits.bfloat16(), packed_linear(x, packed, 200)) or rows > 320  # same sums, one rounding
+    fp32 = pack_linear_weight(weight.float())
+    assert torch.equal(packed_logits(x.float(), fp32, 200), packed_linear(x.float(), fp32, 200))
+    torch.library.opcheck(torch.ops.hpi_kernels.packed_logits.default, (x, packed, 200))
 
 
 def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel() -> None:

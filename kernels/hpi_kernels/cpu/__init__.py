@@ -8,7 +8,7 @@ call does. See `_extension` for the build (flags, cache directory), `paged_atten
 from __future__ import annotations
 
 from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_kernels_available, load_extension
-from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_weight_rows
+from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_logits, packed_weight_rows
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 from hpi_kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4_weight, pack_int8_weight
 
@@ -24,6 +24,7 @@ __all__ = [
     "pack_int8_weight",
     "pack_linear_weight",
     "packed_linear",
+    "packed_logits",
     "packed_weight_rows",
     "paged_attention_cpu",
     "paged_attention_ref",

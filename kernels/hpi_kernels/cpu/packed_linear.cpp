@@ -161,8 +161,9 @@ at::Tensor unpacked_weight(const at::Tensor& packed, int64_t K, int64_t N) {
   return scratch.narrow(0, 0, K * N).view({K, N});
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
+// fp32_out: the fp32 sums come out unrounded whatever x's dtype (packed_logits).
+at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                            const std::optional<at::Tensor>& bias, bool fp32_out) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || bf16) && x.dim() >= 1 && x.device().is_cpu(),
                     "packed_linear takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ",
@@ -179,7 +180,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t M = a.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor out = at::empty(out_shape, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
   const bool prefill = M > kMaxPackedRows && K * N <= kMaxUnpackedFloats;
   if (bf16 && prefill) {  // MKL's sgemm in fp32 (x and the weight widened), rounded to bf16 once
     at::Tensor out32 = at::mm(a.to(at::kFloat), unpacked_weight(packed, K, N));
@@ -187,11 +188,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     out.view({M, N}).copy_(out32);
     return out;
   }
-  if (bf16) {  // the bias joins the fp32 sums, rounded once
+  if (bf16) {  // the bias joins the fp32 sums, rounded once (or not at all)
     const at::Tensor bias_c = has_bias ? bias->contiguous() : at::Tensor();
     if (M > 0) {
-      gemm_bf16(a.const_data_ptr<c10::BFloat16>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(),
-                has_bias ? bias_c.const_data_ptr<c10::BFloat16>() : nullptr, M, K, N, out.data_ptr<c10::BFloat16>());
+      const c10::BFloat16* bias_p = has_bias ? bias_c.const_data_ptr<c10::BFloat16>() : nullptr;
+      const auto* a_p = a.const_data_ptr<c10::BFloat16>();
+      const auto* packed_p = packed.const_data_ptr<c10::BFloat16>();
+      if (fp32_out) {
+        gemm_bf16(a_p, a.stride(0), packed_p, bias_p, M, K, N, out.data_ptr<float>());
+      } else {
+        gemm_bf16(a_p, a.stride(0), packed_p, bias_p, M, K, N, out.data_ptr<c10::BFloat16>());
+      }
     }
     return out;
   }
@@ -206,6 +213,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  return packed_linear_to(x, packed, out_features, bias, false);
+}
+
+// An LM head's logits: in fp32 even for bf16 x and weights, so that greedy choices between near-equal logits are
+// not decided by bf16's rounding (steps of 0.125 at logits of 16-32); the kernel sums in fp32 either way.
+at::Tensor packed_logits(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return packed_linear_to(x, packed, out_features, std::nullopt, true);
+}
+
+at::Tensor packed_logits_meta(const at::Tensor& x, const at::Tensor&, int64_t out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = c10::SymInt(out_features);
+  return at::empty_symint(shape, x.options().dtype(at::kFloat));
+}
+
 at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t out_features,
                               const std::optional<at::Tensor>&) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
@@ -218,13 +242,16 @@ at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t ou
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("packed_logits(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_logits", &packed_logits);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("packed_linear", &packed_linear_meta);
+  m.impl("packed_logits", &packed_logits_meta);
 }

@@ -56,5 +56,8 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst);
 // in fp32 and rounded to bf16 once.
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
+// The same, the fp32 sums stored unrounded (an LM head's logits: packed_logits).
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+               int64_t M, int64_t K, int64_t N, float* out);
 
 }  // namespace hpi_packed

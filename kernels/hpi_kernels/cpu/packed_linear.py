@@ -39,6 +39,18 @@ def packed_linear(
     return torch.ops.hpi_kernels.packed_linear(x, packed, out_features, bias)
 
 
+def packed_logits(
+    x: torch.Tensor,  # [..., in_features] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype
+    out_features: int,
+) -> torch.Tensor:  # [..., out_features] float32
+    """An LM head's logits, x @ weight.T with the kernel's fp32 sums returned unrounded for bf16 x too
+    (torch.ops.hpi_kernels.packed_logits): bf16's steps of 0.125 at logits of 16-32 would otherwise decide
+    near-ties under argmax."""
+    load_extension()
+    return torch.ops.hpi_kernels.packed_logits(x, packed, out_features)
+
+
 def packed_weight_rows(packed: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """weight[rows] read from the packed weight ([*rows.shape, in_features]; plain torch indexing, which
     torch.compile traces): an embedding that shares its matrix with a packed LM head looks tokens up here."""

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace hpi_packed {
@@ -26,11 +27,12 @@ using IVec = at::vec::Vectorized<int32_t>;
 static_assert(IVec::size() == kVecSize, "a panel row of pairs is kNrVecs vectors of int32");
 constexpr int kMrBf16 = kVecSize >= 16 ? 12 : 5;  // 24 (or 10) accumulators + 4 widened weights + a broadcast
 
-// c[r, 0:ncols] = bf16(sum_k a[r, k] * w[k, 0:kNr] + bias) for r < R; a is fp32 (row stride lda, padded to
-// even K), b one packed panel of `pairs` rows of pairs.
-template <int R>
-inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, const c10::BFloat16* bias,
-                 c10::BFloat16* c, int64_t ldc, int64_t ncols, const int32_t* next, int64_t phase, int64_t step) {
+// c[r, 0:ncols] = Out(sum_k a[r, k] * w[k, 0:kNr] + bias) for r < R (Out: bf16, rounded once, or the fp32 sums
+// themselves, for logits); a is fp32 (row stride lda, padded to even K), b one packed panel of `pairs` rows of
+// pairs.
+template <int R, typename Out>
+inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, const c10::BFloat16* bias, Out* c,
+                 int64_t ldc, int64_t ncols, const int32_t* next, int64_t phase, int64_t step) {
   const IVec shift(16), high(static_cast<int32_t>(0xffff0000u));
   Vec acc[R][kNrVecs];
 #pragma GCC unroll 16
@@ -66,11 +68,23 @@ inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, c
         at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
   }
   for (int r = 0; r < R; ++r) {
-    const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
-    if (ncols == kNr) {
-      rounded.store(c + r * ldc);
+    if constexpr (std::is_same_v<Out, float>) {
+      for (int v = 0; v < kNrVecs; ++v) {
+        const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
+        const Vec sum = acc[r][v] + bias_v[v];
+        if (count == kVecSize) {
+          sum.store(c + r * ldc + v * kVecSize);
+        } else if (count > 0) {
+          sum.store(c + r * ldc + v * kVecSize, count);
+        }
+      }
     } else {
-      rounded.store(c + r * ldc, ncols);
+      const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
+      if (ncols == kNr) {
+        rounded.store(c + r * ldc);
+      } else {
+        rounded.store(c + r * ldc, ncols);
+      }
     }
   }
 }
@@ -106,8 +120,11 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst) 
   });
 }
 
-void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
-               int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
+namespace {
+
+template <typename Out>
+void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+                  int64_t M, int64_t K, int64_t N, Out* out) {
   const int64_t pairs = (K + 1) / 2, lda32 = 2 * pairs, n_panels = (N + kNr - 1) / kNr;
   static thread_local std::vector<float> scratch;  // x in fp32, rows padded with a zero to even K
   if (scratch.size() < static_cast<size_t>(M * lda32)) scratch.resize(M * lda32);
@@ -130,13 +147,25 @@ void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed,
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t m = m0 + t * kMrBf16, rows = std::min<int64_t>(kMrBf16, m0 + mc - m);
           with_rows<kMrBf16>(rows, [&](auto height) {
-            tile<decltype(height)::value>(a32 + m * lda32, lda32, panel, pairs, panel_bias, out + m * N + p * kNr,
-                                          N, ncols, next, t, tiles);
+            tile<decltype(height)::value, Out>(a32 + m * lda32, lda32, panel, pairs, panel_bias,
+                                               out + m * N + p * kNr, N, ncols, next, t, tiles);
           });
         }
       }
     });
   }
+}
+
+}  // namespace
+
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+               int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
+  gemm_bf16_to(a, lda, packed, bias, M, K, N, out);
+}
+
+void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
+               int64_t M, int64_t K, int64_t N, float* out) {
+  gemm_bf16_to(a, lda, packed, bias, M, K, N, out);
 }
 
 }  // namespace hpi_packed

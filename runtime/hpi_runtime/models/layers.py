@@ -113,6 +113,6 @@ class LMHead(nn.Module):
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed:  # the C++ op, called directly (opaque to torch.compile)
-            return torch.ops.hpi_kernels.packed_linear(hidden, self.weight, self.vocab_span.size, None).float()
+        if self.packed:  # the C++ op, called directly (opaque to torch.compile); its fp32 sums come out unrounded
+            return torch.ops.hpi_kernels.packed_logits(hidden, self.weight, self.vocab_span.size)
         return F.linear(hidden, self.weight).float()
