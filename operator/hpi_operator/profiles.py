@@ -18,9 +18,12 @@ from dataclasses import dataclass, replace
 
 from kubernetes.utils import parse_quantity
 
+from hpi_contracts.serve_flags import SERVE_FLAGS
+
 from .nodes import Pool
 from .sizing import (
     ModelShape,
+    encoder_cache_bytes,
     gib,
     kv_bytes_per_token,
     kv_cache_bytes,
@@ -164,6 +167,11 @@ class _Attempt:
         return self.needed_bytes - self.budget_bytes
 
 
+def _encoder_cache_rows(spec: InferenceSpec) -> int:
+    """The runtime's default --encoder-cache-size: its --max-num-batched-tokens."""
+    return spec.engine.max_num_batched_tokens or SERVE_FLAGS["--max-num-batched-tokens"].default
+
+
 def _attempt(
     pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: str, quantization: str, num_gpus: int,
     num_nodes: int = 1,
@@ -183,7 +191,7 @@ def _attempt(
         max_kv_bytes=kv_cache_bytes(
             shape, dtype, engine.max_model_len * engine.max_num_seqs, engine.block_size, num_gpus, num_nodes
         ),
-        overhead_bytes=overhead_bytes(weights, num_gpus),
+        overhead_bytes=overhead_bytes(weights, num_gpus, encoder_cache_bytes(shape, dtype, _encoder_cache_rows(spec))),
         budget_bytes=budget,
     )
 

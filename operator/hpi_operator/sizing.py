@@ -55,6 +55,9 @@ class ModelShape:
     # Mixture-of-Experts: parameters one token runs through (embeddings, attention, router, the top-k and shared
     # experts); 0 = a dense model, where that is every parameter.
     num_active_parameters: int = 0
+    # A vision-language model's vision tower and projector, counted in num_parameters: never quantized (the
+    # runtime quantizes the language model's linears only); 0 = a text-only model.
+    num_vision_parameters: int = 0
 
     @property
     def num_embedding_parameters(self) -> int:
@@ -116,6 +119,7 @@ def model_shape(model: ModelSpec) -> ModelShape:
         "hidden_size": hints.hidden_size,
         "vocab_size": hints.vocab_size,
         "num_heads": hints.num_heads,
+        "num_vision_parameters": hints.num_vision_parameters,
     }
     if known is not None:
         values = {k: v if v is not None else getattr(known, k) for k, v in values.items()}
@@ -174,10 +178,10 @@ def weight_bytes(shape: ModelShape, dtype: str, quantization: str, prequantized:
     dense = DTYPE_BYTES[dtype]
     if quantization == "none":
         return shape.num_parameters * dense
-    embeddings = min(shape.num_embedding_parameters, shape.num_parameters)
-    linear = shape.num_parameters - embeddings
+    kept = min(shape.num_embedding_parameters + shape.num_vision_parameters, shape.num_parameters)
+    linear = shape.num_parameters - kept
     per_weight = (CHECKPOINT_WEIGHT_BYTES if prequantized else QUANTIZED_WEIGHT_BYTES)[quantization]
-    return math.ceil(linear * per_weight) + embeddings * dense
+    return math.ceil(linear * per_weight) + kept * dense
 
 
 def stage_layers(shape: ModelShape, num_stages: int = 1) -> int:
@@ -194,8 +198,10 @@ def stage_weight_bytes(
     total = weight_bytes(shape, dtype, quantization, prequantized)
     if num_stages <= 1:
         return total
-    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters) * DTYPE_BYTES[dtype]
-    return math.ceil((total - vocabulary) * stage_layers(shape, num_stages) / shape.num_layers) + vocabulary
+    # The first stage also runs the vision tower, if any: counted in full on the fullest stage (conservative).
+    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters)
+    whole = (vocabulary + shape.num_vision_parameters) * DTYPE_BYTES[dtype]
+    return math.ceil((total - whole) * stage_layers(shape, num_stages) / shape.num_layers) + whole
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_stages: int = 1) -> int:
@@ -217,9 +223,17 @@ def kv_cache_bytes(
     return math.ceil(num_tokens / block_size) * block_size * per_token
 
 
-def overhead_bytes(weights: int, num_gpus: int) -> int:
+def encoder_cache_bytes(shape: ModelShape, dtype: str, rows: int) -> int:
+    """A vision-language model's encoder cache: `rows` image embeddings of hidden_size values (the runtime's
+    --encoder-cache-size, by default its --max-num-batched-tokens); nothing for a text-only model."""
+    return rows * shape.hidden_size * DTYPE_BYTES[dtype] if shape.num_vision_parameters else 0
+
+
+def overhead_bytes(weights: int, num_gpus: int, extra: int = 0) -> int:
+    """CUDA contexts (or the CPU runtime's process), activations and allocator slack, plus `extra` (an encoder
+    cache)."""
     fixed = CUDA_CONTEXT_BYTES * num_gpus if num_gpus else CPU_RUNTIME_BYTES
-    return fixed + math.ceil(weights * OVERHEAD_FRACTION_OF_WEIGHTS)
+    return fixed + math.ceil(weights * OVERHEAD_FRACTION_OF_WEIGHTS) + extra
 
 
 def gib(num_bytes: int) -> str:

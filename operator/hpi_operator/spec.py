@@ -53,6 +53,7 @@ class ModelSize:
     hidden_size: int | None = None
     vocab_size: int | None = None
     num_heads: int | None = None  # query heads; without it tensor parallelism stops at num_kv_heads GPUs
+    num_vision_parameters: int | None = None  # a vision-language model's vision tower and projector (sizing.py)
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,11 @@ def _parse_size(raw: Mapping[str, Any]) -> ModelSize:
         hidden_size=raw.get("hiddenSize"),
         vocab_size=raw.get("vocabSize"),
         num_heads=_head_count(raw, "numHeads"),
+        num_vision_parameters=parse_parameter_count(raw.get("visionParameters")),
     )
+    if size.num_vision_parameters and size.num_parameters and size.num_vision_parameters >= size.num_parameters:
+        raise SpecError("spec.model.size.visionParameters counts part of spec.model.size.parameters, so it must be "
+                        "smaller")  # fmt: skip
     if size.num_heads and size.num_kv_heads and size.num_heads % size.num_kv_heads:
         raise SpecError(
             f"spec.model.size.numKVHeads ({size.num_kv_heads}) must divide spec.model.size.numHeads "

@@ -158,3 +158,31 @@ def test_moe_memory_counts_all_experts_and_compute_the_active_ones() -> None:
     assert round(active_parameters(qwen3) / 1e9, 1) == 3.4 and round(qwen3.num_parameters / 1e9, 1) == 30.5
     dense = KNOWN_SHAPES["llama-3.1-8b-instruct"]
     assert not dense.is_moe and active_parameters(dense) == dense.num_parameters
+
+
+def test_a_vision_tower_stays_unquantized_and_its_encoder_cache_is_counted() -> None:
+    """Qwen2.5-VL-7B-shaped hints: 8.29B parameters of which 0.68B are the vision tower and projector."""
+    from hpi_operator.nodes import group_pools, node_info
+    from hpi_operator.profiles import choose_profile
+    from hpi_operator.sizing import encoder_cache_bytes
+    from hpi_testing.kube_emulator import make_node
+
+    size = {"parameters": "8.29B", "numLayers": 28, "numKVHeads": 4, "numHeads": 28, "headDim": 128,
+            "hiddenSize": 3584, "vocabSize": 152064}  # fmt: skip
+    text = parse_spec({"model": {"source": "pvc", "pvc": {"claimName": "w"}, "size": size}})
+    vlm = parse_spec({"model": {"source": "pvc", "pvc": {"claimName": "w"},
+                                "size": {**size, "visionParameters": "0.68B"}}})  # fmt: skip
+    text_shape, vlm_shape = model_shape(text.model), model_shape(vlm.model)
+    assert weight_bytes(vlm_shape, "bf16", "none") == weight_bytes(text_shape, "bf16", "none")
+    # int4 leaves the 0.68B vision parameters in bf16: 2 bytes each instead of int4's 0.625.
+    extra = weight_bytes(vlm_shape, "bf16", "int4") - weight_bytes(text_shape, "bf16", "int4")
+    assert extra == pytest.approx(0.68e9 * (2 - 0.625), rel=1e-3)
+    assert encoder_cache_bytes(text_shape, "bf16", 2048) == 0
+    assert encoder_cache_bytes(vlm_shape, "bf16", 2048) == 2048 * 3584 * 2
+    [pool] = group_pools([node_info(make_node("cpu", memory="64Gi"))])
+    text_profile, vlm_profile = (choose_profile(pool, s, model_shape(s.model)).profile for s in (text, vlm))
+    assert text_profile is not None and vlm_profile is not None
+    assert vlm_profile.overhead_bytes - text_profile.overhead_bytes == 2048 * 3584 * 4  # fp32 on this CPU pool
+    with pytest.raises(SpecError, match="visionParameters counts part of"):
+        parse_spec({"model": {"source": "pvc", "pvc": {"claimName": "w"},
+                              "size": {**size, "visionParameters": "9B"}}})  # fmt: skip
