@@ -29,6 +29,7 @@ _MODELS = MappingProxyType(
         "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
         "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+        "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)

@@ -1,0 +1,86 @@
+"""Tiny random-weight vision-language model directories (Qwen2-VL) built with transformers' own classes, and
+images for them: the runtime's real loading path and transformers' reference, with no download.
+
+Besides what tiny_model.py writes, the directory has the image markers as special tokens, Qwen2-VL's chat
+template (one <|vision_start|><|image_pad|><|vision_end|> per image part) and a preprocessor_config.json with
+small pixel bounds, so an image is a handful of embedding rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hpi_testing.tiny_model import build_tokenizer
+
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image_url' in part %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+PATCH = 14
+MERGE = 2
+MIN_PIXELS = 56 * 56  # a 56x56 image: 4x4 patches, 4 embedding rows
+MAX_PIXELS = 112 * 112  # at most 8x8 patches, 16 rows
+
+
+def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64) -> Path:
+    """Write a random-weight Qwen2-VL directory to `out_dir` and return it (fp32)."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer = build_tokenizer(extra_special_tokens=IMAGE_MARKERS)
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in IMAGE_MARKERS)
+    head_dim = hidden_size // 4
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]},
+        },
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2},
+        image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+        video_token_id=tokenizer.unk_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():  # wider than transformers' init: decisive greedy tokens, image rows that matter
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15 if "embed_tokens" in name or "lm_head" in name else 0.08)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
+    }))  # fmt: skip
+    return out_dir
+
+
+def random_image(width: int, height: int, seed: int):
+    """A PIL RGB image of noise (every pixel matters to the encoder)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def png_data_url(image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
