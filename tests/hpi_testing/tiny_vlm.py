@@ -29,25 +29,37 @@ MIN_PIXELS = 56 * 56  # a 56x56 image: 4x4 patches, 4 embedding rows
 MAX_PIXELS = 112 * 112  # at most 8x8 patches, 16 rows
 
 
-def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64) -> Path:
-    """Write a random-weight Qwen2-VL directory to `out_dir` and return it (fp32)."""
+def build_tiny_qwen2_vl(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    vision_depth: int = 2,
+    vision_embed_dim: int = 32,
+    max_pixels: int = MAX_PIXELS,
+) -> Path:
+    """Write a random-weight Qwen2-VL directory to `out_dir` and return it (fp32). The defaults are the tests'
+    tiny model; the benchmark builds a larger one of the same shape."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tokenizer = build_tokenizer(extra_special_tokens=IMAGE_MARKERS)
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in IMAGE_MARKERS)
-    head_dim = hidden_size // 4
+    num_heads = max(4, hidden_size // 64)
+    head_dim = hidden_size // num_heads
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": 2,
             "max_position_embeddings": 1024, "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]},
         },
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
+        vision_config={"depth": vision_depth, "embed_dim": vision_embed_dim, "hidden_size": hidden_size,
+                       "num_heads": max(2, vision_embed_dim // 32), "mlp_ratio": 2,
                        "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2},
         image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
         video_token_id=tokenizer.unk_token_id, tie_word_embeddings=False,
@@ -63,7 +75,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, num_layers: int = 2, hi
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
         "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
     }))  # fmt: skip
     return out_dir

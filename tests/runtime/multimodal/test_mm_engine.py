@@ -163,3 +163,17 @@ def test_images_a_text_model_or_the_encoder_limit_cannot_take_are_refused(tiny_v
     text_engine = _engine(tiny_model_dir)
     with pytest.raises(ValueError, match="takes no images"):
         text_engine.add_request("img", [1, 2, 3] * 8, GREEDY, mm_inputs=mm_inputs[:1])
+
+
+def test_the_bf16_path_runs_the_vision_tower_and_decoder(tiny_vlm_dir, hf_vlm) -> None:
+    """bf16 weights and activations (emulated where the CPU lacks bf16): the image's rows reach the decoder in
+    bf16 and the first token's logits stay near transformers' fp32 ones."""
+    engine = _engine(tiny_vlm_dir, dtype="bfloat16")
+    records = _record_logits(engine)
+    ids, mm_inputs = _prompt(engine, tiny_vlm_dir, "What is this?", [random_image(70, 60, seed=1)])
+    finals = _run(engine, {"bf16": (ids, mm_inputs)})
+    assert len(finals["bf16"].output_token_ids) == GREEDY.max_tokens
+    assert next(engine.executor.runner.model.visual.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = hf_vlm(**_hf_inputs(ids, mm_inputs, hf_vlm.config.image_token_id)).logits[0, -1]
+    torch.testing.assert_close(records[0][2], expected, atol=0.1, rtol=0.05)
