@@ -96,3 +96,49 @@ def png_data_url(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_IMAGE_SIDE = 56  # CLIP at 56 px, 14 px patches: 16 rows an image
+
+
+def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random-weight LLaVA directory (Llama decoder, CLIP vision tower, projector), fp32."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    tokenizer = build_tokenizer(extra_special_tokens=("<image>",))
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    config = LlavaConfig(
+        text_config={
+            "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIDE,
+                       "patch_size": PATCH, "projection_dim": 32},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15 if "embed_tokens" in name or "lm_head" in name else 0.08)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": LLAVA_IMAGE_SIDE},
+        "crop_size": {"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE},
+    }))  # fmt: skip
+    return out_dir

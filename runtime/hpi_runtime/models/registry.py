@@ -30,6 +30,7 @@ _MODELS = MappingProxyType(
         "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
         "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+        "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)

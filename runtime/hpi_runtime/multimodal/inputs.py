@@ -20,8 +20,9 @@ class MultiModalInput:
     mm_hash: str  # the image's content (decoded pixels, mode and size) and the processor's settings, hex
     offset: int  # the first placeholder token's index in the prompt
     length: int  # placeholder tokens = rows of its embedding
-    pixel_values: np.ndarray  # [num_patches, channels * temporal_patch * patch * patch] float32 (Qwen2-VL's layout)
-    grid_thw: tuple[int, int, int]  # patches along time, height and width, before the spatial merge
+    # float32: Qwen2-VL's [num_patches, channels * temporal_patch * patch * patch], or one [3, H, W] frame (LLaVA)
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]  # patches along time, height and width, before any spatial merge
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 1:

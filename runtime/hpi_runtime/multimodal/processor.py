@@ -2,9 +2,10 @@
 transformers (resizing, normalising, patching), each image's placeholder token expanded to one token per
 embedding row, and a `MultiModalInput` per image with its content hash.
 
-The PIL processors are used (`Qwen2VLImageProcessorPil`): `AutoProcessor` needs torchvision for the video
-processor, which does not import beside the CPU torch build. The settings come from the checkpoint's
-preprocessor_config.json (min/max pixels, mean, std), so prompts match what transformers' processor builds.
+The PIL processors are used (`Qwen2VLImageProcessorPil`, LLaVA's `CLIPImageProcessorPil`): `AutoProcessor`
+needs torchvision for the video processor, which does not import beside the CPU torch build. The settings come
+from the checkpoint's preprocessor_config.json (min/max pixels, sizes, mean, std), so prompts match what
+transformers' processor builds.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ IMAGE_PROCESSORS = {
         "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
         "Qwen2VLImageProcessorPil",
     ),
+    "LlavaForConditionalGeneration": ("transformers.models.clip.image_processing_pil_clip", "CLIPImageProcessorPil"),
 }
 _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "size", "patch_size", "temporal_patch_size", "merge_size",
                    "image_mean", "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize",
-                   "do_convert_rgb")  # fmt: skip
+                   "do_convert_rgb", "crop_size", "do_center_crop", "resample")  # fmt: skip
 
 
 class ImageProcessor:
@@ -38,8 +40,9 @@ class ImageProcessor:
         if architecture not in IMAGE_PROCESSORS:
             raise ValueError(f"no image processor for {architecture}")
         module, name = IMAGE_PROCESSORS[architecture]
+        self.patches_in_grid = vision.temporal_patch_size > 1  # Qwen2-VL's flat patches with a grid, else [3, H, W]
         settings = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
-                    "merge_size": vision.spatial_merge_size}  # fmt: skip
+                    "merge_size": vision.spatial_merge_size} if self.patches_in_grid else {}  # fmt: skip
         path = Path(model_dir) / "preprocessor_config.json"
         if path.is_file():
             saved = json.loads(path.read_text())
@@ -70,12 +73,18 @@ class ImageProcessor:
         previous = 0
         for slot, image in zip(slots, images, strict=True):
             out = self.processor(images=[image], return_tensors="np")
-            grid = tuple(int(n) for n in np.asarray(out["image_grid_thw"])[0])
+            pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+            if self.patches_in_grid:
+                grid = tuple(int(n) for n in np.asarray(out["image_grid_thw"])[0])
+            else:  # one frame [1, 3, H, W]: a row per patch (the vision tower's CLS row is dropped)
+                pixel_values = pixel_values[0]
+                patch = self.vision.patch_size
+                grid = (1, pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)
             num_rows = grid[0] * grid[1] * grid[2] // merge
             expanded.extend(prompt_ids[previous:slot])
             mm_inputs.append(MultiModalInput(
                 mm_hash=self.image_hash(image), offset=len(expanded), length=num_rows,
-                pixel_values=np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid_thw=grid,
+                pixel_values=pixel_values, grid_thw=grid,
             ))  # fmt: skip
             expanded.extend([image_token] * num_rows)
             previous = slot + 1

@@ -23,13 +23,14 @@ from hpi_runtime.worker.input_batch import StepInputs
 @dataclass(frozen=True)
 class RequestImages:
     mm_inputs: tuple[MultiModalInput, ...]
-    prompt_positions: np.ndarray  # [3, num_prompt_tokens] int64 M-RoPE positions
+    prompt_positions: np.ndarray | None  # [3, num_prompt_tokens] int64 M-RoPE positions; None: one per token
     delta: int  # a token past the prompt sits at its index + delta on every axis
 
 
 class MultimodalBatch:
     def __init__(self, model: DecoderForCausalLM, device: torch.device) -> None:
         self.model, self.device = model, device
+        self.uses_mrope = hasattr(model, "mrope_positions")  # Qwen2-VL; else one position per token (LLaVA)
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image hash -> [placeholders, hidden_size]
         self.requests: dict[str, RequestImages] = {}  # requests with images, by id
         self.num_images_encoded = 0  # cumulative (tests and benchmarks read it)
@@ -41,7 +42,9 @@ class MultimodalBatch:
         for new in scheduler_output.new_requests:
             self.requests.pop(new.request_id, None)
             if new.mm_inputs:
-                positions, delta = self.model.mrope_positions(new.num_prompt_tokens, new.mm_inputs)
+                positions, delta = (None, 0)
+                if self.uses_mrope:
+                    positions, delta = self.model.mrope_positions(new.num_prompt_tokens, new.mm_inputs)
                 self.requests[new.request_id] = RequestImages(new.mm_inputs, positions, delta)
         for mm_hash in scheduler_output.free_encoder_hashes:
             self.encoder_cache.pop(mm_hash, None)
@@ -59,10 +62,11 @@ class MultimodalBatch:
                 self.num_images_encoded += 1
 
     def step_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input embeddings [T, hidden_size] with image rows in place, positions [3, T] int64) of a step."""
+        """(input embeddings [T, hidden_size] with image rows in place, positions: [3, T] int64 with M-RoPE,
+        else the step's own [T]) of a step."""
         embeds = self.model.model.embed(step.input_ids.to(self.device))
         token_index = step.positions.numpy()  # [T]: each token's index in its request
-        positions = np.broadcast_to(token_index, (3, len(token_index))).copy()
+        positions = np.broadcast_to(token_index, (3, len(token_index))).copy() if self.uses_mrope else token_index
         starts = step.query_start_loc.tolist()
         for i, request_id in enumerate(step.request_ids):
             images = self.requests.get(request_id)
@@ -70,11 +74,12 @@ class MultimodalBatch:
                 continue
             first, last = starts[i], starts[i + 1]
             index = token_index[first:last]
-            num_prompt = images.prompt_positions.shape[1]
-            in_prompt = index < num_prompt
-            positions[:, first:last] = np.where(
-                in_prompt, images.prompt_positions[:, np.minimum(index, num_prompt - 1)], index + images.delta
-            )
+            if images.prompt_positions is not None:
+                num_prompt = images.prompt_positions.shape[1]
+                positions[:, first:last] = np.where(
+                    index < num_prompt, images.prompt_positions[:, np.minimum(index, num_prompt - 1)],
+                    index + images.delta,
+                )  # fmt: skip
             start, end = int(index[0]), int(index[-1]) + 1
             for mm in images.mm_inputs:
                 lo, hi = max(start, mm.offset), min(end, mm.end)
