@@ -207,8 +207,8 @@ class Scheduler:
         cache, end = self.encoder_cache, start + num_new
         num_rows, planned = 0, set()
         # Cached entries this request will use are pinned before anything is evicted for its new ones.
-        num_pinned = sum(cache.sizes[mm.mm_hash] for mm in {m.mm_hash: m for m in request.mm_inputs
-                         if m.overlaps(start, end) and m.mm_hash in cache.freeable}.values())  # fmt: skip
+        pinned = {mm.mm_hash for mm in request.mm_inputs if mm.overlaps(start, end) and mm.mm_hash in cache.freeable}
+        num_pinned = sum(cache.sizes[mm_hash] for mm_hash in pinned)
         for mm in request.mm_inputs:
             if mm.offset >= end:
                 break
