@@ -132,3 +132,15 @@ def test_the_bf16_path_runs_the_vision_tower_and_decoder(tiny_vlm_dir, hf_vlm) -
     with torch.no_grad():
         expected = hf_vlm(**_hf_inputs(ids, mm_inputs, hf_vlm.config.image_token_id)).logits[0, -1]
     torch.testing.assert_close(records[0][2], expected, atol=0.1, rtol=0.05)
+
+
+def test_int8_quantizes_the_decoder_and_leaves_the_vision_tower_in_float(tiny_vlm_dir) -> None:
+    from hpi_runtime.quantization.linear import QuantizedLinear
+
+    engine = _engine(tiny_vlm_dir, quantization="int8")
+    model = engine.executor.runner.model
+    assert any(isinstance(m, QuantizedLinear) for m in model.model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in model.visual.modules())
+    assert {p.dtype for p in model.visual.parameters()} == {torch.float32}
+    finals = _run(engine, {"q": _prompt(engine, tiny_vlm_dir, "What is this?", [random_image(70, 60, seed=1)])})
+    assert len(finals["q"].output_token_ids) == GREEDY.max_tokens
