@@ -38,18 +38,28 @@ def build_tiny_qwen2_vl(
     vision_depth: int = 2,
     vision_embed_dim: int = 32,
     max_pixels: int = MAX_PIXELS,
+    qwen2_5: bool = False,
 ) -> Path:
     """Write a random-weight Qwen2-VL directory to `out_dir` and return it (fp32). The defaults are the tests'
-    tiny model; the benchmark builds a larger one of the same shape."""
+    tiny model; the benchmark builds a larger one of the same shape. `qwen2_5`: Qwen2.5-VL's tower (window
+    attention on all but its last block, gated MLPs) instead."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
 
     tokenizer = build_tokenizer(extra_special_tokens=IMAGE_MARKERS)
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in IMAGE_MARKERS)
     num_heads = max(4, hidden_size // 64)
     head_dim = hidden_size // num_heads
-    config = Qwen2VLConfig(
+    prefix = "Qwen2_5_VL" if qwen2_5 else "Qwen2VL"
+    vision = {"depth": vision_depth, "hidden_size": hidden_size, "num_heads": max(2, vision_embed_dim // 32),
+              "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2}  # fmt: skip
+    if qwen2_5:  # hidden_size is the tower's width there, out_hidden_size the decoder's
+        vision.update(hidden_size=vision_embed_dim, out_hidden_size=hidden_size, intermediate_size=2 * vision_embed_dim,
+                      window_size=56, fullatt_block_indexes=[vision_depth - 1])  # fmt: skip
+    else:
+        vision.update(embed_dim=vision_embed_dim, mlp_ratio=2)
+    config = getattr(transformers, f"{prefix}Config")(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
             "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": 2,
@@ -58,14 +68,12 @@ def build_tiny_qwen2_vl(
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]},
         },
-        vision_config={"depth": vision_depth, "embed_dim": vision_embed_dim, "hidden_size": hidden_size,
-                       "num_heads": max(2, vision_embed_dim // 32), "mlp_ratio": 2,
-                       "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2},
+        vision_config=vision,
         image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
         video_token_id=tokenizer.unk_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     with torch.no_grad():  # wider than transformers' init: decisive greedy tokens, image rows that matter
         for name, param in model.named_parameters():
             if param.dim() >= 2:

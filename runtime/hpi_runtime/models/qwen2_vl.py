@@ -1,8 +1,10 @@
-"""Qwen2-VL: the Qwen2 decoder (this runtime's, with the paged KV cache) fed by a vision tower, with M-RoPE.
+"""Qwen2-VL and Qwen2.5-VL: the Qwen2 decoder (this runtime's, with the paged KV cache) fed by a vision tower,
+with M-RoPE.
 
 The vision tower is transformers' own `Qwen2VisionTransformerPretrainedModel` (patch embedding, ViT blocks with
-2D rotary, the 2x2 patch merger), built from the checkpoint's `vision_config` and filled with its `visual.*`
-weights: the faithful encoder, kept in the activation dtype and never quantized (quantization walks this
+2D rotary, the 2x2 patch merger; Qwen2.5-VL's `Qwen2_5_VisionTransformerPretrainedModel` adds window attention
+and gated MLPs, the decoder side is the same), built from the checkpoint's `vision_config` and filled with its
+`visual.*` weights: the faithful encoder, kept in the activation dtype and never quantized (quantization walks this
 runtime's linear layers only). An image's embedding rows replace its placeholder tokens' embeddings.
 
 M-RoPE: a text token's position is the same on the three axes; an image's placeholders take (temporal, row,
@@ -71,17 +73,22 @@ def mrope_positions(
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     config_rules: ClassVar[Qwen2VLRules] = Qwen2VLRules()
     unpacked_prefixes: ClassVar[tuple[str, ...]] = ("visual.",)  # the tower keeps the checkpoint's own names
+    # (module under transformers.models, vision config class, vision tower class)
+    vision_classes: ClassVar[tuple[str, str, str]] = (
+        "qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel")
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
-        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        import importlib
 
         if tp.size > 1:
-            raise ValueError("Qwen2-VL runs with tensor_parallel_size 1 (the vision tower is not split)")
+            raise ValueError(f"{config.architecture} runs with tensor_parallel_size 1 (the vision tower is not split)")
         super().__init__(config, backend, tp)
-        vision_config = Qwen2VLVisionConfig(**config.vision.vision_config)
+        family, config_class, tower_class = self.vision_classes
+        configuration = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        vision_config = getattr(configuration, config_class)(**config.vision.vision_config)
         vision_config._attn_implementation = "sdpa"
-        self.visual = Qwen2VisionTransformerPretrainedModel._from_config(vision_config)
+        self.visual = getattr(modeling, tower_class)._from_config(vision_config)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -100,3 +107,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def mrope_positions(self, num_tokens: int, mm_inputs: Sequence[MultiModalInput]) -> tuple[np.ndarray, int]:
         return mrope_positions(num_tokens, mm_inputs, self.config.vision.spatial_merge_size)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    vision_classes = ("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel")

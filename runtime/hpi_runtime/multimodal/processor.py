@@ -28,6 +28,10 @@ IMAGE_PROCESSORS = {
         "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
         "Qwen2VLImageProcessorPil",
     ),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+        "Qwen2VLImageProcessorPil",
+    ),
     "LlavaForConditionalGeneration": ("transformers.models.clip.image_processing_pil_clip", "CLIPImageProcessorPil"),
 }
 _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "size", "patch_size", "temporal_patch_size", "merge_size",

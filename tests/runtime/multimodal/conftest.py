@@ -24,9 +24,3 @@ def hf_vlm(tiny_vlm_dir):
         tiny_vlm_dir, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
 
-
-@pytest.fixture(scope="session")
-def tiny_llava_dir(tmp_path_factory) -> Path:
-    from hpi_testing.tiny_vlm import build_tiny_llava
-
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
