@@ -38,7 +38,7 @@ class Plan:
     vision_depth: int = 4
     vision_embed_dim: int = 256
     image_side: int = 224  # 16x16 patches, 64 embedding tokens
-    output_len: int = 32
+    output_len: int = 16
     num_requests: int = 16
     num_threads: int = 2
 
