@@ -9,6 +9,7 @@ dropped under the "default" strategy), projected to the decoder's width.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,7 @@ from hpi_runtime.models.config import ModelConfig, VisionConfig
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.family import FamilyRules
 from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.multimodal.inputs import MultiModalInput
 
 # saved name prefix -> ours (transformers 5 saves the first form, older llava-hf checkpoints the second)
 _RENAMES = (
@@ -69,10 +71,12 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
                 name = ours + name.removeprefix(saved)
         return name
 
-    def embed_image(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's pixels [3, H, W] -> its embedding rows [patches, hidden_size]."""
-        dtype = next(self.vision_tower.parameters()).dtype
-        out = self.vision_tower(pixel_values.to(dtype).reshape(1, *pixel_values.shape[-3:]), output_hidden_states=True)
+    def embed_images(self, images: Sequence[MultiModalInput]) -> list[torch.Tensor]:
+        """Images (frames [3, H, W] of one size, as the processor crops them) -> each one's embedding rows
+        [patches, hidden_size], in one pass of the tower."""
+        parameter = next(self.vision_tower.parameters())
+        pixels = torch.stack([torch.from_numpy(mm.pixel_values) for mm in images]).to(parameter.device, parameter.dtype)
+        out = self.vision_tower(pixels, output_hidden_states=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
         features = [out.hidden_states[i][:, 1:] if self.drop_cls else out.hidden_states[i] for i in layers]
-        return self.multi_modal_projector(torch.cat(features, dim=-1))[0]
+        return list(self.multi_modal_projector(torch.cat(features, dim=-1)).unbind(0))

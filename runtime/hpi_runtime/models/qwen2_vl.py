@@ -99,11 +99,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             return name.removeprefix("model.")
         return name
 
-    def embed_image(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's pixels [num_patches, patch_dim] -> its embedding rows [placeholders, hidden_size]."""
-        dtype = next(self.visual.parameters()).dtype
-        grid = torch.tensor([grid_thw], dtype=torch.int64, device=pixel_values.device)
-        return self.visual(pixel_values.to(dtype), grid_thw=grid).pooler_output
+    def embed_images(self, images: Sequence[MultiModalInput]) -> list[torch.Tensor]:
+        """Images -> each one's embedding rows [placeholders, hidden_size], in one pass of the tower (its
+        attention keeps each image to itself)."""
+        parameter = next(self.visual.parameters())
+        pixels = torch.cat([torch.from_numpy(mm.pixel_values) for mm in images]).to(parameter.device, parameter.dtype)
+        grid = torch.tensor([mm.grid_thw for mm in images], dtype=torch.int64, device=parameter.device)
+        rows = self.visual(pixels, grid_thw=grid).pooler_output
+        return list(rows.split([mm.length for mm in images]))
 
     def mrope_positions(self, num_tokens: int, mm_inputs: Sequence[MultiModalInput]) -> tuple[np.ndarray, int]:
         return mrope_positions(num_tokens, mm_inputs, self.config.vision.spatial_merge_size)

@@ -2,9 +2,9 @@
 a step's input embeddings with image rows merged in at their placeholder tokens.
 
 The scheduler decides (core/encoder_cache_manager.py): which images to encode this step, and which cached
-embeddings to drop. Here they are computed (the model's vision tower, one image at a time) and kept under the
-image's content hash, so a later request with the same image, or a later prefill chunk of the same request,
-reads the same rows.
+embeddings to drop. Here they are computed (the model's vision tower, one pass for the step's images) and kept
+under the image's content hash, so a later request with the same image, or a later prefill chunk of the same
+request, reads the same rows.
 """
 
 from __future__ import annotations
@@ -48,18 +48,20 @@ class MultimodalBatch:
                 self.requests[new.request_id] = RequestImages(new.mm_inputs, positions, delta)
         for mm_hash in scheduler_output.free_encoder_hashes:
             self.encoder_cache.pop(mm_hash, None)
+        due = {}  # hash -> image: the step's images to encode, each once
         for request_id, indices in scheduler_output.scheduled_encoder_inputs.items():
             for i in indices:
                 mm = self.requests[request_id].mm_inputs[i]
-                if mm.mm_hash in self.encoder_cache:
-                    continue
-                pixels = torch.from_numpy(mm.pixel_values).to(self.device)
-                rows = self.model.embed_image(pixels, mm.grid_thw)
+                if mm.mm_hash not in self.encoder_cache:
+                    due[mm.mm_hash] = mm
+        if due:  # one pass of the vision tower for all of them
+            images = list(due.values())
+            for mm, rows in zip(images, self.model.embed_images(images), strict=True):
                 if rows.shape[0] != mm.length:
                     raise ValueError(f"image {mm.mm_hash[:12]}: the encoder made {rows.shape[0]} rows for "
                                      f"{mm.length} placeholders")  # fmt: skip
                 self.encoder_cache[mm.mm_hash] = rows
-                self.num_images_encoded += 1
+            self.num_images_encoded += len(images)
 
     def step_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(input embeddings [T, hidden_size] with image rows in place, positions: [3, T] int64 with M-RoPE,
