@@ -149,13 +149,20 @@ SAMPLING: tuple[Field, ...] = (
 
 TEXT_PART = {"type": "object", "required": ["type", "text"],
              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"type": "object", "required": ["url"], "properties": {
+        "url": {"type": "string", "description": "data:image/...;base64,..., or an http(s)/file URL the server allows"},
+        "detail": {"enum": ["auto", "low", "high"]}}}},
+    "description": "An image (vision-language models only; a text-only model answers 400)."}
 TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "id": {"type": "string"}, "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "arguments": {"anyOf": [{"type": "string"}, OBJECT]}}}}}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": list(CHAT_ROLES)},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}},
+                          {"type": "null"}]},
     "name": {"type": "string"},
     "tool_call_id": {"type": "string", "description": "Required in a 'tool' message."},
     "tool_calls": {"type": "array", "items": TOOL_CALL}}}

@@ -158,7 +158,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     check_tensor_parallel(model_config, tensor_parallel_size)
     quantization = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)
     max_model_len = resolve_max_model_len(args.scheduler.max_model_len, model_config)
-    engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config))
+    engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config),
+                                         takes_images=model_config.vision is not None)
     device = resolve_device(load.device, current_gpu_platform())  # a ROCm build's GPU is device type "cuda" too
     compile_root = compile_cache.requested_dir(load.compile_cache_dir)
     # Before resolve_dtype: it may build the C++ kernels.

@@ -44,11 +44,12 @@ ARCHITECTURES = {
 _RANDOM_NORM_ARCHITECTURES = ("qwen3", "phi3", "gemma2", "gemma3")
 
 
-def build_tokenizer(vocab_size: int = 384, *, add_bos_token: bool = False):
+def build_tokenizer(vocab_size: int = 384, *, add_bos_token: bool = False, extra_special_tokens: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer with ChatML special tokens, trained on CORPUS.
 
     `add_bos_token=True` makes encoding with special tokens prepend the BOS token, as Llama 2/3 tokenizers
-    do (the default adds nothing, like Qwen2's and SmolLM's).
+    do (the default adds nothing, like Qwen2's and SmolLM's). `extra_special_tokens` follow the ChatML ones
+    (a vision model's image markers).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -58,7 +59,7 @@ def build_tokenizer(vocab_size: int = 384, *, add_bos_token: bool = False):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -35,6 +35,7 @@ RUNTIME_LAYERS = (
         "hpi_runtime.core.engine_io",  # frontend <-> engine core
         "hpi_runtime.core.kv_budget",  # the KV-bytes formula
         "hpi_runtime.options",  # how a config field becomes a flag and an LLM argument
+        "hpi_runtime.multimodal.inputs",  # an image as the engine sees it (pixels, placeholders, hash)
     ),
     ("hpi_runtime.attention",),
     # The model on one device: families, weights, quantization, and the engine settings beside them.
@@ -46,7 +47,8 @@ RUNTIME_LAYERS = (
      "hpi_runtime.spec_decode.draft_config"),
     ("hpi_runtime.worker", "hpi_runtime.spec_decode.draft_model"),  # model runner, executors; the draft runs there
     ("hpi_runtime.core",),  # scheduler, KV cache manager, engine core and its process
-    ("hpi_runtime.frontend",),  # input and output processors, AsyncLLM, LLMEngine
+    # input and output processors, AsyncLLM, LLMEngine; images read and processed for a prompt
+    ("hpi_runtime.frontend", "hpi_runtime.multimodal"),
     ("hpi_runtime.engine_factory",),  # EngineArgs -> the resolved engine, for the server and LLM
     ("hpi_runtime.server", "hpi_runtime.llm", "hpi_runtime.profiling"),  # the HTTP server, the offline LLM,
     # and `hpi profile`'s measurements

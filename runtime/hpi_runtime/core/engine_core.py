@@ -44,6 +44,30 @@ class EngineError(RuntimeError):
         self.request_ids = frozenset(request_ids)
 
 
+def check_images(config: EngineConfig, request: EngineCoreRequest) -> None:
+    """ValueError for images this engine cannot take: none at all (a text-only model), or one whose embedding
+    exceeds what the encoder may compute in one step or keep (it could never be scheduled)."""
+    if not request.mm_inputs:
+        return
+    if not config.encoder_cache_size:
+        raise ValueError("this model takes no images (it is a text-only model)")
+    limit = min(config.encoder_cache_size, config.max_num_encoder_input_tokens)
+    for mm in request.mm_inputs:
+        if mm.length > limit:
+            raise ValueError(f"an image of {mm.length} embedding tokens exceeds the encoder's limit of {limit} "
+                             "(encoder_cache_size, max_num_encoder_input_tokens); send a smaller image")
+        if mm.end > len(request.prompt_token_ids):
+            raise ValueError(f"an image's placeholders {mm.offset}..{mm.end} lie outside the prompt")
+
+
+def _encoder_stats(scheduler: Scheduler) -> dict:
+    cache = scheduler.encoder_cache
+    if cache is None:
+        return {}
+    return {"encoder_cache_queries": cache.num_queries, "encoder_cache_hits": cache.num_hits,
+            "encoder_cache_usage": cache.usage}
+
+
 class EngineCore:
     def __init__(
         self,
@@ -95,6 +119,7 @@ class EngineCore:
         grammar = None
         if request.lora_request is not None and self.scheduler.lora is None:
             raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        check_images(self.config, request)
         if (structured := request.sampling_params.structured_outputs) is not None:
             if self.grammar_compiler is None:
                 raise ValueError("this engine serves no structured outputs (it has no grammar compiler)")
@@ -111,6 +136,7 @@ class EngineCore:
                 hasher=self._hasher,
                 grammar=grammar,
                 lora_request=request.lora_request,
+                mm_inputs=request.mm_inputs,
             )
         )
 
@@ -193,6 +219,7 @@ class EngineCore:
             kv_blocks_to_device=host.num_blocks_to_device if host is not None else 0,
             **(scheduler.spec_policy.stats.as_engine_stats() if scheduler.spec_policy is not None else {}),
             **scheduler.lora_stats(),
+            **_encoder_stats(scheduler),
         )
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ import msgspec
 
 from hpi_runtime.core.interface import MemoryFootprint, TokenLogprobs
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class EngineCoreRequest:
     arrival_time: float  # time.monotonic() in the frontend (the same clock in every process of the host)
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter to run it with; None: the base model
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its images, in prompt order (multimodal/inputs.py)
 
 
 class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False):
@@ -77,6 +79,10 @@ class EngineStats(msgspec.Struct, frozen=True, gc=False):
     lora_waiting: tuple[str, ...] = ()
     lora_slot_loads: int = 0  # adapters copied into a device slot
     lora_host_evictions: int = 0  # adapters dropped from host memory (least recently used)
+    # Multimodal (all 0 without images): the encoder cache (core/encoder_cache_manager.py), cumulative in images.
+    encoder_cache_queries: int = 0  # images whose embeddings a prefill needed
+    encoder_cache_hits: int = 0  # of those, found already computed
+    encoder_cache_usage: float = 0.0  # 0..1, embedding rows held for running requests over the cache's size
 
 
 # Frontend -> core messages.

@@ -22,6 +22,9 @@ so a step sends only what changed, as in vLLM v1:
   verifies them and answers with the accepted ones plus one, so `sampled_token_ids` may hold several tokens.
 - `lora_updates`: LoRA adapters copied into device slots (and dropped from host memory) before the forward;
   a new request's `lora_slot` names the slot its tokens use (lora/slot_table.py decides).
+- `scheduled_encoder_inputs` / `free_encoder_hashes`: images whose vision-encoder embeddings to compute before
+  the forward (kept by the executor under the image's hash until the scheduler frees them), and those to drop.
+  A chunk that meets an image's placeholder run reads its rows from there (core/encoder_cache_manager.py).
 - `kv_transfers`: block copies between the device KV cache and the host-memory tier (core/host_tier.py),
   run before the forward: all device -> host copies first, then all host -> device ones. A step may
   carry transfers and no tokens (a request swapped out with nothing else to run).
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from hpi_runtime.lora.slot_table import BASE_SLOT, NO_LORA_UPDATES, LoRAUpdates
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +53,7 @@ class NewRequestData:
     block_ids: tuple[int, ...]
     num_computed_tokens: int
     lora_slot: int = BASE_SLOT  # the device slot of its LoRA adapter (lora/slot_table.py); pinned while it runs
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its images (placeholder runs in token_ids), prompt order
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,10 @@ class SchedulerOutput:
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # LoRA adapters to drop from host memory and to copy into device slots, before the forward.
     lora_updates: LoRAUpdates = NO_LORA_UPDATES
+    # Multimodal: request id -> indices (into its mm_inputs) of the images whose embeddings to compute this step,
+    # before the forward; and the image hashes whose embeddings the executor may drop (evicted by the scheduler).
+    scheduled_encoder_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    free_encoder_hashes: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

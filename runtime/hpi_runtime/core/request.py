@@ -16,6 +16,7 @@ from hpi_runtime.core.block_pool import BlockHash, HashFn, hash_block_tokens
 from hpi_runtime.core.engine_io import EngineCoreOutput
 from hpi_runtime.core.interface import TokenLogprobs
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput, mm_extra_keys
 from hpi_runtime.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class Request:
         "output_token_ids", "num_computed_tokens", "status", "stop_reason", "first_scheduled_time",
         "num_cached_prompt_tokens", "num_preemptions", "stop_token_ids", "block_hashes",
         "grammar", "prompt_logprobs", "spec_token_ids", "num_draft_tokens", "_hasher", "_num_sent_tokens",
-        "_new_logprobs", "lora_request", "lora_slot", "_extra_keys",
+        "_new_logprobs", "lora_request", "lora_slot", "_extra_keys", "mm_inputs",
     )  # fmt: skip
 
     def __init__(
@@ -72,6 +73,7 @@ class Request:
         hasher: BlockHasher | None = None,
         grammar: RequestGrammar | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -101,6 +103,7 @@ class Request:
         self.lora_slot: int | None = None  # the adapter's device slot while it runs (None: holds none)
         # In every block hash: two adapters (or an adapter and the base model) never share KV.
         self._extra_keys = () if lora_request is None else ("lora", lora_request.lora_int_id)
+        self.mm_inputs = mm_inputs  # images: a block meeting one's placeholders has its hash among its keys
         self._hasher = hasher
         self._num_sent_tokens = 0
         self._new_logprobs: list[TokenLogprobs] = []
@@ -164,8 +167,11 @@ class Request:
         while (len(self.block_hashes) + 1) * size <= len(self.token_ids):
             start = len(self.block_hashes) * size
             parent = self.block_hashes[-1] if self.block_hashes else hasher.root_hash
+            extra_keys = self._extra_keys
+            if self.mm_inputs:
+                extra_keys += mm_extra_keys(self.mm_inputs, start, start + size)
             self.block_hashes.append(
-                hash_block_tokens(hasher.hash_fn, parent, self.token_ids[start : start + size], self._extra_keys)
+                hash_block_tokens(hasher.hash_fn, parent, self.token_ids[start : start + size], extra_keys)
             )
 
     def make_output(self) -> EngineCoreOutput:

@@ -36,6 +36,12 @@ running request's adapter in a device slot). A waiting request whose adapter wou
 and the requests behind it may still be admitted when their adapter is already running (or they use the base
 model), except for one running adapter chosen to drain (the one with the fewest running requests): it takes no
 new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves.
+
+With images (`config.encoder_cache_size`), a chunk that meets an image's placeholder run needs the image's
+vision-encoder embeddings: computed this step (the whole image, at most `max_num_encoder_input_tokens` rows per
+step) or found in the encoder cache (core/encoder_cache_manager.py). An image that fits neither this step's
+encoder budget nor the cache's free room cuts the chunk short just before its placeholders; a chunk may end
+inside a placeholder run, since the embeddings stay cached until the request has computed past it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from collections.abc import Callable
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import KVBlock
+from hpi_runtime.core.encoder_cache_manager import EncoderCacheManager
 from hpi_runtime.core.engine_io import EngineCoreOutput
 from hpi_runtime.core.interface import (
     CachedRequestData,
@@ -86,6 +93,10 @@ class Scheduler:
         self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
         self.lora = LoRASlotTable(config.max_loras, config.max_cpu_loras) if config.max_loras else None
         self._draining_lora: int | None = None  # the running adapter that admits nothing while one waits
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size) if config.encoder_cache_size else None
+        self._encoder_budget = 0  # embedding rows the vision encoder may still compute this step
+        self._encoder_inputs: dict[str, tuple[int, ...]] = {}  # this step's: request id -> image indices to encode
+        self._encoding: set[str] = set()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -99,6 +110,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv.begin_step()
+        self._encoder_budget, self._encoder_inputs = self.config.max_num_encoder_input_tokens, {}
+        self._encoding = set()  # hashes of the images the executor encodes this step
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[KVBlock]]] = []  # batch order
         running, kv = self.running, self.kv
@@ -109,6 +122,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_new, new_blocks = self._allocate_running(request, budget)
+            if num_new == 0:  # its next chunk starts at an image the encoder cannot take this step
+                i += 1
+                continue
             while new_blocks is None:
                 victim = running.pop()  # the newest; never one already scheduled (those are before i)
                 self._preempt(victim)
@@ -118,6 +134,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            if request.mm_inputs:
+                self._commit_encoder(request, request.num_computed_tokens, num_new)
             scheduled.append((request, num_new, new_blocks))
             budget -= num_new
             i += 1
@@ -133,11 +151,15 @@ class Scheduler:
             computed = kv.get_computed_blocks(request, request.sampling_params.prompt_logprobs is None)
             num_hit_tokens = computed.num_tokens
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if request.mm_inputs and (num_new := self._encoder_limit(request, num_hit_tokens, num_new)) == 0:
+                break
             if running and kv.num_free_blocks_after_admission(request, computed) < self.num_watermark_blocks:
                 break
             if kv.allocate_slots(request, num_new, computed) is None:
                 break
             del self.waiting[position]
+            if request.mm_inputs:
+                self._commit_encoder(request, num_hit_tokens, num_new)
             self._admit(request, num_hit_tokens)
             scheduled.append((request, num_new, []))
             budget -= num_new
@@ -170,12 +192,57 @@ class Scheduler:
         num_new = min(len(request.token_ids) - request.num_computed_tokens + len(drafts), budget)
         if drafts:  # the budget may cut the drafts short
             del drafts[max(0, num_new - 1) :]
+        if request.mm_inputs and (num_new := self._encoder_limit(request, request.num_computed_tokens, num_new)) == 0:
+            return 0, []
         new_blocks = self.kv.allocate_slots(request, num_new)
         if new_blocks is None and drafts:  # drafts never cost anyone a preemption
             num_new -= len(drafts)
             request.spec_token_ids = []
             new_blocks = self.kv.allocate_slots(request, num_new)
         return num_new, new_blocks
+
+    def _encoder_limit(self, request: Request, start: int, num_new: int) -> int:
+        """How many of tokens [start, start + num_new) can run this step: up to the first image whose embeddings
+        are neither cached nor computable now (this step's encoder budget, the cache's room)."""
+        cache, end = self.encoder_cache, start + num_new
+        num_rows, planned = 0, set()
+        # Cached entries this request will use are pinned before anything is evicted for its new ones.
+        pinned = {mm.mm_hash for mm in request.mm_inputs if mm.overlaps(start, end) and mm.mm_hash in cache.freeable}
+        num_pinned = sum(cache.sizes[mm_hash] for mm_hash in pinned)
+        for mm in request.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.mm_hash in cache.users or mm.mm_hash in planned:
+                continue
+            num_rows += mm.length
+            if num_rows > self._encoder_budget or num_rows > cache.num_free + cache.num_freeable - num_pinned:
+                return max(0, mm.offset - start)
+            planned.add(mm.mm_hash)
+        return num_new
+
+    def _commit_encoder(self, request: Request, start: int, num_new: int) -> None:
+        """Reference the cached embeddings of the images tokens [start, start + num_new) meet, and room for the
+        others, which the executor computes this step (`_encoder_limit` said they fit)."""
+        cache, end, request_id = self.encoder_cache, start + num_new, request.request_id
+        to_encode = []
+        for mm in request.mm_inputs:
+            if mm.overlaps(start, end):
+                cache.use_cached(request_id, mm)
+        for i, mm in enumerate(request.mm_inputs):
+            if mm.overlaps(start, end) and mm.mm_hash not in cache.users:
+                cache.allocate(request_id, mm)
+                self._encoding.add(mm.mm_hash)
+                self._encoder_budget -= mm.length
+                to_encode.append(i)
+        if to_encode:
+            self._encoder_inputs[request_id] = tuple(to_encode)
+
+    def _release_images(self, request: Request, computed_only: bool) -> None:
+        """Drop the request's references to image embeddings it no longer needs (`computed_only`: those whose
+        placeholders it has computed; else all)."""
+        for mm in request.mm_inputs:
+            if not computed_only or mm.end <= request.num_computed_tokens:
+                self.encoder_cache.release(request.request_id, mm)
 
     def _propose_drafts(self) -> None:
         """Draft tokens for each running decode outside a grammar, or none when the step would not gain."""
@@ -227,6 +294,7 @@ class Scheduler:
                         block_ids=self.kv.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         **({} if request.lora_slot is None else {"lora_slot": request.lora_slot}),
+                        mm_inputs=request.mm_inputs,
                     )
                 )
             num_scheduled[request_id] = num_new
@@ -237,6 +305,8 @@ class Scheduler:
             is_fresh = request.num_computed_tokens + num_known == request.num_tokens > request.num_prompt_tokens
             self.num_prefill_tokens_computed += num_known - int(is_fresh)
             request.num_computed_tokens += num_new
+            if request.mm_inputs:
+                self._release_images(request, computed_only=True)
             is_sampled = request.num_computed_tokens == len(request.token_ids) + len(request.spec_token_ids)
             if request.grammar is not None and is_sampled:
                 constrained.append(request)  # sampled this step, under its grammar (at each draft too)
@@ -254,12 +324,21 @@ class Scheduler:
             kv_transfers=self.kv.take_transfers(),
             spec_token_ids=spec_token_ids,
             **({} if self.lora is None else {"lora_updates": self.lora.take_updates()}),
+            **self._encoder_output(),
         )
         if not output.is_empty:  # an empty batch is not sent to the executor, so these wait for the next one
             self._finished_ids.clear()
             self._preempted_ids.clear()
+            if self.encoder_cache is not None:
+                self.encoder_cache.clear_freed()
         self._scheduled = {request.request_id: request for request, _, _ in scheduled}
         return output
+
+    def _encoder_output(self) -> dict:
+        """SchedulerOutput's encoder fields (none without images)."""
+        if self.encoder_cache is None:
+            return {}
+        return {"scheduled_encoder_inputs": self._encoder_inputs, "free_encoder_hashes": self.encoder_cache.freed}
 
     def _release_lora(self, request: Request) -> None:
         if request.lora_slot is not None:
@@ -268,6 +347,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release_lora(request)
+        if request.mm_inputs:
+            self._release_images(request, computed_only=False)
         if self.kv.preempt(request):
             self.num_swapped_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -348,6 +429,8 @@ class Scheduler:
         self.running = [request for request in self.running if not request.is_finished]
         unfinished_ids = [rid for rid, request in scheduled.items() if self.requests.get(rid) is request]
         self.kv.uncache_step()
+        if self.encoder_cache is not None:  # the embeddings this step was to compute may not exist
+            self.encoder_cache.forget(self._encoding)
         if self.lora is not None:  # the slots this step was to fill may hold anything now
             self.lora.forget_loads(scheduler_output.lora_updates)
         self.finish_requests(unfinished_ids, RequestStatus.FINISHED_ABORTED)
@@ -356,6 +439,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._release_lora(request)
+        if request.mm_inputs:
+            self._release_images(request, computed_only=False)
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._in_executor:

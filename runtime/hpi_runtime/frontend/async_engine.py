@@ -38,6 +38,7 @@ from hpi_runtime.core.engine_io import (
 from hpi_runtime.frontend.input_processor import make_core_request
 from hpi_runtime.frontend.output_processor import OutputProcessor
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
@@ -154,6 +155,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas; the last one, finished=True, also carries the whole output).
 
@@ -162,14 +164,16 @@ class AsyncLLM:
         (`contextlib.aclosing`, or `aclose()`) so the abort happens at once rather than when asyncio
         finalizes the garbage-collected generator; task cancellation aborts at once either way.
         A lower `priority` is admitted first among waiting requests. `lora_request`: the adapter to run it
-        with (checked by the caller: lora/registry.py); None: the base model.
+        with (checked by the caller: lora/registry.py); None: the base model. `mm_inputs`: the prompt's images
+        (multimodal/processor.py made them and the placeholders in the prompt).
         """
         if self.dead_error is not None or self._stopping or not self._started:
             raise EngineDeadError("the engine core is not running") from self.dead_error
         if self._sleeping:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) or retry on another replica")
         request = make_core_request(
-            self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority, lora_request
+            self.config, request_id, prompt_token_ids, sampling_params, time.monotonic(), priority, lora_request,
+            mm_inputs,
         )
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(request, RequestOutputKind.DELTA)  # refuses an id in use

@@ -18,6 +18,7 @@ from hpi_runtime.core.interface import ModelExecutor
 from hpi_runtime.frontend.input_processor import make_core_request
 from hpi_runtime.frontend.output_processor import OutputProcessor
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.structured.compiler import GrammarCompiler
@@ -70,11 +71,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> EngineCoreRequest:
         """Validate a request against the config (not against the queues) and build it."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         return make_core_request(self.config, request_id, prompt_token_ids, sampling_params, arrival_time, priority,
-                                 lora_request)  # fmt: skip
+                                 lora_request, mm_inputs)  # fmt: skip
 
     def add_request(
         self,
@@ -85,11 +87,13 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
         """Queue a request; among waiting ones a lower `priority` is admitted first (vLLM's convention).
-        `lora_request`: the adapter to run it with (checked by the caller: lora/registry.py)."""
+        `lora_request`: the adapter to run it with (checked by the caller: lora/registry.py). `mm_inputs`: its
+        images (multimodal/processor.py)."""
         request = self.make_request(request_id, prompt_token_ids, sampling_params, arrival_time, priority,
-                                    lora_request)  # fmt: skip
+                                    lora_request, mm_inputs)  # fmt: skip
         self.output_processor.add_request(request, output_kind)  # refuses an id in use
         try:
             self.core.add_request(request)

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hpi_runtime.config import EngineConfig
+from hpi_runtime.core.engine_core import check_images
 from hpi_runtime.core.engine_io import EngineCoreRequest
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.sampling_params import SamplingParams
 
 
@@ -63,6 +65,7 @@ def make_core_request(
     arrival_time: float,
     priority: int = 0,
     lora_request: LoRARequest | None = None,
+    mm_inputs: tuple[MultiModalInput, ...] = (),
 ) -> EngineCoreRequest:
     """Check a request against the config (not against the queues) and build it; RequestError (a ValueError)
     says what is wrong."""
@@ -70,7 +73,7 @@ def make_core_request(
     if lora_request is not None and not config.max_loras:
         raise RequestError("this engine serves no LoRA adapters (start it with enable_lora)", "model")
     num_prompt = len(prompt_token_ids)
-    return EngineCoreRequest(
+    request = EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=tuple(prompt_token_ids),
         sampling_params=sampling_params,
@@ -78,4 +81,10 @@ def make_core_request(
         arrival_time=arrival_time,
         priority=priority,
         lora_request=lora_request,
+        mm_inputs=tuple(mm_inputs),
     )
+    try:
+        check_images(config, request)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from exc
+    return request

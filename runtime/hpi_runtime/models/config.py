@@ -45,6 +45,9 @@ class RopeConfig:
     # longrope: which factors this engine uses, for every position (see ModelConfig.for_max_model_len)
     use_long_factor: bool = False
     partial_rotary_factor: float = 1.0  # the fraction of head_dim that is rotated (Phi-4-mini: 0.75)
+    # M-RoPE (Qwen2-VL): rotary frequency pairs per position axis (temporal, height, width), summing to
+    # rotary_dim // 2; positions are then [3, num_tokens]. Empty: one position per token.
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,18 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalise the k routing weights to sum to 1 (Mixtral always does)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; 0: none
     dense_layer_ids: frozenset[int] = frozenset()  # layers with the dense MLP instead (Qwen's mlp_only_layers)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side: its placeholder token, the encoder's patching, and the vision
+    tower's own config.json section (built by the family's model class)."""
+
+    image_token_id: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int  # patches merged per side into one embedding row
+    vision_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,7 @@ class ModelConfig:
     layer_sliding_windows: tuple[int | None, ...] = ()
     sliding_rope: RopeConfig | None = None  # RoPE of the sliding-window layers when it differs (Gemma 3)
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
+    vision: VisionConfig | None = None  # None: a text-only model
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
@@ -183,6 +199,7 @@ def _read_rope(params: dict[str, Any], raw: dict[str, Any], rules: FamilyRules, 
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=original,
             partial_rotary_factor=partial,
+            mrope_section=tuple(int(n) for n in params.get("mrope_section") or ()),
         )
     # LongRoPE, as transformers' _compute_longrope_parameters: without an explicit factor, the ratio of the
     # extended to the original context; the attention factor from the paper unless given.
@@ -257,6 +274,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model directory")
     raw = _read_json(config_path)
     architecture = _check_architecture(raw, config_path)
+    if isinstance(raw.get("text_config"), dict):  # a vision-language model: its decoder's settings sit there
+        raw = {**raw, **raw["text_config"]}
     rules = registry.family_rules(architecture)
     generation_path = model_dir / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}
@@ -297,5 +316,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_rope=_read_rope(sliding_rope_params, raw, rules, 10000.0) if sliding_rope_params is not None else None,
         **_family_fields(rules, raw, head_dim),
         moe=rules.moe(raw, num_layers),
+        vision=rules.vision(raw),
     )
 

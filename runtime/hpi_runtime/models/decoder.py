@@ -131,8 +131,18 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
-        hidden = self.tp.all_reduce(self.embed_tokens(input_ids))
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> the token embeddings [num_tokens, hidden_size] (summed over ranks)."""
+        return self.tp.all_reduce(self.embed_tokens(input_ids))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: object,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions)  # looked up once per step, used by every layer
         sliding_rope = self.sliding_rotary(positions) if self.sliding_rotary is not None else rope
         for layer, uses_sliding_rope in zip(self.layers, self._uses_sliding_rope, strict=True):
@@ -145,6 +155,9 @@ class DecoderForCausalLM(nn.Module):
     attention or MLP. The base class is Llama's."""
 
     config_rules: ClassVar[FamilyRules] = FamilyRules()  # how the family reads config.json (family.py)
+    # Checkpoint names under these prefixes load as they are, never through packed_modules_mapping (a vision
+    # tower's own q/k/v or gate/up projections).
+    unpacked_prefixes: ClassVar[tuple[str, ...]] = ()
 
     # checkpoint tensor name part -> (our parameter name part, shard id) for merged projections
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -167,6 +180,11 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = LMHead(self.model.embed_tokens.vocab_span, config.hidden_size, config.vocab_size, tied)
         self._vocab_sizes = [balanced_span(config.vocab_size, tp.size, r).size for r in range(tp.size)]
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name as this class's parameters spell it (a family saved under other names)."""
+        return name
+
     def make_attention(
         self, config: ModelConfig, layer: int, backend: AttentionBackend, tp: TensorParallel
     ) -> nn.Module:
@@ -175,11 +193,19 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(self, config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
         return GatedMLP(config, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: object,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
 
-        `metadata`: the step's attention metadata as the attention backend built it (build_metadata)."""
-        return self.model(input_ids, positions, metadata)
+        `metadata`: the step's attention metadata as the attention backend built it (build_metadata).
+        `inputs_embeds` ([num_tokens, hidden_size]): the inputs instead of input_ids' embeddings (image rows merged
+        in); positions are then [3, num_tokens] with M-RoPE."""
+        return self.model(input_ids, positions, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size] on rank 0 (None on the others)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpi_runtime.models.config import MoEConfig
+from hpi_runtime.models.config import MoEConfig, VisionConfig
 
 LayerTypes = list[str]  # per layer: "sliding_attention" or "full_attention" (transformers' `layer_types`)
 
@@ -46,6 +46,10 @@ class FamilyRules:
 
     def moe(self, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
         """The Mixture-of-Experts feed-forward; None: every layer has the dense MLP."""
+        return None
+
+    def vision(self, raw: dict[str, Any]) -> VisionConfig | None:
+        """A vision-language model's image side; None: a text-only model."""
         return None
 
 

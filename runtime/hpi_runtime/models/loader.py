@@ -116,10 +116,12 @@ def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: f
     for name, tensor in iter_checkpoint(files, already_loaded):
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
+        name = model.checkpoint_name(name)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # some tied checkpoints still store a copy
         target, shard_id = name, None
-        for checkpoint_part, (param_part, shard) in model.packed_modules_mapping.items():
+        packed = () if name.startswith(model.unpacked_prefixes) else model.packed_modules_mapping.items()
+        for checkpoint_part, (param_part, shard) in packed:
             if f".{checkpoint_part}." in name:
                 target, shard_id = name.replace(checkpoint_part, param_part), shard
                 break
@@ -135,7 +137,9 @@ def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: f
         loaded.add(f"{target}:{shard_id}")
     expected: set[str] = set()
     for n in params:
-        shards = [s for p, s in model.packed_modules_mapping.values() if f".{p}." in n]
+        shards = [] if n.startswith(model.unpacked_prefixes) else [
+            s for p, s in model.packed_modules_mapping.values() if f".{p}." in n
+        ]
         expected.update(f"{n}:{s}" for s in shards or [None])
     missing = sorted(expected - loaded)
     if missing:

@@ -29,6 +29,9 @@ _MODELS = MappingProxyType(
         "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
         "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+        "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+        "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)

@@ -1,5 +1,6 @@
 """Rotary position embeddings (rotate-half layout, as Hugging Face checkpoints store q/k): default, linear, llama3
-(Llama 3.1) and longrope (Phi-3) scaling, and partial rotation (the first `rotary_dim` dims of each head)."""
+(Llama 3.1) and longrope (Phi-3) scaling, partial rotation (the first `rotary_dim` dims of each head), and
+M-RoPE (Qwen2-VL: three position axes, each owning a section of the frequencies)."""
 
 from __future__ import annotations
 
@@ -53,10 +54,28 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, rotary_dim // 2] fp32; not parameters, never loaded from a checkpoint
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+        axis = None
+        if rope.mrope_section:
+            if sum(rope.mrope_section) != freqs.shape[1]:
+                raise ValueError(f"mrope_section {rope.mrope_section} must sum to rotary_dim // 2 = {freqs.shape[1]}")
+            axis = torch.repeat_interleave(torch.arange(len(rope.mrope_section)), torch.tensor(rope.mrope_section))
+            axis = axis % 3
+        # [rotary_dim // 2] int64: which position axis (temporal, height, width) each frequency reads; None: no M-RoPE
+        self.register_buffer("mrope_axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, rotary_dim // 2] (fp32)."""
+        """positions [T] (or [3, T] with M-RoPE) -> cos, sin [T, 1, rotary_dim // 2] (fp32)."""
+        if positions.dim() == 2:
+            return self._mrope(self.cos, positions), self._mrope(self.sin, positions)
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+    def _mrope(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """table [max_positions, F], positions [3, T] -> [T, 1, F]: frequency f at position positions[axis(f)]."""
+        if self.mrope_axis is None:
+            raise ValueError("positions per axis need a model with M-RoPE (mrope_section)")
+        looked_up = table[positions]  # [3, T, F]
+        index = self.mrope_axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return looked_up.gather(0, index).squeeze(0).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

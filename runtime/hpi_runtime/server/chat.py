@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the model's own chat template, OpenAI chat objects out.
 
+Image parts (a vision-language model) become the template's image placeholders; server/images.py reads the
+images and expands each placeholder to the image's embedding tokens.
+
 Tool calling (server/tool_calls.py) decides what the template renders and how the output is read back: as
 `message.tool_calls`, or, streamed, as `delta.tool_calls` entries.
 """
@@ -19,6 +22,7 @@ from hpi_runtime.server.generation import (
     plan_choices,
     stream_choices,
 )
+from hpi_runtime.server.images import read_images
 from hpi_runtime.server.logprobs import chat_logprobs, prompt_logprobs
 from hpi_runtime.server.protocol import ChatRequest, parse_chat
 from hpi_runtime.server.request_io import check_model, read_json, tokenize_off_loop, usage
@@ -58,9 +62,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     await check_structured(body.sampling)
     tokenizer = model.tokenizer
     num_chars = sum(len(str(message.get("content") or "")) for message in body.messages)
+    if body.image_urls and model.images is None:  # before the template, which may not know image parts
+        await read_images(None, body.image_urls, [])
     prompt_ids = await tokenize_off_loop(lambda: render_prompt(tokenizer, body, plan.tools), num_chars)
+    mm_inputs = ()
+    if body.image_urls:
+        prompt_ids, mm_inputs = await read_images(model.images, body.image_urls, prompt_ids)
     chat_id = new_id("chatcmpl")
-    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages", lora)
+    choices = plan_choices(chat_id, [prompt_ids], body.sampling, body.n, model, "messages", lora, mm_inputs)
     head = {"id": chat_id, "created": int(time.time()), "model": lora.lora_name if lora else model.name}
     want_logprobs = body.sampling.logprobs is not None
 

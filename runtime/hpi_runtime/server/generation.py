@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from hpi_runtime.frontend.input_processor import RequestError, check_max_tokens, check_prompt
 from hpi_runtime.lora.request import LoRARequest
+from hpi_runtime.multimodal.inputs import MultiModalInput
 from hpi_runtime.outputs import FINISH_ABORT, RequestOutput
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.errors import ApiError, bad_request
@@ -32,6 +33,7 @@ class Choice:
     params: SamplingParams
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter the request's 'model' named; None: the base model
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its prompt's images
 
 
 def new_id(prefix: str) -> str:
@@ -46,9 +48,11 @@ def plan_choices(
     model: ServedModel,
     prompt_param: str,
     lora_request: LoRARequest | None = None,
+    mm_inputs: tuple[MultiModalInput, ...] = (),
 ) -> list[Choice]:
     """One Choice per (prompt, i < n); the input processor checks token ids against the vocabulary and lengths
-    against max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from."""
+    against max_model_len (400 with the numbers). `prompt_param` names the request field the prompt came from;
+    `mm_inputs`: the images of a single prompt."""
     max_model_len, vocab_size = model.max_model_len, model.vocab_size
     sent = {
         "temperature": fields.temperature, "top_p": fields.top_p, "top_k": fields.top_k, "min_p": fields.min_p,
@@ -94,7 +98,8 @@ def plan_choices(
                 raise bad_request(str(exc)) from exc
             index = len(choices)
             choices.append(
-                Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority, lora_request)
+                Choice(index, f"{base_id}-{index}", p, tuple(prompt_ids), params, fields.priority, lora_request,
+                       mm_inputs)  # fmt: skip
             )
     return choices
 
@@ -153,7 +158,7 @@ async def stream_choices(
         accepted = True
         try:
             async for out in engine.generate(choice.request_id, list(choice.prompt_token_ids), choice.params,
-                                             choice.priority, choice.lora_request):
+                                             choice.priority, choice.lora_request, choice.mm_inputs):
                 timer.tick(out)
                 if out.finished:
                     finish = out.finish_reason or FINISH_ABORT

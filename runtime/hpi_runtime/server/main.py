@@ -20,6 +20,7 @@ from aiohttp import web
 from hpi_runtime.lora.registry import LoRARegistry
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.app import build_app
+from hpi_runtime.server.images import ImageSupport
 from hpi_runtime.server.state import ServedModel, ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         with clock("prepare"):
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
             loras = _load_lora_modules(prepared)  # a bad --lora-modules directory fails before the core starts
+            images = ImageSupport.for_model(prepared.model_config, prepared.args.multimodal)
         spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
                                logging.getLogger().getEffectiveLevel())
         engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
@@ -115,7 +117,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     max_model_len = prepared.engine_config.max_model_len
     state.set_model(ServedModel(engine=engine, tokenizer=prepared.tokenizer, name=state.settings.served_model_name,
                                 max_model_len=max_model_len, vocab_size=vocab_size,
-                                sampling_defaults=prepared.sampling_defaults, loras=loras))
+                                sampling_defaults=prepared.sampling_defaults, loras=loras, images=images))
     if prepared.sampling_defaults:
         logger.info("sampling defaults from generation_config.json for requests that leave them out: %s",
                     prepared.sampling_defaults)

@@ -103,6 +103,13 @@ class ServingMetrics:
         self._prefill_computed = Counter("hpi:prefill_tokens_computed", "Tokens run through the model to build "
                                          "the KV of known tokens (prompts, recomputes after preemption): what "
                                          "prefix caching and the host tier save.", labels, registry=reg)
+        self._encoder_queries = Counter("hpi:encoder_cache_queries", "Images whose vision-encoder embeddings a "
+                                        "prefill needed.", labels, registry=reg)
+        self._encoder_hits = Counter("hpi:encoder_cache_hits", "Images found in the encoder cache (by content "
+                                     "hash): not encoded again.", labels, registry=reg)
+        self._encoder_usage = Gauge("hpi:encoder_cache_usage_perc", "Encoder cache usage, 0 to 1: embedding rows "
+                                    "held for running requests (kept rows nobody uses count as free).", labels,
+                                    registry=reg)  # fmt: skip
         profile_labels = labels + ["source"]
         self._profile = {
             names.PROFILE_ITL_ALPHA: Gauge(names.PROFILE_ITL_ALPHA, "Pool profile: decode step time with an empty "
@@ -217,6 +224,7 @@ class ServingMetrics:
         for position, accepted in enumerate(stats.spec_accepted_per_pos):
             self._advance(f"spec_pos_{position}", accepted, self._spec_accepted_per_pos.labels(model, str(position)))
         self._host_usage.labels(model).set(stats.kv_host_usage)
+        self._encoder_usage.labels(model).set(stats.encoder_cache_usage)
         self._host_cached.labels(model).set(stats.kv_host_cached_blocks)
         block_bytes = self._block_bytes
         for key, total, child in (
@@ -231,6 +239,8 @@ class ServingMetrics:
             ("swap", stats.num_swapped_preemptions, self._preemption_modes.labels(model, "swap")),
             ("recompute", stats.num_preemptions - stats.num_swapped_preemptions,
              self._preemption_modes.labels(model, "recompute")),
+            ("encoder_queries", stats.encoder_cache_queries, self._encoder_queries.labels(model)),
+            ("encoder_hits", stats.encoder_cache_hits, self._encoder_hits.labels(model)),
         ):  # fmt: skip
             self._advance(key, total, child)
         self._refresh_lora(stats)

@@ -69,6 +69,8 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI's {"type": "function", "function": {...}} entries
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+    # OpenAI's image_url parts, in the order they appear; each stands in its message's content as {"type": "image"}
+    image_urls: tuple[str, ...] = ()
 
 
 class Body:
@@ -244,7 +246,8 @@ def parse_chat(raw: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    image_urls: list[str] = []
+    parsed = tuple(_message(m, i, image_urls) for i, m in enumerate(messages))
     stream = body.boolean("stream")
     want_logprobs = body.boolean("logprobs")
     top_logprobs = body.integer("top_logprobs")
@@ -267,10 +270,34 @@ def parse_chat(raw: Any) -> ChatRequest:
         tools=tools,
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=body.boolean("parallel_tool_calls"),
+        image_urls=tuple(image_urls),
     )
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def _content_parts(parts: list, param: str, image_urls: list[str]) -> str | list[dict[str, Any]]:
+    """A list of content parts: their text joined into a string, or, with images, the parts as the chat
+    template takes them ({"type": "text", "text"} and {"type": "image"}), each image's URL added to image_urls."""
+    rendered: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            rendered.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str) or not url:
+                raise bad_request(f"{param}.content[{j}].image_url must be an object with a 'url' string", param)
+            image_urls.append(url)
+            rendered.append({"type": "image"})
+        else:
+            raise bad_request(f"{param}.content[{j}]: content parts must be 'text' (with a 'text' string) or "
+                              "'image_url'", param)  # fmt: skip
+    if all(part["type"] == "text" for part in rendered):
+        return "".join(part["text"] for part in rendered)
+    return rendered
+
+
+def _message(message: Any, index: int, image_urls: list[str]) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
@@ -290,12 +317,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if content is None and role == "assistant":
         content = ""
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}.content: only text parts are supported", param)
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise bad_request(f"{param}.content must be a string or a list of text parts", param)
+        content = _content_parts(content, param, image_urls)
+    elif not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of content parts", param)
     return {"role": "system" if role == "developer" else role, "content": content, **extra}

@@ -29,6 +29,7 @@ class ServedModel:
     # generation_config.json's temperature/top_p/top_k/min_p/repetition_penalty: used where a request is silent
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     loras: LoRARegistry | None = None  # the LoRA adapters served beside the base model (--enable-lora)
+    images: Any = None  # server/images.ImageSupport of a vision-language model; None: text only
 
 
 @dataclass(frozen=True)

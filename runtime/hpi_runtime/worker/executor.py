@@ -91,10 +91,11 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, with LoRA, or on CUDA, whose Triton
-    attention backend is not a compilable op yet)."""
-    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly.
-    if config.enforce_eager or device.type != "cpu" or config.max_loras:
+    """How the model step is compiled here; None: eagerly (asked for, with LoRA, for a vision-language model, or
+    on CUDA, whose Triton attention backend is not a compilable op yet)."""
+    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly. So does a
+    # vision-language model's, which takes embeddings and [3, T] positions the compiled step does not.
+    if config.enforce_eager or device.type != "cpu" or config.max_loras or config.model_config.vision is not None:
         return None
     freeze = config.freeze_weights and not config.quantization.enabled
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)

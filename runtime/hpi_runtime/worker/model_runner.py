@@ -7,7 +7,8 @@ eagerly), computes logits only for the rows that are sampled, and samples. A req
 (speculative decoding) has every draft position sampled; it keeps the drafts that match and the token after
 them (spec_decode/verify.py). With a draft model (spec_decode/draft_model.py) the drafts are proposed here,
 just before the forward that verifies them; a sampled request's drafts are then verified by rejection
-sampling against the draft's own distribution.
+sampling against the draft's own distribution. A vision-language model's step (worker/multimodal.py) first runs
+the vision encoder on the images the scheduler named, then feeds embeddings with image rows merged in.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.spec_decode.verify import num_accepted, rejection_sample
 from hpi_runtime.worker.compiled_model import CompiledForward
 from hpi_runtime.worker.input_batch import InputBatch
+from hpi_runtime.worker.multimodal import MultimodalBatch
 from hpi_runtime.worker.prompt_logprobs import compute_prompt_logprobs
 from hpi_runtime.worker.sampler import Sampler, SamplingBatch, logprobs_of, mix_seed
 
@@ -108,6 +110,7 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, eos_token_ids)
         self.drafter = drafter
         self.lora = lora
+        self.multimodal = MultimodalBatch(model, self.device) if model.config.vision is not None else None
         self._forward: Callable[..., torch.Tensor] = model
         if compile_config is not None:
             self._compile(compile_config)
@@ -126,6 +129,8 @@ class ModelRunner:
         self.input_batch.update(scheduler_output)
         if self.drafter is not None:
             self.drafter.update(scheduler_output)
+        if self.multimodal is not None:
+            self.multimodal.update(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return StepLogits((), torch.empty(0, self.model.config.vocab_size, device=self.device))
         draft_probs = {}
@@ -146,7 +151,11 @@ class ModelRunner:
         metadata = self.backend.build_metadata(common)
         if self.lora is not None:
             self.lora.batch.set_step(step.token_lora_slots, device)
-        hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
+        if self.multimodal is not None:
+            inputs_embeds, positions = self.multimodal.step_inputs(step)
+            hidden = self.model(step.input_ids.to(device), positions, metadata, inputs_embeds)
+        else:
+            hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
         ends = step.query_start_loc[1:].numpy().astype(np.int64)
         is_sampled = np.asarray(step.is_sampled, dtype=bool)
         num_drafts = np.asarray(step.num_drafts, dtype=np.int64)[is_sampled]
