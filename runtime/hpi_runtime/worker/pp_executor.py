@@ -36,7 +36,7 @@ import torch.distributed as dist
 from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.pp_layout import GroupLayout, resolve_layout
-from hpi_runtime.worker.pp_link import SHUTDOWN, recv_message, send_message
+from hpi_runtime.worker.pp_link import SHUTDOWN, STEP_TIMEOUT, recv_message, send_message
 from hpi_runtime.worker.pp_worker import FAILURES_KEY, RankSpec, connect_store, init_world, run_rank
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class PipelineExecutor:
             if future is None:
                 return
             try:
-                _, payload = recv_message(self._answering_rank)
+                _, payload = recv_message(self._answering_rank, STEP_TIMEOUT * self.max_concurrent_batches)
                 output = pickle.loads(payload)
             except Exception as exc:
                 if not self._closing:
@@ -301,7 +301,7 @@ class PipelineExecutor:
                     self._sends.append(send_message(b"", m + 1, SHUTDOWN))
                 for works, *_ in self._sends:
                     for work in works:
-                        work.wait()
+                        work.wait(STEP_TIMEOUT)
                 deadline = time.monotonic() + STOP_TIMEOUT_S
                 stopped = [f"stopped/{m}" for m in range(self.layout.num_model_ranks)]
                 while not self._store.check(stopped) and time.monotonic() < deadline:

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 STEP, SHUTDOWN = 0, 1  # message kinds from the driver
+# Every wait names its bound (gloo's default is the group's join timeout): a transfer or collective within one step
+# waits at most STEP_TIMEOUT; a rank waits for its next step as long as the server stays idle (failures are found by
+# the leader's monitor and the hosts' heartbeats, not by timeouts).
+STEP_TIMEOUT = timedelta(minutes=10)
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass
@@ -53,14 +59,14 @@ class StageLink:
     def flush(self) -> None:
         """Wait for the send in flight (before the next one, and before shutting down)."""
         if self._pending is not None:
-            self._pending[0].wait()
+            self._pending[0].wait(STEP_TIMEOUT)
             self._pending = None
 
     def recv(self, num_tokens: int) -> torch.Tensor:
         """The previous stage's [num_tokens, hidden_size] for this step."""
         hidden = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         started = time.perf_counter()
-        dist.recv(hidden, self.prev_rank, group=self.model_group)
+        dist.irecv(hidden, self.prev_rank, group=self.model_group).wait(STEP_TIMEOUT)
         self.stats.wait_s += time.perf_counter() - started
         self.stats.bytes_received += hidden.numel() * hidden.element_size()
         return hidden
@@ -83,13 +89,13 @@ def send_message(payload: bytes, dst: int, kind: int = STEP) -> list:
     return [works, header, body]
 
 
-def recv_message(src: int) -> tuple[int, bytes]:
-    """(kind, payload) of the next message from `src` on the world group."""
+def recv_message(src: int, timeout: timedelta = IDLE_TIMEOUT) -> tuple[int, bytes]:
+    """(kind, payload) of the next message from `src` on the world group, its header awaited up to `timeout`."""
     header = torch.empty(2, dtype=torch.int64)
-    dist.recv(header, src)
+    dist.irecv(header, src).wait(timeout)
     kind, nbytes = (int(v) for v in header.tolist())
     if not nbytes:
         return kind, b""
     body = torch.empty(nbytes, dtype=torch.uint8)
-    dist.recv(body, src)
+    dist.irecv(body, src).wait(STEP_TIMEOUT)
     return kind, body.numpy().tobytes()

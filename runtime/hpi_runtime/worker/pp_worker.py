@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpi_runtime.worker.pp_layout import GroupLayout, bind_interface_towards
+from hpi_runtime.worker.pp_link import STEP_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +63,21 @@ def report_failure(store: dist.TCPStore, who: str, message: str) -> None:
 
 def create_groups(layout: GroupLayout, backend: str) -> tuple[object, list[object]]:
     """(the model ranks' group, each stage's tensor-parallel group or None): every process of the world,
-    the driver included, creates them in the same order."""
-    model_group = dist.new_group(list(range(1, layout.world_size)), backend=backend)
+    the driver included, creates them in the same order. Their operations wait at most STEP_TIMEOUT (a step)."""
+    model_group = dist.new_group(list(range(1, layout.world_size)), timeout=STEP_TIMEOUT, backend=backend)
     tp_groups = []
     for stage in range(layout.pipeline_parallel_size):
         ranks = [m + 1 for m in layout.stage_model_ranks(stage)]
-        tp_groups.append(dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None)
+        tp_groups.append(dist.new_group(ranks, timeout=STEP_TIMEOUT, backend=backend) if len(ranks) > 1 else None)
     return model_group, tp_groups
 
 
 def init_world(layout: GroupLayout, store: dist.TCPStore, world_rank: int, backend: str):
     """Join the world (gloo: the driver's messages) and create the groups; returns create_groups'."""
     bind_interface_towards(layout.master_addr, layout.master_port, os.environ)
-    # The world's collectives may wait as long as a step takes (a long prefill on a slow stage): not the join timeout.
-    timeout = timedelta(seconds=max(layout.timeout_s, 600))
+    # Connecting is bounded by the join timeout; later waits name their own bounds (pp_link.py).
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=world_rank,
-                            world_size=layout.world_size, timeout=timeout)  # fmt: skip
+                            world_size=layout.world_size, timeout=timedelta(seconds=layout.timeout_s))  # fmt: skip
     return create_groups(layout, backend)
 
 
@@ -148,7 +148,7 @@ def _serve(spec: RankSpec, store: dist.TCPStore, executor, link) -> None:
     layout, m = spec.layout, spec.model_rank
     answers = layout.stage_of(m) == layout.pipeline_parallel_size - 1 and layout.tp_rank_of(m) == 0
     in_flight: list = []  # the previous answer's send, kept alive until done
-    first_step_at, last_published, num_steps = None, time.monotonic(), 0
+    first_step_at, last_published, num_steps = None, 0.0, 0  # published after the first step, then every second
     while True:
         started = time.perf_counter()
         kind, payload = recv_message(DRIVER)
@@ -163,14 +163,14 @@ def _serve(spec: RankSpec, store: dist.TCPStore, executor, link) -> None:
         num_steps += 1
         if answers:
             for work in in_flight[0] if in_flight else ():
-                work.wait()
+                work.wait(STEP_TIMEOUT)
             in_flight = send_message(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL), DRIVER)
         if time.monotonic() - last_published >= STATS_INTERVAL_S:
             _publish_stats(store, m, link.stats, time.perf_counter() - first_step_at, num_steps)
             last_published = time.monotonic()
     link.flush()
     for work in in_flight[0] if in_flight else ():
-        work.wait()
+        work.wait(STEP_TIMEOUT)
     if first_step_at is not None:
         _publish_stats(store, m, link.stats, time.perf_counter() - first_step_at, num_steps)
     executor.shutdown()
