@@ -37,13 +37,20 @@ from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, Sch
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.pp_layout import GroupLayout, resolve_layout
 from hpi_runtime.worker.pp_link import SHUTDOWN, STEP_TIMEOUT, recv_message, send_message
-from hpi_runtime.worker.pp_worker import FAILURES_KEY, RankSpec, connect_store, init_world, run_rank
+from hpi_runtime.worker.pp_worker import (
+    ABORT_KEY,
+    FAILURES_KEY,
+    GROUP_COMPLETE_KEY,
+    RankSpec,
+    connect_store,
+    init_world,
+    run_rank,
+)
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 STOP_TIMEOUT_S = 10.0
-ABORT_KEY = "abort"
 
 
 def heartbeat_key(node: int) -> str:
@@ -94,7 +101,10 @@ class PipelineExecutor:
     def _wait_for_group(self) -> None:
         layout = self.layout
         all_ranks = range(layout.num_model_ranks)
-        deadline = time.monotonic() + layout.timeout_s
+        while not self._store.check([f"joined/{m}" for m in self._ranks]):  # this host's: bounded by their health
+            self._raise_on_failure()
+            time.sleep(POLL_S)
+        deadline = time.monotonic() + layout.timeout_s  # the other hosts' ranks
         while not self._store.check([f"joined/{m}" for m in all_ranks]):
             self._raise_on_failure()
             if time.monotonic() > deadline:
@@ -106,6 +116,7 @@ class PipelineExecutor:
                     "is every host of the group running `hpi serve` with the same flags?"
                 )
             time.sleep(POLL_S)
+        self._store.set(GROUP_COMPLETE_KEY, "1")
         backend = "nccl" if self.config.device.type == "cuda" else "gloo"
         init_world(layout, self._store, 0, backend)
         while not self._store.check([f"ready/{m}" for m in all_ranks]):  # loading: bounded by the ranks' health

@@ -19,9 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import wait
 
 from hpi_runtime.worker.executor import ExecutorConfig
-from hpi_runtime.worker.pp_executor import ABORT_KEY, heartbeat_key
+from hpi_runtime.worker.pp_executor import heartbeat_key
 from hpi_runtime.worker.pp_layout import GroupLayout, bind_interface_towards
-from hpi_runtime.worker.pp_worker import RankSpec, connect_store, report_failure, run_rank
+from hpi_runtime.worker.pp_worker import ABORT_KEY, RankSpec, connect_store, report_failure, run_rank
 
 logger = logging.getLogger(__name__)
 

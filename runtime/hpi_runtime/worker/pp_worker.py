@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 DRIVER = 0  # the leader's engine process: world rank 0
 STATS_INTERVAL_S = 1.0
 FAILURES_KEY = "num_failed"  # incremented beside every failed/<who> key, so the leader polls one counter
+GROUP_COMPLETE_KEY = "group_complete"  # set by the leader once every rank joined: then the ranks connect
+ABORT_KEY = "abort"  # set by the leader (with the reason) when the group ends on a failure
+POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ def run_rank(spec: RankSpec) -> None:
                      layout.master_port, exc)  # fmt: skip
         sys.exit(1)
     store.set(f"joined/{m}", "1")
+    while not store.check([GROUP_COMPLETE_KEY]):  # the leader's join timeout applies, not each rank's own
+        if store.check([ABORT_KEY]):
+            logger.error("%s: the leader gave up on the group: %s", who, store.get(ABORT_KEY).decode())
+            sys.exit(1)
+        time.sleep(POLL_S)
     try:
         executor, link = _start(spec, store)
     except BaseException as exc:

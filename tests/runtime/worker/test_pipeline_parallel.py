@@ -112,3 +112,12 @@ def test_pipeline_matches_one_process(tiny_model_factory, arch: str, overrides: 
     assert stats.num_preemptions > 0  # the small KV budget preempted (and recomputed) requests
     assert set(busy) == {0, 1} and all(s["num_steps"] > 0 for s in busy.values())
     assert multiprocessing.active_children() == []  # every rank stopped with the engine
+
+
+@pytest.mark.slow
+def test_start_up_names_the_ranks_that_never_joined(tiny_model_dir: Path) -> None:
+    """A leader whose worker host never comes: a clear error naming the missing rank and host, nothing left running."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] \(on hosts \[1\], node_rank\) did not join the leader"):
+        LLM(tiny_model_dir, pipeline_parallel_size=2, nnodes=2, node_rank=0, master_port=_free_port(),
+            distributed_timeout_seconds=2, dtype="float32", max_model_len=128, enforce_eager=True)  # fmt: skip
+    assert multiprocessing.active_children() == []
