@@ -79,7 +79,7 @@ class PipelineExecutor:
         self._answering_rank = 1 + layout.stage_model_ranks(layout.pipeline_parallel_size - 1)[0]
         self._store = connect_store(layout, is_master=True)
         context = multiprocessing.get_context("spawn")
-        threads = max(1, (os.cpu_count() or 1) // layout.ranks_per_node)
+        threads = max(1, len(os.sched_getaffinity(0)) // layout.ranks_per_node)  # the cores this host may use
         self._ranks: dict[int, multiprocessing.process.BaseProcess] = {}
         for m in layout.node_model_ranks(0):
             process = context.Process(target=run_rank, args=(RankSpec(m, layout, config, threads),),
@@ -91,6 +91,8 @@ class PipelineExecutor:
         except BaseException:
             self._closing = True
             self._abort("the leader failed to start")
+            if dist.is_initialized():  # a later engine in this process may start a group of its own
+                dist.destroy_process_group()
             raise
         self._last_beats = {n: (self._beat(n), time.monotonic()) for n in range(1, layout.nnodes)}
         threading.Thread(target=self._receive, name="hpi-pp-receiver", daemon=True).start()

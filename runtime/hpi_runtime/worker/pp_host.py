@@ -57,7 +57,7 @@ def run_worker_host(config: ExecutorConfig, layout: GroupLayout, host: str, port
                      layout.master_port, layout.timeout_s, exc)  # fmt: skip
         return 1
     context = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // layout.ranks_per_node)
+    threads = max(1, len(os.sched_getaffinity(0)) // layout.ranks_per_node)  # the cores this host may use
     ranks = {}
     for m in layout.node_model_ranks(layout.node_rank):
         process = context.Process(target=run_rank, args=(RankSpec(m, layout, config, threads),),
