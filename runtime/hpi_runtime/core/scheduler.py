@@ -109,8 +109,12 @@ class Scheduler:
         preempted = False
         if self.proposer is not None:
             self._propose_drafts()
+        # Pipeline stages: each batch takes its share of the unfinished requests, so the next batch finds some
+        # not in flight and every stage has work (one batch of everything would leave the others idle).
+        num_stages = self.config.pipeline_parallel_size
+        max_batch_reqs = -(-len(self.requests) // num_stages) if num_stages > 1 else len(self.requests)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(scheduled) < max_batch_reqs:
             request = running[i]
             if request.num_computed_tokens == request.num_tokens:  # in flight, its sampled token not back yet
                 i += 1
@@ -130,7 +134,8 @@ class Scheduler:
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
         position, passed_over = 0, False  # position: of the next candidate in `waiting`
-        while not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+        while (not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs
+               and len(scheduled) < max_batch_reqs):
             request = self.waiting[position]
             if self.lora is not None and not self._lora_fits(request, passed_over):
                 passed_over = True
