@@ -14,6 +14,7 @@ from hpi_runtime.config import API_KEY_ENV, EngineArgs, ServerConfig, engine_opt
 from hpi_runtime.models.registry import SUPPORTED_ARCHITECTURES  # imports no torch: --help stays fast
 from hpi_runtime.options import OptionSpec, add_flags
 from hpi_runtime.profiling import DEFAULT_BATCH_SIZES, DEFAULT_PROMPT_LENGTHS  # imports no torch
+from hpi_runtime.worker.pp_layout import resolve_layout  # imports no torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,9 +87,12 @@ def serve(args: argparse.Namespace) -> int:
     try:  # fail on bad flags now, before the model loads
         engine_args = EngineArgs.from_options(**{spec.name: getattr(args, spec.name) for spec in engine_options()})
         server = ServerConfig(**{spec.name: getattr(args, spec.name) for spec in server_options()})
+        layout = resolve_layout(engine_args.parallel, os.environ)
     except ValueError as exc:
         print(f"hpi serve: {exc}", file=sys.stderr)
         return 2
+    if not layout.is_leader:
+        return _serve_worker_host(engine_args, layout, server)
     model = engine_args.load.model
     name = server.served_model_name or (
         EMBEDDED_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model))
@@ -109,6 +113,19 @@ def serve(args: argparse.Namespace) -> int:
         return resolve_engine(engine_args)
 
     return asyncio.run(run_server(settings, resolve, server.host, server.port))
+
+
+def _serve_worker_host(engine_args: EngineArgs, layout, server: ServerConfig) -> int:
+    """A pipeline group's host other than the leader: its ranks and GET /health only (worker/pp_host.py)."""
+    from hpi_runtime.engine_factory import resolve_engine
+    from hpi_runtime.worker.pp_host import run_worker_host
+
+    try:
+        resolved = resolve_engine(engine_args)  # the same checks as the leader's, so a bad group fails everywhere
+    except ValueError as exc:
+        print(f"hpi serve: {exc}", file=sys.stderr)
+        return 2
+    return run_worker_host(resolved.executor_config, layout, server.host, server.port)
 
 
 def profile(args: argparse.Namespace) -> int:

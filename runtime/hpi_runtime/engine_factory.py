@@ -9,6 +9,7 @@ engine to its core process instead, which loads them there.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,12 @@ from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_backend, resolve_device
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
-from hpi_runtime.models.parallel import split_heads
+from hpi_runtime.models.parallel import split_heads, stage_layers
 from hpi_runtime.quantization.quantize import QuantizationConfig, resolve_quantization
 from hpi_runtime.spec_decode.draft_config import resolve_draft_model
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.factory import make_executor
+from hpi_runtime.worker.pp_layout import resolve_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither the user nor a smaller model limit says otherwise
@@ -127,6 +129,22 @@ def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) 
         split_heads(model_config.num_heads, model_config.num_kv_heads, tensor_parallel_size, rank)
 
 
+def check_pipeline_parallel(args: EngineArgs, model_config: ModelConfig) -> None:
+    """ValueError for a pipeline layout the model or the other options cannot take (worker/pp_layout.py checks the
+    hosts); every host of a group runs this same check."""
+    parallel = args.parallel
+    layout = resolve_layout(parallel, os.environ)
+    if not layout.is_distributed:
+        return
+    stage_layers(model_config.num_layers, parallel.pipeline_parallel_size, 0)
+    if args.speculative.speculative_config is not None:
+        raise ValueError("speculative decoding runs with pipeline_parallel_size 1 only")
+    if args.lora.enable_lora:
+        raise ValueError("LoRA adapters are served with pipeline_parallel_size 1 only")
+    if model_config.vision is not None:
+        raise ValueError("vision-language models are served with pipeline_parallel_size 1 only")
+
+
 def kv_sliding_window(model_config: ModelConfig) -> int | None:
     """The window the KV manager may free blocks behind: the widest layer's, when every layer has one."""
     windows = model_config.layer_sliding_windows
@@ -156,6 +174,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
                                              load.int4_fit, load.int4_policy)  # fmt: skip
     _check_lm_head_quantization(model_config, quantization_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
+    check_pipeline_parallel(args, model_config)
     quantization = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)
     max_model_len = resolve_max_model_len(args.scheduler.max_model_len, model_config)
     engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config),

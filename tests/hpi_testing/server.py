@@ -13,11 +13,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp.web
 from prometheus_client.parser import text_string_to_metric_families
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (not its resource tracker)."""
+    # Each thread lists the children it started.
+    children = [child for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]  # fmt: skip
+    return [int(child) for child in children
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]  # fmt: skip
 
 
 def free_port() -> int:
@@ -37,13 +46,17 @@ class RuntimeServer:
         ready_timeout_s: float = 180,
         wait_ready: bool = True,
         env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ):
         """`wait_ready=False` returns as soon as the process is started (to watch it load);
-        `env` adds variables to the server's environment."""
+        `env` adds variables to the server's environment; `host` is the address it binds (--host) and is reached
+        at; `prefix` runs it under another command (e.g. `ip netns exec NS`, which execs: the pid stays hpi's)."""
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        args = [sys.executable, "-m", "hpi_runtime.cli", "serve", "--port", str(self.port), *extra_args]
+        args = [*prefix, sys.executable, "-m", "hpi_runtime.cli", "serve", "--host", host, "--port", str(self.port),
+                *extra_args]  # fmt: skip
         if model_dir is not None:
             args += ["--model", str(model_dir)]
         self._log = open(log_path, "wb")

@@ -10,12 +10,14 @@ offline `LLM` and for tests (frontend/engine.py); both drive the same object.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from hpi_runtime.config import EngineConfig
 from hpi_runtime.core.block_pool import BlockHash, HashFn, sha256_hash
 from hpi_runtime.core.engine_io import EngineCoreOutput, EngineCoreRequest, EngineStats
-from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor
+from hpi_runtime.core.interface import ExecutorDeadError, ModelExecutor, SchedulerOutput
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.core.kv_cache_manager import KVCacheManager
 from hpi_runtime.core.request import BlockHasher, Request, RequestStatus
@@ -103,6 +105,10 @@ class EngineCore:
             config.kv_sliding_window,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # vLLM's batch queue: an executor of pipeline stages runs this many batches at once (one per stage), each
+        # submitted as it is scheduled and awaited oldest first; every other executor runs one step at a time.
+        self.max_concurrent_batches = getattr(executor, "max_concurrent_batches", 1)
+        self._batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.grammar_compiler = grammar_compiler
         self.sleep_level = 0  # 0: awake; 1 or 2: asleep (see sleep())
 
@@ -179,6 +185,8 @@ class EngineCore:
         """Schedule, run the model and process its output. Raises EngineError if the step failed; its
         requests are then finished and freed and the core stays usable. ExecutorDeadError passes through:
         the executor is gone and the core with it."""
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -194,6 +202,30 @@ class EngineCore:
         except Exception as exc:
             failed_ids = self.scheduler.fail_scheduled(scheduler_output)
             raise EngineError(f"engine step failed for requests {sorted(failed_ids)}: {exc!r}", failed_ids) from exc
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Pipeline stages: submit a new batch while the queue has room (requests in flight are not scheduled
+        again), and process the oldest batch's output once the queue is full or nothing new could be scheduled,
+        so every stage has a batch to work on. Any failure ends the executor (ExecutorDeadError): the stages run
+        different batches, so no step can fail alone; every batch in flight fails with it."""
+        queue = self._batch_queue
+        submitted = False
+        if len(queue) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                queue.append((scheduler_output, self.executor.submit(scheduler_output)))
+                submitted = True
+        if not queue or (submitted and len(queue) < self.max_concurrent_batches and not queue[0][1].done()):
+            return []
+        scheduler_output, future = queue.popleft()
+        try:
+            model_output = future.result()
+        except BaseException:
+            self.scheduler.fail_scheduled(scheduler_output)
+            while queue:
+                self.scheduler.fail_scheduled(queue.popleft()[0])
+            raise
+        return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)

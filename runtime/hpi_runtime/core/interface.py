@@ -8,7 +8,7 @@ so a step sends only what changed, as in vLLM v1:
 - `new_requests`: requests the executor has not seen, or is seeing again after a preemption (their state
   was dropped): full token ids (prompt + output so far), the full block table, num_computed_tokens.
 - `cached_requests`: requests the executor already holds: blocks appended since last step and the
-  num_computed_tokens at the start of this step.
+  num_computed_tokens at the start of this step (with pipeline stages, also the tokens sampled since).
 - `num_scheduled_tokens`: request id -> how many tokens to compute this step, in batch order. The tokens
   are token_ids[num_computed_tokens : num_computed_tokens + n] of the executor's copy.
 - A request is sampled when its scheduled chunk reaches the end of its known tokens; the executor appends
@@ -61,6 +61,10 @@ class CachedRequestData:
     request_id: str
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # Pipeline parallelism only (vLLM's field): the tokens sampled since the executor last saw this request. With
+    # one stage the executor appends what it samples itself; with several, only the last stage samples, so every
+    # stage learns the tokens here, with the request's next step.
+    new_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,14 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0  # tokens run through the model to build KV of known tokens
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._in_executor: set[str] = set()  # requests whose state the executor holds
+        # Requests whose state the executor holds -> how many of their tokens it knows (pipeline stages learn
+        # sampled tokens only through CachedRequestData.new_token_ids).
+        self._in_executor: dict[str, int] = {}
         self._finished_ids: set[str] = set()  # executor must drop these (sent with the next batch)
         self._preempted_ids: set[str] = set()
-        self._scheduled: dict[str, Request] = {}  # the batch in flight, until update_from_output
+        # The batches in flight, oldest first, until update_from_output: one, or with pipeline stages up to one per
+        # stage (EngineCore's batch queue). A request in one is not scheduled again until its step returns.
+        self._scheduled: deque[dict[str, Request]] = deque()
         spec = config.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
@@ -118,15 +122,22 @@ class Scheduler:
         preempted = False
         if self.proposer is not None:
             self._propose_drafts()
+        # Pipeline stages: each batch takes its share of the unfinished requests, so the next batch finds some
+        # not in flight and every stage has work (one batch of everything would leave the others idle).
+        num_stages = self.config.pipeline_parallel_size
+        max_batch_reqs = -(-len(self.requests) // num_stages) if num_stages > 1 else len(self.requests)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(scheduled) < max_batch_reqs:
             request = running[i]
+            if request.num_computed_tokens == request.num_tokens:  # in flight, its sampled token not back yet
+                i += 1
+                continue
             num_new, new_blocks = self._allocate_running(request, budget)
             if num_new == 0:  # its next chunk starts at an image the encoder cannot take this step
                 i += 1
                 continue
             while new_blocks is None:
-                victim = running.pop()  # the newest; never one already scheduled (those are before i)
+                victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -141,7 +152,8 @@ class Scheduler:
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
         position, passed_over = 0, False  # position: of the next candidate in `waiting`
-        while not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+        while (not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs
+               and len(scheduled) < max_batch_reqs):
             request = self.waiting[position]
             if self.lora is not None and not self._lora_fits(request, passed_over):
                 passed_over = True
@@ -166,6 +178,15 @@ class Scheduler:
         if not passed_over:
             self._draining_lora = None
         return self._make_output(scheduled)
+
+    def _pop_victim(self, first: int) -> Request:
+        """Take the newest running request at or after index `first` (before it: already scheduled this step)
+        that no batch in flight holds: a request preempted mid-flight would be sampled twice once readmitted."""
+        in_flight = set().union(*self._scheduled) if self._scheduled else set()
+        j = len(self.running) - 1
+        while j > first and self.running[j].request_id in in_flight:
+            j -= 1
+        return self.running.pop(j)
 
     def _lora_fits(self, request: Request, passed_over: bool) -> bool:
         """Whether the adapter limit lets `request` in now (`passed_over`: one before it in the queue waits)."""
@@ -282,9 +303,15 @@ class Scheduler:
             request_id = request.request_id
             if request_id in self._in_executor:
                 block_ids = tuple([block.block_id for block in new_blocks]) if new_blocks else ()
-                cached_requests.append(CachedRequestData(request_id, block_ids, request.num_computed_tokens))
+                new_token_ids = ()
+                if self.config.pipeline_parallel_size > 1:
+                    new_token_ids = tuple(request.token_ids[self._in_executor[request_id] :])
+                    self._in_executor[request_id] = request.num_tokens
+                cached_requests.append(
+                    CachedRequestData(request_id, block_ids, request.num_computed_tokens, new_token_ids)
+                )
             else:
-                self._in_executor.add(request_id)
+                self._in_executor[request_id] = request.num_tokens
                 new_requests.append(
                     NewRequestData(
                         request_id=request_id,
@@ -331,7 +358,7 @@ class Scheduler:
             self._preempted_ids.clear()
             if self.encoder_cache is not None:
                 self.encoder_cache.clear_freed()
-        self._scheduled = {request.request_id: request for request, _, _ in scheduled}
+        self._scheduled.append({request.request_id: request for request, _, _ in scheduled})
         return output
 
     def _encoder_output(self) -> dict:
@@ -357,7 +384,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._in_executor:
-            self._in_executor.discard(request.request_id)
+            del self._in_executor[request.request_id]
             self._preempted_ids.add(request.request_id)
         self.waiting.appendleft(request)
 
@@ -366,7 +393,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests; one output per change."""
         outputs = []
-        scheduled, self._scheduled = self._scheduled, {}
+        scheduled = self._scheduled.popleft()
         sampled, all_logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
         any_finished = False
         prompt_logprobs = model_runner_output.prompt_logprobs
@@ -425,7 +452,7 @@ class Scheduler:
         """
         self._finished_ids |= scheduler_output.finished_request_ids
         self._preempted_ids |= scheduler_output.preempted_request_ids
-        scheduled, self._scheduled = self._scheduled, {}
+        scheduled = self._scheduled.popleft()
         self.running = [request for request in self.running if not request.is_finished]
         unfinished_ids = [rid for rid, request in scheduled.items() if self.requests.get(rid) is request]
         self.kv.uncache_step()
@@ -444,5 +471,5 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._in_executor:
-            self._in_executor.discard(request.request_id)
+            del self._in_executor[request.request_id]
             self._finished_ids.add(request.request_id)

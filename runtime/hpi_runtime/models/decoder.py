@@ -24,7 +24,16 @@ from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.family import FamilyRules
 from hpi_runtime.models.layers import GATED_ACTIVATIONS, LMHead, RMSNorm, VocabEmbedding, softcap
 from hpi_runtime.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from hpi_runtime.models.parallel import SINGLE, Span, TensorParallel, balanced_span, mlp_span, split_heads
+from hpi_runtime.models.parallel import (
+    SINGLE,
+    SINGLE_STAGE,
+    PipelineStage,
+    Span,
+    TensorParallel,
+    balanced_span,
+    mlp_span,
+    split_heads,
+)
 from hpi_runtime.models.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, rotary_dim // 2] for this step's positions
@@ -115,13 +124,23 @@ class DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage holds: no parameters, so checkpoint names keep their global
+    layer index (model.layers.N...) on every stage (vLLM's PPMissingLayer)."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list[nn.Module], tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE
+    ) -> None:
         super().__init__()
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.stage = config, tp, stage
         vocab_span = balanced_span(config.vocab_size, tp.size, tp.rank)
         embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
-        self.embed_tokens = VocabEmbedding(vocab_span, config.hidden_size, config.vocab_size, embed_scale)
+        self.vocab_span = vocab_span
+        self.embed_tokens = None  # on the first stage, and on the last when the LM head is tied to it
+        if stage.is_first or (stage.is_last and config.tie_word_embeddings):
+            self.embed_tokens = VocabEmbedding(vocab_span, config.hidden_size, config.vocab_size, embed_scale)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.sliding_rotary = None
         if config.sliding_rope is not None:
@@ -129,6 +148,9 @@ class DecoderModel(nn.Module):
         # per layer: whether it takes the sliding-window layers' RoPE
         self._uses_sliding_rope = tuple(config.layer_rope(i) is not config.rope for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
+        # This stage's layers (all of them without pipeline parallelism), with the RoPE each takes.
+        self._own = [(layer, uses) for layer, uses in zip(layers, self._uses_sliding_rope, strict=True)
+                     if not isinstance(layer, MissingLayer)]  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -142,12 +164,15 @@ class DecoderModel(nn.Module):
         metadata: object,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`inputs_embeds`: the hidden states to start from instead of input_ids' embeddings: image rows merged in
+        (a multimodal model), or the previous pipeline stage's output. Returns the normed final hidden states on
+        the last stage, this stage's raw output on the others."""
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions)  # looked up once per step, used by every layer
         sliding_rope = self.sliding_rotary(positions) if self.sliding_rotary is not None else rope
-        for layer, uses_sliding_rope in zip(self.layers, self._uses_sliding_rope, strict=True):
+        for layer, uses_sliding_rope in self._own:
             hidden = layer(sliding_rope if uses_sliding_rope else rope, hidden, metadata)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.stage.is_last else hidden
 
 
 class DecoderForCausalLM(nn.Module):
@@ -168,16 +193,22 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE,
+        stage: PipelineStage = SINGLE_STAGE,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.stage = config, tp, stage
         layers = [
             DecoderLayer(config, self.make_attention(config, i, backend, tp), self.make_mlp(config, i, tp))
+            if stage.owns_layer(i) else MissingLayer()
             for i in range(config.num_layers)
-        ]
-        self.model = DecoderModel(config, layers, tp)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(self.model.embed_tokens.vocab_span, config.hidden_size, config.vocab_size, tied)
+        ]  # fmt: skip
+        self.model = DecoderModel(config, layers, tp, stage)
+        self.lm_head = None  # on the last stage only
+        if stage.is_last:
+            tied = self.model.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = LMHead(self.model.vocab_span, config.hidden_size, config.vocab_size, tied)
         self._vocab_sizes = [balanced_span(config.vocab_size, tp.size, r).size for r in range(tp.size)]
 
     @staticmethod
@@ -200,11 +231,12 @@ class DecoderForCausalLM(nn.Module):
         metadata: object,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size] (a pipeline stage
+        before the last: its output, the next stage's `inputs_embeds`).
 
         `metadata`: the step's attention metadata as the attention backend built it (build_metadata).
         `inputs_embeds` ([num_tokens, hidden_size]): the inputs instead of input_ids' embeddings (image rows merged
-        in); positions are then [3, num_tokens] with M-RoPE."""
+        in, positions then [3, num_tokens] with M-RoPE; or the previous pipeline stage's output)."""
         return self.model(input_ids, positions, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -214,4 +246,4 @@ class DecoderForCausalLM(nn.Module):
         return softcap(logits, cap) if cap is not None and logits is not None else logits
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers if not isinstance(layer, MissingLayer)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from fnmatch import fnmatch
@@ -29,7 +30,7 @@ from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.linear import LinearBase, default_weight_loader
-from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from hpi_runtime.models.registry import model_class
 from hpi_runtime.models.rotary import RotaryEmbedding
 from hpi_runtime.quantization.checkpoint import (
@@ -107,6 +108,19 @@ def iter_checkpoint(files: list[Path], skip: frozenset[str] = frozenset()) -> It
                     progress.update(tensor.numel() * tensor.element_size())
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _held_by_another_stage(stage: PipelineStage, name: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to a part of the model another pipeline stage holds: a layer
+    outside this stage, the embedding off the first stage, the LM head off the last."""
+    if stage.size == 1:
+        return False
+    if match := _LAYER_INDEX.match(name):
+        return not stage.owns_layer(int(match.group(1)))
+    return name.startswith(("model.embed_tokens.", "lm_head."))
+
+
 def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: frozenset[str] = frozenset()) -> None:
     """Copy every checkpoint tensor into its parameter; ValueError on unknown or missing tensors. Tensors
     named in `already_loaded` (a pre-quantized checkpoint's linears) and QuantizedLinear modules are skipped."""
@@ -126,6 +140,8 @@ def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: f
                 target, shard_id = name.replace(checkpoint_part, param_part), shard
                 break
         param = params.get(target)
+        if param is None and _held_by_another_stage(model.stage, name):
+            continue
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {model.config.architecture}")
         loader = getattr(param, "weight_loader", default_weight_loader)
@@ -162,15 +178,19 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     tp: TensorParallel = SINGLE,
+    stage: PipelineStage = SINGLE_STAGE,
 ) -> DecoderForCausalLM:
-    """Build this rank's part of the model for `config` directly in `dtype` on `device` and fill it from the
-    (unsharded) checkpoint."""
+    """Build this rank's part of the model for `config` (its tensor-parallel shard of its pipeline stage's
+    layers) directly in `dtype` on `device` and fill it from the (unsharded) checkpoint."""
     files = safetensors_files(config.model_dir)
     checkpoint_quantization = read_checkpoint_quantization(config.model_dir)
     if checkpoint_quantization is not None:
+        if stage.size > 1:
+            raise ValueError(f"pre-quantized ({checkpoint_quantization.scheme}) checkpoints load with "
+                             "pipeline_parallel_size 1 only")  # fmt: skip
         return _load_prequantized(config, checkpoint_quantization, (dtype, device), backend, tp, files)
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(config.architecture)(config, backend, tp)
+        model = model_class(config.architecture)(config, backend, tp, stage)
     load_weights(model, files)
     return model.eval()
 

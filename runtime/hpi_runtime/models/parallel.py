@@ -144,3 +144,43 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This process's place in the pipeline: which consecutive layers it holds, and the link to the stages
+    around it. The first stage embeds the tokens, the last one norms, computes logits and samples; hidden
+    states travel from each tensor-parallel rank of a stage to the same rank of the next (they are replicated
+    within a stage after the all-reduce). The default is the whole model in one stage: no link at all."""
+
+    rank: int = 0
+    size: int = 1
+    layers: Span = Span(0, 0)  # Span(0, 0) on the default stage: every layer (see owns_layer)
+    link: Any = None  # worker/pp_link.py's StageLink between this stage and its neighbours; None with one stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def owns_layer(self, layer: int) -> bool:
+        return self.size == 1 or self.layers.start <= layer < self.layers.stop
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` any rank of any stage passed (KV blocks that fit every stage's layers)."""
+        return value if self.link is None else self.link.min_int(value)
+
+
+SINGLE_STAGE = PipelineStage()
+
+
+def stage_layers(num_layers: int, pp_size: int, stage: int) -> Span:
+    """The consecutive layers of pipeline stage `stage`: balanced, the larger stages first (vLLM puts the extra
+    layers last; here the last stage also carries the norm, LM head and sampler, so it takes the smaller share)."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers: every stage "
+                         "needs at least one")  # fmt: skip
+    return balanced_span(num_layers, pp_size, stage)

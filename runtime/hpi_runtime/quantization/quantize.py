@@ -108,7 +108,8 @@ def _quantizable(model: nn.Module, config: QuantizationConfig) -> Iterator[Quant
             method = layer_method(config.method, config.int4_policy, name, num_layers)
             if method != "none":
                 yield name, module, dataclasses.replace(config, method=method)
-    if config.quantize_lm_head:
+    stage = getattr(model, "stage", None)
+    if config.quantize_lm_head and (stage is None or stage.is_last):  # a pipeline stage before the last has none
         lm_head = getattr(model, "lm_head", None)
         if lm_head is None:
             raise ValueError("quantize_lm_head is set but the model has no lm_head")

@@ -25,7 +25,7 @@ from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.loader import load_model, weight_bytes
-from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.startup import PhaseClock
@@ -91,11 +91,13 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, with LoRA, for a vision-language model, or
-    on CUDA, whose Triton attention backend is not a compilable op yet)."""
+    """How the model step is compiled here; None: eagerly (asked for, with LoRA, for a vision-language model, for a
+    pipeline stage, or on CUDA, whose Triton attention backend is not a compilable op yet)."""
     # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly. So does a
-    # vision-language model's, which takes embeddings and [3, T] positions the compiled step does not.
-    if config.enforce_eager or device.type != "cpu" or config.max_loras or config.model_config.vision is not None:
+    # vision-language model's, which takes embeddings and [3, T] positions the compiled step does not, and a
+    # pipeline stage's, which takes the previous stage's hidden states as well.
+    eager_model = config.model_config.vision is not None or config.parallel.pipeline_parallel_size > 1
+    if config.enforce_eager or device.type != "cpu" or config.max_loras or eager_model:
         return None
     freeze = config.freeze_weights and not config.quantization.enabled
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
@@ -103,13 +105,13 @@ def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfi
 
 def _build_model(
     config: ExecutorConfig, device: torch.device, backend: AttentionBackend, tp: TensorParallel,
-    clock: PhaseClock | None = None,
+    clock: PhaseClock | None = None, stage: PipelineStage = SINGLE_STAGE,
 ) -> DecoderForCausalLM:
     """The weights as served: loaded, quantized, laid out for the CPU. Start-up and a wake from sleep level 2
     both call this, so the woken weights are the start-up ones, byte for byte."""
     clock = clock or PhaseClock()
     with clock("load"):
-        model = load_model(config.model_config, config.dtype, device, backend, tp)
+        model = load_model(config.model_config, config.dtype, device, backend, tp, stage)
     if config.quantization.enabled:
         with clock("quantize"):
             quantize_model(model, config.quantization)  # in place, one layer at a time
@@ -119,13 +121,17 @@ def _build_model(
 
 
 class LocalExecutor:
-    def __init__(self, config: ExecutorConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
+    def __init__(
+        self, config: ExecutorConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None,
+        stage: PipelineStage = SINGLE_STAGE,
+    ) -> None:  # fmt: skip
+        """`tp`, `stage`: this process's tensor-parallel rank and pipeline stage (worker processes pass them)."""
         self.config = config
         device = device or config.device
         model_config = config.model_config
         backend = get_attention_backend(config.attention_backend, config.dtype, device)
         clock = PhaseClock()  # start-up phases (hpi_runtime/startup.py), reported through CoreInfo
-        self.model = _build_model(config, device, backend, tp, clock)
+        self.model = _build_model(config, device, backend, tp, clock, stage)
         draft = None
         if config.draft_model_config is not None:
             draft_config = replace(config, model_config=config.draft_model_config, quantization=QuantizationConfig())
@@ -133,19 +139,21 @@ class LocalExecutor:
                 draft = _build_model(draft_config, device, backend, tp)
         kv_started = time.perf_counter()
         kv_models = [self.model] if draft is None else [self.model, draft]
-        # Every rank must hold the same blocks: take the count the tightest rank affords.
-        self._num_kv_blocks = tp.min_int(
+        # Every rank of every stage must hold the same blocks (each stage's for its own layers): take the count
+        # the tightest rank affords.
+        self._num_kv_blocks = stage.min_int(tp.min_int(
             num_blocks_for_budget(
                 kv_budget_bytes(config, device),
                 sum(rank_kv_bytes_per_token(model, config.dtype) for model in kv_models),
                 config.cache.block_size,
                 config.kv_tokens_per_request or config.max_model_len,
             )
-        )
+        ))
         kv_spec = KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.dtype)
         kv_cache_bytes = sum(allocate_kv_caches(model, kv_spec, device) for model in kv_models)
         block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.cache.block_size
-        self._num_host_kv_blocks = tp.min_int(num_host_blocks_for_budget(config.cache.kv_offload_bytes, block_bytes))
+        self._num_host_kv_blocks = stage.min_int(tp.min_int(
+            num_host_blocks_for_budget(config.cache.kv_offload_bytes, block_bytes)))
         self.host_kv_cache = None
         if self._num_host_kv_blocks:
             self.host_kv_cache = HostKVCache(self.model, self._num_host_kv_blocks, device)
@@ -165,7 +173,7 @@ class LocalExecutor:
             self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
                                       compile_config(config, device), drafter, self.lora)  # fmt: skip
         self.startup = dict(clock.phases)
-        self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp))
+        self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp, stage=stage))
 
     @property
     def num_kv_blocks(self) -> int:

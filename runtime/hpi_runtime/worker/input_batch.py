@@ -107,6 +107,11 @@ class InputBatch:
             row = self.row_of[cached.request_id]
             self._append_blocks(row, cached.new_block_ids)
             self.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.new_token_ids:  # pipeline stages: the last stage's samples, sent back with the next step
+                start = int(self.num_tokens[row])
+                self._fit_tokens(start + len(cached.new_token_ids))
+                self.token_ids[row, start : start + len(cached.new_token_ids)] = cached.new_token_ids
+                self.num_tokens[row] = start + len(cached.new_token_ids)
         self.num_spec[:] = 0
         for request_id, draft_ids in scheduler_output.spec_token_ids.items():
             row = self.row_of[request_id]

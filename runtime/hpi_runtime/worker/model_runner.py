@@ -44,7 +44,8 @@ class StepLogits:
     it verifies no drafts), in request order."""
 
     request_ids: tuple[str, ...]
-    logits: torch.Tensor | None  # [num_rows, vocab_size] float32; None on tensor-parallel ranks other than 0
+    # [num_rows, vocab_size] float32; None on tensor-parallel ranks other than 0 and on pipeline stages but the last
+    logits: torch.Tensor | None
     num_drafts: tuple[int, ...] = ()  # per request; () when no request verifies drafts
     partial_request_ids: tuple[str, ...] = ()  # scheduled, but their prefill chunk did not reach the end
     grammar_request_ids: tuple[str, ...] = ()  # sampled under a grammar: 1 + num_drafts rows each of the bitmask
@@ -151,11 +152,18 @@ class ModelRunner:
         metadata = self.backend.build_metadata(common)
         if self.lora is not None:
             self.lora.batch.set_step(step.token_lora_slots, device)
-        if self.multimodal is not None:
+        stage = self.model.stage
+        if self.multimodal is not None:  # one stage only (engine_factory.check_pipeline_parallel)
             inputs_embeds, positions = self.multimodal.step_inputs(step)
             hidden = self.model(step.input_ids.to(device), positions, metadata, inputs_embeds)
-        else:
+        elif stage.size == 1:
             hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
+        else:  # a pipeline stage: the previous stage's output in, this one's out to the next (eager: no compile)
+            received = None if stage.is_first else stage.link.recv(len(step.input_ids))
+            hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata, received)
+            if not stage.is_last:
+                stage.link.send(hidden)
+                return StepLogits((), None)
         ends = step.query_start_loc[1:].numpy().astype(np.int64)
         is_sampled = np.asarray(step.is_sampled, dtype=bool)
         num_drafts = np.asarray(step.num_drafts, dtype=np.int64)[is_sampled]
@@ -199,7 +207,8 @@ class ModelRunner:
             token_ids, token_logprobs = self._sample_on_first_rank(step, rows)
         if step.num_drafts:
             return self._verify(step, rows, (token_ids, token_logprobs, probs), sampled)
-        self.input_batch.append_sampled(rows, token_ids)
+        if self.model.stage.size == 1:  # pipeline stages learn the tokens from the scheduler's next step instead
+            self.input_batch.append_sampled(rows, token_ids)
         logprobs = {r: (lp,) for r, lp in zip(step.request_ids, token_logprobs, strict=True) if lp is not None}
         sampled.update((r, (t,)) for r, t in zip(step.request_ids, token_ids, strict=True))
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)

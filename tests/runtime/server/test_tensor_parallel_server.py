@@ -13,19 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from hpi_testing.server import RuntimeServer
+from hpi_testing.server import RuntimeServer, spawned_children
 from hpi_testing.server import post_json as post
 
 pytestmark = pytest.mark.slow
-
-
-def spawned_children(pid: int) -> list[int]:
-    """The processes `pid` spawned with multiprocessing (not its resource tracker)."""
-    # Each thread lists the children it started.
-    children = [child for task in Path(f"/proc/{pid}/task").iterdir()
-                for child in (task / "children").read_text().split()]  # fmt: skip
-    return [int(child) for child in children
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]  # fmt: skip
 
 
 def core_and_worker_pids(server_pid: int) -> tuple[int, list[int]]:

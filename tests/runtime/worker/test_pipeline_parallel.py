@@ -1,0 +1,123 @@
+"""Pipeline parallelism on one host (real rank processes, gloo over loopback): the group's layout and flags, and
+greedy tokens identical to the single-process engine in fp32 for a dense and a MoE family, under concurrent
+requests with chunked prefill and preemption. The group across separate hosts (network namespaces: qwen2 at
+2 stages x 2 tensor-parallel ranks) and its failure handling are tests/runtime/server/test_multi_node_server.py's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+
+from hpi_runtime.config import ParallelConfig
+from hpi_runtime.llm import LLM
+from hpi_runtime.models.parallel import stage_layers
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker.pp_layout import GroupLayout, interface_towards, resolve_layout
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "hello",
+    "Paged attention keeps the keys and values of every request in fixed-size blocks " * 2,  # chunked
+    "Kubernetes operators reconcile",
+    "one two three four five six seven eight nine ten",
+    "pipeline stages",
+]
+# 4 layers: two per stage. 10 KV blocks in all (each rank's budget is its share of the bytes) hold fewer tokens
+# than the requests need at once, so requests are preempted; 16 tokens per step chunk the long prompt.
+LAYERS = 4
+KV_BYTES = 160 << 10  # 10 blocks of 16 tokens over 4 layers, 2 KV heads of 16 dims in fp32
+SETTINGS = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, enforce_eager=True,
+                kv_admission_watermark=0.0)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_layout_comes_from_the_flags_else_leaderworkerset() -> None:
+    lws = {"LWS_LEADER_ADDRESS": "leader.svc", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    layout = resolve_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2), lws)
+    assert (layout.nnodes, layout.node_rank, layout.master_addr, layout.master_port) == (2, 1, "leader.svc", 29500)
+    assert list(layout.node_model_ranks(1)) == [2, 3] and layout.stage_of(3) == 1 and layout.tp_rank_of(3) == 1
+    flags = ParallelConfig(pipeline_parallel_size=4, nnodes=4, node_rank=0, master_addr="10.0.0.1", master_port=1234)
+    layout = resolve_layout(flags, lws)  # flags win over the environment
+    assert (layout.nnodes, layout.node_rank, layout.master_addr, layout.is_leader) == (4, 0, "10.0.0.1", True)
+    single = resolve_layout(ParallelConfig(), {})
+    assert not single.is_distributed and single.master_addr == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        (dict(tensor_parallel_size=2, pipeline_parallel_size=3, nnodes=2), "tensor parallelism stays inside a host"),
+        (dict(pipeline_parallel_size=3, nnodes=2), "cannot be spread evenly over 2 hosts"),
+        (dict(pipeline_parallel_size=2, nnodes=2, node_rank=2), "node_rank 2 is outside a group of 2 hosts"),
+    ],
+)
+def test_a_layout_that_does_not_divide_is_refused(parallel: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_layout(ParallelConfig(**parallel), {})
+
+
+def test_bad_leaderworkerset_environment_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"\$LWS_GROUP_SIZE must be an integer, got 'two'"):
+        resolve_layout(ParallelConfig(pipeline_parallel_size=2), {"LWS_GROUP_SIZE": "two"})
+
+
+def test_stages_split_layers_consecutively_and_need_one_each() -> None:
+    assert [stage_layers(30, 4, s) for s in range(4)] == [
+        stage_layers(30, 4, 0), stage_layers(30, 4, 1), stage_layers(30, 4, 2), stage_layers(30, 4, 3)]  # fmt: skip
+    spans = [stage_layers(30, 4, s) for s in range(4)]
+    assert [(s.start, s.size) for s in spans] == [(0, 8), (8, 8), (16, 7), (23, 7)]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        stage_layers(2, 3, 0)
+
+
+def test_the_interface_towards_the_leader_is_the_routed_one() -> None:
+    assert interface_towards("127.0.0.1", 29500) == "lo"
+    assert GroupLayout(1, 2, 2, 0, "127.0.0.1", 29500, 30.0).heartbeat_timeout_s == 5.0
+
+
+def _generate(llm: LLM) -> list[tuple[int, ...]]:
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    return [o.output_token_ids for o in llm.generate(PROMPTS, greedy)]
+
+
+# Experts split by the stage that owns the layer; layer 1 dense, a shared expert.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+           mlp_only_layers=[1])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen2_moe", MOE)], ids=["llama", "qwen2_moe"])
+def test_pipeline_matches_one_process(tiny_model_factory, arch: str, overrides: dict) -> None:
+    model_dir: Path = tiny_model_factory(arch, num_layers=LAYERS, **overrides)
+    with LLM(model_dir, kv_cache_memory_bytes=KV_BYTES, **SETTINGS) as llm:
+        expected = _generate(llm)
+    with LLM(model_dir, pipeline_parallel_size=2, master_port=_free_port(), kv_cache_memory_bytes=KV_BYTES // 2,
+             **SETTINGS) as llm:  # fmt: skip
+        assert llm.bundle.footprint.num_kv_blocks == 10
+        assert llm.engine.executor.max_concurrent_batches == 2
+        got = _generate(llm)
+        stats = llm.engine.get_stats()
+        busy = llm.engine.executor.stage_stats()
+    assert got == expected
+    assert len({tokens for tokens in expected}) > 1  # the prompts lead different ways
+    assert stats.num_preemptions > 0  # the small KV budget preempted (and recomputed) requests
+    assert set(busy) == {0, 1} and all(s["num_steps"] > 0 for s in busy.values())
+    assert multiprocessing.active_children() == []  # every rank stopped with the engine
+
+
+@pytest.mark.slow
+def test_start_up_names_the_ranks_that_never_joined(tiny_model_dir: Path) -> None:
+    """A leader whose worker host never comes: a clear error naming the missing rank and host, nothing left running."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] \(on hosts \[1\], node_rank\) did not join the leader"):
+        LLM(tiny_model_dir, pipeline_parallel_size=2, nnodes=2, node_rank=0, master_port=_free_port(),
+            distributed_timeout_seconds=2, dtype="float32", max_model_len=128, enforce_eager=True)  # fmt: skip
+    assert multiprocessing.active_children() == []
