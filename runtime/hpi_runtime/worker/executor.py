@@ -91,10 +91,9 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, with LoRA, or on CUDA, whose Triton
+    """How the model step is compiled here; None: eagerly (asked for, or on CUDA, whose Triton
     attention backend is not a compilable op yet)."""
-    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly.
-    if config.enforce_eager or device.type != "cpu" or config.max_loras:
+    if config.enforce_eager or device.type != "cpu":
         return None
     freeze = config.freeze_weights and not config.quantization.enabled
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
