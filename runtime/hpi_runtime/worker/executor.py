@@ -95,7 +95,8 @@ def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfi
     attention backend is not a compilable op yet)."""
     if config.enforce_eager or device.type != "cpu":
         return None
-    freeze = config.freeze_weights and not config.quantization.enabled
+    # LoRA slots change between steps (adapters loaded at run time): nothing of theirs may become a constant.
+    freeze = config.freeze_weights and not config.quantization.enabled and not config.max_loras
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
 
 
