@@ -6,10 +6,11 @@ built with `peft` (random A and B). `hpi serve --enable-lora --max-loras 4`: 8 a
 adapters are swapped in and out while the load runs. Load: a closed loop of `concurrency` streaming clients,
 requests spread evenly over the 8 adapter names (the base run sends the same requests to the base model).
 Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
-merged model (eager like the LoRA server's step), all 8 up at once, each given concurrency / 8 clients and an
-eighth of the requests. Memory: the resident set of each server and its engine-core process, summed.
-Also: the decode step time of a 32-request batch whose requests use 0, 1, 2 or 4 distinct adapters
-(in-process, eager), against the eager base model.
+merged model, all 8 up at once, each given concurrency / 8 clients and an eighth of the requests. Memory: the
+resident set of each server and its engine-core process, summed.
+Also: the decode step time of 16 and 32 requests whose requests use 0, 1, 2 or 4 distinct adapters
+(in-process), the compiled LoRA step (C++ kernel) and the eager one with torch ops against the compiled base
+model, the engines taking turns step by step.
 
     .venv/bin/python -m bench.bench_lora
     .venv/bin/python -m bench.bench_lora --num-requests 64 --output-len 32 --out bench/results/tmp/lora.json
@@ -50,9 +51,10 @@ class LoRAPlan:
     kv_cache_memory: str = "512MiB"
     merged_kv_cache_memory: str = "256MiB"  # per merged engine: 4 clients each
     merged_max_model_len: int = 1024  # so that its smaller KV budget holds one whole request
-    step_batch: int = 32
+    step_batch: int = 32  # the engines' max_num_seqs
+    step_batches: tuple[int, ...] = (16, 32)
     step_distinct: tuple[int, ...] = (0, 1, 2, 4)
-    num_timed_steps: int = 12
+    num_timed_steps: int = 16
     seed: int = 0
 
 
@@ -143,7 +145,10 @@ def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> d
 
 
 def step_times(plan: LoRAPlan, base_dir: Path, adapters: list[Path]) -> dict:
-    """Median decode step (ms) of `step_batch` requests over k distinct adapters, and of the eager base model."""
+    """Decode step time (ms: median and best of `num_timed_steps`) of `batch` requests over k distinct adapters,
+    per engine, the engines taking turns step by step (so a load that changes during the run weighs on all
+    alike): the compiled base model; the compiled LoRA step (the C++ kernel); the eager LoRA step with torch ops
+    (per-adapter groups or one-hot: the form before the kernel)."""
     from hpi_runtime.llm import LLM
     from hpi_runtime.lora.request import LoRARequest
     from hpi_runtime.sampling_params import SamplingParams
@@ -151,30 +156,38 @@ def step_times(plan: LoRAPlan, base_dir: Path, adapters: list[Path]) -> dict:
     params = SamplingParams(max_tokens=plan.num_timed_steps + 4, ignore_eos=True, temperature=0.0)
     loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     prompt = list(range(100, 116))
-
-    def median_decode_ms(llm: LLM, per_request) -> float:
-        engine = llm.engine
-        for i, lora in enumerate(per_request):
-            engine.add_request(f"s{time.monotonic_ns()}-{i}", prompt, params, lora_request=lora)
-        for _ in range(3):  # prefill, then the first decodes (adapters loaded into their slots)
-            engine.step()
-        times = []
-        for _ in range(plan.num_timed_steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        while engine.has_unfinished_requests():
-            engine.step()
-        return 1000 * statistics.median(times)
-
-    out = {}
-    with LLM(str(base_dir), enforce_eager=True, max_num_seqs=plan.step_batch) as base:
-        out["base_eager"] = median_decode_ms(base, [None] * plan.step_batch)
-    with LLM(str(base_dir), enable_lora=True, max_loras=plan.max_loras, max_lora_rank=plan.rank,
-             max_num_seqs=plan.step_batch) as llm:  # fmt: skip
-        for k in plan.step_distinct:
-            per_request = [loras[i % k] if k else None for i in range(plan.step_batch)]
-            out[f"lora_{k}_distinct"] = median_decode_ms(llm, per_request)
+    common = {"max_num_seqs": plan.step_batch, "kv_cache_memory_bytes": 128 << 20, "max_model_len": 256}
+    lora_options = {**common, "enable_lora": True, "max_loras": plan.max_loras, "max_lora_rank": plan.rank}
+    with ExitStack() as stack:
+        engines = {
+            "base": stack.enter_context(LLM(str(base_dir), **common)).engine,
+            "lora": stack.enter_context(LLM(str(base_dir), **lora_options)).engine,
+            "lora_eager_torch": stack.enter_context(LLM(str(base_dir), enforce_eager=True, **lora_options)).engine,
+        }
+        engines["lora_eager_torch"].executor.lora.batch.mode = "torch"
+        out: dict = {}
+        for batch in plan.step_batches:
+            for k in plan.step_distinct:
+                per_request = [loras[i % k] if k else None for i in range(batch)]
+                times: dict[str, list[float]] = {mode: [] for mode in engines}
+                for mode, engine in engines.items():
+                    for i, lora in enumerate(per_request if mode != "base" else [None] * batch):
+                        engine.add_request(f"s{time.monotonic_ns()}-{i}", prompt, params, lora_request=lora)
+                    for _ in range(3):  # prefill, then the first decodes (adapters loaded into their slots)
+                        engine.step()
+                for _ in range(plan.num_timed_steps):
+                    for mode, engine in engines.items():
+                        start = time.perf_counter()
+                        engine.step()
+                        times[mode].append(time.perf_counter() - start)
+                for engine in engines.values():
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                key = f"batch{batch}_distinct{k}"
+                out[key] = {mode: {"median": 1000 * statistics.median(t), "best": 1000 * min(t)}
+                            for mode, t in times.items()}  # fmt: skip
+                print(f"  batch {batch}, {k} distinct (best ms):",
+                      {m: round(v["best"], 1) for m, v in out[key].items()}, flush=True)  # fmt: skip
     return out
 
 
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=LoRAPlan.num_requests)
     parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
+    parser.add_argument("--phases", nargs="+", help="run only these phases (base, base_eager, lora, merged, step_ms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
     args = parser.parse_args(argv)
@@ -230,21 +244,21 @@ def main(argv: list[str] | None = None) -> None:
         "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
     }  # fmt: skip
     for key, (what, run) in phases.items():
-        if key in results or (key == "merged" and args.skip_merged):
+        if key in results or (key == "merged" and args.skip_merged) or (args.phases and key not in args.phases):
             continue
         print(f"{what} ...", flush=True)
         results[key] = run()
         # After every phase: a run cut short keeps what it measured (--resume goes on from there).
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
-    base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
-    print(f"output tok/s: base {base:.1f}, base eager {results['base_eager']['output_tokens_per_s']:.1f}, "
-          f"8 LoRA {lora:.1f} ({lora / base:.2f}x base)")  # fmt: skip
+    if "base" in results and "lora" in results:
+        base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
+        print(f"output tok/s: base {base:.1f}, 8 LoRA {lora:.1f} ({lora / base:.2f}x base)")
     if "merged" in results:
         merged_tps = results["merged"]["output_tokens_per_s"]
         print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "
               f"vs LoRA server {results['lora']['rss_bytes'] / 2**30:.2f} GiB")  # fmt: skip
-    print("decode step ms:", {k: round(v, 1) for k, v in results["step_ms"].items()})
+
 
 
 if __name__ == "__main__":

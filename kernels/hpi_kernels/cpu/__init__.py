@@ -1,13 +1,14 @@
 """C++ CPU kernels (ATen + OpenMP), built with torch.utils.cpp_extension at first use and cached on disk.
 
 Importing this package builds nothing: `cpu_kernels_available()` (never raises) or the first kernel
-call does. See `_extension` for the build (flags, cache directory), `paged_attention`, `packed_linear` and
-`quant_linear` (int8 / int4 weights) for the ops.
+call does. See `_extension` for the build (flags, cache directory), `paged_attention`, `packed_linear`,
+`quant_linear` (int8 / int4 weights) and `lora_delta` (batched LoRA) for the ops.
 """
 
 from __future__ import annotations
 
 from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_kernels_available, load_extension
+from hpi_kernels.cpu.lora_delta import lora_add, lora_add_ref
 from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_logits, packed_weight_rows
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 from hpi_kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4_weight, pack_int8_weight
@@ -20,6 +21,8 @@ __all__ = [
     "int4_linear",
     "int8_linear",
     "load_extension",
+    "lora_add",
+    "lora_add_ref",
     "pack_int4_weight",
     "pack_int8_weight",
     "pack_linear_weight",

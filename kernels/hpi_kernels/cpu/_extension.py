@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_quant.cpp")
-)
+    for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_quant.cpp",
+                 "lora_delta.cpp")
+)  # fmt: skip
 
 # torch's per-capability compiler flags (cmake/Codegen.cmake), plus F16C, which every AVX2 CPU has and
 # at::vec's float16 conversions use.

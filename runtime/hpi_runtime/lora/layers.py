@@ -3,16 +3,17 @@
 Every adapted projection of the model (each layer's qkv_proj, o_proj, gate_up_proj and down_proj, whatever
 module computes it: float, int8/int4, packed for the CPU) gets a forward hook that adds the LoRA delta of
 each token's adapter: out[t] += B[s] @ (A[s] @ x[t]) with s = the token's slot (BASE_SLOT: nothing). Slot
-weights are kept as A [num_slots, parts * max_rank, in] and B [out, num_slots, parts * max_rank] in the
-activation dtype, zero-padded to max_rank with the scaling folded into B. A fused projection (qkv: parts q,
-k, v; gate_up: gate, up) stacks one rank block per part, and part p's output rows read only block p of B.
+weights are kept as A [num_slots, parts * max_rank, in] and B stored as [num_slots, parts * max_rank, out]
+(seen as [out, num_slots, parts * max_rank]) in the activation dtype, zero-padded to max_rank with the scaling
+folded into B. A fused projection (qkv: parts q, k, v; gate_up: gate, up) stacks one rank block per part, and
+part p's output rows read only block p of B.
 
-The delta is grouped by slot (the punica / S-LoRA idea, with torch ops): per distinct adapter present in the
-step, its tokens are gathered, run through two small matmuls and added back; when more than half the slots are
-present, two matmuls over all slots with a per-token one-hot mask cost less (LoRABatch). On CUDA the Triton
-kernel of hpi_kernels.lora (punica's BGMV: each token times its own slot's matrices, read in place) does both
-in two launches. Each is set up once per step on the host from the per-token slots (`LoRABatch.set_step`),
-so no layer synchronises with the device.
+The delta is grouped by slot (the punica / S-LoRA idea), in one of three forms (LoRABatch.mode): on CPU the
+C++ kernel hpi_kernels.cpu.lora_add (tokens grouped by slot inside, one call per projection; its inputs have
+the same shapes whatever the mix of adapters, so the compiled model step runs it: one graph for every mix); on
+CUDA the Triton kernel of hpi_kernels.lora (punica's BGMV); on a CPU where the C++ kernels do not build, torch
+ops per adapter present (or one-hot masked matmuls over all slots), eagerly. Each is set up once per step on
+the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
 
 Tensor parallelism: a column-parallel projection keeps the whole A and the rows of B its output holds; a
 row-parallel one (o_proj, down_proj) keeps the columns of A its input holds and the whole B: its delta is a
@@ -56,24 +57,33 @@ class PartSlice:
 class LoRABatch:
     """The current step's tokens by adapter slot; set by the runner before each forward.
 
-    Two ways to add the deltas, chosen per step from how many distinct adapters it holds (measured on CPU,
-    docs/lora.md): `groups`, one gather + two small matmuls + one scatter-add per adapter present, cheapest for
-    few adapters; or `one_hot` [num_tokens, num_slots], two matmuls over every slot's rank block with each
-    token's other blocks zeroed, whose cost does not grow with the number of adapters present."""
+    How the deltas are added (`mode`, chosen by the model's device and what builds there):
+    - "cpu": the C++ kernel hpi_kernels.cpu.lora_add, one call per projection with every token's slot
+      (`token_slots`, on the host, [num_tokens] even when no token has an adapter), its tokens grouped by slot
+      inside. The only form whose shapes do not depend on the mix of adapters, so the compiled step uses it:
+      one graph for every mix (compiled_model.py marks `token_slots` unbacked like the step's other inputs).
+    - "triton" (CUDA): hpi_kernels.lora_delta, punica's BGMV, two launches; `token_slots` on the device.
+    - "torch" (CPU without a C++ compiler; eager): `groups`, one gather + two small matmuls + one scatter-add
+      per adapter present, cheapest for few adapters; or `one_hot` [num_tokens, num_slots], two matmuls over
+      every slot's rank block with each token's other blocks zeroed, whose cost does not grow with the number
+      of adapters present (measured on CPU, docs/lora.md)."""
 
-    def __init__(self, num_slots: int, like: torch.Tensor) -> None:
-        self.num_slots, self.like = num_slots, like
+    def __init__(self, num_slots: int, like: torch.Tensor, mode: str) -> None:
+        self.num_slots, self.like, self.mode = num_slots, like, mode
         self.groups: tuple[tuple[int, torch.Tensor | None], ...] = ()  # (slot, token rows or None: all tokens)
         self.one_hot: torch.Tensor | None = None  # [num_tokens, num_slots] in the activation dtype
-        self.token_slots: torch.Tensor | None = None  # [num_tokens] int64 on the device: hpi_kernels.lora_delta
+        self.token_slots: torch.Tensor | None = None  # [num_tokens] int64: the kernels' input
 
-    def set_step(self, token_slots: np.ndarray | None, device: torch.device, use_kernel: bool | None = None) -> None:
-        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's.
-        `use_kernel` (default: on CUDA): the Triton BGMV kernel, one launch per shrink and expand."""
+    def set_step(self, token_slots: np.ndarray | None, device: torch.device, num_tokens: int) -> None:
+        """token_slots: [num_tokens] int64, BASE_SLOT for base-model tokens; None: every token is the base's."""
         self.groups, self.one_hot, self.token_slots = (), None, None
+        if self.mode == "cpu":
+            slots = np.full(num_tokens, BASE_SLOT, dtype=np.int64) if token_slots is None else token_slots
+            self.token_slots = torch.from_numpy(slots)
+            return
         if token_slots is None:
             return
-        if use_kernel if use_kernel is not None else device.type == "cuda":
+        if self.mode == "triton":
             self.token_slots = torch.from_numpy(token_slots).to(device)
             return
         slots = np.unique(token_slots)
@@ -87,6 +97,15 @@ class LoRABatch:
             self.groups = ((int(slots[0]), None),)
         else:
             self.groups = tuple((int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in slots)
+
+
+def delta_mode(device: torch.device) -> str:
+    """LoRABatch.mode for a model on `device`: the C++ kernel on CPU where it builds, Triton on CUDA."""
+    if device.type == "cuda":
+        return "triton"
+    from hpi_kernels.cpu import cpu_kernels_available
+
+    return "cpu" if cpu_kernels_available() else "torch"
 
 
 @dataclass(frozen=True)
@@ -107,11 +126,16 @@ class LoRAProjection:
         self.width = len(shape.parts) * max_rank  # W: one rank block per part
         like = batch.like
         self.a = like.new_zeros(num_slots, self.width, shape.in_features)  # [S, W, in]
-        self.b = like.new_zeros(shape.out_features, num_slots, self.width)  # [out, S, W]: B of slot s is b[:, s]
+        # B stored transposed, [S, W, out] (the C++ kernel's AXPYs run over contiguous outputs), and seen
+        # as [out, S, W] by the other forms: B of slot s is b[:, s].
+        self.bt = like.new_zeros(num_slots, self.width, shape.out_features)
+        self.b = self.bt.permute(2, 0, 1)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         x = args[0]  # [num_tokens, in]
+        if batch.mode == "cpu":
+            return torch.ops.hpi_kernels.lora_add(x, self.a, self.bt, batch.token_slots, output)
         if batch.token_slots is not None:
             from hpi_kernels import lora_delta
 
@@ -185,7 +209,8 @@ class LoRAModel:
         config: ModelConfig = model.config
         self.config, self.max_rank = config, max_rank
         # The activation dtype on the model's device (quantized weights are integers: the norms say it).
-        self.batch = LoRABatch(num_slots, model.model.norm.weight.new_zeros(0))
+        like = model.model.norm.weight.new_zeros(0)
+        self.batch = LoRABatch(num_slots, like, delta_mode(like.device))
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         self.host: dict[int, tuple[AdapterSpec, dict]] = {}  # lora_int_id -> (spec, tensors) in host memory
         for index, layer in enumerate(model.model.layers):

@@ -21,16 +21,19 @@ from collections.abc import Callable
 import torch
 
 from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.lora.layers import LoRABatch
 from hpi_runtime.models.decoder import DecoderForCausalLM
 
 
 class CompiledForward:
     """`model(input_ids, positions, metadata)`, compiled on first call (the runner's warm-up)."""
 
-    def __init__(self, model: DecoderForCausalLM, freeze_weights: bool) -> None:
+    def __init__(self, model: DecoderForCausalLM, freeze_weights: bool, lora: LoRABatch | None = None) -> None:
         # The model object itself stays eager (perplexity and tests call it directly).
         self._compiled = torch.compile(_own_code(model), fullgraph=True)
         self._freeze_weights = freeze_weights
+        # With LoRA, each token's adapter slot is a graph input too (lora/layers.py, LoRABatch, mode "cpu").
+        self._lora = lora
         self._sealed = False
 
     def seal(self) -> None:
@@ -50,6 +53,8 @@ class CompiledForward:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         metadata.mark_step_dynamic()
+        if self._lora is not None:
+            torch._dynamo.decorators.mark_unbacked(self._lora.token_slots, 0)
         if self._sealed:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return self._compiled(input_ids, positions, metadata)

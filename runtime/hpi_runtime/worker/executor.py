@@ -91,15 +91,15 @@ def kv_budget_bytes(config: ExecutorConfig, device: torch.device) -> int:
 
 
 def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfig | None:
-    """How the model step is compiled here; None: eagerly (asked for, with LoRA, for a vision-language model, for a
-    pipeline stage, or on CUDA, whose Triton attention backend is not a compilable op yet)."""
-    # With LoRA the step's per-token adapter groups change its shape of computation: it runs eagerly. So does a
-    # vision-language model's, which takes embeddings and [3, T] positions the compiled step does not, and a
-    # pipeline stage's, which takes the previous stage's hidden states as well.
+    """How the model step is compiled here; None: eagerly (asked for, for a vision-language model, for a pipeline
+    stage, or on CUDA, whose Triton attention backend is not a compilable op yet)."""
+    # A vision-language model's step takes embeddings and [3, T] positions the compiled step does not, and a
+    # pipeline stage's the previous stage's hidden states as well.
     eager_model = config.model_config.vision is not None or config.parallel.pipeline_parallel_size > 1
-    if config.enforce_eager or device.type != "cpu" or config.max_loras or eager_model:
+    if config.enforce_eager or device.type != "cpu" or eager_model:
         return None
-    freeze = config.freeze_weights and not config.quantization.enabled
+    # LoRA slots change between steps (adapters loaded at run time): nothing of theirs may become a constant.
+    freeze = config.freeze_weights and not config.quantization.enabled and not config.max_loras
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
 
 

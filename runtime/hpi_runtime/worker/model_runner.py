@@ -151,7 +151,7 @@ class ModelRunner:
         )
         metadata = self.backend.build_metadata(common)
         if self.lora is not None:
-            self.lora.batch.set_step(step.token_lora_slots, device)
+            self.lora.batch.set_step(step.token_lora_slots, device, len(step.input_ids))
         stage = self.model.stage
         if self.multimodal is not None:  # one stage only (engine_factory.check_pipeline_parallel)
             inputs_embeds, positions = self.multimodal.step_inputs(step)
@@ -306,8 +306,12 @@ class ModelRunner:
         if not getattr(self.backend, "supports_compile", False):
             logger.info("running the model eagerly: the %s attention backend is not compilable", self.backend.name)
             return
+        if self.lora is not None and self.lora.batch.mode != "cpu":  # only the C++ kernel's delta is one graph
+            logger.info("running the model eagerly: LoRA without the C++ CPU kernels")
+            return
         start = time.perf_counter()
-        self._forward = CompiledForward(self.model, config.freeze_weights)
+        lora_batch = None if self.lora is None else self.lora.batch
+        self._forward = CompiledForward(self.model, config.freeze_weights, lora_batch)
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for query_lens in config.warmup_steps():
             self.forward(_warmup_step(query_lens, self.block_size))

@@ -87,18 +87,19 @@ def test_tensor_parallel_shards_the_adapters_like_their_layers(tiny_model_dir, a
 
 @pytest.mark.parametrize("slots", [[0, -1, 1, 1, 0, -1], [1, 1, 1, 1, 1, 1], [0, 2, 3, 1, -1, 2]])
 def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
-    """Per-adapter groups, the one-hot masked matmuls and the Triton kernel (CUDA's path, here in Triton's
-    interpreter) add the same deltas to a projection's output."""
+    """Per-adapter groups, the one-hot masked matmuls, the Triton kernel (CUDA's path, here in Triton's
+    interpreter) and the C++ CPU kernel add the same deltas to a projection's output."""
     import numpy as np
     import torch
 
+    from hpi_kernels.cpu import cpu_kernels_available
     from hpi_runtime.lora.layers import LoRABatch, LoRAProjection, PartSlice, ProjectionShape
     from hpi_runtime.models.parallel import Span
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     generator = torch.Generator().manual_seed(0)
     shape = ProjectionShape((PartSlice("gate", 0, Span(0, 12)), PartSlice("up", 12, Span(0, 12))), None, 16, 24)
-    batch = LoRABatch(4, torch.zeros(0))
+    batch = LoRABatch(4, torch.zeros(0), "torch")
     projection = LoRAProjection(shape, 4, 4, batch)
     for slot in range(4):
         for part in ("gate", "up"):
@@ -110,9 +111,12 @@ def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
     for t, slot in enumerate(slots):
         if slot >= 0:
             expected[t] += projection.b[:, slot] @ (projection.a[slot] @ x[t])
-    for use_kernel in (False, True):  # without the kernel: groups or one-hot, by how many slots are present
-        batch.set_step(token_slots, torch.device("cpu"), use_kernel=use_kernel)
+    # "torch": groups or one-hot, by how many slots are present; "cpu": the C++ kernel (where it builds).
+    for mode in ("torch", "triton", *(("cpu",) if cpu_kernels_available() else ())):
+        batch.mode = mode
+        batch.set_step(token_slots, torch.device("cpu"), len(slots))
         torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)
+    batch.mode = "torch"
     batch.one_hot, batch.groups = None, tuple((s, torch.tensor([t for t, v in enumerate(slots) if v == s]))
                                               for s in sorted(set(slots) - {-1}))  # fmt: skip
     torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)

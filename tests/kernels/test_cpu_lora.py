@@ -1,0 +1,45 @@
+"""The C++ batched LoRA (hpi_kernels.cpu.lora_add) against the plain-PyTorch reference in float64: tokens of
+several slots interleaved with base tokens (slot -1), slots with more tokens than one tile and none at all, sizes
+that are no multiple of the vector width (the scalar tails), fp32 and bf16; and bad inputs refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpi_kernels.cpu import load_extension, lora_add, lora_add_ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension() -> str:
+    return load_extension()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features"),
+                         [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33)])  # fmt: skip
+def test_matches_the_float64_reference(dtype, tokens, slots, width, in_features, out_features) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, in_features, generator=g).to(dtype)
+    a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(dtype)
+    bt = (torch.randn(slots, width, out_features, generator=g) * 0.1).to(dtype)
+    out = torch.randn(tokens, out_features, generator=g).to(dtype)
+    # Slot 0 gets most tokens (several tiles), the last slot none; every third token is the base model's.
+    token_slots = torch.tensor([-1 if t % 3 == 2 else (0 if t % 2 else t % max(slots - 1, 1)) for t in range(tokens)])
+    got = lora_add(x, a, bt, token_slots, out)
+    want = lora_add_ref(x.double(), a.double(), bt.double(), token_slots, out.double())
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got.double(), want, **tolerance)
+    base = token_slots < 0
+    assert torch.equal(got[base], out[base])  # base tokens untouched, bit for bit
+    assert not torch.allclose(got[~base].double(), out[~base].double(), atol=1e-3)  # the delta is really there
+
+
+def test_bad_inputs_are_refused() -> None:
+    x, a, bt, out = torch.randn(2, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 6), torch.randn(2, 6)
+    with pytest.raises(ValueError, match="slot 2"):
+        lora_add(x, a, bt, torch.tensor([0, 2]), out)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_add(x, a, bt, torch.tensor([0, 1]), torch.randn(2, 5))
+    with pytest.raises(ValueError, match="share one dtype"):
+        lora_add(x, a.double(), bt, torch.tensor([0, 1]), out)
