@@ -358,7 +358,8 @@ class Scheduler:
             self._preempted_ids.clear()
             if self.encoder_cache is not None:
                 self.encoder_cache.clear_freed()
-        self._scheduled.append({request.request_id: request for request, _, _ in scheduled})
+            # What update_from_output (or fail_scheduled) pops when this batch's output comes back, oldest first.
+            self._scheduled.append({request.request_id: request for request, _, _ in scheduled})
         return output
 
     def _encoder_output(self) -> dict:
