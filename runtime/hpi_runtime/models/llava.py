@@ -18,7 +18,7 @@ from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.models.config import ModelConfig, VisionConfig
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.family import FamilyRules
-from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from hpi_runtime.multimodal.inputs import MultiModalInput
 
 # saved name prefix -> ours (transformers 5 saves the first form, older llava-hf checkpoints the second)
@@ -50,13 +50,18 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     config_rules: ClassVar[LlavaRules] = LlavaRules()
     unpacked_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE,
+        stage: PipelineStage = SINGLE_STAGE,
+    ) -> None:  # fmt: skip
         from transformers import AutoModel, LlavaConfig
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
         if tp.size > 1:
             raise ValueError("LLaVA runs with tensor_parallel_size 1 (the vision tower is not split)")
-        super().__init__(config, backend, tp)
+        if stage.size > 1:  # engine_factory.check_pipeline_parallel refuses it first
+            raise ValueError(f"{config.architecture} runs with pipeline_parallel_size 1 (the tower is not split)")
+        super().__init__(config, backend, tp, stage)
         hf_config = LlavaConfig.from_pretrained(config.model_dir)
         hf_config.vision_config._attn_implementation = "sdpa"
         self.vision_tower = AutoModel.from_config(hf_config.vision_config)

@@ -23,7 +23,7 @@ import torch
 
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.models.config import ModelConfig, VisionConfig
-from hpi_runtime.models.parallel import SINGLE, TensorParallel
+from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from hpi_runtime.models.qwen2 import Qwen2ForCausalLM, Qwen2Rules
 from hpi_runtime.multimodal.inputs import MultiModalInput
 
@@ -77,12 +77,17 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     vision_classes: ClassVar[tuple[str, str, str]] = (
         "qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel")
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel = SINGLE,
+        stage: PipelineStage = SINGLE_STAGE,
+    ) -> None:  # fmt: skip
         import importlib
 
         if tp.size > 1:
             raise ValueError(f"{config.architecture} runs with tensor_parallel_size 1 (the vision tower is not split)")
-        super().__init__(config, backend, tp)
+        if stage.size > 1:  # engine_factory.check_pipeline_parallel refuses it first
+            raise ValueError(f"{config.architecture} runs with pipeline_parallel_size 1 (the tower is not split)")
+        super().__init__(config, backend, tp, stage)
         family, config_class, tower_class = self.vision_classes
         configuration = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
         modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")

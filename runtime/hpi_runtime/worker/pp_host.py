@@ -105,6 +105,10 @@ def _watch(store, layout: GroupLayout, ranks: dict, state: dict, stop: threading
         try:
             store.add(heartbeat_key(layout.node_rank), 1)
             if store.check([ABORT_KEY]):
+                # After the leader's graceful shutdown the ranks have stopped on its word and exit 0: the key it
+                # sets last may be seen before they are gone. After a failure they do not stop cleanly.
+                if _stopped_cleanly(ranks):
+                    return 0
                 logger.error("%s: the leader ended the group: %s", name, store.get(ABORT_KEY).decode())
                 return 1
             if not state["ready"]:
