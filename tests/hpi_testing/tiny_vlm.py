@@ -74,7 +74,18 @@ def build_tiny_qwen2_vl(
     )  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
-    with torch.no_grad():  # wider than transformers' init: decisive greedy tokens, image rows that matter
+    return _save_random(model, tokenizer, out_dir, {
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
+        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
+    })  # fmt: skip
+
+
+def _save_random(model, tokenizer, out_dir: str | Path, preprocessor: dict) -> Path:
+    """Re-draw the model's matrices wider than transformers' init (decisive greedy tokens, image rows that
+    matter) and save it with its tokenizer and image processor config."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.15 if "embed_tokens" in name or "lm_head" in name else 0.08)
@@ -82,10 +93,7 @@ def build_tiny_qwen2_vl(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": max_pixels,
-        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
-    }))  # fmt: skip
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return out_dir
 
 
@@ -137,16 +145,7 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15 if "embed_tokens" in name or "lm_head" in name else 0.08)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps({
+    return _save_random(model, tokenizer, out_dir, {
         "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": LLAVA_IMAGE_SIDE},
         "crop_size": {"height": LLAVA_IMAGE_SIDE, "width": LLAVA_IMAGE_SIDE},
-    }))  # fmt: skip
-    return out_dir
+    })  # fmt: skip
