@@ -10,6 +10,8 @@ One group per replica, `size` pods per group, one pipeline stage per pod (profil
 - workers run their stage only. They have no probes: the leader watches them (a dead or stalled worker fails
   the leader's requests and health, and the leader exits), and `RecreateGroupOnPodRestart` restarts the group
   as a whole when any pod restarts;
+- every pod gets the stage split the operator sized each stage's memory for (profile.layer_partition) as
+  `VLLM_PP_LAYER_PARTITION`, so the runtime loads exactly those layers;
 - `startupPolicy: LeaderCreated`: workers start with the leader, which waits for them (LeaderReady would wait
   for a leader that is only ready once its workers have joined);
 - a pool setting `topologyKey` (spec.placement.pools[]) adds LWS's exclusive-topology annotation: one group per
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+
+from hpi_contracts.pipeline_split import PP_LAYER_PARTITION_ENV, format_partition
 
 from .manifests import Owner, deployment_name, pod_template, short_name
 from .names import LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_GROUP_MEMBER
@@ -55,6 +59,16 @@ def _worker_template(leader: dict[str, Any]) -> dict[str, Any]:
     return worker
 
 
+def _pin_layer_partition(template: dict[str, Any], profile: Profile) -> None:
+    """Every pod loads the layers the operator sized its memory for: the split travels as the runtime's
+    $VLLM_PP_LAYER_PARTITION, unless spec.runtime.env sets it (the user's split wins)."""
+    for container in template["spec"]["containers"]:
+        env = container.setdefault("env", [])
+        if profile.layer_partition and all(e["name"] != PP_LAYER_PARTITION_ENV for e in env):
+            value = format_partition(profile.layer_partition)
+            container["env"] = [*env, {"name": PP_LAYER_PARTITION_ENV, "value": value}]
+
+
 def build_leaderworkerset(
     owner: Owner, spec: InferenceSpec, pool: Pool, profile: Profile, replicas: int, cached_dir: str | None = None,
     pool_profile_configmap: str | None = None,
@@ -62,6 +76,7 @@ def build_leaderworkerset(
     """The LeaderWorkerSet that runs `replicas` groups of `profile.num_nodes` pods on `pool`."""
     leader = pod_template(owner, spec, pool, profile, cached_dir, pool_profile_configmap)
     leader["metadata"]["labels"].update(group_labels(owner.name))
+    _pin_layer_partition(leader, profile)
     worker = _worker_template(leader)
     annotations: dict[str, str] = {}
     topology_key = spec.placement.pool(pool.name).topology_key

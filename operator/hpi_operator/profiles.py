@@ -29,7 +29,7 @@ from .sizing import (
     kv_cache_bytes,
     overhead_bytes,
     splits_heads,
-    stage_layers,
+    stage_partition,
     stage_weight_bytes,
     why_heads_do_not_split,
 )
@@ -62,6 +62,7 @@ class Profile:
     prequantized: bool = False  # the checkpoint's own int8/int4: the runtime loads it as is (no --quantization)
     kv_offload_bytes: int = 0  # host memory for the runtime's second KV tier, over the whole pod
     num_nodes: int = 1  # pipeline stages, one pod (node) each: more than one is a LeaderWorkerSet group
+    layer_partition: tuple[int, ...] = ()  # decoder layers per stage (the runtime's $VLLM_PP_LAYER_PARTITION)
 
     @property
     def multi_node(self) -> bool:
@@ -342,6 +343,7 @@ def _fitting_choice(pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: s
         prequantized=stored != "none",
         kv_offload_bytes=kv_offload_bytes(pool, spec, attempt.num_gpus, kv_bytes),
         num_nodes=attempt.num_nodes,
+        layer_partition=stage_partition(shape, attempt.num_nodes) if attempt.num_nodes > 1 else (),
     )
     per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes)
     if profile.multi_node:
@@ -368,7 +370,7 @@ def _pipeline_note(shape: ModelShape, attempt: _Attempt, pinned: bool) -> str:
     gpus = f" x {attempt.num_gpus} GPUs" if attempt.num_gpus > 1 else ""
     why = "spec.parallelism" if pinned else "one node holds no precision"
     return (f" ({attempt.num_nodes} nodes per replica, a LeaderWorkerSet group: {attempt.num_nodes} pipeline stages of "
-            f"up to {stage_layers(shape, attempt.num_nodes)} layers{gpus}; {why})")  # fmt: skip
+            f"{'+'.join(map(str, stage_partition(shape, attempt.num_nodes)))} layers{gpus}; {why})")  # fmt: skip
 
 
 def _no_fit_reason(pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: str, quantizations: list[str],

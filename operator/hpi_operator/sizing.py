@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from hpi_contracts import kv_cache
+from hpi_contracts.pipeline_split import balanced_partition, lm_head_layer_cost
 from hpi_contracts.serve_flags import SERVE_FLAGS
 
 from .spec import ModelSize, ModelSpec, SpecError, base_model_name
@@ -184,24 +185,37 @@ def weight_bytes(shape: ModelShape, dtype: str, quantization: str, prequantized:
     return math.ceil(linear * per_weight) + kept * dense
 
 
+def stage_partition(shape: ModelShape, num_stages: int = 1) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, first stage first: the runtime's split (hpi_contracts.pipeline_split),
+    balanced by cost with the LM head on the last stage counted in layers. One layer's active parameters are what
+    is left of the active parameters without the vocabulary matrix and the vision tower (an untied head counts
+    as a little layer work: a slightly smaller head cost)."""
+    layers_only = active_parameters(shape) - shape.num_embedding_parameters - shape.num_vision_parameters
+    layer_parameters = layers_only // max(shape.num_layers, 1)
+    head_cost = lm_head_layer_cost(shape.vocab_size, shape.hidden_size, layer_parameters)
+    return balanced_partition(shape.num_layers, max(num_stages, 1), head_cost)
+
+
 def stage_layers(shape: ModelShape, num_stages: int = 1) -> int:
-    """Decoder layers of the fullest pipeline stage: consecutive layers split as evenly as they go, as the
-    runtime splits them."""
-    return -(-shape.num_layers // max(num_stages, 1))
+    """Decoder layers of the fullest pipeline stage (its KV cache)."""
+    return max(stage_partition(shape, num_stages))
 
 
 def stage_weight_bytes(
     shape: ModelShape, dtype: str, quantization: str, num_stages: int = 1, prequantized: bool = False
 ) -> int:
-    """Weight bytes of the fullest of `num_stages` pipeline stages (the whole model for one): its share of the
-    decoder layers and one vocabulary matrix (the embedding on the first stage, the LM head on the last)."""
+    """Weight bytes of the fullest of `num_stages` pipeline stages (the whole model for one): its decoder layers
+    plus one vocabulary matrix, the embedding on the first stage (with the vision tower, if any) and the LM head on
+    the last (a tied head is a copy there)."""
     total = weight_bytes(shape, dtype, quantization, prequantized)
     if num_stages <= 1:
         return total
-    # The first stage also runs the vision tower, if any: counted in full on the fullest stage (conservative).
-    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters)
-    whole = (vocabulary + shape.num_vision_parameters) * DTYPE_BYTES[dtype]
-    return math.ceil((total - whole) * stage_layers(shape, num_stages) / shape.num_layers) + whole
+    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters) * DTYPE_BYTES[dtype]
+    vision = shape.num_vision_parameters * DTYPE_BYTES[dtype]
+    per_layer = (total - vocabulary - vision) / shape.num_layers
+    partition = stage_partition(shape, num_stages)
+    first, last = partition[0] * per_layer + vocabulary + vision, partition[-1] * per_layer + vocabulary
+    return math.ceil(max(first, last, max(partition[1:-1], default=0) * per_layer))
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_stages: int = 1) -> int:

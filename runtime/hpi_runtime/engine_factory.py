@@ -26,7 +26,7 @@ from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_backend, resolve_device
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
-from hpi_runtime.models.parallel import split_heads, stage_layers
+from hpi_runtime.models.parallel import pipeline_partition, split_heads
 from hpi_runtime.quantization.quantize import QuantizationConfig, resolve_quantization
 from hpi_runtime.spec_decode.draft_config import resolve_draft_model
 from hpi_runtime.worker.executor import ExecutorConfig
@@ -136,7 +136,7 @@ def check_pipeline_parallel(args: EngineArgs, model_config: ModelConfig) -> None
     layout = resolve_layout(parallel, os.environ)
     if not layout.is_distributed:
         return
-    stage_layers(model_config.num_layers, parallel.pipeline_parallel_size, 0)
+    pipeline_partition(model_config, parallel.pipeline_parallel_size, os.environ)
     if args.speculative.speculative_config is not None:
         raise ValueError("speculative decoding runs with pipeline_parallel_size 1 only")
     if args.lora.enable_lora:

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+from hpi_contracts.pipeline_split import PP_LAYER_PARTITION_ENV
 from hpi_operator.manifests_lws import EXCLUSIVE_TOPOLOGY_ANNOTATION
 from hpi_operator.names import LABEL_DEPLOYMENT, LABEL_GROUP_MEMBER
 from hpi_operator.nodes import group_pools, node_info
 from hpi_operator.plan import make_plan
 from hpi_operator.profiles import choose_profile
-from hpi_operator.sizing import model_shape, stage_layers, stage_weight_bytes, weight_bytes
+from hpi_operator.sizing import model_shape, stage_layers, stage_partition, stage_weight_bytes, weight_bytes
 from hpi_operator.spec import SpecError, parse_spec
 from hpi_testing.crd_schema import apply_schema, crd_schemas
 from hpi_testing.kube_emulator import H100, make_node
@@ -61,7 +62,12 @@ def flag(args: list[str], name: str) -> str | None:
 
 def test_a_stage_holds_its_share_of_the_layers_and_one_vocabulary_matrix() -> None:
     shape = model_shape(parse_spec({"model": LLAMA_405B}).model)
-    assert stage_layers(shape, 4) == 32 and stage_layers(shape, 5) == 26  # 126 layers: 32+32+31+31, 26x4+22
+    # 126 layers, the LM head about 0.66 of a layer (128256 x 16384 against ~3.2e9 parameters a layer): the last
+    # stage takes the smaller share, as the runtime splits them (hpi_contracts.pipeline_split).
+    assert stage_partition(shape, 4) == (32, 32, 31, 31) and stage_partition(shape, 5) == (26, 25, 25, 25, 25)
+    assert stage_layers(shape, 4) == 32 and stage_layers(shape, 5) == 26
+    # The embedded model's head is 8 of its 3.5e6-parameter layers: 19 + (11 + 8), as its runtime splits it.
+    assert stage_partition(model_shape(parse_spec({}).model), 2) == (19, 11)
     whole = weight_bytes(shape, "bf16", "int4")
     vocabulary = shape.vocab_size * shape.hidden_size * 2
     assert stage_weight_bytes(shape, "bf16", "int4", 1) == whole
@@ -79,7 +85,7 @@ def test_a_model_no_node_holds_says_how_many_nodes_would_and_spans_them_when_all
     chosen = choose(l4_nodes, LLAMA_405B, placement={"maxNodesPerReplica": 16})
     profile = chosen.profile
     assert profile is not None and (profile.num_nodes, profile.num_gpus, profile.quantization) == (4, 4, "int4")
-    assert "4 pipeline stages of up to 32 layers x 4 GPUs" in chosen.reason
+    assert "4 pipeline stages of 32+32+31+31 layers x 4 GPUs" in chosen.reason
     assert "none, int8 did not fit" in chosen.reason
     assert chosen.capacity == 4  # 16 nodes, 4 per group
     assert profile.needed_bytes <= profile.memory_budget_bytes  # per stage, within one node's 4 GPUs
@@ -144,6 +150,20 @@ def test_the_pool_becomes_a_leaderworkerset_that_lws_own_schema_accepts(
     assert not plan.profile_targets  # a group is not measured by a one-pod profiling Job
     [pool] = [p for p in plan.choices if p.profile is not None]
     assert f"x{size} nodes" in pool.profile.label()
+    # Every pod loads the layers its memory was sized for: the operator's split, as the runtime's variable.
+    partition = {e["name"]: e.get("value") for e in leader["spec"]["containers"][0]["env"]}[PP_LAYER_PARTITION_ENV]
+    assert tuple(map(int, partition.split(","))) == pool.profile.layer_partition
+    assert len(pool.profile.layer_partition) == size and sum(pool.profile.layer_partition) == 126
+    assert leader["spec"]["containers"][0]["env"] == worker["spec"]["containers"][0]["env"]
+
+
+def test_a_layer_partition_in_the_runtime_env_wins_over_the_operators() -> None:
+    env = [{"name": PP_LAYER_PARTITION_ENV, "value": "70,56"}]
+    plan = make_plan(cr({"model": LLAMA_405B, "placement": {"maxNodesPerReplica": 4}, "runtime": {"env": env}}),
+                     nodes(L40S_X4, 4))  # fmt: skip
+    for role in ("leaderTemplate", "workerTemplate"):
+        container = lws_of(plan)["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"][0]
+        assert [e for e in container["env"] if e["name"] == PP_LAYER_PARTITION_ENV] == env
 
 
 def test_runtime_parser_accepts_the_group_args() -> None:

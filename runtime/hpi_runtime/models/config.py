@@ -141,6 +141,21 @@ class ModelConfig:
         use_long = max_model_len > rope.original_max_position_embeddings
         return replace(self, rope=replace(rope, use_long_factor=use_long))
 
+    @property
+    def num_layer_parameters(self) -> int:
+        """The parameters one token runs through in an average decoder layer: the attention projections and the
+        dense MLP or the router, the top-k experts and the shared expert (what a layer costs per token; the
+        pipeline split weighs the LM head against it)."""
+        attention = 2 * self.hidden_size * (self.num_heads + self.num_kv_heads) * self.head_dim
+        dense = 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return attention + dense
+        moe = self.moe
+        experts_run = moe.num_experts_per_tok * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
+        routed = self.hidden_size * moe.num_experts + 3 * self.hidden_size * experts_run
+        num_dense = len(moe.dense_layer_ids)
+        return attention + (num_dense * dense + (self.num_layers - num_dense) * routed) // self.num_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers, unsharded."""
         return kv_cache.kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)

@@ -14,10 +14,16 @@ heads that read it), so GQA stays uniform inside every rank:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hpi_contracts.pipeline_split import layer_partition, lm_head_layer_cost
+
+if TYPE_CHECKING:
+    from hpi_runtime.models.config import ModelConfig
 
 MLP_SPLIT_UNIT = 32  # intermediate columns move between ranks in 32s, so int4 groups of 32 never straddle
 
@@ -177,10 +183,16 @@ class PipelineStage:
 SINGLE_STAGE = PipelineStage()
 
 
-def stage_layers(num_layers: int, pp_size: int, stage: int) -> Span:
-    """The consecutive layers of pipeline stage `stage`: balanced, the larger stages first (vLLM puts the extra
-    layers last; here the last stage also carries the norm, LM head and sampler, so it takes the smaller share)."""
-    if pp_size > num_layers:
-        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers: every stage "
-                         "needs at least one")  # fmt: skip
-    return balanced_span(num_layers, pp_size, stage)
+def pipeline_partition(model_config: ModelConfig, pp_size: int, environ: Mapping[str, str]) -> tuple[int, ...]:
+    """Layers per pipeline stage, first stage first: balanced by cost, the last stage's LM head counted in layers
+    (hpi_contracts.pipeline_split, which the operator sizes each stage's memory with), unless
+    $VLLM_PP_LAYER_PARTITION in `environ` says otherwise. Every host of a group computes the same split."""
+    head_cost = lm_head_layer_cost(model_config.vocab_size, model_config.hidden_size, model_config.num_layer_parameters)
+    return layer_partition(model_config.num_layers, pp_size, head_cost, environ)
+
+
+def stage_layers(partition: tuple[int, ...], stage: int) -> Span:
+    """The consecutive layers of pipeline stage `stage` under `partition` (layer counts per stage)."""
+    if not 0 <= stage < len(partition):
+        raise ValueError(f"pipeline stage {stage} of {len(partition)} does not exist")
+    return Span(sum(partition[:stage]), partition[stage])

@@ -120,7 +120,7 @@ def run_rank(spec: RankSpec) -> None:
 
 
 def _start(spec: RankSpec, store: dist.TCPStore):
-    from hpi_runtime.models.parallel import SINGLE, PipelineStage, TensorParallel, stage_layers
+    from hpi_runtime.models.parallel import SINGLE, PipelineStage, TensorParallel, pipeline_partition, stage_layers
     from hpi_runtime.worker.executor import LocalExecutor
     from hpi_runtime.worker.pp_link import StageLink
 
@@ -143,7 +143,7 @@ def _start(spec: RankSpec, store: dist.TCPStore):
         dtype=config.dtype,
         device=device,
     )
-    layers = stage_layers(config.model_config.num_layers, num_stages, stage)
+    layers = stage_layers(pipeline_partition(config.model_config, num_stages, os.environ), stage)
     executor = LocalExecutor(config, tp, device, PipelineStage(stage, num_stages, layers, link))
     logger.info("stage %d of %d: layers %d-%d, tensor-parallel rank %d of %d, %d KV blocks", stage, num_stages,
                 layers.start, layers.stop - 1, tp_rank, t, executor.num_kv_blocks)  # fmt: skip

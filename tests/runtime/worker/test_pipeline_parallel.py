@@ -14,7 +14,8 @@ import pytest
 
 from hpi_runtime.config import ParallelConfig
 from hpi_runtime.llm import LLM
-from hpi_runtime.models.parallel import stage_layers
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.models.parallel import Span, pipeline_partition, stage_layers
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.pp_layout import GroupLayout, interface_towards, resolve_layout
 
@@ -70,13 +71,20 @@ def test_bad_leaderworkerset_environment_is_a_clear_error() -> None:
         resolve_layout(ParallelConfig(pipeline_parallel_size=2), {"LWS_GROUP_SIZE": "two"})
 
 
-def test_stages_split_layers_consecutively_and_need_one_each() -> None:
-    assert [stage_layers(30, 4, s) for s in range(4)] == [
-        stage_layers(30, 4, 0), stage_layers(30, 4, 1), stage_layers(30, 4, 2), stage_layers(30, 4, 3)]  # fmt: skip
-    spans = [stage_layers(30, 4, s) for s in range(4)]
-    assert [(s.start, s.size) for s in spans] == [(0, 8), (8, 8), (16, 7), (23, 7)]
-    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
-        stage_layers(2, 3, 0)
+def test_stages_split_layers_consecutively_by_cost_as_the_operator_sizes_them(embedded_model_dir: Path) -> None:
+    from hpi_operator.sizing import KNOWN_SHAPES, stage_partition  # the test environment has every component
+
+    config = load_model_config(embedded_model_dir)
+    assert config.num_layer_parameters == 2 * 576 * (9 + 3) * 64 + 3 * 576 * 1536  # SmolLM2-135M's layer
+    # The head (49152 x 576) is 8 layers' work on the last stage: 19 | 11 + 8, where the operator sized them.
+    partition = pipeline_partition(config, 2, {})
+    assert partition == (19, 11) == stage_partition(KNOWN_SHAPES["smollm2-135m-instruct"], 2)
+    assert [stage_layers(partition, s) for s in (0, 1)] == [Span(0, 19), Span(19, 11)]
+    assert pipeline_partition(config, 2, {"VLLM_PP_LAYER_PARTITION": "15,15"}) == (15, 15)
+    with pytest.raises(ValueError, match="exceeds the model's 30 layers"):
+        pipeline_partition(config, 31, {})
+    with pytest.raises(ValueError, match="pipeline stage 2 of 2 does not exist"):
+        stage_layers(partition, 2)
 
 
 def test_the_interface_towards_the_leader_is_the_routed_one() -> None:
