@@ -47,6 +47,11 @@ WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
 MAX_LORA_LABEL = "max_lora"
 LORA_LOADS = "hpi:lora_loads"  # adapters copied into a device slot (from host memory, read from disk if evicted)
 LORA_EVICTIONS = "hpi:lora_evictions"  # adapters dropped from host memory (least recently used, --max-cpu-loras)
+# Pipeline parallelism (only with --pipeline-parallel-size > 1): seconds each stage (label `stage`, its first
+# tensor-parallel rank) spent computing rather than waiting for a step or the previous stage's hidden states, since
+# its first step, published by the ranks about once a second. rate() of it is the stage's busy fraction.
+PIPELINE_STAGE_BUSY_SECONDS = "hpi:pipeline_stage_busy_seconds"
+STAGE_LABEL = "stage"
 # The project's own: 1 while the server is ready to take requests (the router reads it).
 READY = "hpi:ready"
 # 1 while the engine sleeps (vLLM's sleep mode: POST /sleep frees its KV cache or weights; it is not ready then).

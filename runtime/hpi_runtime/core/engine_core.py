@@ -252,6 +252,7 @@ class EngineCore:
             **(scheduler.spec_policy.stats.as_engine_stats() if scheduler.spec_policy is not None else {}),
             **scheduler.lora_stats(),
             **_encoder_stats(scheduler),
+            pipeline_stage_busy_s=self.executor.stage_busy_s(),
         )
 
     def shutdown(self) -> None:

@@ -83,6 +83,8 @@ class EngineStats(msgspec.Struct, frozen=True, gc=False):
     encoder_cache_queries: int = 0  # images whose embeddings a prefill needed
     encoder_cache_hits: int = 0  # of those, found already computed
     encoder_cache_usage: float = 0.0  # 0..1, embedding rows held for running requests over the cache's size
+    # Pipeline parallelism (empty without it): per stage, cumulative seconds computing rather than waiting.
+    pipeline_stage_busy_s: tuple[float, ...] = ()
 
 
 # Frontend -> core messages.

@@ -174,6 +174,11 @@ class ModelExecutor(Protocol):
         """Restore what `sleep` released (the same number of KV blocks, the same weights); returns the bytes."""
         ...
 
+    def stage_busy_s(self) -> tuple[float, ...]:
+        """Per pipeline stage: seconds spent computing, not waiting, since its first step (refreshed about once a
+        second); () without pipeline parallelism."""
+        ...
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(ExecutorDeadError)` (from any thread) if the executor dies between steps."""
         ...

@@ -110,6 +110,9 @@ class ServingMetrics:
         self._encoder_usage = Gauge("hpi:encoder_cache_usage_perc", "Encoder cache usage, 0 to 1: embedding rows "
                                     "held for running requests (kept rows nobody uses count as free).", labels,
                                     registry=reg)  # fmt: skip
+        self._stage_busy = Counter(names.PIPELINE_STAGE_BUSY_SECONDS, "Seconds each pipeline stage spent computing "
+                                   "rather than waiting (rate(): its busy fraction).", labels + [names.STAGE_LABEL],
+                                   registry=reg)  # fmt: skip
         profile_labels = labels + ["source"]
         self._profile = {
             names.PROFILE_ITL_ALPHA: Gauge(names.PROFILE_ITL_ALPHA, "Pool profile: decode step time with an empty "
@@ -125,7 +128,7 @@ class ServingMetrics:
         self._max_loras: int | None = None  # set_max_loras: LoRA is on
         self._model = model_name
         self._block_bytes = 0  # bytes of one KV block over all ranks, once the footprint is known
-        self._last: dict[str, int] = {}
+        self._last: dict[str, float] = {}
         for counter in (self._prompt_tokens, self._generation_tokens, self._preemptions, self._prefix_queries,
                         self._prefix_hits, self._prefill_computed):
             counter.labels(model_name)  # exported at 0 from the start
@@ -243,9 +246,11 @@ class ServingMetrics:
             ("encoder_hits", stats.encoder_cache_hits, self._encoder_hits.labels(model)),
         ):  # fmt: skip
             self._advance(key, total, child)
+        for stage, busy_s in enumerate(stats.pipeline_stage_busy_s):
+            self._advance(f"stage_busy_{stage}", busy_s, self._stage_busy.labels(model, str(stage)))
         self._refresh_lora(stats)
 
-    def _advance(self, key: str, total: int, child) -> None:
+    def _advance(self, key: str, total: float, child) -> None:
         """Bring one counter up to the engine's cumulative total."""
         delta = total - self._last.get(key, 0)
         if delta > 0:

@@ -203,6 +203,9 @@ class LocalExecutor:
         """Restore what `sleep` released; returns the bytes restored."""
         return self.sleeper.wake_up()
 
+    def stage_busy_s(self) -> tuple[float, ...]:
+        return ()  # one pipeline stage
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Nothing outside this process can fail under it; a failing step raises from execute_model."""
 

@@ -41,6 +41,7 @@ from hpi_runtime.worker.pp_worker import (
     ABORT_KEY,
     FAILURES_KEY,
     GROUP_COMPLETE_KEY,
+    STATS_INTERVAL_S,
     RankSpec,
     connect_store,
     init_world,
@@ -76,6 +77,8 @@ class PipelineExecutor:
         self._pending: queue.Queue[Future | None] = queue.Queue()  # submitted, in order, awaiting samples
         self._futures: list[Future] = []  # not yet resolved (failed together on death)
         self._sends: list = []  # step messages on the wire
+        self._busy_s: tuple[float, ...] = ()  # stage_busy_s's last reading, and when
+        self._busy_read_at = -STATS_INTERVAL_S
         self._answering_rank = 1 + layout.stage_model_ranks(layout.pipeline_parallel_size - 1)[0]
         self._store = connect_store(layout, is_master=True)
         context = multiprocessing.get_context("spawn")
@@ -291,6 +294,17 @@ class PipelineExecutor:
             if self._store.check([f"stats/{m}"]):
                 stats[m] = json.loads(self._store.get(f"stats/{m}"))
         return stats
+
+    def stage_busy_s(self) -> tuple[float, ...]:
+        """Each stage's busy seconds as its first tensor-parallel rank last published them; read from the store at
+        most once per STATS_INTERVAL_S (the engine asks every step)."""
+        now = time.monotonic()
+        if now - self._busy_read_at >= STATS_INTERVAL_S:
+            stats = self.stage_stats()
+            first_ranks = [self.layout.stage_model_ranks(s)[0] for s in range(self.layout.pipeline_parallel_size)]
+            self._busy_s = tuple(stats.get(m, {}).get("busy_s", 0.0) for m in first_ranks)
+            self._busy_read_at = now
+        return self._busy_s
 
     def sleep(self, level: int) -> int:
         raise ValueError("sleep mode is not available with pipeline parallelism")

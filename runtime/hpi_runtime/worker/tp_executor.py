@@ -214,6 +214,9 @@ class MultiprocExecutor:
             raise RuntimeError("; ".join(map(str, failures)))
         return sum(replies)
 
+    def stage_busy_s(self) -> tuple[float, ...]:
+        return ()  # one pipeline stage
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._callbacks.append(callback)
         if self._dead is not None and not self._closing:

@@ -53,6 +53,9 @@ class FakeExecutor:
         self.host_slots = [-1] * (self.num_host_kv_blocks * self.block_size)
         self.num_copied_blocks = 0
 
+    def stage_busy_s(self) -> tuple[float, ...]:
+        return ()
+
     def register_failure_callback(self, callback) -> None:
         pass  # runs in this process: nothing can fail under it between steps
 

@@ -10,13 +10,16 @@ import multiprocessing
 import socket
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hpi_runtime.config import ParallelConfig
+from hpi_runtime.core.engine_io import EngineStats
 from hpi_runtime.llm import LLM
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.parallel import Span, pipeline_partition, stage_layers
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.server.metrics import ServingMetrics
 from hpi_runtime.worker.pp_layout import GroupLayout, interface_towards, resolve_layout
 
 PROMPTS = [
@@ -87,6 +90,18 @@ def test_stages_split_layers_consecutively_by_cost_as_the_operator_sizes_them(em
         stage_layers(partition, 2)
 
 
+def test_stage_busy_seconds_are_a_counter_per_stage_on_metrics() -> None:
+    metrics = ServingMetrics("m")
+    idle = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+    for busy_s in ((1.5, 2.0), (2.5, 2.25)):  # cumulative, as the engine reports them
+        metrics.refresh(msgspec.structs.replace(idle, pipeline_stage_busy_s=busy_s))
+    rendered = metrics.render().decode()
+    assert 'hpi:pipeline_stage_busy_seconds_total{model_name="m",stage="0"} 2.5' in rendered
+    assert 'hpi:pipeline_stage_busy_seconds_total{model_name="m",stage="1"} 2.25' in rendered
+    metrics.refresh(idle)  # one stage: no series
+    assert 'stage="2"' not in metrics.render().decode()
+
+
 def test_the_interface_towards_the_leader_is_the_routed_one() -> None:
     assert interface_towards("127.0.0.1", 29500) == "lo"
     assert GroupLayout(1, 2, 2, 0, "127.0.0.1", 29500, 30.0).heartbeat_timeout_s == 5.0
@@ -119,6 +134,7 @@ def test_pipeline_matches_one_process(tiny_model_factory, arch: str, overrides: 
     assert len({tokens for tokens in expected}) > 1  # the prompts lead different ways
     assert stats.num_preemptions > 0  # the small KV budget preempted (and recomputed) requests
     assert set(busy) == {0, 1} and all(s["num_steps"] > 0 for s in busy.values())
+    assert len(stats.pipeline_stage_busy_s) == 2  # what /metrics exports as hpi:pipeline_stage_busy_seconds
     assert multiprocessing.active_children() == []  # every rank stopped with the engine
 
 
