@@ -80,6 +80,22 @@ def layer_partition(
     return balanced_partition(num_layers, num_stages, last_stage_cost)
 
 
+def split_disagreement(stage_spans: list[tuple[int, int]], num_layers: int) -> str | None:
+    """Why the stages' (start, stop) layer ranges, first stage first, are not one split of `num_layers` layers (hosts
+    that computed different splits, e.g. a $VLLM_PP_LAYER_PARTITION set on some hosts only); None when they are."""
+    expected_start = 0
+    for stage, (start, stop) in enumerate(stage_spans):
+        if start != expected_start:
+            return (f"the hosts disagree on the pipeline split: stage {stage} holds layers {start}-{stop - 1}, but the "
+                    f"stage before it ends at layer {expected_start - 1}; set the same ${PP_LAYER_PARTITION_ENV} (or "
+                    "none) on every host")  # fmt: skip
+        expected_start = stop
+    if expected_start != num_layers:
+        return (f"the hosts disagree on the pipeline split: the last stage ends at layer {expected_start - 1} of "
+                f"{num_layers}; set the same ${PP_LAYER_PARTITION_ENV} (or none) on every host")  # fmt: skip
+    return None
+
+
 def format_partition(counts: tuple[int, ...]) -> str:
     """The value of `VLLM_PP_LAYER_PARTITION` that selects `counts`."""
     return ",".join(str(count) for count in counts)

@@ -12,6 +12,7 @@ from hpi_contracts.pipeline_split import (
     layer_partition,
     lm_head_layer_cost,
     parse_partition,
+    split_disagreement,
 )
 
 
@@ -60,3 +61,11 @@ def test_vllm_pp_layer_partition_overrides_the_split() -> None:
 def test_a_bad_partition_is_a_clear_error(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         layer_partition(30, 2, 0.0, {PP_LAYER_PARTITION_ENV: value})
+
+
+def test_hosts_that_split_differently_are_named() -> None:
+    assert split_disagreement([(0, 19), (19, 30)], 30) is None
+    # The leader split 19 + 11, the worker host was given VLLM_PP_LAYER_PARTITION=15,15: layers 15-18 twice.
+    assert "stage 1 holds layers 15-29, but the stage before it ends at layer 18" in split_disagreement(
+        [(0, 19), (15, 30)], 30)
+    assert "the last stage ends at layer 24 of 30" in split_disagreement([(0, 15), (15, 25)], 30)

@@ -33,6 +33,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from hpi_contracts.pipeline_split import split_disagreement
 from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.pp_layout import GroupLayout, resolve_layout
@@ -127,6 +128,11 @@ class PipelineExecutor:
         while not self._store.check([f"ready/{m}" for m in all_ranks]):  # loading: bounded by the ranks' health
             self._raise_on_failure()
             time.sleep(POLL_S)
+        spans = [tuple(int(v) for v in self._store.get(f"layers/{layout.stage_model_ranks(s)[0]}").split(b","))
+                 for s in range(layout.pipeline_parallel_size)]  # fmt: skip
+        problem = split_disagreement(spans, self.config.model_config.num_layers)
+        if problem is not None:
+            raise RuntimeError(problem)
         infos = [pickle.loads(self._store.get(f"ready/{m}")) for m in all_ranks]
         footprints = [footprint for footprint, _ in infos]
         self.footprint = dataclasses.replace(

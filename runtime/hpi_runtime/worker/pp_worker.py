@@ -144,6 +144,7 @@ def _start(spec: RankSpec, store: dist.TCPStore):
         device=device,
     )
     layers = stage_layers(pipeline_partition(config.model_config, num_stages, os.environ), stage)
+    store.set(f"layers/{m}", f"{layers.start},{layers.stop}")  # the leader checks that the hosts' splits agree
     executor = LocalExecutor(config, tp, device, PipelineStage(stage, num_stages, layers, link))
     logger.info("stage %d of %d: layers %d-%d, tensor-parallel rank %d of %d, %d KV blocks", stage, num_stages,
                 layers.start, layers.stop - 1, tp_rank, t, executor.num_kv_blocks)  # fmt: skip
