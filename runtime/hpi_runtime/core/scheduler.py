@@ -35,7 +35,9 @@ With LoRA (`config.max_loras`), a batch runs at most max_loras distinct adapters
 running request's adapter in a device slot). A waiting request whose adapter would exceed that is passed over,
 and the requests behind it may still be admitted when their adapter is already running (or they use the base
 model), except for one running adapter chosen to drain (the one with the fewest running requests): it takes no
-new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves.
+new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves. A
+request whose adapter is neither in a slot nor read into host memory waits too, while its adapter is read in
+the background (lora/slot_table.py, prefetch), unless nothing runs: a read from disk never holds up a batch.
 
 With images (`config.encoder_cache_size`), a chunk that meets an image's placeholder run needs the image's
 vision-encoder embeddings: computed this step (the whole image, at most `max_num_encoder_input_tokens` rows per
@@ -152,13 +154,19 @@ class Scheduler:
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
         position, passed_over = 0, False  # position: of the next candidate in `waiting`
+        lora_wanted: set[int] = set()  # adapters that requests passed over so far wait for
         while (not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs
                and len(scheduled) < max_batch_reqs):
             request = self.waiting[position]
-            if self.lora is not None and not self._lora_fits(request, passed_over):
-                passed_over = True
-                position += 1
-                continue
+            if self.lora is not None and request.lora_request is not None:
+                fits = self._lora_fits(request, passed_over)
+                if not fits or (running and not self.lora.ready(request.lora_request)):
+                    # Kept waiting (for a slot, or for its adapter's background read): have it read meanwhile.
+                    self.lora.prefetch(request.lora_request, lora_wanted)
+                    lora_wanted.add(request.lora_request.lora_int_id)
+                    passed_over = passed_over or not fits
+                    position += 1
+                    continue
             # Prompt logprobs need every prompt token to run through the model: no prefix-cache hit.
             computed = kv.get_computed_blocks(request, request.sampling_params.prompt_logprobs is None)
             num_hit_tokens = computed.num_tokens
@@ -394,6 +402,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests; one output per change."""
         outputs = []
+        if model_runner_output.lora_ready:
+            self.lora.mark_ready(model_runner_output.lora_ready)
         scheduled = self._scheduled.popleft()
         sampled, all_logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
         any_finished = False
