@@ -244,9 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
     parser.add_argument("--max-cpu-loras", type=int, help="the LoRA server's --max-cpu-loras (default: the server's)")
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
-    parser.add_argument("--phases", nargs="+", help="run only these phases (base, base_eager, lora, merged, step_ms)")
+    parser.add_argument("--phases", nargs="+",
+                        help="run only these phases (base, base_eager, lora, lora_cpu_all, merged, step_ms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
+    parser.add_argument("--rounds", type=int, default=1, help="run the phases in turn this many times")
     args = parser.parse_args(argv)
     plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len,
                                max_cpu_loras=args.max_cpu_loras)  # fmt: skip
@@ -282,23 +284,40 @@ def main(argv: list[str] | None = None) -> None:
             plan.concurrency)),
         "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        "lora_cpu_all": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}, --max-cpu-loras "
+                         f"{plan.num_adapters}", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, *lora_flags, "--max-cpu-loras", str(plan.num_adapters)),
+            logs / "lora_cpu_all.log", lora_requests, plan.concurrency)),
         "merged": (f"{plan.num_adapters} merged models in {plan.num_adapters} engines", lambda: merged_run(
             plan, merge_adapters(base_dir, adapters, work), requests, logs)),
         "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
     }  # fmt: skip
-    for key, (what, run) in phases.items():
-        if key in results or (key == "merged" and args.skip_merged) or (args.phases and key not in args.phases):
+    # Rounds: the chosen phases run in turn, round after round, so each round's ratios are taken under about
+    # the same load of the shared machine (round r > 1 stores its phases as "key@r").
+    for round_index in range(1, args.rounds + 1):
+        for key, (what, run) in phases.items():
+            stored = key if round_index == 1 else f"{key}@{round_index}"
+            if (stored in results or (key == "merged" and args.skip_merged)
+                    or (args.phases and key not in args.phases)):  # fmt: skip
+                continue
+            print(f"{what} (round {round_index}) ...", flush=True)
+            load_before = psutil.getloadavg()
+            results[stored] = {**run(), "load_avg_before": load_before, "load_avg_after": psutil.getloadavg()}
+            # After every phase: a run cut short keeps what it measured (--resume goes on from there).
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
+        suffix = "" if round_index == 1 else f"@{round_index}"
+        if f"base{suffix}" not in results:
             continue
-        print(f"{what} ...", flush=True)
-        results[key] = run()
-        # After every phase: a run cut short keeps what it measured (--resume goes on from there).
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
-    if "base" in results and "lora" in results:
-        base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
-        print(f"output tok/s: base {base:.1f}, 8 LoRA {lora:.1f} ({lora / base:.2f}x base)")
-        print("mean running batch: base {:.1f}, LoRA {:.1f}".format(
-            *(results[k].get("batch", {}).get("mean_running", float("nan")) for k in ("base", "lora"))))
+        base = results[f"base{suffix}"]
+        for key in ("lora", "lora_cpu_all"):
+            if f"{key}{suffix}" in results:
+                lora = results[f"{key}{suffix}"]
+                base_tps, lora_tps = base["output_tokens_per_s"], lora["output_tokens_per_s"]
+                running = [r.get("batch", {}).get("mean_running", float("nan")) for r in (base, lora)]
+                print(f"round {round_index}: output tok/s base {base_tps:.1f}, {key} {lora_tps:.1f} "
+                      f"({lora_tps / base_tps:.2f}x base); mean running batch {running[0]:.1f} vs "
+                      f"{running[1]:.1f}")  # fmt: skip
     if "merged" in results:
         merged_tps = results["merged"]["output_tokens_per_s"]
         print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "

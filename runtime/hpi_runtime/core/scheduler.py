@@ -154,16 +154,15 @@ class Scheduler:
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
         position, passed_over = 0, False  # position: of the next candidate in `waiting`
-        lora_wanted: set[int] = set()  # adapters that requests passed over so far wait for
+        if self.lora is not None:
+            self._prefetch_waiting_adapters()
         while (not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs
                and len(scheduled) < max_batch_reqs):
             request = self.waiting[position]
             if self.lora is not None and request.lora_request is not None:
                 fits = self._lora_fits(request, passed_over)
                 if not fits or (running and not self.lora.ready(request.lora_request)):
-                    # Kept waiting (for a slot, or for its adapter's background read): have it read meanwhile.
-                    self.lora.prefetch(request.lora_request, lora_wanted)
-                    lora_wanted.add(request.lora_request.lora_int_id)
+                    # Kept waiting: for a slot, or for its adapter's read in the background.
                     passed_over = passed_over or not fits
                     position += 1
                     continue
@@ -205,6 +204,20 @@ class Scheduler:
                 self._draining_lora = min(self.lora.users, key=lambda i: (self.lora.users[i], i))
             return False
         return not (passed_over and lora is not None and lora.lora_int_id == self._draining_lora)
+
+    def _prefetch_waiting_adapters(self) -> None:
+        """Have host memory read the adapters the waiting requests need and lacks, in queue order, as soon as
+        they wait: a read never undoes one that a request ahead waits for, and at most max_cpu_loras are kept."""
+        wanted: set[int] = set()
+        for request in self.waiting:
+            lora = request.lora_request
+            if lora is None or lora.lora_int_id in wanted:
+                continue
+            if not self.lora.ready(lora):
+                self.lora.prefetch(lora, wanted)
+            wanted.add(lora.lora_int_id)
+            if len(wanted) == self.lora.num_cpu:
+                break
 
     def lora_stats(self) -> dict:
         """EngineStats' LoRA fields (none without LoRA)."""
