@@ -289,7 +289,13 @@ class LoRAModel:
                 future: Future[HostAdapter] = Future()
                 future.set_result(self.read(load.lora))
                 self.host[lora_id] = future
-            self._fill(load.slot, self.host[lora_id].result())
+            try:
+                adapter = self.host[lora_id].result()
+            except BaseException:
+                del self.host[lora_id]  # a directory fixed since is read again next time
+                self._unreported.discard(lora_id)
+                raise
+            self._fill(load.slot, adapter)
 
     def take_ready(self) -> tuple[int, ...]:
         """The prefetched adapters whose read finished (or failed: their load will say why) since the last call."""

@@ -1,11 +1,16 @@
 """An adapter that host memory no longer holds is read in a background thread while the running batch goes on:
 its request waits (the step loop never reads from disk while something runs), is admitted once the read is
-reported, and then gets the same tokens as transformers + peft."""
+reported, and then gets the same tokens as transformers + peft. A read that fails fails its request only, and
+the adapter is read again for the next one."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
+import pytest
+
+from hpi_runtime.core.engine_core import EngineError
 from hpi_runtime.llm import LLM
 from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.lora.request import LoRARequest
@@ -60,3 +65,26 @@ def test_an_evicted_adapter_is_read_off_the_step_thread(tiny_model_dir, adapters
         assert len(reads) == 1  # the slot load was a copy of what the background thread read
     expected, _ = reference_greedy(tiny_model_dir, adapters["all"], prompt, MAX_TOKENS)
     assert list(outputs["evicted"].output_token_ids) == expected
+
+
+def test_a_failed_read_fails_its_request_and_is_retried_later(tiny_model_dir, adapters, tmp_path):
+    directory = shutil.copytree(adapters["attn"], tmp_path / "attn")
+    lora = LoRARequest("attn", 1, str(directory))
+    weights = directory / "adapter_model.safetensors"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with LLM(str(tiny_model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32",
+             enforce_eager=True, max_num_seqs=4) as llm:  # fmt: skip
+        prompt = llm.tokenizer("Hello world! How").input_ids
+        engine = llm.engine
+        held = weights.rename(tmp_path / "held.safetensors")  # gone after the adapter was registered
+        engine.add_request("first", prompt, params, lora_request=lora)
+        with pytest.raises(EngineError, match="first"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        held.rename(weights)
+        engine.add_request("again", prompt, params, lora_request=lora)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+    expected, _ = reference_greedy(tiny_model_dir, adapters["attn"], prompt, MAX_TOKENS)
+    assert list(outputs["again"].output_token_ids) == expected
