@@ -25,6 +25,7 @@ import json
 import platform
 import shutil
 import statistics
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -34,6 +35,7 @@ import psutil
 
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, cache_dir, hpi_command, metric_value
+from hpi_contracts.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -43,6 +45,7 @@ class LoRAPlan:
     num_adapters: int = 8
     rank: int = 16
     max_loras: int = 4
+    max_cpu_loras: int | None = None  # --max-cpu-loras (host-memory copies); None: the server's default (max_loras)
     concurrency: int = 32
     num_requests: int = 128
     prompt_len: int = 64
@@ -105,10 +108,46 @@ def rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
+class BatchSampler:
+    """Polls the server's running and waiting request counts (vllm:num_requests_running / _waiting) every
+    `interval_s` while the load runs: how full the running batch was over time."""
+
+    def __init__(self, server: ServerProcess, interval_s: float = 0.5) -> None:
+        self.server, self.interval_s = server, interval_s
+        self.samples: list[tuple[float, float, float]] = []  # (s since start, running, waiting)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BatchSampler:
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            text = self.server.metrics_text()
+            self.samples.append((round(time.perf_counter() - self._start, 2),
+                                 metric_value(text, NUM_REQUESTS_RUNNING), metric_value(text, NUM_REQUESTS_WAITING)))
+
+    def summary(self) -> dict:
+        running = [r for _, r, _ in self.samples]
+        busy = [r for _, r, w in self.samples if r + w > 0]  # samples with any request in the engine
+        return {"mean_running": statistics.fmean(busy) if busy else 0.0,
+                "median_running": statistics.median(busy) if busy else 0.0,
+                "share_running_at_least_24": sum(r >= 24 for r in busy) / len(busy) if busy else 0.0,
+                "max_running": max(running, default=0.0), "samples": self.samples}  # fmt: skip
+
+
 def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
     with ServerProcess(command, log) as server:
-        run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency)))
+        with BatchSampler(server) as sampler:
+            run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency)))
         summary = summarize(run)
+        summary["batch"] = sampler.summary()
         text = server.metrics_text()
         summary["rss_bytes"] = rss_bytes(server.process.pid)
         summary["lora_loads"] = metric_value(text, "hpi:lora_loads_total")
@@ -203,12 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=LoRAPlan.num_requests)
     parser.add_argument("--output-len", type=int, default=LoRAPlan.output_len)
+    parser.add_argument("--max-cpu-loras", type=int, help="the LoRA server's --max-cpu-loras (default: the server's)")
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
-    parser.add_argument("--phases", nargs="+", help="run only these phases (base, base_eager, lora, merged, step_ms)")
+    parser.add_argument("--phases", nargs="+",
+                        help="run only these phases (base, base_eager, lora, lora_cpu_all, merged, step_ms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
+    parser.add_argument("--rounds", type=int, default=1, help="run the phases in turn this many times")
     args = parser.parse_args(argv)
-    plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len)
+    plan = dataclasses.replace(LoRAPlan(), num_requests=args.num_requests, output_len=args.output_len,
+                               max_cpu_loras=args.max_cpu_loras)  # fmt: skip
     from transformers import AutoTokenizer
 
     from hpi_runtime.embedded import ensure_embedded_model
@@ -231,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     modules = [f"{name}={path}" for name, path in zip(names, adapters, strict=True)]
     lora_flags = ("--enable-lora", "--max-loras", str(plan.max_loras), "--max-lora-rank", str(plan.rank),
                   "--lora-modules", *modules)  # fmt: skip
+    if plan.max_cpu_loras is not None:
+        lora_flags += ("--max-cpu-loras", str(plan.max_cpu_loras))
     phases = {
         "base": ("base model alone", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv), logs / "base.log", requests, plan.concurrency)),
@@ -239,21 +284,40 @@ def main(argv: list[str] | None = None) -> None:
             plan.concurrency)),
         "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        "lora_cpu_all": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}, --max-cpu-loras "
+                         f"{plan.num_adapters}", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv, *lora_flags, "--max-cpu-loras", str(plan.num_adapters)),
+            logs / "lora_cpu_all.log", lora_requests, plan.concurrency)),
         "merged": (f"{plan.num_adapters} merged models in {plan.num_adapters} engines", lambda: merged_run(
             plan, merge_adapters(base_dir, adapters, work), requests, logs)),
         "step_ms": ("step time per distinct adapters", lambda: step_times(plan, base_dir, adapters)),
     }  # fmt: skip
-    for key, (what, run) in phases.items():
-        if key in results or (key == "merged" and args.skip_merged) or (args.phases and key not in args.phases):
+    # Rounds: the chosen phases run in turn, round after round, so each round's ratios are taken under about
+    # the same load of the shared machine (round r > 1 stores its phases as "key@r").
+    for round_index in range(1, args.rounds + 1):
+        for key, (what, run) in phases.items():
+            stored = key if round_index == 1 else f"{key}@{round_index}"
+            if (stored in results or (key == "merged" and args.skip_merged)
+                    or (args.phases and key not in args.phases)):  # fmt: skip
+                continue
+            print(f"{what} (round {round_index}) ...", flush=True)
+            load_before = psutil.getloadavg()
+            results[stored] = {**run(), "load_avg_before": load_before, "load_avg_after": psutil.getloadavg()}
+            # After every phase: a run cut short keeps what it measured (--resume goes on from there).
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
+        suffix = "" if round_index == 1 else f"@{round_index}"
+        if f"base{suffix}" not in results:
             continue
-        print(f"{what} ...", flush=True)
-        results[key] = run()
-        # After every phase: a run cut short keeps what it measured (--resume goes on from there).
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**results, "load_avg_now": psutil.getloadavg()}, indent=1))
-    if "base" in results and "lora" in results:
-        base, lora = results["base"]["output_tokens_per_s"], results["lora"]["output_tokens_per_s"]
-        print(f"output tok/s: base {base:.1f}, 8 LoRA {lora:.1f} ({lora / base:.2f}x base)")
+        base = results[f"base{suffix}"]
+        for key in ("lora", "lora_cpu_all"):
+            if f"{key}{suffix}" in results:
+                lora = results[f"{key}{suffix}"]
+                base_tps, lora_tps = base["output_tokens_per_s"], lora["output_tokens_per_s"]
+                running = [r.get("batch", {}).get("mean_running", float("nan")) for r in (base, lora)]
+                print(f"round {round_index}: output tok/s base {base_tps:.1f}, {key} {lora_tps:.1f} "
+                      f"({lora_tps / base_tps:.2f}x base); mean running batch {running[0]:.1f} vs "
+                      f"{running[1]:.1f}")  # fmt: skip
     if "merged" in results:
         merged_tps = results["merged"]["output_tokens_per_s"]
         print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "

@@ -20,8 +20,9 @@ so a step sends only what changed, as in vLLM v1:
   every other logits row is sampled unconstrained.
 - `spec_token_ids`: draft tokens (speculative decoding) scheduled after a request's known tokens; the executor
   verifies them and answers with the accepted ones plus one, so `sampled_token_ids` may hold several tokens.
-- `lora_updates`: LoRA adapters copied into device slots (and dropped from host memory) before the forward;
-  a new request's `lora_slot` names the slot its tokens use (lora/slot_table.py decides).
+- `lora_updates`: LoRA adapters copied into device slots (and dropped from host memory, or read into it in
+  the background, reported back in `ModelRunnerOutput.lora_ready`) before the forward; a new request's
+  `lora_slot` names the slot its tokens use (lora/slot_table.py decides).
 - `scheduled_encoder_inputs` / `free_encoder_hashes`: images whose vision-encoder embeddings to compute before
   the forward (kept by the executor under the image's hash until the scheduler frees them), and those to drop.
   A chunk that meets an image's placeholder run reads its rows from there (core/encoder_cache_manager.py).
@@ -126,6 +127,8 @@ class ModelRunnerOutput:
     logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, logprobs of the prompt tokens this step covered)
     prompt_logprobs: Mapping[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
+    # LoRA: lora_int_ids of the prefetched adapters whose background read finished since the last step's output
+    lora_ready: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

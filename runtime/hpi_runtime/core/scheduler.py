@@ -35,7 +35,9 @@ With LoRA (`config.max_loras`), a batch runs at most max_loras distinct adapters
 running request's adapter in a device slot). A waiting request whose adapter would exceed that is passed over,
 and the requests behind it may still be admitted when their adapter is already running (or they use the base
 model), except for one running adapter chosen to drain (the one with the fewest running requests): it takes no
-new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves.
+new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves. A
+request whose adapter is neither in a slot nor read into host memory waits too, while its adapter is read in
+the background (lora/slot_table.py, prefetch), unless nothing runs: a read from disk never holds up a batch.
 
 With images (`config.encoder_cache_size`), a chunk that meets an image's placeholder run needs the image's
 vision-encoder embeddings: computed this step (the whole image, at most `max_num_encoder_input_tokens` rows per
@@ -152,13 +154,18 @@ class Scheduler:
             i += 1
         # After a preemption the pool is known to be short; admitting now would just thrash.
         position, passed_over = 0, False  # position: of the next candidate in `waiting`
+        if self.lora is not None:
+            self._prefetch_waiting_adapters()
         while (not preempted and position < len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs
                and len(scheduled) < max_batch_reqs):
             request = self.waiting[position]
-            if self.lora is not None and not self._lora_fits(request, passed_over):
-                passed_over = True
-                position += 1
-                continue
+            if self.lora is not None and request.lora_request is not None:
+                fits = self._lora_fits(request, passed_over)
+                if not fits or (running and not self.lora.ready(request.lora_request)):
+                    # Kept waiting: for a slot, or for its adapter's read in the background.
+                    passed_over = passed_over or not fits
+                    position += 1
+                    continue
             # Prompt logprobs need every prompt token to run through the model: no prefix-cache hit.
             computed = kv.get_computed_blocks(request, request.sampling_params.prompt_logprobs is None)
             num_hit_tokens = computed.num_tokens
@@ -197,6 +204,20 @@ class Scheduler:
                 self._draining_lora = min(self.lora.users, key=lambda i: (self.lora.users[i], i))
             return False
         return not (passed_over and lora is not None and lora.lora_int_id == self._draining_lora)
+
+    def _prefetch_waiting_adapters(self) -> None:
+        """Have host memory read the adapters the waiting requests need and lacks, in queue order, as soon as
+        they wait: a read never undoes one that a request ahead waits for, and at most max_cpu_loras are kept."""
+        wanted: set[int] = set()
+        for request in self.waiting:
+            lora = request.lora_request
+            if lora is None or lora.lora_int_id in wanted:
+                continue
+            if not self.lora.ready(lora):
+                self.lora.prefetch(lora, wanted)
+            wanted.add(lora.lora_int_id)
+            if len(wanted) == self.lora.num_cpu:
+                break
 
     def lora_stats(self) -> dict:
         """EngineStats' LoRA fields (none without LoRA)."""
@@ -394,6 +415,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests; one output per change."""
         outputs = []
+        if model_runner_output.lora_ready:
+            self.lora.mark_ready(model_runner_output.lora_ready)
         scheduled = self._scheduled.popleft()
         sampled, all_logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
         any_finished = False

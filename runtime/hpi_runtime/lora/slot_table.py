@@ -5,9 +5,13 @@ The scheduler owns this table (one owner: the executor only does what each step 
 request for another adapter waits (`can_admit`). Admitting a request pins its adapter in a slot: the slot it
 already occupies (no copy), else an empty slot, else the least recently used slot with no running request.
 Each load travels with the step (`LoRAUpdates`, like the KV tier's block copies): the executor copies the
-adapter into the slot from its host-memory copy, reading the directory first when host memory does not hold
-it. Host memory keeps `num_cpu` adapters, least recently used evicted (the executor drops what `host_evictions`
-names). Base-model requests (no adapter) take no slot. Nothing here imports torch.
+adapter into the slot from its host-memory copy. Host memory keeps `num_cpu` adapters, least recently used
+evicted (the executor drops what `host_evictions` names). An adapter that host memory lacks is first
+*prefetched*: the executor reads and checks its directory in a background thread (`prefetches`) and reports
+it in a later step's output (`mark_ready`); until then the scheduler admits its requests only into an empty
+batch (`ready`), so a read from disk never holds up running requests. A prefetch evicts only host copies
+that no request ahead of it in the queue waits for (`keep`), so prefetches for a long queue never undo each
+other. Base-model requests (no adapter) take no slot. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ class LoRAUpdates:
     """One step's adapter moves, applied by the executor before the forward: evictions first, then loads."""
 
     host_evictions: tuple[int, ...] = ()  # lora_int_ids host memory drops
+    prefetches: tuple[LoRARequest, ...] = ()  # adapters to read into host memory in the background
     loads: tuple[LoRASlotLoad, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.host_evictions or self.loads)
+        return bool(self.host_evictions or self.prefetches or self.loads)
 
 
 NO_LORA_UPDATES = LoRAUpdates()
@@ -51,7 +56,9 @@ class LoRASlotTable:
         self.users: Counter[int] = Counter()  # lora_int_id -> running requests
         self._names: dict[int, str] = {}  # of the active adapters, for metrics
         self._host: OrderedDict[int, None] = OrderedDict()  # lora_int_ids in host memory, oldest first
+        self._reading: set[int] = set()  # of those, prefetched and not reported read yet
         self._evictions: list[int] = []
+        self._prefetches: list[LoRARequest] = []
         self._loads: list[LoRASlotLoad] = []
         self.num_slot_loads = 0  # cumulative: adapters copied into a device slot
         self.num_host_evictions = 0  # cumulative: adapters dropped from host memory
@@ -66,6 +73,33 @@ class LoRASlotTable:
     def can_admit(self, lora: LoRARequest | None) -> bool:
         """Whether a request for `lora` fits this batch's adapter limit."""
         return lora is None or lora.lora_int_id in self.users or len(self.users) < len(self.slot_ids)
+
+    def ready(self, lora: LoRARequest | None) -> bool:
+        """Whether admitting a request for `lora` reads nothing from disk: its adapter sits in a slot, or host
+        memory holds it read (a slot load is then a copy)."""
+        if lora is None or lora.lora_int_id in self.slot_ids:
+            return True
+        return lora.lora_int_id in self._host and lora.lora_int_id not in self._reading
+
+    def prefetch(self, lora: LoRARequest, keep: set[int]) -> None:
+        """Have host memory read `lora` in the background unless it holds it or is reading it already. Room is
+        made by evicting the least recently used host copy that `keep` (adapters waited for ahead of this
+        one) does not name; with none such the prefetch waits for a later step."""
+        lora_id = lora.lora_int_id
+        if lora_id in self._host:
+            return
+        if len(self._host) >= self.num_cpu:
+            victim = next((i for i in self._host if i not in keep), None)
+            if victim is None:
+                return
+            self._evict(victim)
+        self._host[lora_id] = None
+        self._reading.add(lora_id)
+        self._prefetches.append(lora)
+
+    def mark_ready(self, lora_ids: tuple[int, ...]) -> None:
+        """The executor finished reading these prefetched adapters (ModelRunnerOutput.lora_ready)."""
+        self._reading.difference_update(lora_ids)
 
     def acquire(self, lora: LoRARequest | None) -> int:
         """Pin `lora` for one more running request; its slot (BASE_SLOT for the base model)."""
@@ -105,9 +139,17 @@ class LoRASlotTable:
             return
         self._host[lora_id] = None
         while len(self._host) > self.num_cpu:
-            evicted, _ = self._host.popitem(last=False)
-            self._evictions.append(evicted)
-            self.num_host_evictions += 1
+            self._evict(next(iter(self._host)))
+
+    def _evict(self, lora_id: int) -> None:
+        del self._host[lora_id]
+        self._reading.discard(lora_id)
+        self.num_host_evictions += 1
+        pending = [lora for lora in self._prefetches if lora.lora_int_id != lora_id]
+        if len(pending) < len(self._prefetches):  # prefetched this very step: the executor never hears of it
+            self._prefetches = pending
+        else:
+            self._evictions.append(lora_id)
 
     def forget_loads(self, updates: LoRAUpdates) -> None:
         """A step failed: the slots it was to fill hold nothing known, and host memory may lack those adapters."""
@@ -115,10 +157,13 @@ class LoRASlotTable:
             if self.slot_ids[load.slot] == load.lora.lora_int_id:
                 self.slot_ids[load.slot] = None
             self._host.pop(load.lora.lora_int_id, None)
+        for lora in updates.prefetches:
+            self._host.pop(lora.lora_int_id, None)
+            self._reading.discard(lora.lora_int_id)
 
     def take_updates(self) -> LoRAUpdates:
-        if not self._loads and not self._evictions:
+        if not self._loads and not self._evictions and not self._prefetches:
             return NO_LORA_UPDATES
-        updates = LoRAUpdates(tuple(self._evictions), tuple(self._loads))
-        self._evictions, self._loads = [], []
+        updates = LoRAUpdates(tuple(self._evictions), tuple(self._prefetches), tuple(self._loads))
+        self._evictions, self._prefetches, self._loads = [], [], []
         return updates

@@ -193,7 +193,10 @@ class LocalExecutor:
         if scheduler_output.kv_transfers:
             self.host_kv_cache.apply(scheduler_output.kv_transfers)
         # Also a step of block copies alone: the runner still takes its finished and preempted requests out.
-        return self.runner.execute_model(scheduler_output)
+        output = self.runner.execute_model(scheduler_output)
+        if self.lora is not None and (ready := self.lora.take_ready()):
+            output = replace(output, lora_ready=ready)
+        return output
 
     def sleep(self, level: int) -> int:
         """Release the KV cache (and the weights, per `level`: worker/sleep.py); returns the bytes freed."""
@@ -214,3 +217,5 @@ class LocalExecutor:
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.host_kv_cache = None
         self.runner.input_batch.clear()
+        if self.lora is not None:
+            self.lora.shutdown()

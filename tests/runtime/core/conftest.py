@@ -106,7 +106,9 @@ class FakeExecutor:
                 state.token_ids.extend(tokens[:kept])
                 state.num_computed_tokens = len(state.token_ids) - 1
                 sampled[request_id] = tuple(tokens[:kept])
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        # LoRA prefetches: no adapter is read here, so each is ready by the end of the step that asked for it.
+        ready = tuple(lora.lora_int_id for lora in so.lora_updates.prefetches)
+        return ModelRunnerOutput(sampled_token_ids=sampled, lora_ready=ready)
 
     def _slot(self, state: _ExecutorRequestState, pos: int) -> int:
         return state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size

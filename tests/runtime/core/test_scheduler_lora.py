@@ -78,3 +78,21 @@ def test_slot_table_reuses_a_resident_adapter_and_evicts_host_copies_lru():
     assert not table.can_admit(a)  # both slots pinned
     table.release(b)
     assert table.acquire(b) == 1 and not table.take_updates()  # still resident: no copy
+
+
+def test_prefetch_reads_in_the_background_and_never_evicts_what_the_queue_ahead_waits_for():
+    table = LoRASlotTable(num_slots=1, num_cpu=2)
+    a, b, c, d = LORAS
+    table.acquire(a)
+    assert table.ready(a) and not table.ready(b)  # a sits in a slot; b was never read
+    table.prefetch(b, keep=set())
+    table.prefetch(c, keep={b.lora_int_id})  # evicts a's host copy (a is in its slot), not b
+    table.prefetch(d, keep={b.lora_int_id, c.lora_int_id})  # no room without undoing b or c: waits
+    updates = table.take_updates()
+    assert [lora.lora_name for lora in updates.prefetches] == ["a2", "a3"]
+    assert updates.host_evictions == (a.lora_int_id,)
+    assert not table.ready(b) and not table.ready(c)  # read, but not reported yet
+    table.mark_ready((b.lora_int_id,))
+    assert table.ready(b) and not table.ready(c)
+    table.release(a)
+    assert table.acquire(b) == 0 and [load.lora.lora_name for load in table.take_updates().loads] == ["a2"]

@@ -102,9 +102,11 @@ def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
     batch = LoRABatch(4, torch.zeros(0), "torch")
     projection = LoRAProjection(shape, 4, 4, batch)
     for slot in range(4):
+        a_slot, bt_slot = projection.host_zeros()
         for part in ("gate", "up"):
             a, b = torch.randn(3, 16, generator=generator), torch.randn(12, 3, generator=generator)
-            projection.load_part(slot, part, a, b, scaling=0.5)
+            projection.lay_out_part(a_slot, bt_slot, part, a, b, scaling=0.5)
+        projection.copy_in(slot, a_slot, bt_slot)
     x, base = torch.randn(6, 16, generator=generator), torch.randn(6, 24, generator=generator)
     token_slots = np.array(slots, dtype=np.int64)
     expected = base.clone()
