@@ -5,7 +5,12 @@ timeout (a hang), is a failure. Shared by the runtime's and the router's fuzz te
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import hypothesis
@@ -16,6 +21,8 @@ from schemathesis import GenerationMode
 
 # The default test run spends seconds here; HPI_FUZZ_CASES asks for more (bench/fuzz_http.py runs 1,000+).
 DEFAULT_CASES = 50
+# With `progress`, the most one request may take while the server keeps working on it.
+PROGRESSING_LIMIT_S = 600.0
 
 
 @dataclass
@@ -37,7 +44,7 @@ def fuzz_cases() -> int:
 
 def fuzz_openapi(base_url: str, num_cases: int, *, exclude_paths: tuple[str, ...] = (),
                  headers: dict[str, str] | None = None, timeout_s: float = 30.0,
-                 derandomize: bool = True) -> FuzzReport:
+                 derandomize: bool = True, progress: Callable[[], float] | None = None) -> FuzzReport:
     """Spread about `num_cases` requests over the document's operations, half positive and half negative."""
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     if exclude_paths:
@@ -53,7 +60,7 @@ def fuzz_openapi(base_url: str, num_cases: int, *, exclude_paths: tuple[str, ...
             settings_ = settings(max_examples=per_run if operation.body or operation.query else 1, deadline=None,
                                  database=None, derandomize=derandomize, phases=[Phase.explicit, Phase.generate],
                                  suppress_health_check=list(HealthCheck))
-            call = _caller(report, session, base_url, headers, timeout_s, mode)
+            call = _caller(report, session, base_url, headers, timeout_s, mode, progress)
             try:
                 settings_(hypothesis.given(case=operation.as_strategy(generation_mode=mode))(call))()
             except hypothesis.errors.Unsatisfiable:  # nothing to break: a GET without parameters has no negative case
@@ -61,20 +68,48 @@ def fuzz_openapi(base_url: str, num_cases: int, *, exclude_paths: tuple[str, ...
     return report
 
 
-def _caller(report: FuzzReport, session: requests.Session, base_url: str, headers: dict[str, str] | None,
-            timeout_s: float, mode: GenerationMode):
+def _caller(report: FuzzReport, session: requests.Session, base_url: str,
+            headers: dict[str, str] | None, timeout_s: float, mode: GenerationMode,
+            progress: Callable[[], float] | None):
     def call(case) -> None:
         report.num_cases += 1
         name = f"{case.method} {case.formatted_path} ({mode.value})"
         try:
-            response = case.call(base_url=base_url, session=session, headers=headers, timeout=timeout_s)
+            response = _answer(lambda timeout: case.call(base_url=base_url, session=session, headers=headers,
+                                                                 timeout=timeout), timeout_s, progress)
         except requests.Timeout:
             report.statuses["timeout"] += 1
-            report.failures.append(f"{name}: no answer within {timeout_s} s; body {case.body!r:.300}")
+            report.failures.append(f"{name}: no answer and no progress within {timeout_s} s; body {case.body!r:.2000}")
             return
         report.statuses[response.status_code] += 1
         report.slowest_s = max(report.slowest_s, response.elapsed)
         if response.status_code >= 500:
-            report.failures.append(f"{name} -> {response.status_code}: {response.text[:300]}; body {case.body!r:.300}")
+            report.failures.append(f"{name} -> {response.status_code}: {response.text[:300]}; body {case.body!r:.2000}")
 
     return call
+
+
+def _answer(send: Callable[[float], requests.Response], timeout_s: float,
+            progress: Callable[[], float] | None) -> requests.Response:
+    """The response; requests.Timeout once `timeout_s` passed with neither an answer nor a change of `progress`."""
+    if progress is None:
+        return send(timeout_s)
+    future: Future = Future()
+
+    def run() -> None:  # a daemon thread: a real hang must not keep the test process alive
+        try:
+            future.set_result(send(PROGRESSING_LIMIT_S))
+        except BaseException as exc:  # handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="fuzz-call", daemon=True).start()
+    last, since = progress(), time.monotonic()
+    while True:
+        try:
+            return future.result(timeout=min(1.0, timeout_s))
+        except FutureTimeout:
+            now, value = time.monotonic(), progress()
+            if value != last:
+                last, since = value, now
+            elif now - since > timeout_s:
+                raise requests.Timeout(f"no answer and no progress for {timeout_s} s") from None
