@@ -3,6 +3,10 @@ worker ends the engine instead of hanging it.
 
 Sums are split across ranks, so logits differ from the single-process run by float rounding only; greedy
 tokens must match exactly, logprobs to 1e-4.
+
+Each rank compiles its model step by default, which costs tens of seconds per engine on a 2-core machine: one
+case here runs compiled (and test_tensor_parallel_server.py serves compiled), the others eagerly, since what they
+check is the sharding, which is the same in both.
 """
 
 from __future__ import annotations
@@ -58,22 +62,22 @@ SAMPLING = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eo
 
 
 @pytest.mark.parametrize(
-    ("arch", "overrides", "tp_size"),
+    ("arch", "overrides", "tp_size", "eager"),
     [
-        ("llama", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160, mlp_bias=True), 2),
-        ("qwen2", dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False), 2),
-        ("llama", dict(num_heads=8, num_kv_heads=2), 4),  # more ranks than KV heads: KV heads replicated
+        ("llama", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160, mlp_bias=True), 2, False),
+        ("qwen2", dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False), 2, True),
+        ("llama", dict(num_heads=8, num_kv_heads=2), 4, True),  # more ranks than KV heads: KV heads replicated
         # sliding-window and global layers, soft-capping, sandwich norms, the (1 + w) norm, embedding scale
-        ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0), 2),
-        ("phi3", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160), 2),  # fused checkpoint
+        ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0), 2, True),
+        ("phi3", dict(num_heads=6, num_kv_heads=3, hidden_size=96, intermediate_size=160), 2, True),  # fused
     ],
-    ids=["uneven-heads-mlp-bias", "qwen2-biases-untied-head", "replicated-kv-heads", "gemma2", "phi3-fused"],
+    ids=["uneven-heads-mlp-bias-compiled", "qwen2-biases-untied-head", "replicated-kv-heads", "gemma2", "phi3-fused"],
 )
-def test_tensor_parallel_matches_one_process(tiny_model_factory, arch, overrides, tp_size) -> None:
+def test_tensor_parallel_matches_one_process(tiny_model_factory, arch, overrides, tp_size, eager) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
-    with _tiny_llm(model_dir, 1) as llm:
+    with _tiny_llm(model_dir, 1, enforce_eager=eager) as llm:
         expected = _collect_logprobs(llm, SAMPLING)
-    with _tiny_llm(model_dir, tp_size) as llm:
+    with _tiny_llm(model_dir, tp_size, enforce_eager=eager) as llm:
         assert llm.bundle.footprint.num_kv_blocks > 0
         got = _collect_logprobs(llm, SAMPLING)
     for (want_ids, want_lps), (got_ids, got_lps) in zip(expected, got, strict=True):
@@ -89,7 +93,7 @@ def test_embedded_model_tp2_equals_tp1(embedded_model_dir: Path) -> None:
     runs = {}
     for tp_size in (1, 2):
         with LLM(embedded_model_dir, tensor_parallel_size=tp_size, dtype="float32", max_model_len=256,
-                 kv_cache_memory_bytes=32 << 20) as llm:  # fmt: skip
+                 kv_cache_memory_bytes=32 << 20, enforce_eager=True) as llm:  # fmt: skip
             runs[tp_size] = [o.output_token_ids for o in llm.generate(prompts, greedy)]
     assert runs[2] == runs[1]
     assert len(set(runs[1][0])) > 3  # real text, not one token repeated
@@ -97,7 +101,7 @@ def test_embedded_model_tp2_equals_tp1(embedded_model_dir: Path) -> None:
 
 def test_int8_with_tensor_parallelism_still_answers(embedded_model_dir: Path) -> None:
     with LLM(embedded_model_dir, tensor_parallel_size=2, quantization="int8", max_model_len=256,
-             kv_cache_memory_bytes=32 << 20) as llm:  # fmt: skip
+             kv_cache_memory_bytes=32 << 20, enforce_eager=True) as llm:  # fmt: skip
         [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(temperature=0.0, max_tokens=16))  # fmt: skip
     assert "Paris" in out.text
