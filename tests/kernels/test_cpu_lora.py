@@ -1,6 +1,7 @@
 """The C++ batched LoRA (hpi_kernels.cpu.lora_add) against the plain-PyTorch reference in float64: tokens of
 several slots interleaved with base tokens (slot -1), slots with more tokens than one tile and none at all, sizes
-that are no multiple of the vector width (the scalar tails), fp32 and bf16; and bad inputs refused."""
+that are no multiple of the vector width (the scalar tails), fp32 and bf16, a prefill large enough to split over
+threads; the in-place op writes only the adapted rows; and bad inputs refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def extension() -> str:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features"),
-                         [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33)])  # fmt: skip
+                         [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33),
+                          # 512 tokens over 2 slots: 64 tiles, more than one thread's share (kMinWorkPerThread)
+                          (512, 3, 32, 256, 1024)])  # fmt: skip
 def test_matches_the_float64_reference(dtype, tokens, slots, width, in_features, out_features) -> None:
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
@@ -35,6 +38,21 @@ def test_matches_the_float64_reference(dtype, tokens, slots, width, in_features,
     assert not torch.allclose(got[~base].double(), out[~base].double(), atol=1e-3)  # the delta is really there
 
 
+def test_in_place_op_writes_only_the_adapted_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, a, bt = torch.randn(4, 16, generator=g), torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 24, generator=g)
+    out = torch.randn(4, 24, generator=g)
+    slots = torch.tensor([1, -1, 0, -1])
+    want = lora_add_ref(x, a, bt, slots, out)
+    before = out.clone()
+    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, slots)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(out[[1, 3]], before[[1, 3]]) and not torch.equal(out[[0, 2]], before[[0, 2]])
+    untouched = out.clone()
+    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, torch.full((4,), -1))  # no adapter: nothing written
+    assert torch.equal(out, untouched)
+
+
 def test_bad_inputs_are_refused() -> None:
     x, a, bt, out = torch.randn(2, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 6), torch.randn(2, 6)
     with pytest.raises(ValueError, match="slot 2"):
@@ -43,3 +61,5 @@ def test_bad_inputs_are_refused() -> None:
         lora_add(x, a, bt, torch.tensor([0, 1]), torch.randn(2, 5))
     with pytest.raises(ValueError, match="share one dtype"):
         lora_add(x, a.double(), bt, torch.tensor([0, 1]), out)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.hpi_kernels.lora_add_(torch.randn(6, 2).t(), x, a, bt, torch.tensor([0, 1]))

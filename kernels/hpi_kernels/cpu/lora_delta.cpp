@@ -1,4 +1,4 @@
-// Batched LoRA on CPU: out[t] + B[s] (A[s] x[t]) for each token t of slot s = slots[t] (-1: no adapter), the
+// Batched LoRA on CPU: out[t] += B[s] (A[s] x[t]) in place, for each token t of slot s = slots[t] (-1: no adapter), the
 // punica / S-LoRA delta in one call per projection (runtime/hpi_runtime/lora/layers.py calls it from the
 // compiled model step and eagerly alike). The step's tokens are grouped by slot here, then split into tiles of
 // up to kTile tokens of one slot: a tile reads each row of A[s] and of B[s] once for all of its tokens, so a
@@ -7,8 +7,8 @@
 //
 // Shapes: x [T, K]; a [S, W, K] (slot s's A, W = parts x max_rank, zero-padded); bt [S, W, N] (slot s's B
 // transposed: W rows of N outputs, so the expand is W AXPYs over contiguous outputs, no horizontal sums);
-// slots [T] int64; out [T, N]. float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in registers,
-// the sums (out[t] + the delta) are fp32, rounded once.
+// slots [T] int64; out [T, N], contiguous. float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
+// registers, the sums (out[t] + the delta) are fp32, rounded once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,8 +33,17 @@ inline void load_chunk(const float* p, Vec& lo, Vec& hi) {
   hi = Vec::loadu(p + kV);
 }
 
+// A chunk of bf16 is widened by its pairs: lo takes the even elements, hi the odd ones (a bf16 is the high half
+// of its fp32: one shift or one mask per vector, no cross-lane shuffle). Every chunk-wise operation here pairs
+// chunks of the same positions (an A row with x, an out row with a B row) and the dot products sum all of a
+// chunk, so this order is as good as the natural one; store_chunk puts the pairs back.
+using IVec = at::vec::Vectorized<int32_t>;
+static_assert(IVec::size() == kV, "a chunk of bf16 is one vector of int32 pairs");
+
 inline void load_chunk(const c10::BFloat16* p, Vec& lo, Vec& hi) {
-  std::tie(lo, hi) = at::vec::convert_bfloat16_float(at::vec::Vectorized<c10::BFloat16>::loadu(p));
+  const IVec lanes = IVec::loadu(p);
+  lo = at::vec::cast<float>(lanes << IVec(16));
+  hi = at::vec::cast<float>(lanes & IVec(static_cast<int32_t>(0xffff0000u)));
 }
 
 inline void store_chunk(float* p, const Vec& lo, const Vec& hi) {
@@ -42,39 +51,76 @@ inline void store_chunk(float* p, const Vec& lo, const Vec& hi) {
   hi.store(p + kV);
 }
 
-inline void store_chunk(c10::BFloat16* p, const Vec& lo, const Vec& hi) {
-  at::vec::convert_float_bfloat16(lo, hi).store(p);
+// The bf16 nearest each lane of v (ties to even; NaN stays NaN) in the lane's high half.
+inline IVec round_to_bf16_high(const Vec& v) {
+  const IVec bits = at::vec::cast<int32_t>(v);
+  const IVec rounded = bits + IVec(0x7fff) + ((bits >> IVec(16)) & IVec(1));
+  return IVec::blendv(rounded, bits | IVec(0x00400000), at::vec::cast<int32_t>(v.isnan()));
+}
+
+inline void store_chunk(c10::BFloat16* p, const Vec& lo, const Vec& hi) {  // lo, hi: even, odd (load_chunk)
+  const IVec high(static_cast<int32_t>(0xffff0000u));
+  const IVec even = (round_to_bf16_high(lo) >> IVec(16)) & IVec(0xffff);
+  (even | (round_to_bf16_high(hi) & high)).store(p);
+}
+
+// The shrink of one tile for WB rows of A at once: h[r][w0 + b] = A[s][w0 + b] . xf[r] for r < n, b < WB, with
+// xf the tile's rows of x already widened to fp32 (each A chunk is widened once for n tokens, each x chunk
+// loaded once for WB rows of A; n * WB accumulators stay in registers).
+template <typename T, int n, int WB>
+inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int64_t W, float* h) {
+  const int64_t k_main = K / kChunk * kChunk;
+  Vec acc[n][WB];
+#pragma GCC unroll 8
+  for (int r = 0; r < n; ++r) {
+#pragma GCC unroll 4
+    for (int b = 0; b < WB; ++b) acc[r][b] = Vec(0.f);
+  }
+  for (int64_t k = 0; k < k_main; k += kChunk) {
+    Vec alo[WB], ahi[WB];
+#pragma GCC unroll 4
+    for (int b = 0; b < WB; ++b) load_chunk(a + (w0 + b) * K + k, alo[b], ahi[b]);
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) {
+      const Vec xlo = Vec::loadu(xf + r * K + k), xhi = Vec::loadu(xf + r * K + k + kV);
+#pragma GCC unroll 4
+      for (int b = 0; b < WB; ++b) {
+        acc[r][b] = at::vec::fmadd(alo[b], xlo, acc[r][b]);
+        acc[r][b] = at::vec::fmadd(ahi[b], xhi, acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    for (int b = 0; b < WB; ++b) {
+      const T* arow = a + (w0 + b) * K;
+      float sum = at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; }, acc[r][b]);
+      for (int64_t k = k_main; k < K; ++k) sum += static_cast<float>(arow[k]) * xf[r * K + k];
+      h[r * W + w0 + b] = sum;
+    }
+  }
 }
 
 // One tile: tokens rows[0:n] (all of slot s). h[r][w] = A[s][w] . x[rows[r]]; then
-// result[rows[r]] = out[rows[r]] + sum_w h[r][w] * Bt[s][w].
-// n is a template argument so that the accumulators stay in registers.
+// out[rows[r]] += sum_w h[r][w] * Bt[s][w].
+// n is a template argument so that the accumulators stay in registers. xf: room for n rows of K floats.
 template <typename T, int n>
-void tile(const T* x, const T* a, const T* bt, const T* out, T* result, const int64_t* rows, int64_t K, int64_t W,
-          int64_t N, float* h) {
+void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
+          int64_t N, float* h, float* xf) {
   const int64_t k_main = K / kChunk * kChunk;
-  for (int64_t w = 0; w < W; ++w) {
-    const T* arow = a + w * K;
-    Vec acc[n];
-#pragma GCC unroll 8
-    for (int r = 0; r < n; ++r) acc[r] = Vec(0.f);
+  for (int r = 0; r < n; ++r) {
+    const T* xr = x + rows[r] * K;
     for (int64_t k = 0; k < k_main; k += kChunk) {
-      Vec alo, ahi;
-      load_chunk(arow + k, alo, ahi);
-#pragma GCC unroll 8
-      for (int r = 0; r < n; ++r) {
-        Vec xlo, xhi;
-        load_chunk(x + rows[r] * K + k, xlo, xhi);
-        acc[r] = at::vec::fmadd(alo, xlo, acc[r]);
-        acc[r] = at::vec::fmadd(ahi, xhi, acc[r]);
-      }
+      Vec lo, hi;
+      load_chunk(xr + k, lo, hi);
+      store_chunk(xf + r * K + k, lo, hi);
     }
-    for (int r = 0; r < n; ++r) {
-      float sum = at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; }, acc[r]);
-      for (int64_t k = k_main; k < K; ++k) sum += static_cast<float>(arow[k]) * static_cast<float>(x[rows[r] * K + k]);
-      h[r * W + w] = sum;
-    }
+    for (int64_t k = k_main; k < K; ++k) xf[r * K + k] = static_cast<float>(xr[k]);
   }
+  // WB rows of A per pass: n * WB accumulators + 2 * WB A vectors + 2 x vectors within the 32 registers.
+  constexpr int WB = n <= 4 ? 4 : 2;
+  int64_t w = 0;
+  for (; w + WB <= W; w += WB) shrink_block<T, n, WB>(xf, a, w, K, W, h);
+  for (; w < W; ++w) shrink_block<T, n, 1>(xf, a, w, K, W, h);
   const int64_t n_main = N / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
     Vec lo[n], hi[n];
@@ -91,19 +137,26 @@ void tile(const T* x, const T* a, const T* bt, const T* out, T* result, const in
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < n; ++r) store_chunk(result + rows[r] * N + j, lo[r], hi[r]);
+    for (int r = 0; r < n; ++r) store_chunk(out + rows[r] * N + j, lo[r], hi[r]);
   }
   for (int r = 0; r < n; ++r) {
     for (int64_t j = n_main; j < N; ++j) {
       float sum = static_cast<float>(out[rows[r] * N + j]);
       for (int64_t w = 0; w < W; ++w) sum += h[r * W + w] * static_cast<float>(bt[w * N + j]);
-      result[rows[r] * N + j] = static_cast<T>(sum);
+      out[rows[r] * N + j] = static_cast<T>(sum);
     }
   }
 }
 
-at::Tensor lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& slots,
-                    const at::Tensor& out) {
+// Below this many multiply-adds per thread (~15 us) tiles run on the calling thread: an OpenMP region costs
+// microseconds on idle cores and milliseconds when other processes hold them (bench/results/lora.md). A decode
+// step's larger projections still split their tiles over the threads (1.5x faster on 2 idle cores).
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 19;
+
+// out[t] += B[s] (A[s] x[t]) in place: out is the projection's output, which nothing else holds yet, so the
+// compiled step (Inductor reinplaces the functionalized call) and eager runs alike write it without a copy.
+void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+               const at::Tensor& slots) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() == 2 && x.device().is_cpu(),
                     "lora_add takes float32 or bfloat16 CPU x [T, K], got ", dtype, " ", x.sizes());
@@ -113,15 +166,14 @@ at::Tensor lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
                     " ", x.sizes());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == bt.size(2),
                     "lora_add: out must be [T, N] = [", x.size(0), ", ", bt.size(2), "], got ", out.sizes());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "lora_add: out must be contiguous (it is written in place)");
   TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
                     "lora_add: slots must be int64 [T], got ", slots.scalar_type(), " ", slots.sizes());
   TORCH_CHECK_VALUE(a.scalar_type() == dtype && bt.scalar_type() == dtype && out.scalar_type() == dtype,
                     "lora_add: x, a, bt and out must share one dtype");
   const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = bt.size(2);
-  const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous(), oc = out.contiguous();
+  // Tokens by slot, then tiles of up to kTile tokens of one slot; no token with a slot: nothing to do.
   const at::Tensor sc = slots.contiguous();
-  at::Tensor result = oc.clone();
-  // Tokens by slot, then tiles of up to kTile tokens of one slot.
   std::vector<std::vector<int64_t>> by_slot(static_cast<size_t>(S));
   const int64_t* slot_of = sc.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -133,15 +185,21 @@ at::Tensor lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t i = 0; i < static_cast<int64_t>(by_slot[s].size()); i += kTile) tiles.emplace_back(s, i);
   }
+  if (tiles.empty()) return;
+  const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous();
+  int64_t adapted = 0;
+  for (const auto& rows : by_slot) adapted += static_cast<int64_t>(rows.size());
+  const int64_t tile_work = adapted / static_cast<int64_t>(tiles.size()) * W * (K + N);  // the mean tile's
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, tile_work));
   const auto run = [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     const scalar_t* ap = ac.const_data_ptr<scalar_t>();
     const scalar_t* bp = bc.const_data_ptr<scalar_t>();
-    const scalar_t* op = oc.const_data_ptr<scalar_t>();
-    scalar_t* rp = result.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> h(static_cast<size_t>(kTile * W));  // the tile's shrunk tokens, [n, W]
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(tiles.size()), grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> h(static_cast<size_t>(kTile * W));   // the tile's shrunk tokens, [n, W]
+      std::vector<float> xf(static_cast<size_t>(kTile * K));  // the tile's x rows in fp32, [n, K]
       for (int64_t i = i0; i < i1; ++i) {
         const auto [s, first] = tiles[i];
         const auto& rows = by_slot[s];
@@ -150,14 +208,14 @@ at::Tensor lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
         const int64_t* r = rows.data() + first;
         static_assert(kTile == 8, "one case per tile size");
         switch (n) {
-          case 8: tile<scalar_t, 8>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 7: tile<scalar_t, 7>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 6: tile<scalar_t, 6>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 5: tile<scalar_t, 5>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 4: tile<scalar_t, 4>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 3: tile<scalar_t, 3>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          case 2: tile<scalar_t, 2>(xp, as, bs, op, rp, r, K, W, N, h.data()); break;
-          default: tile<scalar_t, 1>(xp, as, bs, op, rp, r, K, W, N, h.data());
+          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
+          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, h.data(), xf.data());
         }
       }
     });
@@ -167,24 +225,20 @@ at::Tensor lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   } else {
     run(static_cast<float*>(nullptr));
   }
-  return result;
 }
 
-at::Tensor lora_add_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor& out) {
-  return at::empty_like(out);
-}
+void lora_add_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
-  m.def("lora_add(Tensor x, Tensor a, Tensor bt, Tensor slots, Tensor out) -> Tensor");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
-  m.impl("lora_add", &lora_add);
+  m.impl("lora_add_", &lora_add_);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
-  m.impl("lora_add", &lora_add_meta);
+  m.impl("lora_add_", &lora_add_meta);
 }

@@ -1,4 +1,4 @@
-"""Batched LoRA on CPU (lora_delta.cpp): out[t] + B[s] (A[s] x[t]) for each token's slot s, one call per
+"""Batched LoRA on CPU (lora_delta.cpp): out[t] += B[s] (A[s] x[t]) for each token's slot s, one call per
 projection, the tokens of one slot taken a few at a time so each slot's matrices stream once per tile."""
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ def lora_add(
     slots: torch.Tensor,  # [T] int64: each token's slot, -1 for none
     out: torch.Tensor,  # [T, N]: the base projection's output
 ) -> torch.Tensor:  # [T, N]: out plus each token's delta (a new tensor), summed in fp32, rounded once
-    """torch.ops.hpi_kernels.lora_add (which the LoRA hooks call directly, so torch.compile sees one opaque op).
-    Mismatched shapes or dtypes, or a slot outside [-1, S), raise ValueError."""
+    """A copy of `out` through torch.ops.hpi_kernels.lora_add_, the in-place op that the LoRA hooks call directly
+    on the projection's fresh output (torch.compile sees one opaque op and reinplaces it). Mismatched shapes or
+    dtypes, or a slot outside [-1, S), raise ValueError."""
     load_extension()
-    return torch.ops.hpi_kernels.lora_add(x, a, bt, slots, out)
+    result = out.clone(memory_format=torch.contiguous_format)
+    torch.ops.hpi_kernels.lora_add_(result, x, a, bt, slots)
+    return result
 
 
 def lora_add_ref(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, out: torch.Tensor):

@@ -9,8 +9,9 @@ folded into B. A fused projection (qkv: parts q, k, v; gate_up: gate, up) stacks
 part p's output rows read only block p of B.
 
 The delta is grouped by slot (the punica / S-LoRA idea), in one of three forms (LoRABatch.mode): on CPU the
-C++ kernel hpi_kernels.cpu.lora_add (tokens grouped by slot inside, one call per projection; its inputs have
-the same shapes whatever the mix of adapters, so the compiled model step runs it: one graph for every mix); on
+C++ kernel torch.ops.hpi_kernels.lora_add_ (in place; tokens grouped by slot inside, one call per projection;
+its inputs have the same shapes whatever the mix of adapters, so the compiled model step runs it: one graph for
+every mix); on
 CUDA the Triton kernel of hpi_kernels.lora (punica's BGMV); on a CPU where the C++ kernels do not build, torch
 ops per adapter present (or one-hot masked matmuls over all slots), eagerly. Each is set up once per step on
 the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
@@ -60,7 +61,7 @@ class LoRABatch:
     """The current step's tokens by adapter slot; set by the runner before each forward.
 
     How the deltas are added (`mode`, chosen by the model's device and what builds there):
-    - "cpu": the C++ kernel hpi_kernels.cpu.lora_add, one call per projection with every token's slot
+    - "cpu": the C++ kernel torch.ops.hpi_kernels.lora_add_, one call per projection with every token's slot
       (`token_slots`, on the host, [num_tokens] even when no token has an adapter), its tokens grouped by slot
       inside. The only form whose shapes do not depend on the mix of adapters, so the compiled step uses it:
       one graph for every mix (compiled_model.py marks `token_slots` unbacked like the step's other inputs).
@@ -155,8 +156,9 @@ class LoRAProjection:
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         x = args[0]  # [num_tokens, in]
-        if batch.mode == "cpu":
-            return torch.ops.hpi_kernels.lora_add(x, self.a, self.bt, batch.token_slots, output)
+        if batch.mode == "cpu":  # in place: the projection's output is a fresh tensor only this hook holds
+            torch.ops.hpi_kernels.lora_add_(output, x, self.a, self.bt, batch.token_slots)
+            return output
         if batch.token_slots is not None:
             from hpi_kernels import lora_delta
 
