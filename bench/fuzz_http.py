@@ -64,8 +64,9 @@ def campaign(cases: int, seed_random: bool) -> dict:
             for name, url, headers, exclude in (("runtime", server.base_url, pod_auth, ("/sleep",)),
                                                 ("router", router_url, {"Authorization": f"Bearer {KEY}"}, ())):
                 start = time.monotonic()
+                # Both fuzz the one engine (the router forwards to it): its tokens tell work from a hang.
                 report = fuzz_openapi(url, cases, exclude_paths=exclude, headers=headers,
-                                      derandomize=not seed_random)  # fmt: skip
+                                      derandomize=not seed_random, progress=server.tokens_processed)  # fmt: skip
                 again = post_json(url, "/v1/chat/completions", GREEDY, headers)[1]
                 same = again["choices"][0]["message"] == reference["choices"][0]["message"]
                 results[name] = {"cases": report.num_cases, "failures": report.failures,

@@ -96,6 +96,12 @@ class RuntimeServer:
     def metric_samples(self) -> dict[str, float]:
         return metric_samples(self.metrics_text())
 
+    def tokens_processed(self) -> float:
+        """Prompt plus generated tokens so far: a counter that advances while the engine works (the fuzzer's
+        `progress`: a long schema-valid request is work, not a hang)."""
+        samples = self.metric_samples()
+        return samples["vllm:prompt_tokens_total"] + samples["vllm:generation_tokens_total"]
+
     def logs(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
