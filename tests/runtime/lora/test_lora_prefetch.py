@@ -32,11 +32,12 @@ def test_an_evicted_adapter_is_read_off_the_step_thread(tiny_model_dir, adapters
         engine = llm.engine
         assert engine.get_stats().lora_host_evictions >= 1
 
-        released, reads = threading.Event(), []
+        started, released, reads = threading.Event(), threading.Event(), []
         read = LoRAModel.read
 
         def gated_read(self, lora):
             reads.append((lora.lora_name, threading.current_thread().name))
+            started.set()
             assert released.wait(timeout=30), "the test never released the read"
             return read(self, lora)
 
@@ -51,6 +52,7 @@ def test_an_evicted_adapter_is_read_off_the_step_thread(tiny_model_dir, adapters
         generated = len(busy.output_token_ids)
         for _ in range(3):  # the read is held: the busy request runs on, the evicted one waits
             engine.step()
+        assert started.wait(timeout=30), "the adapter was never read"  # the background thread may start late
         assert reads == [("all", reads[0][1])] and reads[0][1].startswith("lora-prefetch")
         assert len(busy.output_token_ids) == generated + 3
         assert evicted.lora_slot is None and "all" in engine.get_stats().lora_waiting
