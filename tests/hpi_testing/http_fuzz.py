@@ -1,6 +1,10 @@
 """Schemathesis against a live server's GET /openapi.json: every documented operation gets schema-valid
 (positive) and schema-violating (negative) requests; any 5xx, and any request left unanswered within the
-timeout (a hang), is a failure. Shared by the runtime's and the router's fuzz tests and bench/bench_fuzz.py."""
+timeout (a hang), is a failure. Shared by the runtime's and the router's fuzz tests and bench/fuzz_http.py.
+
+A schema-valid request may be long work (many prompts, n=16, up to the context length: minutes on a loaded
+2-core machine), so with `progress` (a counter the server advances while it works, e.g. its tokens) a request is
+a hang only once neither an answer nor progress came within the timeout."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from schemathesis import GenerationMode
 
 # The default test run spends seconds here; HPI_FUZZ_CASES asks for more (bench/fuzz_http.py runs 1,000+).
 DEFAULT_CASES = 50
-# With `progress`, the most one request may take while the server keeps working on it.
+# With `progress`, the most one request may take while the server keeps working on it (past it: a timeout).
 PROGRESSING_LIMIT_S = 600.0
 
 
@@ -68,15 +72,14 @@ def fuzz_openapi(base_url: str, num_cases: int, *, exclude_paths: tuple[str, ...
     return report
 
 
-def _caller(report: FuzzReport, session: requests.Session, base_url: str,
-            headers: dict[str, str] | None, timeout_s: float, mode: GenerationMode,
-            progress: Callable[[], float] | None):
+def _caller(report: FuzzReport, session: requests.Session, base_url: str, headers: dict[str, str] | None,
+            timeout_s: float, mode: GenerationMode, progress: Callable[[], float] | None):
     def call(case) -> None:
         report.num_cases += 1
         name = f"{case.method} {case.formatted_path} ({mode.value})"
         try:
             response = _answer(lambda timeout: case.call(base_url=base_url, session=session, headers=headers,
-                                                                 timeout=timeout), timeout_s, progress)
+                                                         timeout=timeout), timeout_s, progress)
         except requests.Timeout:
             report.statuses["timeout"] += 1
             report.failures.append(f"{name}: no answer and no progress within {timeout_s} s; body {case.body!r:.2000}")

@@ -21,7 +21,7 @@ def extension() -> str:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features"),
                          [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33),
-                          # 512 tokens over 2 slots: 64 tiles, more than one thread's share (kMinWorkPerThread)
+                          # 512 tokens, 341 on slot 0: 43 tiles, more than one thread's share (kMinWorkPerThread)
                           (512, 3, 32, 256, 1024)])  # fmt: skip
 def test_matches_the_float64_reference(dtype, tokens, slots, width, in_features, out_features) -> None:
     g = torch.Generator().manual_seed(tokens)

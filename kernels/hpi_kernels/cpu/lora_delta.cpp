@@ -1,5 +1,5 @@
-// Batched LoRA on CPU: out[t] += B[s] (A[s] x[t]) in place, for each token t of slot s = slots[t] (-1: no adapter), the
-// punica / S-LoRA delta in one call per projection (runtime/hpi_runtime/lora/layers.py calls it from the
+// Batched LoRA on CPU: out[t] += B[s] (A[s] x[t]) in place, for each token t of slot s = slots[t] (-1: no
+// adapter), the punica / S-LoRA delta in one call per projection (runtime/hpi_runtime/lora/layers.py calls it from the
 // compiled model step and eagerly alike). The step's tokens are grouped by slot here, then split into tiles of
 // up to kTile tokens of one slot: a tile reads each row of A[s] and of B[s] once for all of its tokens, so a
 // slot's matrices stream from cache once per kTile tokens instead of once per token (the gathered `bmm` form
@@ -118,9 +118,9 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
   }
   // WB rows of A per pass: n * WB accumulators + 2 * WB A vectors + 2 x vectors within the 32 registers.
   constexpr int WB = n <= 4 ? 4 : 2;
-  int64_t w = 0;
-  for (; w + WB <= W; w += WB) shrink_block<T, n, WB>(xf, a, w, K, W, h);
-  for (; w < W; ++w) shrink_block<T, n, 1>(xf, a, w, K, W, h);
+  int64_t w0 = 0;
+  for (; w0 + WB <= W; w0 += WB) shrink_block<T, n, WB>(xf, a, w0, K, W, h);
+  for (; w0 < W; ++w0) shrink_block<T, n, 1>(xf, a, w0, K, W, h);
   const int64_t n_main = N / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
     Vec lo[n], hi[n];

@@ -11,10 +11,9 @@ part p's output rows read only block p of B.
 The delta is grouped by slot (the punica / S-LoRA idea), in one of three forms (LoRABatch.mode): on CPU the
 C++ kernel torch.ops.hpi_kernels.lora_add_ (in place; tokens grouped by slot inside, one call per projection;
 its inputs have the same shapes whatever the mix of adapters, so the compiled model step runs it: one graph for
-every mix); on
-CUDA the Triton kernel of hpi_kernels.lora (punica's BGMV); on a CPU where the C++ kernels do not build, torch
-ops per adapter present (or one-hot masked matmuls over all slots), eagerly. Each is set up once per step on
-the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
+every mix); on CUDA the Triton kernel of hpi_kernels.lora (punica's BGMV); on a CPU where the C++ kernels do not
+build, torch ops per adapter present (or one-hot masked matmuls over all slots), eagerly. Each is set up once per
+step on the host from the per-token slots (`LoRABatch.set_step`), so no layer synchronises with the device.
 
 Tensor parallelism: a column-parallel projection keeps the whole A and the rows of B its output holds; a
 row-parallel one (o_proj, down_proj) keeps the columns of A its input holds and the whole B: its delta is a
