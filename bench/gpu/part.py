@@ -1,0 +1,99 @@
+"""What every part of the GPU check shares: its context, its record, and the runner that times it and keeps a
+failure from stopping the parts after it.
+
+A part is a function `run(ctx) -> dict`. What it could not do it lists under "skipped" (what -> why), so a dry run
+on CPU says exactly which measurements need CUDA; an exception fails only that part. The record lands in
+`<out>/<part>.json`: the kit may bring back at most 8 files, so a part writes no other file unless its entry in
+gpu_check.sh says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class PartContext:
+    out_dir: Path  # the part writes <out_dir>/<part>.json (and nothing else unless gpu_check.sh lists it)
+    dry_run: bool  # on CPU at toy sizes: every CUDA-only measurement is listed under "skipped" instead
+    device: torch.device  # cuda, or cpu in a dry run
+    models: Mapping[str, Path] = field(default_factory=dict)  # "embedded", "1b" -> random-weight model dirs
+    budget_s: float = 60.0  # the part's share of the script's time (gpu_check.sh); a part sizes its loops to it
+
+    def deadline(self) -> float:
+        """perf_counter() value by which the part should stop starting new measurements."""
+        return time.perf_counter() + 0.9 * self.budget_s
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    part: str
+    status: str  # "ran" (possibly with some measurements skipped), "skipped" (all of it) or "failed"
+    seconds: float
+    results: dict
+    skipped: dict[str, str]  # measurement -> why it did not run here
+    error: str = ""  # the traceback's tail when status == "failed"
+
+    def summary_line(self) -> str:
+        note = f", {len(self.skipped)} skipped" if self.skipped and self.status == "ran" else ""
+        reason = f": {self.error.strip().splitlines()[-1]}" if self.error else ""
+        if self.status == "skipped":
+            reason = f": {'; '.join(self.skipped.values())}"
+        return f"{self.part:<8} {self.status:<7} {self.seconds:6.1f} s{note}{reason}"
+
+
+def run_part(name: str, fn: Callable[[PartContext], dict], ctx: PartContext) -> PartRecord:
+    """Run one part, time it, and write its record; a failing part is recorded, not raised."""
+    start = time.perf_counter()
+    try:
+        results = dict(fn(ctx))
+        skipped = dict(results.pop("skipped", {}))
+        status = "skipped" if not results and skipped else "ran"
+        record = PartRecord(name, status, time.perf_counter() - start, results, skipped)
+    except Exception:  # a part's failure is its result: the next parts still run
+        record = PartRecord(name, "failed", time.perf_counter() - start, {}, {}, traceback.format_exc()[-4000:])
+    write_record(ctx.out_dir, record)
+    return record
+
+
+def write_record(out_dir: Path, record: PartRecord) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{record.part}.json"
+    path.write_text(json.dumps(record.__dict__, indent=1, default=str) + "\n")
+    return path
+
+
+def read_records(out_dir: Path) -> Mapping[str, PartRecord]:
+    records = {}
+    for path in sorted(out_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and {"part", "status"} <= data.keys():
+            records[data["part"]] = PartRecord(**data)
+    return records
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Mean milliseconds of `fn`: CUDA events on a GPU (the launches queue; the events time the device), else
+    perf_counter."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return 1000 * (time.perf_counter() - begin) / iters
