@@ -64,8 +64,9 @@ class LoadConfig:
         False, "also quantize an untied LM head (a tied one shares the float embedding); saves its memory at "
         "some cost in logit precision")  # fmt: skip
     enforce_eager: bool = option(
-        False, "run the model step eagerly: skip torch.compile (its start-up compile and warm-up; on CPU the "
-        "compiled step is faster once running)")  # fmt: skip
+        False, "run the model step eagerly: skip torch.compile on CPU (its start-up compile and warm-up; the "
+        "compiled step is faster once running) and CUDA graphs of the decode step on a GPU (their capture at "
+        "start-up and their memory pool; replayed graphs cut the launch overhead of small decode batches)")  # fmt: skip
     compile_cache_dir: str | None = option(
         None, "keep what start-up compiles (the C++ CPU kernels, the torch.compile'd model step) in this directory "
         "across restarts, keyed by platform, model and profile, so the next start skips compiling; may be shared "

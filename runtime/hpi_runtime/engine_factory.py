@@ -210,6 +210,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         eos_token_ids=eos_token_ids,
         quantization=quantization.config,
         enforce_eager=load.enforce_eager,
+        max_num_seqs=engine_config.max_num_seqs,
         draft_model_config=draft_model_config,
         max_loras=args.lora.max_loras if args.lora.enable_lora else 0,
         max_lora_rank=args.lora.max_lora_rank,

@@ -9,7 +9,8 @@ window at a shared placeholder.
 
 Backends (factory.py picks one by name): `torch` is the `hpi::paged_attention` op (op.py: the C++ CPU
 kernel, falling back to TorchAttentionBackend in torch_backend.py, the reference), the one a compiled model
-step can contain; `triton` is the CUDA path (triton_backend.py), run eagerly.
+step can contain; `triton` is the CUDA path (triton_backend.py), run eagerly or, for decode steps, replayed from
+CUDA graphs (`supports_cuda_graphs`: worker/cuda_graphs.py).
 """
 
 from __future__ import annotations

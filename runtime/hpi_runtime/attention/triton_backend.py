@@ -29,6 +29,9 @@ class TritonAttentionBackend:
     """CUDA backend on hpi_kernels (also runs on CPU tensors under TRITON_INTERPRET=1, for tests)."""
 
     name = "triton"
+    # For a step of decodes only, build_metadata just slices the common tensors, and the kernels size their grids
+    # from shapes, never values: metadata built once over static buffers stays valid across CUDA-graph replays.
+    supports_cuda_graphs = True
 
     def build_metadata(self, common: AttentionMetadata) -> TritonAttentionMetadata:
         num_decodes = common.num_decode_reqs

@@ -2,8 +2,10 @@
 
 With tensor parallelism each worker process runs one LocalExecutor over its rank's shard (see
 tp_executor.py); the same class is the whole executor at tp 1. On CPU the runner compiles its model step
-at start-up (each rank its own; the all-reduces trace into the graph), unless `enforce_eager`.
-`sleep`/`wake_up` free and restore the KV cache and weights without touching the compiled step (worker/sleep.py).
+at start-up (each rank its own; the all-reduces trace into the graph), unless `enforce_eager`; on CUDA it
+captures the decode step as CUDA graphs instead (worker/cuda_graphs.py), unless `enforce_eager`.
+`sleep`/`wake_up` free and restore the KV cache and weights without touching the compiled step (worker/sleep.py);
+CUDA graphs, which hold those tensors' addresses, are dropped before sleep and captured again on wake.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from hpi_contracts.kv_cache import kv_bytes_per_token
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.config import CacheConfig, ParallelConfig
+from hpi_runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
 from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.lora.layers import LoRAModel
@@ -29,6 +31,7 @@ from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, Ten
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
 from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.startup import PhaseClock
+from hpi_runtime.worker.cuda_graphs import CudaGraphConfig, capture_sizes
 from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_budget
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 from hpi_runtime.worker.sleep import ModelSleeper
@@ -58,7 +61,9 @@ class ExecutorConfig:
     seed: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # banned before a request's min_tokens
     quantization: QuantizationConfig = QuantizationConfig()  # weight-only int8/int4, applied after loading
-    enforce_eager: bool = False  # vLLM's name: no torch.compile of the model step
+    enforce_eager: bool = False  # vLLM's name: no torch.compile of the model step, no CUDA graphs
+    # The scheduler's batch limit: the largest decode batch a CUDA graph is captured for.
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     # Compiled CPU step: Inductor freezing (weights as constants, prepacked for oneDNN). Off: in fp32 on the
     # CPU measured (AVX512-BF16 without AMX, 2 cores; bench/results/hot_path.md) oneDNN's prepacked linears
     # beat MKL over row-major weights at 32 rows but not over use_sgemm_layout's column-major ones, lose at
@@ -101,6 +106,14 @@ def compile_config(config: ExecutorConfig, device: torch.device) -> CompileConfi
     # LoRA slots change between steps (adapters loaded at run time): nothing of theirs may become a constant.
     freeze = config.freeze_weights and not config.quantization.enabled and not config.max_loras
     return CompileConfig(max_model_len=config.max_model_len, freeze_weights=freeze)
+
+
+def graph_config(config: ExecutorConfig, device: torch.device) -> CudaGraphConfig | None:
+    """The decode step's CUDA graphs here; None: none (asked for, or not a CUDA device). The runner may still
+    decline them for a model it cannot capture (cuda_graphs.graphs_unsafe_reason)."""
+    if config.enforce_eager or device.type != "cuda":
+        return None
+    return CudaGraphConfig(sizes=capture_sizes(config.max_num_seqs), max_model_len=config.max_model_len)
 
 
 def _build_model(
@@ -171,7 +184,8 @@ class LocalExecutor:
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, tp) if config.max_loras else None
         with clock("compile"):
             self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
-                                      compile_config(config, device), drafter, self.lora)  # fmt: skip
+                                      compile_config(config, device), drafter, self.lora,
+                                      graph_config(config, device))  # fmt: skip
         self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp, stage=stage))
 
@@ -200,11 +214,14 @@ class LocalExecutor:
 
     def sleep(self, level: int) -> int:
         """Release the KV cache (and the weights, per `level`: worker/sleep.py); returns the bytes freed."""
+        self.runner.release_graphs()  # they would replay over the freed addresses
         return self.sleeper.sleep(level)
 
     def wake_up(self) -> int:
         """Restore what `sleep` released; returns the bytes restored."""
-        return self.sleeper.wake_up()
+        restored = self.sleeper.wake_up()
+        self.runner.capture_graphs()  # the restored storages sit at new addresses
+        return restored
 
     def stage_busy_s(self) -> tuple[float, ...]:
         return ()  # one pipeline stage

@@ -30,7 +30,8 @@ from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.spec_decode.verify import num_accepted, rejection_sample
 from hpi_runtime.worker.compiled_model import CompiledForward
-from hpi_runtime.worker.input_batch import InputBatch
+from hpi_runtime.worker.cuda_graphs import CudaGraphConfig, DecodeGraphs, graphs_unsafe_reason
+from hpi_runtime.worker.input_batch import InputBatch, StepInputs
 from hpi_runtime.worker.multimodal import MultimodalBatch
 from hpi_runtime.worker.prompt_logprobs import compute_prompt_logprobs
 from hpi_runtime.worker.sampler import Sampler, SamplingBatch, logprobs_of, mix_seed
@@ -102,6 +103,7 @@ class ModelRunner:
         compile_config: CompileConfig | None = None,  # None: run the model eagerly
         drafter: DraftModel | None = None,  # draft-model speculation: it fills the scheduled draft slots
         lora: LoRAModel | None = None,  # the model's LoRA slots (lora/layers.py); None: no adapters
+        graph_config: CudaGraphConfig | None = None,  # CUDA graphs for decode steps (cuda_graphs.py); None: none
     ) -> None:
         self.model = model
         self.backend = backend
@@ -115,6 +117,9 @@ class ModelRunner:
         self._forward: Callable[..., torch.Tensor] = model
         if compile_config is not None:
             self._compile(compile_config)
+        self.graphs: DecodeGraphs | None = None
+        if graph_config is not None:
+            self._set_up_graphs(graph_config)
 
     @property
     def is_compiled(self) -> bool:
@@ -138,6 +143,39 @@ class ModelRunner:
         if self.drafter is not None and scheduler_output.spec_token_ids:
             draft_probs = self.drafter.propose(self.input_batch, list(scheduler_output.spec_token_ids)).draft_probs
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
+        hidden = self._run_model(step)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return StepLogits((), None)
+        ends = step.query_start_loc[1:].numpy().astype(np.int64)
+        is_sampled = np.asarray(step.is_sampled, dtype=bool)
+        num_drafts = np.asarray(step.num_drafts, dtype=np.int64)[is_sampled]
+        if num_drafts.any():  # each request's last 1 + drafts rows, in order
+            counts = num_drafts + 1
+            first = np.repeat(ends[is_sampled] - counts, counts)  # [num_rows]: its request's first sampled row
+            offsets = np.arange(counts.sum()) - np.repeat(counts.cumsum() - counts, counts)
+            sampled_rows = torch.from_numpy(first + offsets)
+        else:
+            sampled_rows = torch.from_numpy(ends[is_sampled] - 1)
+        logits = self.model.compute_logits(hidden.index_select(0, sampled_rows.to(self.device)))
+        prompt_logprobs = {}
+        if self.input_batch.prompt_logprob_ids and (chunks := self.input_batch.prompt_logprob_chunks(step)):
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, chunks)
+        return StepLogits(
+            request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if s),
+            logits=logits,
+            num_drafts=tuple(num_drafts.tolist()) if num_drafts.any() else (),
+            partial_request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if not s),
+            grammar_request_ids=scheduler_output.grammar_request_ids,
+            grammar_bitmask=scheduler_output.grammar_bitmask,
+            prompt_logprobs=prompt_logprobs,
+            draft_probs=draft_probs,
+        )
+
+    def _run_model(self, step: StepInputs) -> torch.Tensor | None:
+        """The step's final hidden states [num_tokens, H]: a captured decode graph's where the step qualifies,
+        else one forward; None on a pipeline stage before the last (its output goes to the next stage)."""
+        if self.graphs is not None and (hidden := self.graphs.run(step)) is not None:
+            return hidden
         device = self.device
         common = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(device),
@@ -155,39 +193,16 @@ class ModelRunner:
         stage = self.model.stage
         if self.multimodal is not None:  # one stage only (engine_factory.check_pipeline_parallel)
             inputs_embeds, positions = self.multimodal.step_inputs(step)
-            hidden = self.model(step.input_ids.to(device), positions, metadata, inputs_embeds)
-        elif stage.size == 1:
-            hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
-        else:  # a pipeline stage: the previous stage's output in, this one's out to the next (eager: no compile)
-            received = None if stage.is_first else stage.link.recv(len(step.input_ids))
-            hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata, received)
-            if not stage.is_last:
-                stage.link.send(hidden)
-                return StepLogits((), None)
-        ends = step.query_start_loc[1:].numpy().astype(np.int64)
-        is_sampled = np.asarray(step.is_sampled, dtype=bool)
-        num_drafts = np.asarray(step.num_drafts, dtype=np.int64)[is_sampled]
-        if num_drafts.any():  # each request's last 1 + drafts rows, in order
-            counts = num_drafts + 1
-            first = np.repeat(ends[is_sampled] - counts, counts)  # [num_rows]: its request's first sampled row
-            offsets = np.arange(counts.sum()) - np.repeat(counts.cumsum() - counts, counts)
-            sampled_rows = torch.from_numpy(first + offsets)
-        else:
-            sampled_rows = torch.from_numpy(ends[is_sampled] - 1)
-        logits = self.model.compute_logits(hidden.index_select(0, sampled_rows.to(device)))
-        prompt_logprobs = {}
-        if self.input_batch.prompt_logprob_ids and (chunks := self.input_batch.prompt_logprob_chunks(step)):
-            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, chunks)
-        return StepLogits(
-            request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if s),
-            logits=logits,
-            num_drafts=tuple(num_drafts.tolist()) if num_drafts.any() else (),
-            partial_request_ids=tuple(r for r, s in zip(step.request_ids, step.is_sampled, strict=True) if not s),
-            grammar_request_ids=scheduler_output.grammar_request_ids,
-            grammar_bitmask=scheduler_output.grammar_bitmask,
-            prompt_logprobs=prompt_logprobs,
-            draft_probs=draft_probs,
-        )
+            return self.model(step.input_ids.to(device), positions, metadata, inputs_embeds)
+        if stage.size == 1:
+            return self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
+        # A pipeline stage: the previous stage's output in, this one's out to the next (eager: no compile).
+        received = None if stage.is_first else stage.link.recv(len(step.input_ids))
+        hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata, received)
+        if not stage.is_last:
+            stage.link.send(hidden)
+            return None
+        return hidden
 
     @torch.inference_mode()
     def sample(self, step: StepLogits) -> ModelRunnerOutput:
@@ -324,6 +339,28 @@ class ModelRunner:
         logger.info("compiled the model step in %.1f s (%d graph%s, weights %sfrozen)",
                     time.perf_counter() - start, graphs, "" if graphs == 1 else "s",
                     "" if config.freeze_weights else "not ")  # fmt: skip
+
+
+    def _set_up_graphs(self, config: CudaGraphConfig) -> None:
+        """Capture the decode step for each batch size of `config`, unless this model cannot be graphed."""
+        reason = graphs_unsafe_reason(self.model, self.backend, self.lora is not None, self.is_compiled)
+        if reason is not None:
+            logger.info("running the decode step without CUDA graphs: %s", reason)
+            return
+        self.graphs = DecodeGraphs(self.model, self.backend.build_metadata, config, self.block_size)
+        self.capture_graphs()
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode graphs over the current weights and KV cache (at start-up and after a wake)."""
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs before their weights or KV cache are freed (sleep); steps run eagerly until
+        capture_graphs."""
+        if self.graphs is not None:
+            self.graphs.release()
 
 
 def _warmup_step(query_lens: tuple[int, ...], block_size: int) -> SchedulerOutput:
