@@ -4,7 +4,7 @@ models qualify, static buffers reused step after step, eager fallback, sleep/wak
 No GPU here, so graph capture and replay are replaced by the eager call on the static buffers (`run_eagerly`, or
 a recording variant of it): everything around the graph (buffers filled in place, padding rows, metadata built
 once per size, the choice of size) runs for real, with the `triton` attention backend under TRITON_INTERPRET=1.
-That a capture works and replays the same numbers is tests/runtime/worker/test_cuda_graphs_gpu.py's job."""
+That a real capture works and replays the eager numbers is the `gpu` tests' job, at the end of this file."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from hpi_runtime.models.loader import load_model
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.cuda_graphs import (
     MAX_CAPTURE_SIZE,
+    CudaGraphCapture,
     CudaGraphConfig,
     capture_sizes,
     graph_batch_size,
@@ -33,6 +34,7 @@ from hpi_runtime.worker.cuda_graphs import (
 from hpi_runtime.worker.executor import ExecutorConfig, graph_config
 from hpi_runtime.worker.input_batch import StepInputs
 from hpi_runtime.worker.model_runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from hpi_runtime.worker.sleep import ModelSleeper
 
 from ..models.conftest import HandScheduler
 
@@ -156,14 +158,17 @@ class RecordingCapture:
         return replay
 
 
-def _runner(model_dir: Path, capture=None, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> ModelRunner:
-    """fp32 on CPU with the triton backend (interpreted); decode graphs when `capture` is given."""
+def _graphs(capture, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> CudaGraphConfig:
+    return CudaGraphConfig(sizes, MAX_MODEL_LEN, capture)
+
+
+def _runner(model_dir: Path, graphs: CudaGraphConfig | None = None, device: str = "cpu") -> ModelRunner:
+    """fp32 with the triton backend (interpreted on CPU); decode graphs when `graphs` is given."""
     config = load_model_config(model_dir)
-    cpu = torch.device("cpu")
-    backend = get_attention_backend("triton", torch.float32, cpu)
-    model = load_model(config, torch.float32, cpu, backend)
-    allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, torch.float32), cpu)
-    graphs = None if capture is None else CudaGraphConfig(sizes, MAX_MODEL_LEN, capture)
+    device = torch.device(device)
+    backend = get_attention_backend("triton", torch.float32, device)
+    model = load_model(config, torch.float32, device, backend)
+    allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, torch.float32), device)
     return ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0, graph_config=graphs)
 
 
@@ -219,7 +224,7 @@ def eager_run(tiny_model_dir: Path):
 
 def test_padded_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir: Path, eager_run) -> None:
     capture = RecordingCapture()
-    runner = _runner(tiny_model_dir, capture)
+    runner = _runner(tiny_model_dir, _graphs(capture))
     assert capture.captured == [8, 4, 2, 1]  # largest first
     buffers = runner.graphs.buffers()
     pointers = [b.data_ptr() for b in buffers]
@@ -233,7 +238,7 @@ def test_padded_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir:
 
 def test_batches_above_the_largest_size_run_eagerly(tiny_model_dir: Path, eager_run) -> None:
     capture = RecordingCapture()
-    runner = _runner(tiny_model_dir, capture, sizes=(1, 2, 4))
+    runner = _runner(tiny_model_dir, _graphs(capture, sizes=(1, 2, 4)))
     _assert_same_generation(_generate(runner, PROMPT_LENS, NUM_STEPS, FINISH), eager_run)
     assert capture.replayed == [4, 4]  # five decodes do not fit 4: only the three-request steps replay
 
@@ -241,7 +246,7 @@ def test_batches_above_the_largest_size_run_eagerly(tiny_model_dir: Path, eager_
 def test_sleep_drops_the_graphs_and_wake_recaptures_them(tiny_model_dir: Path, eager_run) -> None:
     """As LocalExecutor.sleep / wake_up do around the sleeper (whose storages come back at new addresses)."""
     capture = RecordingCapture()
-    runner = _runner(tiny_model_dir, capture)
+    runner = _runner(tiny_model_dir, _graphs(capture))
 
     def sleep_and_wake(step: int) -> None:
         if step == 2:
@@ -264,3 +269,51 @@ def test_models_that_cannot_be_captured_run_eagerly(tiny_model_dir: Path) -> Non
     runner = ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0,
                          graph_config=CudaGraphConfig((1, 2), MAX_MODEL_LEN, run_eagerly))  # fmt: skip
     assert runner.graphs is None
+
+
+# -- on a GPU: real capture and replay ------------------------------------------------------------------------
+
+
+class RecordingCudaCapture(RecordingCapture):
+    """Real CUDA graphs (CudaGraphCapture), with the sizes captured and replayed recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda = CudaGraphCapture(torch.device("cuda"))
+
+    def __call__(self, size: int, run):
+        self.captured.append(size)
+        graph_replay = self.cuda(size, run)
+
+        def replay() -> None:
+            self.replayed.append(size)
+            graph_replay()
+
+        return replay
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_step_at_padded_sizes(tiny_model_dir: Path) -> None:
+    """Captured graphs of sizes 8, 4, 2, 1 give the eager run's tokens, and its logprobs up to float rounding
+    (on a GPU padding changes both the linears' row count and the decode kernel's split count)."""
+    eager = _generate(_runner(tiny_model_dir, device="cuda"), PROMPT_LENS, NUM_STEPS, FINISH)
+    capture = RecordingCudaCapture()
+    runner = _runner(tiny_model_dir, _graphs(capture), device="cuda")
+    assert capture.captured == [8, 4, 2, 1]
+    _assert_same_generation(_generate(runner, PROMPT_LENS, NUM_STEPS, FINISH), eager)
+    assert capture.replayed == [8, 8, 8, 4, 4]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_recaptured_after_sleep_and_wake(tiny_model_dir: Path) -> None:
+    """Sleep level 1 moves the weights to host memory and frees the KV cache; after the wake (new storages) the
+    recaptured graphs still give the eager tokens. Captured by the default CUDA capture, as the executor does."""
+    eager = _generate(_runner(tiny_model_dir, device="cuda"), PROMPT_LENS, NUM_STEPS, FINISH)
+    runner = _runner(tiny_model_dir, _graphs(None), device="cuda")  # None: a fresh CudaGraphCapture per capture
+    sleeper = ModelSleeper(runner.model, rebuild=lambda: None)  # level 1 on a GPU keeps a host copy: no rebuild
+    runner.release_graphs()
+    sleeper.sleep(1)
+    sleeper.wake_up()
+    runner.capture_graphs()
+    assert runner.graphs.is_captured
+    _assert_same_generation(_generate(runner, PROMPT_LENS, NUM_STEPS, FINISH), eager)
