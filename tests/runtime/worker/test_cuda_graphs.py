@@ -18,9 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.config import CacheConfig
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.loader import load_model
 from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker import executor as executor_module
 from hpi_runtime.worker.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     CudaGraphCapture,
@@ -259,6 +261,20 @@ def test_sleep_drops_the_graphs_and_wake_recaptures_them(tiny_model_dir: Path, e
     assert capture.captured == [8, 4, 2, 1] * 2
     assert capture.replayed == [8, 8, 4, 4]  # step 3 ran eagerly, without graphs
 
+
+def test_the_executor_drops_graphs_for_sleep_and_recaptures_on_wake(tiny_model_dir: Path, monkeypatch) -> None:
+    """LocalExecutor wiring, on CPU: graph_config (CUDA only) replaced by the recording stand-in."""
+    capture = RecordingCapture()
+    monkeypatch.setattr(executor_module, "graph_config", lambda config, device: _graphs(capture, sizes=(1, 2)))
+    config = ExecutorConfig(model_config=load_model_config(tiny_model_dir), dtype=torch.float32,
+                            device=torch.device("cpu"), max_model_len=MAX_MODEL_LEN, attention_backend="triton",
+                            cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20))  # fmt: skip
+    executor = executor_module.LocalExecutor(config)
+    assert capture.captured == [2, 1] and executor.runner.graphs.is_captured
+    executor.sleep(1)
+    assert not executor.runner.graphs.is_captured
+    executor.wake_up()
+    assert capture.captured == [2, 1, 2, 1] and executor.runner.graphs.is_captured
 
 def test_models_that_cannot_be_captured_run_eagerly(tiny_model_dir: Path) -> None:
     config = load_model_config(tiny_model_dir)
