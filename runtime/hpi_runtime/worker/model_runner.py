@@ -115,9 +115,9 @@ class ModelRunner:
         self.lora = lora
         self.multimodal = MultimodalBatch(model, self.device) if model.config.vision is not None else None
         self._forward: Callable[..., torch.Tensor] = model
+        self.graphs: DecodeGraphs | None = None  # before the compile's warm-up steps, which look for graphs
         if compile_config is not None:
             self._compile(compile_config)
-        self.graphs: DecodeGraphs | None = None
         if graph_config is not None:
             self._set_up_graphs(graph_config)
 
