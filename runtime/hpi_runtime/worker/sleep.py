@@ -5,7 +5,8 @@ Why the same tensor objects: the runner's compiled step (compiled_model.py) and 
 these tensors; Inductor's code (without `freeze_weights`) takes the parameters as inputs on every call and
 reads their data pointers then, so tensors whose storage was shrunk to 0 bytes and grown back (at a new
 address) keep the compiled step valid. Rebuilding the model instead would mean recompiling it, most of a
-cold start. Nothing here uses CUDA graphs (which would bake the old addresses in): the CUDA path runs eagerly.
+cold start. CUDA graphs of the decode step do bake the old addresses in: the executor drops them before
+`sleep` and captures them again after `wake_up` (worker/cuda_graphs.py).
 
 - KV cache: the storage is freed, and on wake grown back and zeroed, as at start-up (a block's unwritten
   slots are masked, but a masked NaN would still poison the weighted sum). The caller resets the prefix
