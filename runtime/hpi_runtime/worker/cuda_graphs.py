@@ -19,7 +19,7 @@ few microseconds of host time); replaying a captured graph issues them all at on
   reuse the largest one's intermediate memory (graphs never run concurrently, and no output of one is live
   while another replays: each copies its result into the static output buffer).
 
-How a graph is captured and replayed is injectable (`Capture`): `capture_cuda_graph` on a GPU; CPU tests pass
+How a graph is captured and replayed is injectable (`Capture`): `CudaGraphCapture` on a GPU; CPU tests pass
 `run_eagerly`, which "replays" by calling the model on the static buffers again, so the ladder, padding, buffer
 reuse and fallback logic run on CPU. Only a GPU test shows that capture itself works.
 """
@@ -111,7 +111,7 @@ class CudaGraphConfig:
 
     sizes: tuple[int, ...]  # ascending, e.g. capture_sizes(max_num_seqs)
     max_model_len: int
-    capture: Capture | None = None  # None: capture_cuda_graph; CPU tests pass run_eagerly
+    capture: Capture | None = None  # None: CudaGraphCapture; CPU tests pass run_eagerly
 
     def __post_init__(self) -> None:
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
@@ -135,7 +135,8 @@ class CudaGraphCapture:
 
     def __call__(self, size: int, run: Callable[[], None]) -> Callable[[], None]:
         # Warm-up on a side stream (torch.cuda.graph's documented pattern): first calls compile Triton kernels
-        # and allocate workspaces, which capture must not see.
+        # and create per-stream library handles and workspaces (cuBLAS), which capture must not see. The same
+        # stream then captures, every size: torch's docs ask for one stream across captures that share a pool.
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
