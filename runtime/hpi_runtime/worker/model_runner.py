@@ -340,7 +340,6 @@ class ModelRunner:
                     time.perf_counter() - start, graphs, "" if graphs == 1 else "s",
                     "" if config.freeze_weights else "not ")  # fmt: skip
 
-
     def _set_up_graphs(self, config: CudaGraphConfig) -> None:
         """Capture the decode step for each batch size of `config`, unless this model cannot be graphed."""
         reason = graphs_unsafe_reason(self.model, self.backend, self.lora is not None, self.is_compiled)
