@@ -1,0 +1,215 @@
+"""GPU check, part `step`: the engine's decode step time, eager against CUDA graphs, at batch 1, 8, 32 and 128.
+
+For each model in the context (the embedded SmolLM2 shape, the 1B shape; random bf16 weights) a `LocalExecutor`
+is built twice, with `enforce_eager=True` and with `enforce_eager=False` (CUDA graphs where the runner captures
+them; whether it did is read off the runner and recorded). A scheduler stand-in prefills `batch` requests of a
+few hundred tokens each, then times whole decode steps through `execute_model` (input preparation, forward,
+LM head, sampler), the path a served request takes. Reported per batch: ms per step, generated tokens/s, and
+the graphs' speed-up over eager. The record also carries the torch/triton versions and the device name.
+
+Dry run (CPU): the embedded shape at batch 1 and 8 with a short context, eager only: it checks the driving code,
+not the engine's speed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.gpu.part import PartContext
+from hpi_runtime.config import CacheConfig
+from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
+from hpi_runtime.gpu_platform import default_attention_backend
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.sampling_params import SamplingParams
+from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+
+BLOCK_SIZE = 16
+MODES = {"eager": True, "graphs": False}  # mode -> enforce_eager
+PAST_DEADLINE = "cut: the part's time budget ran out"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    batch_sizes: tuple[int, ...]
+    context_tokens: int  # each request's prompt: the context every timed decode step attends over
+    warmup_steps: int
+    timed_steps: int
+    modes: tuple[str, ...]
+    kv_cache_bytes: int
+    prefill_tokens_per_step: int  # the prompts are prefilled in steps of about this many tokens
+    dtype: torch.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.context_tokens + self.warmup_steps + self.timed_steps + 2 * BLOCK_SIZE
+
+
+def plan_for(ctx: PartContext) -> StepPlan:
+    if ctx.dry_run:
+        # fp32: bf16 matmuls on a CPU without AMX take several times as long, and the dry run checks code, not speed.
+        return StepPlan((1, 8), 32, 1, 4, ("eager",), 64 << 20, 256, torch.float32)
+    # 4 GiB holds 128 requests of ~300 tokens of the 1B shape (32 KiB per token) with room to spare.
+    return StepPlan((1, 8, 32, 128), 256, 5, 30, tuple(MODES), 4 << 30, 8192, torch.bfloat16)
+
+
+class DecodeDriver:
+    """A scheduler stand-in: `num_reqs` requests of random prompts, prefilled a few per step, then decoded all
+    together, one token each per step. Block ids are handed out in order from 0."""
+
+    def __init__(self, executor: LocalExecutor, num_reqs: int, plan: StepPlan, tag: str) -> None:
+        self.executor = executor
+        generator = torch.Generator().manual_seed(num_reqs)
+        self.tokens = {f"{tag}-{i}": torch.randint(10, 40000, (plan.context_tokens,), generator=generator).tolist()
+                       for i in range(num_reqs)}  # fmt: skip
+        self.blocks: dict[str, list[int]] = {}
+        self.next_block = 0
+        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+        self.prefill_tokens_per_step = plan.prefill_tokens_per_step
+
+    def _new_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks.setdefault(request_id, []))
+        added = tuple(range(self.next_block, self.next_block + max(0, needed)))
+        self.next_block += len(added)
+        self.blocks[request_id].extend(added)
+        return added
+
+    def _run(self, output: SchedulerOutput) -> None:
+        result = self.executor.execute_model(output)
+        for request_id, token_ids in result.sampled_token_ids.items():
+            self.tokens[request_id].extend(token_ids)
+
+    def prefill(self) -> None:
+        pending = list(self.tokens)
+        while pending:
+            group, num_tokens = [], 0
+            while pending and (not group or num_tokens + len(self.tokens[pending[0]]) <= self.prefill_tokens_per_step):
+                group.append(pending.pop(0))
+                num_tokens += len(self.tokens[group[-1]])
+            new = tuple(
+                NewRequestData(r, tuple(self.tokens[r]), len(self.tokens[r]), self.params,
+                               self._new_blocks(r, len(self.tokens[r])), 0)
+                for r in group
+            )  # fmt: skip
+            self._run(SchedulerOutput(new, (), {r: len(self.tokens[r]) for r in group}, num_tokens))
+
+    def decode(self) -> None:
+        cached = tuple(
+            CachedRequestData(r, self._new_blocks(r, len(t)), len(t) - 1) for r, t in self.tokens.items()
+        )
+        self._run(SchedulerOutput((), cached, dict.fromkeys(self.tokens, 1), len(self.tokens)))
+
+    def finish(self) -> None:
+        self._run(SchedulerOutput((), (), {}, 0, finished_request_ids=frozenset(self.tokens)))
+
+
+def versions(device: torch.device) -> dict:
+    """What produced the numbers: library versions and the device."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    on_cuda = device.type == "cuda"
+    memory_bytes = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "device_name": torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu",
+        "device_memory_gib": round(memory_bytes / 2**30, 1) if memory_bytes else None,
+    }
+
+
+def graph_state(runner: object) -> dict:
+    """Whether the runner holds captured CUDA graphs, as far as its attributes tell (the capture lands in
+    parallel with this kit, so no attribute name is assumed): every attribute whose name mentions graphs."""
+    found = {name: value for name, value in vars(runner).items() if "graph" in name.lower()}
+    described = {name: len(value) if hasattr(value, "__len__") else repr(value)[:80] for name, value in found.items()}
+    return {"captured": any(bool(v) for v in found.values()), "attributes": described,
+            "is_compiled": bool(getattr(runner, "is_compiled", False))}  # fmt: skip
+
+
+def build_executor(model_dir: Path, ctx: PartContext, plan: StepPlan, enforce_eager: bool) -> LocalExecutor:
+    config = ExecutorConfig(
+        model_config=load_model_config(model_dir), dtype=plan.dtype, device=ctx.device,
+        max_model_len=plan.max_model_len,
+        cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=plan.kv_cache_bytes),
+        attention_backend=default_attention_backend(ctx.device), enforce_eager=enforce_eager,
+    )  # fmt: skip
+    return LocalExecutor(config)
+
+
+def time_batch(executor: LocalExecutor, batch: int, plan: StepPlan, tag: str) -> dict:
+    """Median ms of a decode step of `batch` requests, each `plan.context_tokens` deep."""
+    driver = DecodeDriver(executor, batch, plan, tag)
+    driver.prefill()
+    for _ in range(plan.warmup_steps):
+        driver.decode()
+    step_ms = []
+    for _ in range(plan.timed_steps):
+        # Wall clock per step is the device's time too: the sampled ids reach Python, so every step ends synced.
+        start = time.perf_counter()
+        driver.decode()
+        step_ms.append(1000 * (time.perf_counter() - start))
+    driver.finish()
+    median_ms = statistics.median(step_ms)
+    return {"step_ms": median_ms, "min_step_ms": min(step_ms), "decode_tok_s": batch * 1000 / median_ms}
+
+
+def measure_mode(model_dir: Path, ctx: PartContext, plan: StepPlan, mode: str, deadline: float) -> tuple[dict, dict]:
+    """One executor in `mode`: its start-up, graph state and each batch's step; returns (results, skipped)."""
+    start = time.perf_counter()
+    executor = build_executor(model_dir, ctx, plan, MODES[mode])
+    result: dict = {"startup_s": time.perf_counter() - start, "graphs": graph_state(executor.runner), "batches": {}}
+    skipped = {}
+    try:
+        for batch in plan.batch_sizes:
+            if time.perf_counter() > deadline:
+                skipped[f"batch {batch}"] = PAST_DEADLINE
+                continue
+            result["batches"][str(batch)] = time_batch(executor, batch, plan, f"{mode}-b{batch}")
+    finally:
+        executor.shutdown()
+        del executor
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result, skipped
+
+
+def speedups(modes: dict) -> dict:
+    """Per batch measured in both modes: eager ms / graphs ms."""
+    eager, graphs = (modes.get(m, {}).get("batches", {}) for m in ("eager", "graphs"))
+    return {b: eager[b]["step_ms"] / graphs[b]["step_ms"] for b in eager if b in graphs}
+
+
+def run(ctx: PartContext) -> dict:
+    deadline = ctx.deadline()
+    plan = plan_for(ctx)
+    skipped: dict[str, str] = {}
+    if "graphs" not in plan.modes:
+        skipped["graphs"] = "CUDA graphs need CUDA" if ctx.device.type != "cuda" else "not planned"
+    models = {}
+    for name, model_dir in ctx.models.items():
+        modes = {}
+        for mode in plan.modes:
+            if time.perf_counter() > deadline:
+                skipped[f"{name} {mode}"] = PAST_DEADLINE
+                continue
+            modes[mode], cut = measure_mode(Path(model_dir), ctx, plan, mode, deadline)
+            skipped.update({f"{name} {mode} {what}": why for what, why in cut.items()})
+        models[name] = {**modes, "graphs_speedup": speedups(modes)}
+    return {
+        "versions": versions(ctx.device),
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "context_tokens": plan.context_tokens,
+        "timed_steps": plan.timed_steps,
+        "models": models,
+        "skipped": skipped,
+    }
