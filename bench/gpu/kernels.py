@@ -1,0 +1,238 @@
+"""GPU check, part `kernels`: the Triton kernels against torch, in the 1B shape (32 query / 8 KV heads of 64, bf16).
+
+- Paged decode attention at batch 32 over 512 to 32k tokens of context, against the plain-PyTorch reference
+  (hpi_kernels/reference.py: obvious, fp32, one request at a time) and SDPA on the same K/V viewed dense (no
+  paging: what a kernel at the memory bound approaches); achieved K/V read bandwidth; max abs error vs the reference.
+- Paged prefill attention of one causal prompt of 512 to 8k tokens, against the same two.
+- Weight-only int8 (per channel) and int4 (group-wise) matmul against bf16 `torch.matmul` (cuBLAS) on the 1B
+  model's fused GEMMs (qkv, o, gate_up, down) at M = 1, 16, 128 and 1024 rows; max error vs the dequantized
+  reference.
+
+Times are CUDA-event means (part.time_ms) after warm-up, so each kernel's first-call JIT compile stays out of them
+(but inside the part's budget). Dry run (CPU): toy sizes in fp32; the references and SDPA run (shapes and launch
+arguments checked), the Triton kernels only when TRITON_INTERPRET=1 (as the test suite sets it), for their error
+alone; every Triton timing is listed as skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu.part import PartContext, time_ms
+from bench.gpu.weights import ONE_B_SHAPE
+
+PAST_DEADLINE = "cut: the part's time budget ran out"
+NEEDS_CUDA = "Triton kernel timings need CUDA (a dry run times nothing of Triton's)"
+NO_INTERPRETER = "the Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU (not set here)"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    decode_batch: int
+    decode_contexts: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    gemms: tuple[tuple[str, int, int], ...]  # (layer, N, K): y[M, N] = x[M, K] @ W[N, K].T
+    matmul_rows: tuple[int, ...]  # M
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    group_size: int  # int4 weights per (scale, zero) along K: the runtime's default
+    dtype: torch.dtype
+    iters: int
+    ref_iters: int  # the references are slow: fewer timed calls
+    time_triton: bool  # on CUDA
+    run_triton: bool  # on CUDA, or interpreted on CPU
+
+
+def one_b_gemms() -> tuple[tuple[str, int, int], ...]:
+    """The 1B model's linears as the runtime fuses them (models/decoder.py: qkv_proj, gate_up_proj)."""
+    s = ONE_B_SHAPE
+    hidden, mlp = s["hidden_size"], s["intermediate_size"]
+    qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
+    return (("qkv", qkv, hidden), ("o", hidden, s["num_attention_heads"] * s["head_dim"]),
+            ("gate_up", 2 * mlp, hidden), ("down", hidden, mlp))  # fmt: skip
+
+
+def plan_for(ctx: PartContext) -> KernelPlan:
+    heads = (ONE_B_SHAPE["num_attention_heads"], ONE_B_SHAPE["num_key_value_heads"], ONE_B_SHAPE["head_dim"])
+    if ctx.dry_run:
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        toy_gemms = (("toy", 64, 128),)
+        return KernelPlan(2, (32, 80), (32,), toy_gemms, (1, 16), *heads, 16, 32, torch.float32, 2, 1, False,
+                          interpreted)  # fmt: skip
+    return KernelPlan(32, (512, 2048, 8192, 32768), (512, 2048, 8192), one_b_gemms(), (1, 16, 128, 1024), *heads,
+                      16, 32, torch.bfloat16, 20, 3, True, True)  # fmt: skip
+
+
+def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _timed(plan: KernelPlan, device: torch.device, fn: Callable[[], object], iters: int) -> float:
+    return time_ms(fn, device, iters, warmup=1 if iters < 5 else 3)
+
+
+def paged_cache(plan: KernelPlan, batch: int, context: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """K and V caches [batch * context / block_size, block_size, Hkv, D] of random values, block tables [batch,
+    blocks] int32 in a random order (as a running server's are), context lengths [batch] int32."""
+    blocks_per_seq = -(-context // plan.block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, plan.block_size, plan.num_kv_heads, plan.head_dim)
+    k_cache = torch.randn(shape, device=device, dtype=plan.dtype)
+    v_cache = torch.randn(shape, device=device, dtype=plan.dtype)
+    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_tables, context_lens
+
+
+def decode_attention(plan: KernelPlan, context: int, device: torch.device) -> dict:
+    from hpi_kernels.reference import paged_decode_attention_ref
+
+    batch = plan.decode_batch
+    k_cache, v_cache, block_tables, context_lens = paged_cache(plan, batch, context, device)
+    query = torch.randn(batch, plan.num_q_heads, plan.head_dim, device=device, dtype=plan.dtype)
+    args = (query, k_cache, v_cache, block_tables, context_lens, plan.head_dim**-0.5)
+    expected = paged_decode_attention_ref(*args)
+    assert expected.shape == query.shape
+    # The same bytes viewed as dense [B, Hkv, S, D] (context is a whole number of blocks in the plan).
+    k_dense = k_cache.view(batch, context, plan.num_kv_heads, plan.head_dim).transpose(1, 2)
+    v_dense = v_cache.view(batch, context, plan.num_kv_heads, plan.head_dim).transpose(1, 2)
+    result = {
+        "reference_ms": _timed(plan, device, lambda: paged_decode_attention_ref(*args), plan.ref_iters),
+        "sdpa_dense_ms": _timed(plan, device, lambda: F.scaled_dot_product_attention(
+            query.unsqueeze(2), k_dense, v_dense, enable_gqa=True), plan.iters),  # fmt: skip
+    }
+    result.update(_run_triton(plan, device, "paged_decode_attention", args, {}, expected))
+    if "triton_ms" in result:
+        kv_bytes = 2 * batch * context * plan.num_kv_heads * plan.head_dim * plan.dtype.itemsize
+        result["triton_kv_read_gb_s"] = kv_bytes / result["triton_ms"] / 1e6
+        result["speedup_vs_reference"] = result["reference_ms"] / result["triton_ms"]
+        result["speedup_vs_sdpa_dense"] = result["sdpa_dense_ms"] / result["triton_ms"]
+    return result
+
+
+def prefill_attention(plan: KernelPlan, tokens: int, device: torch.device) -> dict:
+    from hpi_kernels.reference import paged_prefill_attention_ref
+
+    k_cache, v_cache, block_tables, context_lens = paged_cache(plan, 1, tokens, device)
+    query = torch.randn(tokens, plan.num_q_heads, plan.head_dim, device=device, dtype=plan.dtype)
+    query_start_loc = torch.tensor([0, tokens], device=device, dtype=torch.int32)
+    args = (query, k_cache, v_cache, block_tables, query_start_loc, context_lens, plan.head_dim**-0.5)
+    expected = paged_prefill_attention_ref(*args)
+    assert expected.shape == query.shape
+    order = block_tables[0].long()  # the prompt's blocks in order, gathered once for the dense baseline
+    k_dense = k_cache[order].view(tokens, plan.num_kv_heads, plan.head_dim).transpose(0, 1).unsqueeze(0)
+    v_dense = v_cache[order].view(tokens, plan.num_kv_heads, plan.head_dim).transpose(0, 1).unsqueeze(0)
+    q_dense = query.transpose(0, 1).unsqueeze(0)
+    result = {
+        "reference_ms": _timed(plan, device, lambda: paged_prefill_attention_ref(*args), plan.ref_iters),
+        "sdpa_dense_ms": _timed(plan, device, lambda: F.scaled_dot_product_attention(
+            q_dense, k_dense, v_dense, is_causal=True, enable_gqa=True), plan.iters),  # fmt: skip
+    }
+    result.update(_run_triton(plan, device, "paged_prefill_attention", args, {"max_query_len": tokens}, expected))
+    if "triton_ms" in result:
+        flops = 2 * 2 * plan.num_q_heads * plan.head_dim * tokens * tokens / 2  # causal: half of QK^T and PV
+        result["triton_tflop_s"] = flops / result["triton_ms"] / 1e9
+        result["speedup_vs_reference"] = result["reference_ms"] / result["triton_ms"]
+        result["speedup_vs_sdpa_dense"] = result["sdpa_dense_ms"] / result["triton_ms"]
+    return result
+
+
+def _run_triton(
+    plan: KernelPlan, device: torch.device, name: str, args: tuple, kwargs: dict, expected: torch.Tensor
+) -> dict:
+    """The kernel's error against `expected` where it can run here, and its time where that means something."""
+    if not plan.run_triton:
+        return {}
+    import hpi_kernels
+
+    kernel = getattr(hpi_kernels, name)
+    out = kernel(*args, **kwargs)
+    result = {"max_abs_err": max_abs_error(out, expected)}
+    if plan.time_triton:
+        result["triton_ms"] = _timed(plan, device, lambda: kernel(*args, **kwargs), plan.iters)
+    return result
+
+
+def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadline: float) -> tuple[dict, list[int]]:
+    """Per M: torch.matmul ms (cuBLAS, bf16 on the GPU), the int8 and int4 kernels' ms, speed-ups and errors vs the
+    dequantized references; returns (results by M, the Ms cut by the deadline)."""
+    from hpi_kernels.quant import quantize_int4, quantize_int8
+    from hpi_kernels.reference import int4_weight_only_matmul_ref, int8_weight_only_matmul_ref
+
+    weight = torch.randn(n, k, device=device, dtype=plan.dtype) * k**-0.5
+    q8, s8 = quantize_int8(weight)
+    p4, s4, z4 = quantize_int4(weight, plan.group_size)
+    results, cut = {}, []
+    for m in plan.matmul_rows:
+        if time.perf_counter() > deadline:
+            cut.append(m)
+            continue
+        x = torch.randn(m, k, device=device, dtype=plan.dtype)
+        row = {"torch_matmul_ms": _timed(plan, device, lambda x=x: torch.matmul(x, weight.T), plan.iters)}
+        variants = {"int8": ("int8_weight_only_matmul", (x, q8, s8), int8_weight_only_matmul_ref(x, q8, s8)),
+                    "int4": ("int4_weight_only_matmul", (x, p4, s4, z4, plan.group_size),
+                             int4_weight_only_matmul_ref(x, p4, s4, z4, plan.group_size))}  # fmt: skip
+        for label, (name, args, expected) in variants.items():
+            assert expected.shape == (m, n)
+            measured = _run_triton(plan, device, name, args, {}, expected)
+            scale = expected.float().abs().max().item() or 1.0
+            row.update({f"{label}_{key}": value for key, value in measured.items()})
+            if "max_abs_err" in measured:
+                row[f"{label}_rel_err"] = measured["max_abs_err"] / scale
+            if "triton_ms" in measured:
+                row[f"{label}_speedup_vs_torch"] = row["torch_matmul_ms"] / measured["triton_ms"]
+        results[str(m)] = row
+    return results, cut
+
+
+def run(ctx: PartContext) -> dict:
+    deadline = ctx.deadline()
+    plan = plan_for(ctx)
+    device = ctx.device
+    skipped: dict[str, str] = {}
+    if not plan.time_triton:
+        skipped["triton timings"] = NEEDS_CUDA
+    if not plan.run_triton:
+        skipped["triton errors"] = NO_INTERPRETER
+    results: dict = {
+        "shape": {"num_q_heads": plan.num_q_heads, "num_kv_heads": plan.num_kv_heads, "head_dim": plan.head_dim,
+                  "block_size": plan.block_size, "dtype": str(plan.dtype).removeprefix("torch."),
+                  "int4_group_size": plan.group_size},  # fmt: skip
+        "decode_batch": plan.decode_batch,
+        "decode": {}, "prefill": {}, "matmul": {},  # fmt: skip
+    }
+    for context in plan.decode_contexts:
+        if time.perf_counter() > deadline:
+            skipped[f"decode context {context}"] = PAST_DEADLINE
+            continue
+        results["decode"][str(context)] = decode_attention(plan, context, device)
+        _release(device)
+    for tokens in plan.prefill_tokens:
+        if time.perf_counter() > deadline:
+            skipped[f"prefill {tokens} tokens"] = PAST_DEADLINE
+            continue
+        results["prefill"][str(tokens)] = prefill_attention(plan, tokens, device)
+        _release(device)
+    for layer, n, k in plan.gemms:
+        if time.perf_counter() > deadline:
+            skipped[f"matmul {layer}"] = PAST_DEADLINE
+            continue
+        rows, cut = quant_matmul(plan, n, k, device, deadline)
+        results["matmul"][layer] = {"n": n, "k": k, "rows": rows}
+        skipped.update({f"matmul {layer} M={m}": PAST_DEADLINE for m in cut})
+        _release(device)
+    results["skipped"] = skipped
+    return results
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":  # the next size's caches need the memory this one's held
+        torch.cuda.empty_cache()
