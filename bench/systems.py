@@ -141,6 +141,8 @@ class _StepClock:
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda:  # the time the step's logits exist, not the time its kernels were queued
+            torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
 
@@ -148,13 +150,14 @@ class _StepClock:
 class TransformersBaseline:
     """transformers `generate` with static batching: the offline baseline (no server, no queueing)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.pad_token_id = self.model.generation_config.eos_token_id
         with torch.inference_mode():  # first-call costs (allocator, kernels) stay out of the timings
-            self.model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, do_sample=False,
+            self.model.generate(torch.tensor([[1, 2, 3, 4]], device=device), max_new_tokens=4, do_sample=False,
                                 pad_token_id=self.pad_token_id)
 
     def run(self, prompt_ids: list[list[int]], output_len: int, batch_size: int) -> dict:
@@ -167,13 +170,15 @@ class TransformersBaseline:
         ttft, tpot, e2e = [], [], []
         start_all = time.perf_counter()
         for i in range(0, len(prompt_ids), batch_size):
-            batch = torch.tensor(prompt_ids[i: i + batch_size])
+            batch = torch.tensor(prompt_ids[i: i + batch_size], device=self.device)
             clock = _StepClock()
             start = time.perf_counter()
             with torch.inference_mode():
                 out = self.model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
                                           min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad_token_id,
                                           logits_processor=LogitsProcessorList([clock]))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             end = time.perf_counter()
             assert out.shape[1] - batch.shape[1] == output_len
             # Every request of a static batch gets its first token, and its last, with the whole batch.
