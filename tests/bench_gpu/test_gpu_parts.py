@@ -1,0 +1,132 @@
+"""The GPU check's measurement parts (bench/gpu: step, kernels, serve, kv_tier) in their dry runs, on CPU.
+
+GPU time is scarce and a GPU machine starts bare, so a part that broke since it last ran would waste a lent GPU:
+each part's dry run must run here, through `run_part` as the kit runs it, list what needs CUDA as skipped with a
+reason, and measure what it can with positive numbers. The GPU plans are pure functions, checked for the sizes
+the kit promises. The model is the embedded SmolLM2 shape cut to 2 layers (random weights, the real tokenizer):
+the same code paths at a fraction of the compute (~35 s for the module on 2 cores, most of it the serve part's
+server start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu import kernels, kv_tier, serve, step
+from bench.gpu import weights as gpu_weights
+from bench.gpu.part import PartContext, run_part
+from hpi_runtime.embedded import ensure_embedded_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_embedded(tmp_path_factory) -> Path:
+    shape = {**gpu_weights.EMBEDDED_SHAPE, "num_hidden_layers": 2}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(gpu_weights.SHAPES, "tiny-embedded", shape)
+        return gpu_weights.build_random_model(
+            "tiny-embedded", tmp_path_factory.mktemp("models") / "embedded", ensure_embedded_model(),
+            torch.device("cpu"),
+        )  # fmt: skip
+
+
+def dry_run(name: str, fn, tmp_path: Path, models: dict, budget_s: float = 60.0):
+    ctx = PartContext(tmp_path / "out", True, torch.device("cpu"), models, budget_s)
+    record = run_part(name, fn, ctx)
+    assert record.status == "ran", record.error
+    written = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+    assert written["status"] == "ran" and written["part"] == name
+    return record
+
+
+def positive(values: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(values[key], float) and values[key] > 0, (key, values)
+
+
+def test_step_dry_run_times_eager_decode_and_skips_graphs(tmp_path, tiny_embedded) -> None:
+    record = dry_run("step", step.run, tmp_path, {"embedded": tiny_embedded})
+    assert "CUDA" in record.skipped["graphs"]
+    versions = record.results["versions"]
+    assert versions["torch"] == torch.__version__ and versions["device_name"]
+    eager = record.results["models"]["embedded"]["eager"]
+    assert set(eager["batches"]) == {"1", "8"}
+    for measured in eager["batches"].values():
+        positive(measured, "step_ms", "decode_tok_s")
+    assert eager["graphs"]["captured"] is False
+    assert record.results["models"]["embedded"]["graphs_speedup"] == {}
+
+
+def test_kernels_dry_run_checks_references_and_skips_triton_timings(tmp_path) -> None:
+    record = dry_run("kernels", kernels.run, tmp_path, {})
+    assert "CUDA" in record.skipped["triton timings"]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the suite sets it without a GPU (tests/conftest.py)
+    results = record.results
+    for group in ("decode", "prefill"):
+        assert results[group]
+        for measured in results[group].values():
+            positive(measured, "reference_ms", "sdpa_dense_ms")
+            assert "triton_ms" not in measured
+            if interpreted:  # fp32 in the dry run: the kernels match the references closely
+                assert measured["max_abs_err"] < 1e-4
+    rows = results["matmul"]["toy"]["rows"]
+    assert set(rows) == {"1", "16"}
+    for row in rows.values():
+        positive(row, "torch_matmul_ms")
+        if interpreted:
+            assert row["int8_rel_err"] < 1e-4 and row["int4_rel_err"] < 1e-4
+
+
+def test_serve_dry_run_serves_on_cpu_against_transformers(tmp_path, tiny_embedded) -> None:
+    record = dry_run("serve", serve.run, tmp_path, {"embedded": tiny_embedded})
+    assert "CUDA" in record.skipped["gpu workload"] and "1b" in record.skipped
+    assert record.results["dry_run"] is True
+    served = record.results["models"]["embedded"]
+    assert "--enforce-eager" in served["hpi"]["command"]
+    for clients in ("1", "2"):
+        measured = served["hpi"]["clients"][clients]
+        assert measured["num_errors"] == 0, measured["errors"]
+        positive(measured, "output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")
+        positive(served["transformers"]["batches"][clients], "output_tok_s", "ttft_p50_ms")
+        positive(served["ratios"][clients], "hpi_over_tf")
+
+
+def test_kv_tier_dry_run_copies_between_cpu_tensors(tmp_path) -> None:
+    record = dry_run("kv_tier", kv_tier.run, tmp_path, {})
+    assert "CUDA" in record.skipped["pinned DMA"]
+    assert record.results["pinned"] is False and record.results["dry_run"] is True
+    transfers = record.results["transfers"]
+    assert set(transfers) == {"4", "16"}
+    for measured in transfers.values():
+        positive(measured, "d2h_issue_ms", "d2h_ms", "d2h_gb_s", "h2d_ms", "h2d_gb_s", "raw_d2h_gb_s", "raw_h2d_gb_s")
+
+
+def test_a_part_past_its_budget_lists_what_it_cut(tmp_path) -> None:
+    record = dry_run("kv_tier", kv_tier.run, tmp_path, {}, budget_s=0.0)
+    assert record.results["transfers"] == {}
+    assert set(record.skipped) >= {"4 blocks", "16 blocks"}
+    assert all("budget" in why for what, why in record.skipped.items() if "blocks" in what)
+
+
+def test_gpu_plans_have_the_promised_sizes(tmp_path) -> None:
+    ctx = PartContext(tmp_path, False, torch.device("cuda"))
+    step_plan = step.plan_for(ctx)
+    assert step_plan.batch_sizes == (1, 8, 32, 128) and step_plan.modes == ("eager", "graphs")
+    assert step_plan.dtype == torch.bfloat16 and step_plan.context_tokens >= 200
+    kernel_plan = kernels.plan_for(ctx)
+    assert kernel_plan.decode_contexts == (512, 2048, 8192, 32768) and kernel_plan.decode_batch == 32
+    assert kernel_plan.matmul_rows == (1, 16, 128, 1024) and kernel_plan.time_triton
+    assert {name for name, _, _ in kernel_plan.gemms} == {"qkv", "o", "gate_up", "down"}
+    serve_plan = serve.plan_for(ctx)
+    args = serve_plan.server_args
+    assert serve_plan.clients == (1, 32, 128) and serve_plan.dtype == "bfloat16"
+    assert args[args.index("--device") + 1] == "cuda" and int(args[args.index("--max-num-seqs") + 1]) >= 128
+    assert "--enforce-eager" not in args
+    tier_plan = kv_tier.plan_for(ctx)
+    assert tier_plan.block_bytes == 512 * 1024 and max(tier_plan.transfer_blocks) * tier_plan.block_bytes == 1 << 30
