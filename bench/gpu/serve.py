@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.part import PartContext
+from bench.gpu.step import embedded_first
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.serving import best_static_batch
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, TransformersBaseline, hpi_command
@@ -174,7 +175,7 @@ def run(ctx: PartContext) -> dict:
         skipped["1b"] = "no 1B model in this run"
     models = {}
     with tempfile.TemporaryDirectory(prefix="hpi-gpu-serve-") as log_dir:  # logs travel only inside errors
-        for i, (name, model_dir) in enumerate(ctx.models.items()):
+        for i, (name, model_dir) in enumerate(embedded_first(ctx.models)):
             left_s = deadline - time.perf_counter()
             if i and left_s < plan.next_model_budget_share * ctx.budget_s:
                 skipped[name] = f"cut: {left_s:.0f} s of the part's budget left, a model needs more"
