@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,25 +32,6 @@ NEEDS_CUDA = "Triton kernel timings need CUDA (a dry run times nothing of Triton
 NO_INTERPRETER = "the Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU (not set here)"
 
 
-@dataclass(frozen=True)
-class KernelPlan:
-    decode_batch: int
-    decode_contexts: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
-    gemms: tuple[tuple[str, int, int], ...]  # (layer, N, K): y[M, N] = x[M, K] @ W[N, K].T
-    matmul_rows: tuple[int, ...]  # M
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    group_size: int  # int4 weights per (scale, zero) along K: the runtime's default
-    dtype: torch.dtype
-    iters: int
-    ref_iters: int  # the references are slow: fewer timed calls
-    time_triton: bool  # on CUDA
-    run_triton: bool  # on CUDA, or interpreted on CPU
-
-
 def one_b_gemms() -> tuple[tuple[str, int, int], ...]:
     """The 1B model's linears as the runtime fuses them (models/decoder.py: qkv_proj, gate_up_proj)."""
     s = ONE_B_SHAPE
@@ -60,18 +41,41 @@ def one_b_gemms() -> tuple[tuple[str, int, int], ...]:
             ("gate_up", 2 * mlp, hidden), ("down", hidden, mlp))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """What the part measures; the defaults are the GPU plan, a dry run replaces the sizes."""
+
+    decode_batch: int = 32
+    decode_contexts: tuple[int, ...] = (512, 2048, 8192, 32768)
+    prefill_tokens: tuple[int, ...] = (512, 2048, 8192)
+    gemms: tuple[tuple[str, int, int], ...] = one_b_gemms()  # (layer, N, K): y[M, N] = x[M, K] @ W[N, K].T
+    matmul_rows: tuple[int, ...] = (1, 16, 128, 1024)  # M
+    num_q_heads: int = ONE_B_SHAPE["num_attention_heads"]
+    num_kv_heads: int = ONE_B_SHAPE["num_key_value_heads"]
+    head_dim: int = ONE_B_SHAPE["head_dim"]
+    block_size: int = 16
+    group_size: int = 32  # int4 weights per (scale, zero) along K: the runtime's default
+    dtype: torch.dtype = torch.bfloat16
+    iters: int = 20
+    ref_iters: int = 3  # the references are slow: fewer timed calls
+    time_triton: bool = True  # on CUDA
+    run_triton: bool = True  # on CUDA, or interpreted on CPU
+
+
 def plan_for(ctx: PartContext) -> KernelPlan:
-    heads = (ONE_B_SHAPE["num_attention_heads"], ONE_B_SHAPE["num_key_value_heads"], ONE_B_SHAPE["head_dim"])
-    if ctx.dry_run:
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        toy_gemms = (("toy", 64, 128),)
-        return KernelPlan(2, (32, 80), (32,), toy_gemms, (1, 16), *heads, 16, 32, torch.float32, 2, 1, False,
-                          interpreted)  # fmt: skip
-    return KernelPlan(32, (512, 2048, 8192, 32768), (512, 2048, 8192), one_b_gemms(), (1, 16, 128, 1024), *heads,
-                      16, 32, torch.bfloat16, 20, 3, True, True)  # fmt: skip
+    if not ctx.dry_run:
+        return KernelPlan()
+    return replace(
+        KernelPlan(), decode_batch=2, decode_contexts=(32, 80), prefill_tokens=(32,), gemms=(("toy", 64, 128),),
+        matmul_rows=(1, 16), dtype=torch.float32, iters=2, ref_iters=1, time_triton=False,
+        run_triton=os.environ.get("TRITON_INTERPRET") == "1",
+    )  # fmt: skip
 
 
-def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_abs_error(
+    a: torch.Tensor,  # any shape
+    b: torch.Tensor,  # a's shape
+) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 

@@ -29,14 +29,16 @@ PAST_DEADLINE = "cut: the part's time budget ran out"
 
 @dataclass(frozen=True)
 class TierPlan:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    num_device_blocks: int
-    transfer_blocks: tuple[int, ...]  # blocks per measured transfer; the host pool holds the largest
-    repeats: int
+    """What the part measures; the defaults are the GPU plan (the 1B shape), a dry run replaces the sizes."""
+
+    num_layers: int = ONE_B_SHAPE["num_hidden_layers"]
+    num_kv_heads: int = ONE_B_SHAPE["num_key_value_heads"]
+    head_dim: int = ONE_B_SHAPE["head_dim"]
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    num_device_blocks: int = 4096
+    transfer_blocks: tuple[int, ...] = (64, 512, 2048)  # blocks per measured transfer; the host pool holds the largest
+    repeats: int = 3
 
     @property
     def block_bytes(self) -> int:
@@ -45,10 +47,9 @@ class TierPlan:
 
 
 def plan_for(ctx: PartContext) -> TierPlan:
-    heads = (ONE_B_SHAPE["num_key_value_heads"], ONE_B_SHAPE["head_dim"], 16, torch.bfloat16)
-    if ctx.dry_run:
-        return TierPlan(2, *heads, 32, (4, 16), 2)
-    return TierPlan(ONE_B_SHAPE["num_hidden_layers"], *heads, 4096, (64, 512, 2048), 3)
+    if not ctx.dry_run:
+        return TierPlan()
+    return TierPlan(num_layers=2, num_device_blocks=32, transfer_blocks=(4, 16), repeats=2)
 
 
 class _KVModel:

@@ -34,14 +34,19 @@ PAST_DEADLINE = "cut: the part's time budget ran out"
 
 @dataclass(frozen=True)
 class ServePlan:
-    clients: tuple[int, ...]  # closed-loop concurrencies
-    tf_batch_sizes: tuple[int, ...]
-    prompt_len: int
-    output_len: int
-    requests_per_client: int  # a closed loop of N clients sends max(min_requests, N * this) requests
-    min_requests: int
-    dtype: str
-    server_args: tuple[str, ...]
+    """What the part measures; the defaults are the GPU plan, a dry run replaces the sizes."""
+
+    clients: tuple[int, ...] = (1, 32, 128)  # closed-loop concurrencies
+    tf_batch_sizes: tuple[int, ...] = (1, 32, 64, 128)
+    prompt_len: int = 128
+    output_len: int = 128
+    requests_per_client: int = 2  # a closed loop of N clients sends max(min_requests, N * this) requests
+    min_requests: int = 4
+    dtype: str = "bfloat16"
+    # 8 GiB of KV holds 128 requests of 256 tokens of the 1B shape (32 KiB a token) many times over, and allocates
+    # in a moment where the default (85% of the free memory) would zero 100 GiB at start-up.
+    server_args: tuple[str, ...] = ("--device", "cuda", "--max-num-seqs", "128", "--kv-cache-memory", "8GiB",
+                                    "--max-model-len", "1024")  # fmt: skip
     # A second model starts only with this share of the part's budget left: a half-run model says less than none.
     next_model_budget_share: float = 0.45
 
@@ -50,15 +55,14 @@ class ServePlan:
 
 
 def plan_for(ctx: PartContext) -> ServePlan:
-    if ctx.dry_run:
-        return ServePlan((1, 2), (1, 2), 16, 8, 1, 2, "float32",
-                         ("--device", "cpu", "--enforce-eager", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-                          "--max-model-len", "256"))  # fmt: skip
-    # 8 GiB of KV holds 128 requests of 256 tokens of the 1B shape (32 KiB a token) many times over, and allocates
-    # in a moment where the default (85% of the free memory) would zero 100 GiB at start-up.
-    return ServePlan((1, 32, 128), (1, 32, 64, 128), 128, 128, 2, 4, "bfloat16",
-                     ("--device", "cuda", "--max-num-seqs", "128", "--kv-cache-memory", "8GiB",
-                      "--max-model-len", "1024"))  # fmt: skip
+    if not ctx.dry_run:
+        return ServePlan()
+    return ServePlan(
+        clients=(1, 2), tf_batch_sizes=(1, 2), prompt_len=16, output_len=8, requests_per_client=1, min_requests=2,
+        dtype="float32",
+        server_args=("--device", "cpu", "--enforce-eager", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+                     "--max-model-len", "256"),
+    )  # fmt: skip
 
 
 def workload(plan: ServePlan, num_requests: int, seed: int, output_len: int | None = None) -> WorkloadSpec:

@@ -38,14 +38,17 @@ PAST_DEADLINE = "cut: the part's time budget ran out"
 
 @dataclass(frozen=True)
 class StepPlan:
-    batch_sizes: tuple[int, ...]
-    context_tokens: int  # each request's prompt: the context every timed decode step attends over
-    warmup_steps: int
-    timed_steps: int
-    modes: tuple[str, ...]
-    kv_cache_bytes: int
-    prefill_tokens_per_step: int  # the prompts are prefilled in steps of about this many tokens
-    dtype: torch.dtype
+    """What the part measures; the defaults are the GPU plan, a dry run replaces the sizes."""
+
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
+    context_tokens: int = 256  # each request's prompt: the context every timed decode step attends over
+    warmup_steps: int = 5
+    timed_steps: int = 30
+    modes: tuple[str, ...] = tuple(MODES)
+    # 4 GiB holds 128 requests of ~300 tokens of the 1B shape (32 KiB per token) with room to spare.
+    kv_cache_bytes: int = 4 << 30
+    prefill_tokens_per_step: int = 8192  # the prompts are prefilled in steps of about this many tokens
+    dtype: torch.dtype = torch.bfloat16
 
     @property
     def max_model_len(self) -> int:
@@ -53,11 +56,11 @@ class StepPlan:
 
 
 def plan_for(ctx: PartContext) -> StepPlan:
-    if ctx.dry_run:
-        # fp32: bf16 matmuls on a CPU without AMX take several times as long, and the dry run checks code, not speed.
-        return StepPlan((1, 8), 32, 1, 4, ("eager",), 64 << 20, 256, torch.float32)
-    # 4 GiB holds 128 requests of ~300 tokens of the 1B shape (32 KiB per token) with room to spare.
-    return StepPlan((1, 8, 32, 128), 256, 5, 30, tuple(MODES), 4 << 30, 8192, torch.bfloat16)
+    if not ctx.dry_run:
+        return StepPlan()
+    # fp32: bf16 matmuls on a CPU without AMX take several times as long, and the dry run checks code, not speed.
+    return StepPlan(batch_sizes=(1, 8), context_tokens=32, warmup_steps=1, timed_steps=4, modes=("eager",),
+                    kv_cache_bytes=64 << 20, prefill_tokens_per_step=256, dtype=torch.float32)  # fmt: skip
 
 
 class DecodeDriver:
@@ -134,7 +137,8 @@ def graph_state(runner: object) -> dict:
     found = {name: value for name, value in vars(runner).items() if "graph" in name.lower()}
     described = {name: len(value) if hasattr(value, "__len__") else repr(value)[:80] for name, value in found.items()}
     return {"captured": any(bool(v) for v in found.values()), "attributes": described,
-            "is_compiled": bool(getattr(runner, "is_compiled", False))}  # fmt: skip
+            "is_compiled": bool(getattr(runner, "is_compiled", False)),
+            "forward_type": type(getattr(runner, "_forward", None)).__name__}  # fmt: skip
 
 
 def build_executor(model_dir: Path, ctx: PartContext, plan: StepPlan, enforce_eager: bool) -> LocalExecutor:
