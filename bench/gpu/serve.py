@@ -49,6 +49,8 @@ class ServePlan:
                                     "--max-model-len", "1024")  # fmt: skip
     # A second model starts only with this share of the part's budget left: a half-run model says less than none.
     next_model_budget_share: float = 0.45
+    # hpi stops starting closed loops this share of the budget before the deadline: a ratio needs transformers too.
+    transformers_budget_share: float = 0.2
 
     def num_requests(self, clients: int) -> int:
         return max(self.min_requests, clients * self.requests_per_client)
@@ -162,7 +164,7 @@ def serve_model(model_dir: Path, ctx: PartContext, plan: ServePlan, log_dir: Pat
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hpi, cut = run_hpi(model_dir, tokenizer, plan, log_dir, deadline)
+    hpi, cut = run_hpi(model_dir, tokenizer, plan, log_dir, deadline - plan.transformers_budget_share * ctx.budget_s)
     tf, tf_runs, tf_cut = run_transformers(model_dir, tokenizer, plan, ctx.device, deadline)
     return {"hpi": hpi, "transformers": tf, "ratios": ratios(hpi, tf_runs)}, {**cut, **tf_cut}
 
