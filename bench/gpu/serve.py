@@ -118,8 +118,11 @@ def run_hpi(model_dir: Path, tokenizer, plan: ServePlan, log_dir: Path, deadline
     return result, cut
 
 
-def run_transformers(model_dir: Path, tokenizer, plan: ServePlan, device: torch.device, deadline: float) -> tuple:
-    """transformers `generate`, one static batch of each size; returns (results, cut)."""
+def run_transformers(
+    model_dir: Path, tokenizer, plan: ServePlan, device: torch.device, deadline: float
+) -> tuple[dict, list[dict], dict[str, str]]:
+    """transformers `generate`, one static batch of each size; returns (results, the runs as TransformersBaseline
+    reports them, cut)."""
     start = time.perf_counter()
     baseline = TransformersBaseline(model_dir, getattr(torch, plan.dtype), device)
     result: dict = {"load_s": time.perf_counter() - start, "batches": {}}
@@ -160,7 +163,10 @@ def ratios(hpi: dict, tf_runs: list[dict]) -> dict:
     return rows
 
 
-def serve_model(model_dir: Path, ctx: PartContext, plan: ServePlan, log_dir: Path, deadline: float) -> tuple:
+def serve_model(
+    model_dir: Path, ctx: PartContext, plan: ServePlan, log_dir: Path, deadline: float
+) -> tuple[dict, dict[str, str]]:
+    """hpi, then transformers, on one model; returns (results, cut)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -179,15 +185,23 @@ def run(ctx: PartContext) -> dict:
                                    "32 and 128 clients of 128 + 128 tokens in bf16 need CUDA")  # fmt: skip
     if "1b" not in ctx.models:
         skipped["1b"] = "no 1B model in this run"
-    models = {}
+    models, errors = {}, []
     with tempfile.TemporaryDirectory(prefix="hpi-gpu-serve-") as log_dir:  # logs travel only inside errors
         for i, (name, model_dir) in enumerate(embedded_first(ctx.models)):
             left_s = deadline - time.perf_counter()
             if i and left_s < plan.next_model_budget_share * ctx.budget_s:
                 skipped[name] = f"cut: {left_s:.0f} s of the part's budget left, a model needs more"
                 continue
-            models[name], cut = serve_model(Path(model_dir), ctx, plan, Path(log_dir), deadline)
+            try:
+                models[name], cut = serve_model(Path(model_dir), ctx, plan, Path(log_dir), deadline)
+            except Exception as exc:  # one model failing (a server that died, an OOM) keeps the other's numbers
+                errors.append(exc)
+                models[name] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+                skipped[name] = f"failed: {(str(exc).strip() or type(exc).__name__).splitlines()[0][:200]}"
+                continue
             skipped.update({f"{name} {what}": why for what, why in cut.items()})
+    if errors and len(errors) == len(models):  # nothing measured: the part failed, with the first error's traceback
+        raise errors[0]
     return {
         "dry_run": ctx.dry_run,
         "workload": {"prompt_tokens": plan.prompt_len, "output_tokens": plan.output_len, "dtype": plan.dtype,

@@ -84,8 +84,11 @@ def test_kernels_dry_run_checks_references_and_skips_triton_timings(tmp_path) ->
 
 
 def test_serve_dry_run_serves_on_cpu_against_transformers(tmp_path, tiny_embedded) -> None:
-    record = dry_run("serve", serve.run, tmp_path, {"embedded": tiny_embedded})
-    assert "CUDA" in record.skipped["gpu workload"] and "1b" in record.skipped
+    # A second model that fails (here: no such directory) is recorded as such and keeps the first one's numbers.
+    models = {"1b": tmp_path / "missing", "embedded": tiny_embedded}
+    record = dry_run("serve", serve.run, tmp_path, models)
+    assert "CUDA" in record.skipped["gpu workload"]
+    assert record.skipped["1b"].startswith("failed: ") and "error" in record.results["models"]["1b"]
     assert record.results["dry_run"] is True
     served = record.results["models"]["embedded"]
     assert "--enforce-eager" in served["hpi"]["command"]
@@ -105,6 +108,12 @@ def test_kv_tier_dry_run_copies_between_cpu_tensors(tmp_path) -> None:
     assert set(transfers) == {"4", "16"}
     for measured in transfers.values():
         positive(measured, "d2h_issue_ms", "d2h_ms", "d2h_gb_s", "h2d_ms", "h2d_gb_s", "raw_d2h_gb_s", "raw_h2d_gb_s")
+
+
+def test_a_serve_part_whose_every_model_failed_is_failed(tmp_path) -> None:
+    ctx = PartContext(tmp_path / "out", True, torch.device("cpu"), {"embedded": tmp_path / "missing"})
+    record = run_part("serve", serve.run, ctx)
+    assert record.status == "failed" and "missing" in record.error
 
 
 def test_a_part_past_its_budget_lists_what_it_cut(tmp_path) -> None:
