@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu.part import PartContext, time_ms
+from bench.gpu.shared import PAST_DEADLINE
 from bench.gpu.weights import ONE_B_SHAPE
 
-PAST_DEADLINE = "cut: the part's time budget ran out"
 NEEDS_CUDA = "Triton kernel timings need CUDA (a dry run times nothing of Triton's)"
 NO_INTERPRETER = "the Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU (not set here)"
 

@@ -20,11 +20,10 @@ from types import SimpleNamespace
 import torch
 
 from bench.gpu.part import PartContext, time_ms
+from bench.gpu.shared import PAST_DEADLINE
 from bench.gpu.weights import ONE_B_SHAPE
 from hpi_runtime.core.interface import KVTransfers
 from hpi_runtime.worker.host_kv_cache import HostKVCache
-
-PAST_DEADLINE = "cut: the part's time budget ran out"
 
 
 @dataclass(frozen=True)

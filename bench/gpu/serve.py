@@ -24,12 +24,10 @@ from pathlib import Path
 import torch
 
 from bench.gpu.part import PartContext
-from bench.gpu.step import embedded_first
+from bench.gpu.shared import PAST_DEADLINE, embedded_first, failure_note, failure_record
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.serving import best_static_batch
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, TransformersBaseline, hpi_command
-
-PAST_DEADLINE = "cut: the part's time budget ran out"
 
 
 @dataclass(frozen=True)
@@ -196,8 +194,7 @@ def run(ctx: PartContext) -> dict:
                 models[name], cut = serve_model(Path(model_dir), ctx, plan, Path(log_dir), deadline)
             except Exception as exc:  # one model failing (a server that died, an OOM) keeps the other's numbers
                 errors.append(exc)
-                models[name] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
-                skipped[name] = f"failed: {(str(exc).strip() or type(exc).__name__).splitlines()[0][:200]}"
+                models[name], skipped[name] = failure_record(exc), failure_note(exc)
                 continue
             skipped.update({f"{name} {what}": why for what, why in cut.items()})
     if errors and len(errors) == len(models):  # nothing measured: the part failed, with the first error's traceback

@@ -17,13 +17,13 @@ import importlib.metadata
 import platform
 import statistics
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bench.gpu.part import PartContext
+from bench.gpu.shared import PAST_DEADLINE, embedded_first, failure_note, failure_record
 from hpi_runtime.config import CacheConfig
 from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.gpu_platform import default_attention_backend
@@ -33,7 +33,6 @@ from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 
 BLOCK_SIZE = 16
 MODES = {"eager": True, "graphs": False}  # mode -> enforce_eager
-PAST_DEADLINE = "cut: the part's time budget ran out"
 
 
 @dataclass(frozen=True)
@@ -199,27 +198,30 @@ def speedups(modes: dict) -> dict:
     return {b: eager[b]["step_ms"] / graphs[b]["step_ms"] for b in eager if b in graphs}
 
 
-def embedded_first(models: Mapping[str, Path]) -> list[tuple[str, Path]]:
-    """The models in the order to measure them: the embedded shape first, so the deadline cuts the larger one."""
-    return sorted(models.items(), key=lambda item: item[0] != "embedded")
-
-
 def run(ctx: PartContext) -> dict:
     deadline = ctx.deadline()
     plan = plan_for(ctx)
     skipped: dict[str, str] = {}
     if "graphs" not in plan.modes:
         skipped["graphs"] = "CUDA graphs need CUDA" if ctx.device.type != "cuda" else "not planned"
-    models = {}
+    models, errors, attempts = {}, [], 0
     for name, model_dir in embedded_first(ctx.models):
         modes = {}
         for mode in plan.modes:
             if time.perf_counter() > deadline:
                 skipped[f"{name} {mode}"] = PAST_DEADLINE
                 continue
-            modes[mode], cut = measure_mode(Path(model_dir), ctx, plan, mode, deadline)
+            attempts += 1
+            try:
+                modes[mode], cut = measure_mode(Path(model_dir), ctx, plan, mode, deadline)
+            except Exception as exc:  # a mode failing (a graph capture that crashed) keeps the other modes' numbers
+                errors.append(exc)
+                modes[mode], skipped[f"{name} {mode}"] = failure_record(exc), failure_note(exc)
+                continue
             skipped.update({f"{name} {mode} {what}": why for what, why in cut.items()})
         models[name] = {**modes, "graphs_speedup": speedups(modes)}
+    if errors and len(errors) == attempts:  # nothing measured: the part failed, with the first error's traceback
+        raise errors[0]
     return {
         "versions": versions(ctx.device),
         "dtype": str(plan.dtype).removeprefix("torch."),

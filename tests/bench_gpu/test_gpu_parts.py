@@ -51,8 +51,10 @@ def positive(values: dict, *keys: str) -> None:
 
 
 def test_step_dry_run_times_eager_decode_and_skips_graphs(tmp_path, tiny_embedded) -> None:
-    record = dry_run("step", step.run, tmp_path, {"embedded": tiny_embedded})
+    # A model that fails (here: no such directory) is recorded as such and keeps the other's numbers.
+    record = dry_run("step", step.run, tmp_path, {"1b": tmp_path / "missing", "embedded": tiny_embedded})
     assert "CUDA" in record.skipped["graphs"]
+    assert record.skipped["1b eager"].startswith("failed: ") and "error" in record.results["models"]["1b"]["eager"]
     versions = record.results["versions"]
     assert versions["torch"] == torch.__version__ and versions["device_name"]
     eager = record.results["models"]["embedded"]["eager"]
