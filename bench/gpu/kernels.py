@@ -20,12 +20,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from bench.gpu.part import PartContext, time_ms
-from bench.gpu.shared import PAST_DEADLINE
+from bench.gpu.shared import PAST_DEADLINE, failure_note, failure_record
 from bench.gpu.weights import ONE_B_SHAPE
 
 NEEDS_CUDA = "Triton kernel timings need CUDA (a dry run times nothing of Triton's)"
@@ -165,16 +166,16 @@ def _run_triton(
     return result
 
 
-def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadline: float) -> tuple[dict, list[int]]:
+def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadline: float) -> dict:
     """Per M: torch.matmul ms (cuBLAS, bf16 on the GPU), the int8 and int4 kernels' ms, speed-ups and errors vs the
-    dequantized references; returns (results by M, the Ms cut by the deadline)."""
+    dequantized references ("rows", by M), and the Ms the deadline cut ("rows_cut")."""
     from hpi_kernels.quant import quantize_int4, quantize_int8
     from hpi_kernels.reference import int4_weight_only_matmul_ref, int8_weight_only_matmul_ref
 
     weight = torch.randn(n, k, device=device, dtype=plan.dtype) * k**-0.5
     q8, s8 = quantize_int8(weight)
     p4, s4, z4 = quantize_int4(weight, plan.group_size)
-    results, cut = {}, []
+    rows, cut = {}, []
     for m in plan.matmul_rows:
         if time.perf_counter() > deadline:
             cut.append(m)
@@ -193,8 +194,8 @@ def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadlin
                 row[f"{label}_rel_err"] = measured["max_abs_err"] / scale
             if "triton_ms" in measured:
                 row[f"{label}_speedup_vs_torch"] = row["torch_matmul_ms"] / measured["triton_ms"]
-        results[str(m)] = row
-    return results, cut
+        rows[str(m)] = row
+    return {"n": n, "k": k, "rows": rows, "rows_cut": cut}
 
 
 def run(ctx: PartContext) -> dict:
@@ -213,26 +214,27 @@ def run(ctx: PartContext) -> dict:
         "decode_batch": plan.decode_batch,
         "decode": {}, "prefill": {}, "matmul": {},  # fmt: skip
     }
-    for context in plan.decode_contexts:
+    # (group, key, what `skipped` calls it, the measurement), in the order they run until the deadline.
+    jobs = [("decode", str(c), f"decode context {c}", partial(decode_attention, plan, c, device))
+            for c in plan.decode_contexts]
+    jobs += [("prefill", str(t), f"prefill {t} tokens", partial(prefill_attention, plan, t, device))
+             for t in plan.prefill_tokens]
+    jobs += [("matmul", layer, f"matmul {layer}", partial(quant_matmul, plan, n, k, device, deadline))
+             for layer, n, k in plan.gemms]  # fmt: skip
+    errors = []
+    for group, key, what, measure in jobs:
         if time.perf_counter() > deadline:
-            skipped[f"decode context {context}"] = PAST_DEADLINE
+            skipped[what] = PAST_DEADLINE
             continue
-        results["decode"][str(context)] = decode_attention(plan, context, device)
+        try:
+            results[group][key] = measure()
+        except Exception as exc:  # one size failing (an index overflow, an OOM) keeps the other sizes' numbers
+            errors.append(exc)
+            results[group][key], skipped[what] = failure_record(exc), failure_note(exc)
+        skipped.update({f"{what} M={m}": PAST_DEADLINE for m in results[group][key].pop("rows_cut", ())})
         _release(device)
-    for tokens in plan.prefill_tokens:
-        if time.perf_counter() > deadline:
-            skipped[f"prefill {tokens} tokens"] = PAST_DEADLINE
-            continue
-        results["prefill"][str(tokens)] = prefill_attention(plan, tokens, device)
-        _release(device)
-    for layer, n, k in plan.gemms:
-        if time.perf_counter() > deadline:
-            skipped[f"matmul {layer}"] = PAST_DEADLINE
-            continue
-        rows, cut = quant_matmul(plan, n, k, device, deadline)
-        results["matmul"][layer] = {"n": n, "k": k, "rows": rows}
-        skipped.update({f"matmul {layer} M={m}": PAST_DEADLINE for m in cut})
-        _release(device)
+    if errors and len(errors) == sum(len(results[group]) for group in ("decode", "prefill", "matmul")):
+        raise errors[0]  # nothing measured: the part failed, with the first error's traceback
     results["skipped"] = skipped
     return results
 

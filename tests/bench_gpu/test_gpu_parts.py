@@ -85,6 +85,22 @@ def test_kernels_dry_run_checks_references_and_skips_triton_timings(tmp_path) ->
             assert row["int8_rel_err"] < 1e-4 and row["int4_rel_err"] < 1e-4
 
 
+def test_a_kernel_size_that_fails_keeps_the_other_sizes(tmp_path, monkeypatch) -> None:
+    measure = kernels.decode_attention
+
+    def overflow_at_80(plan, context, device):
+        if context == 80:
+            raise IndexError("an index overflow at 80 tokens")
+        return measure(plan, context, device)
+
+    monkeypatch.setattr(kernels, "decode_attention", overflow_at_80)
+    record = dry_run("kernels", kernels.run, tmp_path, {})
+    assert record.skipped["decode context 80"] == "failed: an index overflow at 80 tokens"
+    assert "IndexError" in record.results["decode"]["80"]["error"]
+    positive(record.results["decode"]["32"], "reference_ms")
+    assert record.results["prefill"] and record.results["matmul"]
+
+
 def test_serve_dry_run_serves_on_cpu_against_transformers(tmp_path, tiny_embedded) -> None:
     # A second model that fails (here: no such directory) is recorded as such and keeps the first one's numbers.
     models = {"1b": tmp_path / "missing", "embedded": tiny_embedded}
