@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.gpu.part import PartContext, time_ms
-from bench.gpu.shared import PAST_DEADLINE
+from bench.gpu.shared import PAST_DEADLINE, failure_note, failure_record
 from bench.gpu.weights import ONE_B_SHAPE
 from hpi_runtime.core.interface import KVTransfers
 from hpi_runtime.worker.host_kv_cache import HostKVCache
@@ -122,14 +122,20 @@ def run(ctx: PartContext) -> dict:
         skipped["pinned DMA"] = "pinned memory and copy streams need CUDA: the dry run copies between CPU tensors"
     model = _KVModel(plan, device)
     cache = HostKVCache(model, max(plan.transfer_blocks), device)
-    transfers = {}
+    transfers, errors = {}, []
     for num_blocks in plan.transfer_blocks:
         if time.perf_counter() > deadline:
             skipped[f"{num_blocks} blocks"] = PAST_DEADLINE
             continue
-        measured = tier_copies(cache, plan, num_blocks, device)
-        measured.update(raw_copies(num_blocks * plan.block_bytes, device, plan.repeats))
+        try:
+            measured = tier_copies(cache, plan, num_blocks, device)
+            measured.update(raw_copies(num_blocks * plan.block_bytes, device, plan.repeats))
+        except Exception as exc:  # one size failing (pinned memory running out) keeps the smaller sizes' numbers
+            errors.append(exc)
+            measured, skipped[f"{num_blocks} blocks"] = failure_record(exc), failure_note(exc)
         transfers[str(num_blocks)] = measured
+    if errors and len(errors) == len(transfers):  # nothing measured: the part failed, with the first error's traceback
+        raise errors[0]
     return {
         "shape": {"num_layers": plan.num_layers, "num_kv_heads": plan.num_kv_heads, "head_dim": plan.head_dim,
                   "block_size": plan.block_size, "dtype": str(plan.dtype).removeprefix("torch.")},  # fmt: skip
