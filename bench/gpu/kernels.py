@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from bench.gpu.part import PartContext, time_ms
 from bench.gpu.shared import PAST_DEADLINE, failure_note, failure_record
 from bench.gpu.weights import ONE_B_SHAPE
+from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
 
 NEEDS_CUDA = "Triton kernel timings need CUDA (a dry run times nothing of Triton's)"
 NO_INTERPRETER = "the Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU (not set here)"
@@ -55,7 +56,7 @@ class KernelPlan:
     num_kv_heads: int = ONE_B_SHAPE["num_key_value_heads"]
     head_dim: int = ONE_B_SHAPE["head_dim"]
     block_size: int = 16
-    group_size: int = 32  # int4 weights per (scale, zero) along K: the runtime's default
+    group_size: int = DEFAULT_INT4_GROUP_SIZE  # int4 weights per (scale, zero) along K, as the runtime quantizes
     dtype: torch.dtype = torch.bfloat16
     iters: int = 20
     ref_iters: int = 3  # the references are slow: fewer timed calls
