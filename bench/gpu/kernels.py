@@ -81,7 +81,8 @@ def max_abs_error(
     return (a.float() - b.float()).abs().max().item()
 
 
-def _timed(plan: KernelPlan, device: torch.device, fn: Callable[[], object], iters: int) -> float:
+def _timed(device: torch.device, fn: Callable[[], object], iters: int) -> float:
+    """Mean ms of `fn`: fewer warm-up calls for the slow references (few iterations)."""
     return time_ms(fn, device, iters, warmup=1 if iters < 5 else 3)
 
 
@@ -111,8 +112,8 @@ def decode_attention(plan: KernelPlan, context: int, device: torch.device) -> di
     k_dense = k_cache.view(batch, context, plan.num_kv_heads, plan.head_dim).transpose(1, 2)
     v_dense = v_cache.view(batch, context, plan.num_kv_heads, plan.head_dim).transpose(1, 2)
     result = {
-        "reference_ms": _timed(plan, device, lambda: paged_decode_attention_ref(*args), plan.ref_iters),
-        "sdpa_dense_ms": _timed(plan, device, lambda: F.scaled_dot_product_attention(
+        "reference_ms": _timed(device, lambda: paged_decode_attention_ref(*args), plan.ref_iters),
+        "sdpa_dense_ms": _timed(device, lambda: F.scaled_dot_product_attention(
             query.unsqueeze(2), k_dense, v_dense, enable_gqa=True), plan.iters),  # fmt: skip
     }
     result.update(_run_triton(plan, device, "paged_decode_attention", args, {}, expected))
@@ -138,8 +139,8 @@ def prefill_attention(plan: KernelPlan, tokens: int, device: torch.device) -> di
     v_dense = v_cache[order].view(tokens, plan.num_kv_heads, plan.head_dim).transpose(0, 1).unsqueeze(0)
     q_dense = query.transpose(0, 1).unsqueeze(0)
     result = {
-        "reference_ms": _timed(plan, device, lambda: paged_prefill_attention_ref(*args), plan.ref_iters),
-        "sdpa_dense_ms": _timed(plan, device, lambda: F.scaled_dot_product_attention(
+        "reference_ms": _timed(device, lambda: paged_prefill_attention_ref(*args), plan.ref_iters),
+        "sdpa_dense_ms": _timed(device, lambda: F.scaled_dot_product_attention(
             q_dense, k_dense, v_dense, is_causal=True, enable_gqa=True), plan.iters),  # fmt: skip
     }
     result.update(_run_triton(plan, device, "paged_prefill_attention", args, {"max_query_len": tokens}, expected))
@@ -163,7 +164,7 @@ def _run_triton(
     out = kernel(*args, **kwargs)
     result = {"max_abs_err": max_abs_error(out, expected)}
     if plan.time_triton:
-        result["triton_ms"] = _timed(plan, device, lambda: kernel(*args, **kwargs), plan.iters)
+        result["triton_ms"] = _timed(device, lambda: kernel(*args, **kwargs), plan.iters)
     return result
 
 
@@ -182,7 +183,7 @@ def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadlin
             cut.append(m)
             continue
         x = torch.randn(m, k, device=device, dtype=plan.dtype)
-        row = {"torch_matmul_ms": _timed(plan, device, lambda x=x: torch.matmul(x, weight.T), plan.iters)}
+        row = {"torch_matmul_ms": _timed(device, lambda x=x: torch.matmul(x, weight.T), plan.iters)}
         variants = {"int8": ("int8_weight_only_matmul", (x, q8, s8), int8_weight_only_matmul_ref(x, q8, s8)),
                     "int4": ("int4_weight_only_matmul", (x, p4, s4, z4, plan.group_size),
                              int4_weight_only_matmul_ref(x, p4, s4, z4, plan.group_size))}  # fmt: skip
