@@ -179,7 +179,7 @@ def run(ctx: PartContext) -> dict:
     plan = plan_for(ctx)
     skipped: dict[str, str] = {}
     if ctx.dry_run:
-        skipped["gpu workload"] = ("the dry run serves 1 and 2 clients short requests on CPU in fp32; "
+        skipped["gpu workload"] = ("the dry run serves 1 and 2 clients a few short requests on CPU in fp32; "
                                    "32 and 128 clients of 128 + 128 tokens in bf16 need CUDA")  # fmt: skip
     if "1b" not in ctx.models:
         skipped["1b"] = "no 1B model in this run"

@@ -4,7 +4,7 @@ GPU time is scarce and a GPU machine starts bare, so a part that broke since it 
 each part's dry run must run here, through `run_part` as the kit runs it, list what needs CUDA as skipped with a
 reason, and measure what it can with positive numbers. The GPU plans are pure functions, checked for the sizes
 the kit promises. The model is the embedded SmolLM2 shape cut to 2 layers (random weights, the real tokenizer):
-the same code paths at a fraction of the compute (~35 s for the module on 2 cores, most of it the serve part's
+the same code paths at a fraction of the compute (15 to 25 s for the module on 2 cores, most of it the serve part's
 server start-up).
 """
 
