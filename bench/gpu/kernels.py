@@ -237,8 +237,25 @@ def run(ctx: PartContext) -> dict:
         _release(device)
     if errors and len(errors) == sum(len(results[group]) for group in ("decode", "prefill", "matmul")):
         raise errors[0]  # nothing measured: the part failed, with the first error's traceback
+    results["headline"] = headline(results)
     results["skipped"] = skipped
     return results
+
+
+def headline(results: dict) -> list[str]:
+    """Triton's speed-up over the torch reference per size (and its error), and the quantized matmuls' over bf16."""
+    lines = []
+    for group in ("decode", "prefill"):
+        cells = [f"{key} {r['speedup_vs_reference']:.1f}x (err {r['max_abs_err']:.1e})"
+                 for key, r in results[group].items() if "speedup_vs_reference" in r]  # fmt: skip
+        if cells:
+            lines.append(f"{group} attention, Triton over the reference: " + ", ".join(cells))
+    for layer, r in results["matmul"].items():
+        cells = [f"M={m} int8 {row['int8_speedup_vs_torch']:.2f}x int4 {row['int4_speedup_vs_torch']:.2f}x"
+                 for m, row in r.get("rows", {}).items() if "int4_speedup_vs_torch" in row]  # fmt: skip
+        if cells:
+            lines.append(f"matmul {layer} ({r['n']}x{r['k']}) over bf16 torch.matmul: " + ", ".join(cells))
+    return lines
 
 
 def _release(device: torch.device) -> None:

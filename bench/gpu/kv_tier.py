@@ -137,6 +137,7 @@ def run(ctx: PartContext) -> dict:
     if errors and len(errors) == len(transfers):  # nothing measured: the part failed, with the first error's traceback
         raise errors[0]
     return {
+        "headline": headline(transfers, plan.block_bytes),
         "shape": {"num_layers": plan.num_layers, "num_kv_heads": plan.num_kv_heads, "head_dim": plan.head_dim,
                   "block_size": plan.block_size, "dtype": str(plan.dtype).removeprefix("torch.")},  # fmt: skip
         "block_bytes": plan.block_bytes,
@@ -145,3 +146,10 @@ def run(ctx: PartContext) -> dict:
         "transfers": transfers,
         "skipped": skipped,
     }
+
+
+def headline(transfers: dict, block_bytes: int) -> list[str]:
+    """Each transfer size: the tier's GB/s each way against a raw pinned copy of the same bytes."""
+    return [f"{n} blocks ({int(n) * block_bytes / 2**20:.0f} MiB): d2h {r['d2h_gb_s']:.1f} GB/s (raw "
+            f"{r['raw_d2h_gb_s']:.1f}), h2d {r['h2d_gb_s']:.1f} GB/s (raw {r['raw_h2d_gb_s']:.1f})"
+            for n, r in transfers.items() if "d2h_gb_s" in r]  # fmt: skip

@@ -200,6 +200,7 @@ def run(ctx: PartContext) -> dict:
     if errors and len(errors) == len(models):  # nothing measured: the part failed, with the first error's traceback
         raise errors[0]
     return {
+        "headline": headline(models),
         "dry_run": ctx.dry_run,
         "workload": {"prompt_tokens": plan.prompt_len, "output_tokens": plan.output_len, "dtype": plan.dtype,
                      "clients": list(plan.clients), "tf_batch_sizes": list(plan.tf_batch_sizes)},  # fmt: skip
@@ -207,3 +208,15 @@ def run(ctx: PartContext) -> dict:
         "elapsed_s": time.perf_counter() - start,
         "skipped": skipped,
     }
+
+
+def headline(models: dict) -> list[str]:
+    """Per model and client count: hpi's output tok/s and its ratio to transformers' best static batch."""
+    lines = []
+    for name, result in models.items():
+        cells = [f"{c} client{'' if c == '1' else 's'} {r['hpi_output_tok_s']:.0f} tok/s = "
+                 f"{r['hpi_over_tf']:.2f}x transformers (batch {r['tf_batch_size']})"
+                 for c, r in result.get("ratios", {}).items()]  # fmt: skip
+        if cells:
+            lines.append(f"{name}: " + "; ".join(cells))
+    return lines

@@ -30,6 +30,7 @@ from hpi_runtime.gpu_platform import default_attention_backend
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+from hpi_runtime.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 MODES = {"eager": True, "graphs": False}  # mode -> enforce_eager
@@ -130,14 +131,13 @@ def versions(device: torch.device) -> dict:
     }
 
 
-def graph_state(runner: object) -> dict:
-    """Whether the runner holds captured CUDA graphs, as far as its attributes tell (the capture lands in
-    parallel with this kit, so no attribute name is assumed): every attribute whose name mentions graphs."""
-    found = {name: value for name, value in vars(runner).items() if "graph" in name.lower()}
-    described = {name: len(value) if hasattr(value, "__len__") else repr(value)[:80] for name, value in found.items()}
-    return {"captured": any(bool(v) for v in found.values()), "attributes": described,
-            "is_compiled": bool(getattr(runner, "is_compiled", False)),
-            "forward_type": type(getattr(runner, "_forward", None)).__name__}  # fmt: skip
+def graph_state(runner: ModelRunner) -> dict:
+    """Whether the runner captured CUDA graphs of the decode step, and for which batch sizes (a runner declines
+    them for a model it cannot capture, and logs why)."""
+    graphs = runner.graphs
+    captured = graphs is not None and graphs.is_captured
+    return {"captured": captured, "sizes": list(graphs.config.sizes) if captured else [],
+            "is_compiled": runner.is_compiled}  # fmt: skip
 
 
 def build_executor(model_dir: Path, ctx: PartContext, plan: StepPlan, enforce_eager: bool) -> LocalExecutor:
@@ -146,6 +146,7 @@ def build_executor(model_dir: Path, ctx: PartContext, plan: StepPlan, enforce_ea
         max_model_len=plan.max_model_len,
         cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=plan.kv_cache_bytes),
         attention_backend=default_attention_backend(ctx.device), enforce_eager=enforce_eager,
+        max_num_seqs=max(plan.batch_sizes),  # every timed batch has a graph of its own size
     )  # fmt: skip
     return LocalExecutor(config)
 
@@ -223,6 +224,7 @@ def run(ctx: PartContext) -> dict:
     if errors and len(errors) == attempts:  # nothing measured: the part failed, with the first error's traceback
         raise errors[0]
     return {
+        "headline": headline(models),
         "versions": versions(ctx.device),
         "dtype": str(plan.dtype).removeprefix("torch."),
         "context_tokens": plan.context_tokens,
@@ -230,3 +232,18 @@ def run(ctx: PartContext) -> dict:
         "models": models,
         "skipped": skipped,
     }
+
+
+def headline(models: dict) -> list[str]:
+    """One line per model and mode: ms per decode step by batch, and the graphs' speed-up."""
+    lines = []
+    for name, modes in models.items():
+        for mode in MODES:
+            batches = modes.get(mode, {}).get("batches", {})
+            if batches:
+                steps = ", ".join(f"b{b} {r['step_ms']:.2f}" for b, r in batches.items())
+                lines.append(f"{name} {mode}: ms per decode step {steps}")
+        if modes.get("graphs_speedup"):
+            lines.append(f"{name} graphs speed-up: " + ", ".join(
+                f"b{b} {x:.2f}x" for b, x in modes["graphs_speedup"].items()))  # fmt: skip
+    return lines

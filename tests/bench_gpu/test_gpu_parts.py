@@ -37,10 +37,10 @@ def tiny_embedded(tmp_path_factory) -> Path:
 
 
 def dry_run(name: str, fn, tmp_path: Path, models: dict, budget_s: float = 60.0):
-    ctx = PartContext(tmp_path / "out", True, torch.device("cpu"), models, budget_s)
+    ctx = PartContext(tmp_path / "out", True, torch.device("cpu"), models, budget_s=budget_s)
     record = run_part(name, fn, ctx)
     assert record.status == "ran", record.error
-    written = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+    written = json.loads((tmp_path / "out" / "parts.json").read_text())[name]
     assert written["status"] == "ran" and written["part"] == name
     return record
 
