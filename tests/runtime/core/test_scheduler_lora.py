@@ -66,6 +66,25 @@ def test_a_waiting_adapter_is_not_starved_by_a_busy_one(engine):
     assert engine.get_stats().lora_waiting == ("a1",)  # a1's latest requests wait now
 
 
+def test_the_adapter_drained_for_a_waiting_one_is_the_one_that_ends_soonest(engine):
+    # a1 runs one long request; a2 runs two that end in a few steps; a3 waits. Draining a1 (fewer requests) would
+    # keep a3 out for ~40 steps; a2's slot frees within its requests' last tokens.
+    engine.add_request("a1-0", list(range(10)), SamplingParams(max_tokens=40, ignore_eos=True), lora_request=LORAS[0])
+    for i in range(2):
+        engine.add_request(f"a2-{i}", list(range(10 + i)), PARAMS, lora_request=LORAS[1])
+    engine.step()
+    engine.add_request("a3-0", list(range(10)), PARAMS, lora_request=LORAS[2])
+    admitted_at = None
+    for step in range(40):
+        engine.add_request(f"a2-{step + 2}", list(range(10)), PARAMS, lora_request=LORAS[1])  # a2 stays busy
+        engine.step()
+        if engine.scheduler.requests["a3-0"].lora_slot is not None:
+            admitted_at = step
+            break
+    assert engine.scheduler.requests["a1-0"].lora_slot is not None  # the long request kept running throughout
+    assert admitted_at is not None and admitted_at <= PARAMS.max_tokens
+
+
 def test_slot_table_reuses_a_resident_adapter_and_evicts_host_copies_lru():
     table = LoRASlotTable(num_slots=2, num_cpu=2)
     a, b, c = LORAS[:3]

@@ -164,7 +164,12 @@ def test_bad_adapters_are_400_and_change_nothing(server, tiny_model_dir, adapter
 
 
 def test_metrics_name_the_adapters(server):
-    asyncio.run(_client(server).completions.create(model="attn", prompt="x", max_tokens=1))
+    async def use_every_adapter() -> None:  # whichever tests ran before on this server (xdist splits the module)
+        client = _client(server)
+        for model in [m.id for m in (await client.models.list()).data if m.id != BASE]:
+            await client.completions.create(model=model, prompt="x", max_tokens=1)
+
+    asyncio.run(use_every_adapter())
     text = server.metrics_text()
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0] and "running_lora_adapters=" in info[0]
