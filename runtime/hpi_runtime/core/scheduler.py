@@ -34,7 +34,7 @@ the executor) it does not speculate.
 With LoRA (`config.max_loras`), a batch runs at most max_loras distinct adapters (lora/slot_table.py pins each
 running request's adapter in a device slot). A waiting request whose adapter would exceed that is passed over,
 and the requests behind it may still be admitted when their adapter is already running (or they use the base
-model), except for one running adapter chosen to drain (the one with the fewest running requests): it takes no
+model), except for one running adapter chosen to drain (the one whose running requests end soonest): it takes no
 new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves. A
 request whose adapter is neither in a slot nor read into host memory waits too, while its adapter is read in
 the background (lora/slot_table.py, prefetch), unless nothing runs: a read from disk never holds up a batch.
