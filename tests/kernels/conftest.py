@@ -86,8 +86,8 @@ def tol():
 _LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
 
 
-def run_at_lower_capability(test_file: str, capability: str, selection: str) -> None:
-    """Re-run the tests of `test_file` that `selection` (-k) picks in a child whose torch dispatches to the
+def run_at_lower_capability(test_files: list[str], capability: str, selection: str) -> None:
+    """Re-run the tests of `test_files` that `selection` (-k) picks in one child whose torch dispatches to the
     lower instruction set `capability`, so that the C++ CPU kernels' AVX2 (CI) and generic builds are checked
     on every machine that can run them; skips where `capability` is not below this machine's. The child sees
     HPI_EXPECT_CPU_CAPABILITY, for a test that checks which build it loaded."""
@@ -97,7 +97,7 @@ def run_at_lower_capability(test_file: str, capability: str, selection: str) -> 
         pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", selection],
+        [sys.executable, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider", "-k", selection],
         capture_output=True,
         text=True,
         env=env,

@@ -19,8 +19,6 @@ import torch
 from hpi_kernels.cpu import cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
 
-from .conftest import run_at_lower_capability
-
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
@@ -311,13 +309,6 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(extension) -
     assert result.returncode == 0 and result.stdout.strip() == extension, result.stderr[-2000:]
     assert not (build_dir / "lock").exists()  # removed (by this load, or by a worker loading beside it)
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
-def test_lower_capability_builds_agree(capability) -> None:
-    """This file's mixed-batch tests again, under the AVX2 and generic builds."""
-    selection = "(mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or built_for"
-    run_at_lower_capability(__file__, capability, selection)
 
 
 def _cached_step(num_rows: int = 5, num_tokens: int = 4):

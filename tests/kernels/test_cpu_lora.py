@@ -10,8 +10,6 @@ import torch
 
 from hpi_kernels.cpu import load_extension, lora_add, lora_add_ref
 
-from .conftest import run_at_lower_capability
-
 
 @pytest.fixture(scope="module", autouse=True)
 def extension() -> str:
@@ -65,10 +63,3 @@ def test_bad_inputs_are_refused() -> None:
         lora_add(x, a.double(), bt, torch.tensor([0, 1]), out)
     with pytest.raises(ValueError, match="contiguous"):
         torch.ops.hpi_kernels.lora_add_(torch.randn(6, 2).t(), x, a, bt, torch.tensor([0, 1]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
-def test_lower_capability_builds_agree(capability) -> None:
-    """This file's tests again, under the AVX2 and generic builds (their own vector widths and pair widening)."""
-    run_at_lower_capability(__file__, capability, "not lower_capability")

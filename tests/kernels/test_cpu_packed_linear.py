@@ -24,8 +24,6 @@ from hpi_kernels.cpu import (
     packed_weight_rows,
 )
 
-from .conftest import run_at_lower_capability
-
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32, sums of up to 1000 products in another order than MKL's
 
 
@@ -212,10 +210,3 @@ def test_built_for_torch_capability() -> None:
     vector_width = {"AVX512": 16, "AVX2": 8}.get(cpu_capability())
     if vector_width is not None:  # two vectors per panel row
         assert pack_linear_weight(_weight(8, 4)).shape[2] == 2 * vector_width
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
-def test_lower_capability_builds_agree(capability) -> None:
-    """This file again under the AVX2 and generic builds (other panel widths and register tiles)."""
-    run_at_lower_capability(__file__, capability, "not lower_capability")

@@ -17,8 +17,6 @@ import torch.nn.functional as F
 from hpi_kernels.cpu import int4_linear, int8_linear, load_extension, pack_int4_weight, pack_int8_weight
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
-from .conftest import run_at_lower_capability
-
 FP32 = {"atol": 1e-4, "rtol": 1e-5}  # fp32 sums of up to 576 products against fp64
 BF16 = {"atol": 1e-3, "rtol": 2**-7}  # + one bf16 rounding of the output
 
@@ -166,10 +164,3 @@ def test_op_schemas_and_fake_kernels() -> None:
                                     torch.randn(64).bfloat16()))  # fmt: skip
     torch.library.opcheck(int4_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
     torch.library.opcheck(int4_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
-def test_lower_capability_builds_agree(capability) -> None:
-    """This file again under the AVX2 and generic builds (other panel widths, register tiles and widening)."""
-    run_at_lower_capability(__file__, capability, "not lower_capability")
