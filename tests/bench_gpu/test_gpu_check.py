@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
 PARTS = ("env", "weights", "tests", "step", "kernels", "serve", "kv_tier")
@@ -35,21 +33,19 @@ def _records(out: Path) -> dict:
     return json.loads((out / "parts.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
-    out, models = tmp_path_factory.mktemp("gpu-check"), tmp_path_factory.mktemp("gpu-models")
-    return out, models, _run(out, "--dry-run", models=models)
-
-
-def test_dry_run_runs_every_part_or_says_why_not(dry_run) -> None:
-    out, _, finished = dry_run
+def test_dry_run_runs_every_part_fits_the_device_tool_and_reruns_one_part(tmp_path: Path) -> None:
+    """One test, not several sharing a module fixture: under pytest-xdist each worker would run the fixture's dry
+    run (about a minute) again."""
+    out, models = tmp_path / "out", tmp_path / "models"
+    finished = _run(out, "--dry-run", models=models)
     assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-2000:]
+
+    # Every part ran, or said why not; on CPU every CUDA-only measurement is named as skipped, with its reason.
     records = _records(out)
     assert set(records) == set(PARTS)
     for name, record in records.items():
         assert record["status"] in ("ran", "skipped"), f"{name}: {record['error'][-2000:]}"
         assert all(reason.strip() for reason in record["skipped"].values()), name
-    # On CPU every CUDA-only measurement is named as skipped, with its reason.
     assert "gpu" in records["env"]["skipped"]
     assert "1b" in records["weights"]["skipped"]
     for name in ("step", "kernels", "kv_tier"):
@@ -60,26 +56,20 @@ def test_dry_run_runs_every_part_or_says_why_not(dry_run) -> None:
     assert all(f"| {name} |" in summary for name in PARTS)
     assert summary in finished.stdout  # printed last
 
-
-def test_results_fit_what_the_device_tool_brings_back(dry_run) -> None:
-    out = dry_run[0]
+    # What comes back from $OUT: at most 8 files, plainly named.
     files = [path for path in out.rglob("*") if path.is_file()]
     assert len(files) <= MAX_FILES, sorted(p.name for p in files)
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", path.name) for path in files)
     assert {"parts.json", "junit.xml", "summary.md", "log.txt"} <= {path.name for path in files}
-    assert "== summary" in (out / "log.txt").read_text()
 
-
-def test_only_reruns_the_named_part_after_env_and_keeps_the_others(dry_run) -> None:
-    out, models, _ = dry_run
-    before = _records(out)
-    finished = _run(out, "--dry-run", "--only", "kv_tier", models=models)
-    assert finished.returncode == 0, finished.stdout[-3000:]
+    # --only reruns the named part (after env) and keeps the others' records.
+    rerun = _run(out, "--dry-run", "--only", "kv_tier", models=models)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
     after = _records(out)
-    assert after.keys() == before.keys()
-    assert after["weights"] == before["weights"] and after["serve"] == before["serve"]
-    assert after["kv_tier"]["seconds"] != before["kv_tier"]["seconds"] or after["env"] != before["env"]
-    assert "parts env kv_tier" in finished.stdout
+    assert after.keys() == records.keys()
+    assert after["weights"] == records["weights"] and after["serve"] == records["serve"]
+    assert after["kv_tier"] != records["kv_tier"] or after["env"] != records["env"]
+    assert "parts env kv_tier" in rerun.stdout
 
 
 def test_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None:
