@@ -30,11 +30,10 @@ import unittest.mock
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench.step_driver import BLOCK_SIZE, DecodeDriver
 from hpi_runtime.config import CacheConfig
-from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.embedded import ensure_embedded_model
 from hpi_runtime.models.config import load_model_config
-from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.sampler import Sampler
 
@@ -42,7 +41,6 @@ LINEAR_OPS = {"aten::mm", "aten::addmm", "hpi_kernels::packed_linear",
               "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_mkl_linear"}  # fmt: skip
 ATTENTION_OPS = {"hpi::paged_attention", "hpi_kernels::cached_paged_attention_cpu"}
-BLOCK_SIZE = 16
 
 
 def _traced(name: str, fn):
@@ -52,43 +50,6 @@ def _traced(name: str, fn):
             return fn(*args, **kwargs)
 
     return wrapper
-
-
-class Driver:
-    """A scheduler stand-in: N requests, each prefilled alone, then every step decodes all of them."""
-
-    def __init__(self, executor: LocalExecutor, num_reqs: int, prompt_len: int) -> None:
-        self.executor = executor
-        generator = torch.Generator().manual_seed(0)
-        self.tokens = {f"r{i}": torch.randint(10, 40000, (prompt_len,), generator=generator).tolist()
-                       for i in range(num_reqs)}  # fmt: skip
-        self.blocks: dict[str, list[int]] = {}
-        self.next_block = 0
-        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-
-    def _new_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks.setdefault(request_id, []))
-        added = tuple(range(self.next_block, self.next_block + needed))
-        self.next_block += needed
-        self.blocks[request_id].extend(added)
-        return added
-
-    def _run(self, output: SchedulerOutput) -> None:
-        result = self.executor.execute_model(output)
-        for request_id, token_ids in result.sampled_token_ids.items():
-            self.tokens[request_id].extend(token_ids)
-
-    def prefill(self) -> None:
-        for request_id, tokens in self.tokens.items():
-            self._new_blocks(request_id, len(tokens))
-            new = NewRequestData(request_id, tuple(tokens), len(tokens), self.params, tuple(self.blocks[request_id]), 0)
-            self._run(SchedulerOutput((new,), (), {request_id: len(tokens)}, len(tokens)))
-
-    def decode(self) -> None:
-        cached = tuple(
-            CachedRequestData(r, self._new_blocks(r, len(t)), len(t) - 1) for r, t in self.tokens.items()
-        )
-        self._run(SchedulerOutput((), cached, dict.fromkeys(self.tokens, 1), len(self.tokens)))
 
 
 def _components(prof, step_ms: float) -> dict[str, float]:
@@ -174,7 +135,7 @@ def main() -> None:
     for mode in args.modes:
         for dtype in args.dtype:
             name = mode if len(args.dtype) == 1 else f"{mode} {dtype}"
-            drivers[name] = Driver(_executor(mode, getattr(torch, dtype)), args.batch, args.prompt_len)
+            drivers[name] = DecodeDriver(_executor(mode, getattr(torch, dtype)), args.batch, args.prompt_len)
             drivers[name].prefill()
     # Modes take turns step by step, so whatever else the machine does lands on all of them alike.
     times: dict[str, list[float]] = {mode: [] for mode in drivers}

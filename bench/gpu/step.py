@@ -24,15 +24,13 @@ import torch
 
 from bench.gpu.part import PartContext
 from bench.gpu.shared import PAST_DEADLINE, embedded_first, failure_note, failure_record
+from bench.step_driver import BLOCK_SIZE, DecodeDriver
 from hpi_runtime.config import CacheConfig
-from hpi_runtime.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from hpi_runtime.gpu_platform import default_attention_backend
 from hpi_runtime.models.config import load_model_config
-from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.model_runner import ModelRunner
 
-BLOCK_SIZE = 16
 MODES = {"eager": True, "graphs": False}  # mode -> enforce_eager
 
 
@@ -61,56 +59,6 @@ def plan_for(ctx: PartContext) -> StepPlan:
     # fp32: bf16 matmuls on a CPU without AMX take several times as long, and the dry run checks code, not speed.
     return StepPlan(batch_sizes=(1, 8), context_tokens=32, warmup_steps=1, timed_steps=4, modes=("eager",),
                     kv_cache_bytes=64 << 20, prefill_tokens_per_step=256, dtype=torch.float32)  # fmt: skip
-
-
-class DecodeDriver:
-    """A scheduler stand-in: `num_reqs` requests of random prompts, prefilled a few per step, then decoded all
-    together, one token each per step. Block ids are handed out in order from 0."""
-
-    def __init__(self, executor: LocalExecutor, num_reqs: int, plan: StepPlan, tag: str) -> None:
-        self.executor = executor
-        generator = torch.Generator().manual_seed(num_reqs)
-        self.tokens = {f"{tag}-{i}": torch.randint(10, 40000, (plan.context_tokens,), generator=generator).tolist()
-                       for i in range(num_reqs)}  # fmt: skip
-        self.blocks: dict[str, list[int]] = {}
-        self.next_block = 0
-        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-        self.prefill_tokens_per_step = plan.prefill_tokens_per_step
-
-    def _new_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks.setdefault(request_id, []))
-        added = tuple(range(self.next_block, self.next_block + max(0, needed)))
-        self.next_block += len(added)
-        self.blocks[request_id].extend(added)
-        return added
-
-    def _run(self, output: SchedulerOutput) -> None:
-        result = self.executor.execute_model(output)
-        for request_id, token_ids in result.sampled_token_ids.items():
-            self.tokens[request_id].extend(token_ids)
-
-    def prefill(self) -> None:
-        pending = list(self.tokens)
-        while pending:
-            group, num_tokens = [], 0
-            while pending and (not group or num_tokens + len(self.tokens[pending[0]]) <= self.prefill_tokens_per_step):
-                group.append(pending.pop(0))
-                num_tokens += len(self.tokens[group[-1]])
-            new = tuple(
-                NewRequestData(r, tuple(self.tokens[r]), len(self.tokens[r]), self.params,
-                               self._new_blocks(r, len(self.tokens[r])), 0)
-                for r in group
-            )  # fmt: skip
-            self._run(SchedulerOutput(new, (), {r: len(self.tokens[r]) for r in group}, num_tokens))
-
-    def decode(self) -> None:
-        cached = tuple(
-            CachedRequestData(r, self._new_blocks(r, len(t)), len(t) - 1) for r, t in self.tokens.items()
-        )
-        self._run(SchedulerOutput((), cached, dict.fromkeys(self.tokens, 1), len(self.tokens)))
-
-    def finish(self) -> None:
-        self._run(SchedulerOutput((), (), {}, 0, finished_request_ids=frozenset(self.tokens)))
 
 
 def versions(device: torch.device) -> dict:
@@ -153,7 +101,7 @@ def build_executor(model_dir: Path, ctx: PartContext, plan: StepPlan, enforce_ea
 
 def time_batch(executor: LocalExecutor, batch: int, plan: StepPlan, tag: str) -> dict:
     """Median ms of a decode step of `batch` requests, each `plan.context_tokens` deep."""
-    driver = DecodeDriver(executor, batch, plan, tag)
+    driver = DecodeDriver(executor, batch, plan.context_tokens, tag, plan.prefill_tokens_per_step, seed=batch)
     driver.prefill()
     for _ in range(plan.warmup_steps):
         driver.decode()

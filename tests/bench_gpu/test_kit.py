@@ -47,7 +47,8 @@ def _gpu_path_sources() -> list[Path]:
     conftests = {folder / "conftest.py" for test in gpu_tests for folder in test.parents
                  if folder.is_relative_to(REPO_ROOT / "tests")}  # fmt: skip
     helpers = [REPO_ROOT / "tests" / "hpi_testing" / "tiny_model.py", REPO_ROOT / "bench" / "loadgen.py",
-               REPO_ROOT / "bench" / "systems.py", REPO_ROOT / "bench" / "serving.py"]  # fmt: skip
+               REPO_ROOT / "bench" / "systems.py", REPO_ROOT / "bench" / "serving.py",
+               REPO_ROOT / "bench" / "step_driver.py"]  # fmt: skip
     return sources + gpu_tests + [p for p in [*conftests, *helpers] if p.is_file()]
 
 
