@@ -25,8 +25,16 @@ PARTS = {
 }
 
 
+NEEDS_MODELS = ("step", "serve")  # they measure the weights part's checkpoints
+
+
 def _part(name: str):
-    return lambda ctx: importlib.import_module(PARTS[name]).run(ctx)
+    def run(ctx: PartContext) -> dict:
+        if name in NEEDS_MODELS and not ctx.models:
+            return {"skipped": {"models": "no checkpoint under --models: run the weights part first"}}
+        return importlib.import_module(PARTS[name]).run(ctx)
+
+    return run
 
 
 def main() -> int:
