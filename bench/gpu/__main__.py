@@ -8,8 +8,6 @@ import importlib
 import sys
 from pathlib import Path
 
-import torch
-
 from bench.gpu import summary
 from bench.gpu.part import PartContext, run_part
 
@@ -49,6 +47,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.part == "summary":
         return 0 if summary.write_summary(args.out, args.parts.split(",")) else 1
+    import torch  # not for the summary: it reads records
+
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --dry-run")
     device = torch.device("cpu" if args.dry_run else "cuda")

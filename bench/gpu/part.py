@@ -15,8 +15,10 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a part measures, not by the summary's process
+    import torch
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     perf_counter."""
     for _ in range(warmup):
         fn()
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

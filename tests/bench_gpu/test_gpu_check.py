@@ -50,6 +50,13 @@ def test_dry_run_runs_every_part_fits_the_device_tool_and_reruns_one_part(tmp_pa
     assert "1b" in records["weights"]["skipped"]
     for name in ("step", "kernels", "kv_tier"):
         assert records[name]["skipped"], f"{name} skipped nothing on CPU: it cannot have measured CUDA"
+    served = records["serve"]["results"]["models"]["embedded"]  # hpi serve and transformers on CPU, toy sizes
+    for clients in ("1", "2"):
+        measured = served["hpi"]["clients"][clients]
+        assert measured["num_errors"] == 0, measured["errors"]
+        assert measured["output_tok_s"] > 0 and measured["ttft_p50_ms"] > 0 and measured["itl_p50_ms"] > 0
+        assert served["transformers"]["batches"][clients]["output_tok_s"] > 0
+        assert served["ratios"][clients]["hpi_over_tf"] > 0
     assert records["tests"]["results"]["counts"].get("skipped", 0) > 0
     assert not records["tests"]["results"]["failures"]
     summary = (out / "summary.md").read_text()
