@@ -26,7 +26,9 @@ from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, free_
 
 RESULTS = Path(__file__).parent / "results"
 # hpi's weight format -> the llama.cpp GGUF of the same bits per weight (near enough: Q4_0 keeps an fp16 scale per
-# 32 weights, hpi's int4 a bf16 scale and zero per group of 32; Q8_0 per 32, hpi's int8 per output channel).
+# 32 weights, hpi's int4 a bf16 scale and zero per group of 32, with q/k/v at int8 (its mixed policy); Q8_0 per 32,
+# hpi's int8 per output channel). llama.cpp's quantizer stores the tied embedding / LM head of both GGUFs as Q8_0:
+# hpi's quantized variants run with --quantize-lm-head, which makes a tied head int8, to read the same head.
 PAIRS = {"unquantized": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 
@@ -54,7 +56,7 @@ def llama_server_command(quant_type: str, parallel: int, plan: Plan) -> ServerCo
 
 
 def hpi_server_command(weights: str, plan: Plan) -> ServerCommand:
-    quant = () if weights == "unquantized" else ("--quantization", weights)
+    quant = () if weights == "unquantized" else ("--quantization", weights, "--quantize-lm-head")
     return hpi_command(plan.threads, "--dtype", plan.hpi_dtype, "--max-num-seqs", "64", *quant)
 
 

@@ -59,10 +59,11 @@ class LoadConfig:
     int4_policy: str = option(
         "mixed", "int4 only: mixed keeps the q/k/v projections at int8 (the layers int4 hurts most, "
         "docs/quantization.md); uniform makes every linear int4", choices=("mixed", "uniform"))  # fmt: skip
-    # Off by default: its error lands directly on the logits (a tied head is the embedding, kept in float).
+    # Off by default: its error lands directly on the logits (and, tied, on the embeddings).
     quantize_lm_head: bool = option(
-        False, "also quantize an untied LM head (a tied one shares the float embedding); saves its memory at "
-        "some cost in logit precision")  # fmt: skip
+        False, "also quantize the LM head: an untied head like the other linears, a head tied to the embeddings "
+        "to int8 (the embeddings then read their rows from it, as llama.cpp's Q4_0/Q8_0 files keep them); saves "
+        "its memory and the bandwidth of reading it every step, at some cost in logit precision")  # fmt: skip
     enforce_eager: bool = option(
         False, "run the model step eagerly: skip torch.compile on CPU (its start-up compile and warm-up; the "
         "compiled step is faster once running) and CUDA graphs of the decode step on a GPU (their capture at "

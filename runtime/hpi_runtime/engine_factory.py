@@ -110,15 +110,11 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str) -> to
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def _check_lm_head_quantization(model_config: ModelConfig, config: QuantizationConfig) -> None:
+def _check_lm_head_quantization(config: QuantizationConfig) -> None:
     if not config.quantize_lm_head:
         return
     if not config.enabled:
         raise ValueError("quantize_lm_head needs quantization 'int8' or 'int4', not 'none'")
-    if model_config.tie_word_embeddings:
-        raise ValueError(
-            "quantize_lm_head needs an untied LM head; this model ties it to the embeddings, which stay in float"
-        )
 
 
 def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -172,7 +168,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     model_config = load_model_config(model_dir)
     quantization_config = QuantizationConfig(load.quantization, load.quantization_group_size, load.quantize_lm_head,
                                              load.int4_fit, load.int4_policy)  # fmt: skip
-    _check_lm_head_quantization(model_config, quantization_config)
+    _check_lm_head_quantization(quantization_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
     check_pipeline_parallel(args, model_config)
     quantization = resolve_quantization(model_dir, model_config, quantization_config, tensor_parallel_size)

@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpi_kernels.cpu import int4_linear, int8_linear, load_extension, pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu import (
+    int4_linear,
+    int8_linear,
+    int8_logits,
+    int8_weight_rows,
+    load_extension,
+    pack_int4_weight,
+    pack_int8_weight,
+)
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 FP32 = {"atol": 1e-4, "rtol": 1e-5}  # fp32 sums of up to 576 products against fp64
@@ -62,6 +70,21 @@ def test_int8_matches_the_fp64_reference(out_features: int, in_features: int, dt
         x = torch.randn(rows, in_features).to(dtype)
         _check(int8_linear(x, packed, packed_scales, out_features), _reference(x, dequantized, None))
         _check(int8_linear(x, packed, packed_scales, out_features, bias), _reference(x, dequantized, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int8_logits_are_the_fp32_sums_unrounded(out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    """An int8 LM head's logits: fp32 out for bf16 x too, within fp32's tolerance of the fp64 reference (one
+    bf16 rounding of the output would miss it), and the rows an embedding tied to it looks up."""
+    (qweight, scales), dequantized = _int8(out_features, in_features)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        logits = int8_logits(x, packed, packed_scales, out_features)
+        _check(logits, _reference(x.float(), dequantized, None))
+    ids = torch.tensor([[0, out_features - 1], [out_features // 2, 0]])
+    assert torch.equal(int8_weight_rows(packed, packed_scales, ids, dtype), dequantized[ids].to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -162,5 +185,7 @@ def test_op_schemas_and_fake_kernels() -> None:
     torch.library.opcheck(int8_op, (torch.randn(5, 96), packed, packed_scales, 64, None))
     torch.library.opcheck(int8_op, (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64,
                                     torch.randn(64).bfloat16()))  # fmt: skip
+    torch.library.opcheck(torch.ops.hpi_kernels.int8_logits.default,
+                          (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64))  # fmt: skip
     torch.library.opcheck(int4_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
     torch.library.opcheck(int4_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))

@@ -11,7 +11,14 @@ from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_
 from hpi_kernels.cpu.lora_delta import lora_add, lora_add_ref
 from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_logits, packed_weight_rows
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
-from hpi_kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu.quant_linear import (
+    int4_linear,
+    int8_linear,
+    int8_logits,
+    int8_weight_rows,
+    pack_int4_weight,
+    pack_int8_weight,
+)
 
 __all__ = [
     "CpuKernelBuildError",
@@ -20,6 +27,8 @@ __all__ = [
     "cpu_kernels_available",
     "int4_linear",
     "int8_linear",
+    "int8_logits",
+    "int8_weight_rows",
     "load_extension",
     "lora_add",
     "lora_add_ref",

@@ -424,12 +424,13 @@ const float* fp32_rows(const at::Tensor& a, int64_t& lda) {
 // The layer's shape and inputs, checked; shared by both formats.
 struct Problem {
   at::Tensor a;      // [M, K] rows of x, unit column stride
-  at::Tensor out;    // x's leading shape + [N], x's dtype
+  at::Tensor out;    // x's leading shape + [N], x's dtype (fp32 for int8_logits)
   at::Tensor bias;   // [N] fp32, or undefined
   int64_t M, K, N;
 };
 
-Problem problem(const char* op, const at::Tensor& x, int64_t K, int64_t N, const std::optional<at::Tensor>& bias) {
+Problem problem(const char* op, const at::Tensor& x, int64_t K, int64_t N, const std::optional<at::Tensor>& bias,
+                bool fp32_out = false) {
   TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
                         x.device().is_cpu(),
                     op, " takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ", x.sizes(),
@@ -443,7 +444,7 @@ Problem problem(const char* op, const at::Tensor& x, int64_t K, int64_t N, const
   if (a.stride(1) != 1 || (a.size(0) > 1 && a.stride(0) < K)) a = a.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  return {a, at::empty(out_shape, x.options()), has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor(),
+  return {a, at::empty(out_shape, fp32_out ? x.options().dtype(at::kFloat) : x.options()), has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor(),
           a.size(0), K, N};
 }
 
@@ -523,14 +524,15 @@ std::tuple<at::Tensor, at::Tensor> pack_int8_weight(const at::Tensor& qweight, c
   return {packed, scales32};
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
+// fp32_out: the fp32 sums come out unrounded whatever x's dtype (int8_logits).
+at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          int64_t out_features, const std::optional<at::Tensor>& bias, bool fp32_out) {
   check_panels("int8_linear", packed, at::kChar, out_features);
   TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == packed.size(0) * kNr && scales.scalar_type() == at::kFloat &&
                         scales.is_contiguous(),
                     "int8_linear: scales must be the float32 [", packed.size(0) * kNr, "] from pack_int8_weight, got ",
                     scales.scalar_type(), " ", scales.sizes());
-  const Problem p = problem("int8_linear", x, packed.size(1), out_features, bias);
+  const Problem p = problem("int8_linear", x, packed.size(1), out_features, bias, fp32_out);
   if (p.M == 0) return p.out;
   const auto* codes = packed.const_data_ptr<int8_t>();
   const float* scale = scales.const_data_ptr<float>();
@@ -571,6 +573,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                                                           reinterpret_cast<const int8_t*>(next), phase, step);
                      });
   return p.out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  return int8_linear_to(x, packed, scales, out_features, bias, false);
+}
+
+// A quantized LM head's logits (packed_logits' int8 twin): fp32 out even for bf16 x, so that bf16's steps of 0.125
+// at logits of 16-32 do not decide near-ties under argmax.
+at::Tensor int8_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features) {
+  return int8_linear_to(x, packed, scales, out_features, std::nullopt, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, const at::Tensor& scales,
@@ -695,6 +708,12 @@ at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return quant_linear_meta(x, out_features);
 }
 
+at::Tensor int8_logits_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = c10::SymInt(out_features);
+  return at::empty_symint(shape, x.options().dtype(at::kFloat));
+}
+
 at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t, int64_t out_features,
                             const std::optional<at::Tensor>&) {
   return quant_linear_meta(x, out_features);
@@ -705,6 +724,7 @@ at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def("pack_int8_weight(Tensor qweight, Tensor scales) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("int8_logits(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
   m.def("pack_int4_weight(Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> (Tensor, Tensor)");
   m.def(
       "int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
@@ -714,11 +734,13 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("pack_int8_weight", &pack_int8_weight);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_logits", &int8_logits);
   m.impl("pack_int4_weight", &pack_int4_weight);
   m.impl("int4_linear", &int4_linear);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("int8_linear", &int8_linear_meta);
+  m.impl("int8_logits", &int8_logits_meta);
   m.impl("int4_linear", &int4_linear_meta);
 }

@@ -40,6 +40,31 @@ def int8_linear(
     return torch.ops.hpi_kernels.int8_linear(x, packed, scales, out_features, bias)
 
 
+def int8_logits(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int8_weight
+    scales: torch.Tensor,  # from pack_int8_weight
+    out_features: int,
+) -> torch.Tensor:  # [..., N] float32
+    """An int8 LM head's logits: int8_linear with its fp32 sums returned unrounded for bf16 x too
+    (torch.ops.hpi_kernels.int8_logits, packed_logits' twin), so bf16 rounding does not decide near-ties."""
+    load_extension()
+    return torch.ops.hpi_kernels.int8_logits(x, packed, scales, out_features)
+
+
+def int8_weight_rows(
+    packed: torch.Tensor,  # from pack_int8_weight
+    scales: torch.Tensor,  # from pack_int8_weight
+    rows: torch.Tensor,  # int64 ids of output channels
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [*rows.shape, K] in dtype
+    """Rows of the dequantized weight, q * scale, read from the panels (plain torch indexing, which torch.compile
+    traces): an embedding tied to an int8 LM head looks tokens up here."""
+    panel = packed.shape[2]
+    codes = packed[rows // panel, :, rows % panel]  # [..., K] int8
+    return (codes.to(torch.float32) * scales[rows].unsqueeze(-1)).to(dtype)
+
+
 def pack_int4_weight(
     qweight: torch.Tensor,  # [N, K // 2] uint8
     scales: torch.Tensor,  # [N, K // group_size] float

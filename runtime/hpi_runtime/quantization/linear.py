@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import cpu_kernels_available
-from hpi_kernels.cpu.quant_linear import pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu import cpu_kernels_available, int8_weight_rows, pack_int4_weight, pack_int8_weight
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
 CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
@@ -208,6 +207,15 @@ class QuantizedLinear(nn.Module):
     def _dequantized_forward(self, rows: torch.Tensor) -> torch.Tensor:
         weight = self.qweight.to(rows.dtype) * self.scales.to(rows.dtype)[:, None]  # one layer, transient
         return torch.nn.functional.linear(rows, weight, self.bias)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized int8 weight, [*ids.shape, in_features] in the activation dtype: an
+        embedding tied to this layer (a quantized LM head) looks tokens up here."""
+        if self.method != "int8":
+            raise ValueError(f"weight_rows reads int8 weights only, this layer is {self.method}")
+        if self.cpu_panels:
+            return int8_weight_rows(self.qweight, self.scales, ids, self.activation_dtype)
+        return (self.qweight[ids].to(torch.float32) * self.scales[ids].float().unsqueeze(-1)).to(self.activation_dtype)
 
     def _may_dequantize(self, rows: torch.Tensor) -> bool:
         """Whether a step with enough rows dequantizes this layer (see CPU_INT8_DEQUANT_MIN_ROWS)."""

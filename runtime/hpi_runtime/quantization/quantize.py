@@ -25,6 +25,7 @@ from torch import nn
 
 from hpi_kernels.quant import pack_int4, quantize_int4, quantize_int8
 from hpi_runtime.models.config import ModelConfig
+from hpi_runtime.models.layers import VocabEmbedding
 from hpi_runtime.models.linear import LinearBase
 from hpi_runtime.models.moe import FusedExperts
 from hpi_runtime.models.parallel import mlp_span, split_heads
@@ -113,8 +114,8 @@ def _quantizable(model: nn.Module, config: QuantizationConfig) -> Iterator[Quant
         lm_head = getattr(model, "lm_head", None)
         if lm_head is None:
             raise ValueError("quantize_lm_head is set but the model has no lm_head")
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError("quantize_lm_head needs an untied LM head (this model ties it to the embeddings)")
+        if getattr(model.config, "tie_word_embeddings", False):  # the embedding reads its rows from it: int8
+            config = dataclasses.replace(config, method="int8")
         yield "lm_head", lm_head, config
 
 
@@ -140,9 +141,14 @@ def quantized_state_dict(model: nn.Module, config: QuantizationConfig) -> dict[s
 
 
 class QuantizedLMHead(QuantizedLinear):
-    """The LM head's contract: hidden states -> fp32 logits."""
+    """The LM head's contract: hidden states -> fp32 logits. On CPU panels an int8 head returns its fp32 sums
+    unrounded (hpi_kernels.int8_logits), as the float head does (packed_logits)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_panels and self.method == "int8":
+            rows = x.reshape(-1, self.in_features).to(self.activation_dtype)
+            logits = torch.ops.hpi_kernels.int8_logits(rows, self.qweight, self.scales, self.out_features)
+            return logits.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x).float()
 
 
@@ -236,10 +242,16 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device)
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
+        for embedding in _tied_embeddings(model, weight):
+            embedding.rows_from = replacement  # it looks tokens up in the quantized head from now on
         # The old parameter's weight_loader (a bound method) ties it to its module in a reference cycle, so
         # it would wait for the garbage collector: drop the storage now to keep peak memory at one layer.
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return model
+
+
+def _tied_embeddings(model: nn.Module, weight: torch.Tensor) -> list[VocabEmbedding]:
+    return [m for m in model.modules() if isinstance(m, VocabEmbedding) and m.weight is weight]
 
 
 def _quantize_experts(model: nn.Module, name: str, experts: FusedExperts, config: QuantizationConfig) -> None:

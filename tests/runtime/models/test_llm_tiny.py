@@ -225,12 +225,12 @@ def test_lm_head_is_quantized_only_when_asked(tiny_model_factory, tiny_model_dir
         assert not any(isinstance(m, LinearBase) for m in model.modules())
         assert len(llm.generate([[5, 6, 7]], params)[0].output_token_ids) == 4
         llm.shutdown()
-    with pytest.raises(ValueError, match="untied LM head"):
-        create_engine(
-            EngineArgs.from_options(
-                model=str(tiny_model_dir), quantization="int8", quantize_lm_head=True, kv_cache_memory_bytes=1 << 20
-            )
-        )
+    tied = _small_llm(tiny_model_dir, quantization="int4", quantize_lm_head=True)  # the head goes to int8
+    model = tied.engine.executor.model
+    assert isinstance(model.lm_head, QuantizedLMHead) and model.lm_head.method == "int8"
+    assert model.model.embed_tokens.rows_from is model.lm_head
+    assert len(tied.generate([[5, 6, 7]], params)[0].output_token_ids) == 4
+    tied.shutdown()
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
         create_engine(EngineArgs.from_options(model=str(untied), quantize_lm_head=True, kv_cache_memory_bytes=1 << 20))
 

@@ -114,12 +114,35 @@ def test_quantized_model_stays_close_to_the_float_model(qwen_untied_dir: Path) -
         assert abs(quantized / reference - 1) < 0.05, (config, quantized, reference)
 
 
-def test_lm_head_quantized_only_when_asked_and_untied(qwen_untied_dir: Path, tiny_model_dir: Path) -> None:
+def test_lm_head_quantized_only_when_asked(qwen_untied_dir: Path) -> None:
     model = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int8", quantize_lm_head=True))
     assert isinstance(model.lm_head, QuantizedLMHead)
     assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32
-    with pytest.raises(ValueError, match="untied"):
-        quantize_model(_tiny_model(tiny_model_dir), QuantizationConfig("int8", quantize_lm_head=True))
+    assert not isinstance(quantize_model(_tiny_model(qwen_untied_dir), CONFIGS[0]).lm_head, QuantizedLMHead)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tied_lm_head_quantizes_to_int8_and_the_embedding_reads_it(method, dtype, tiny_model_dir: Path) -> None:
+    """A head tied to the embeddings becomes int8 whatever the method (the embeddings look their rows up in
+    it, llama.cpp's choice in its Q4_0/Q8_0 files); its logits are the fp32 sums of the int8 matmul, unrounded,
+    and the float matrix is gone."""
+    config = load_model_config(tiny_model_dir)
+    assert config.tie_word_embeddings
+    model = load_model(config, dtype, torch.device("cpu"), get_attention_backend("torch", dtype))
+    float_matrix = model.lm_head.weight.detach().clone()
+    quantize_model(model, QuantizationConfig(method, 32, quantize_lm_head=True))
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, QuantizedLMHead) and head.method == "int8"
+    assert embedding.weight.untyped_storage().nbytes() == 0
+    reference = quantize_weight(float_matrix, QuantizationConfig("int8"), op_dtype(head.qweight.device, dtype))
+    dequantized = reference.dequantize()  # [vocab, hidden] fp32
+    ids = torch.tensor([[0, 5, config.vocab_size - 1], [7, 7, 3]])
+    torch.testing.assert_close(embedding(ids), dequantized[ids].to(dtype), atol=0, rtol=0)
+    hidden = torch.randn(4, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ dequantized.T, atol=1e-4, rtol=1e-4)
 
 
 def test_quantized_state_dict_names(tiny_model_dir: Path) -> None:
