@@ -22,6 +22,7 @@ from hpi_kernels.cpu import (
     packed_linear,
     packed_logits,
     packed_weight_rows,
+    prefill_gemm,
 )
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32, sums of up to 1000 products in another order than MKL's
@@ -189,6 +190,33 @@ def test_bf16_packed_layout_holds_pairs_of_k() -> None:
     assert not rows[41:].any() and not rows[:, 50:].any()
     ids = torch.tensor([[0, 49, 31], [32, 7, 7]])
     assert torch.equal(packed_weight_rows(packed, ids, 41), F.embedding(ids, weight))
+
+
+@pytest.fixture(params=["bf16", "fp32"])
+def forced_prefill_gemm(request):
+    """Each prefill GEMM with bf16 x, forced (the machine's own choice is measured): both run on any machine."""
+    previous = prefill_gemm()
+    assert prefill_gemm(request.param) == request.param
+    yield request.param
+    prefill_gemm(previous)
+
+
+@pytest.mark.parametrize("rows", [321, 700])
+def test_bf16_prefill_matches_with_either_gemm(forced_prefill_gemm: str, rows: int) -> None:
+    for out_features, in_features in [(96, 64), (50, 41), (200, 1001)]:
+        weight, bias = _weight(out_features, in_features).bfloat16(), torch.randn(out_features).bfloat16()
+        x = torch.randn(rows, in_features).bfloat16()
+        packed = pack_linear_weight(weight)
+        torch.testing.assert_close(packed_linear(x, packed, out_features), _bf16_reference(x, weight), **BF16_STEP)
+        torch.testing.assert_close(packed_linear(x, packed, out_features, bias), _bf16_reference(x, weight, bias),
+                                   atol=2e-2, rtol=2**-7)  # fmt: skip  # oneDNN may add the bias after rounding
+    assert prefill_gemm() == forced_prefill_gemm
+
+
+def test_prefill_gemm_choice_is_checked() -> None:
+    assert prefill_gemm() in ("bf16", "fp32")
+    with pytest.raises(ValueError, match="auto, bf16 or fp32"):
+        prefill_gemm("fp16")
 
 
 def test_bf16_rows_do_not_depend_on_the_batch() -> None:

@@ -22,6 +22,7 @@ from hpi_kernels.cpu import (
     load_extension,
     pack_int4_weight,
     pack_int8_weight,
+    prefill_gemm,
 )
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
@@ -30,8 +31,13 @@ BF16 = {"atol": 1e-3, "rtol": 2**-7}  # + one bf16 rounding of the output
 
 
 @pytest.fixture(scope="module", autouse=True)
-def extension() -> str:
-    return load_extension()
+def extension():
+    """The exact prefill path (fp32 sgemm over the dequantized weight) unless a test forces the other."""
+    path = load_extension()
+    previous = prefill_gemm()
+    prefill_gemm("fp32")
+    yield path
+    prefill_gemm(previous)
 
 
 def _int8(out_features: int, in_features: int, seed: int = 0):
@@ -100,6 +106,26 @@ def test_int4_matches_the_fp64_reference(out_features: int, in_features: int, gr
         _check(int4_linear(x, packed, scales_zeros, group_size, out_features), _reference(x, dequantized, None))
         _check(int4_linear(x, packed, scales_zeros, group_size, out_features, bias),
                _reference(x, dequantized, bias))  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["bf16", "fp32"])
+def test_bf16_prefill_with_either_gemm(choice: str) -> None:
+    """Prefill-sized bf16 x over the dequantized weight, with each GEMM forced (both run on any machine): the
+    bf16 GEMM reads the dequantized weight rounded to bf16, the fp32 one as it is."""
+    previous = prefill_gemm()
+    prefill_gemm(choice)
+    try:
+        (qweight, scales), dequantized8 = _int8(50, 128)
+        (q4, s4, z4), dequantized4 = _int4(50, 128, 32)
+        x, bias = torch.randn(400, 128).bfloat16(), torch.randn(50).bfloat16()
+        for out, dequantized in [
+            (int8_linear(x, *pack_int8_weight(qweight, scales), 50, bias), dequantized8),
+            (int4_linear(x, *pack_int4_weight(q4, s4, z4, 32), 32, 50, bias), dequantized4),
+        ]:
+            weight = dequantized.bfloat16().double() if choice == "bf16" else dequantized
+            torch.testing.assert_close(out, _reference(x, weight, None) + bias, atol=2e-2, rtol=2**-7)
+    finally:
+        prefill_gemm(previous)
 
 
 def test_padding_columns_are_zero_and_layouts_follow_the_panel_width() -> None:

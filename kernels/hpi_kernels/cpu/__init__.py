@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.lora_delta import lora_add, lora_add_ref
-from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_logits, packed_weight_rows
+from hpi_kernels.cpu.packed_linear import (
+    pack_linear_weight,
+    packed_linear,
+    packed_logits,
+    packed_weight_rows,
+    prefill_gemm,
+)
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 from hpi_kernels.cpu.quant_linear import (
     int4_linear,
@@ -40,4 +46,5 @@ __all__ = [
     "packed_weight_rows",
     "paged_attention_cpu",
     "paged_attention_ref",
+    "prefill_gemm",
 ]

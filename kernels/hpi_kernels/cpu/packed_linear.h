@@ -52,6 +52,13 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* panel, const T
 at::Tensor pack_bf16(const at::Tensor& weight);  // [N, K] bfloat16, any strides
 // The packed bf16 weight widened back to fp32 [K, N] (row-major) into dst: for MKL's sgemm on prefill-sized x.
 void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst);
+// The same as bf16 [K, N]: for at::mm in bf16 (oneDNN) on prefill-sized x, where bf16_prefill_gemm() says so.
+void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, c10::BFloat16* dst);
+// Prefill-sized GEMMs with bf16 x (the packed bf16 linear's, and the int8/int4 ones over their dequantized
+// weight): true runs at::mm in bf16 over a bf16 copy of the weight (oneDNN: vdpbf16ps or AMX where the CPU has
+// them, fp32 sums, bf16 out), false widens x and the weight to fp32 for MKL's sgemm. Chosen per machine by
+// measurement at the first call (prefill_gemm_choice); HPI_CPU_PREFILL_GEMM=bf16|fp32 forces one.
+bool bf16_prefill_gemm();
 // out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (or nullptr), accumulated
 // in fp32 and rounded to bf16 once.
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,

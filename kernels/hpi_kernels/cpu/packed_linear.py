@@ -51,6 +51,15 @@ def packed_logits(
     return torch.ops.hpi_kernels.packed_logits(x, packed, out_features)
 
 
+def prefill_gemm(choice: str = "") -> str:
+    """How prefill-sized GEMMs with bf16 activations run (the packed bf16 linear's, and int8/int4 over their
+    dequantized weight): "bf16" (torch's bf16 GEMM, oneDNN) or "fp32" (MKL's sgemm, x and weight widened).
+    "" returns the current choice, measured on this CPU at first use unless HPI_CPU_PREFILL_GEMM=bf16|fp32 set it;
+    "auto" measures again, "bf16" / "fp32" force one (tests run both on any machine). ValueError otherwise."""
+    load_extension()
+    return torch.ops.hpi_kernels.prefill_gemm(choice)
+
+
 def packed_weight_rows(packed: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """weight[rows] read from the packed weight ([*rows.shape, in_features]; plain torch indexing, which
     torch.compile traces): an embedding that shares its matrix with a packed LM head looks tokens up here."""

@@ -107,17 +107,30 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
   return packed;
 }
 
-void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst) {
+namespace {
+
+template <typename T>
+void unpack_bf16_to(const c10::BFloat16* packed, int64_t K, int64_t N, T* dst) {
   const int64_t pairs = (K + 1) / 2, n_panels = (N + kNr - 1) / kNr;
   at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       for (int64_t p = 0; p < n_panels; ++p) {
         const c10::BFloat16* row = packed + ((p * pairs + k / 2) * kNr) * 2 + k % 2;
         const int64_t ncols = std::min(kNr, N - p * kNr);
-        for (int64_t j = 0; j < ncols; ++j) dst[k * N + p * kNr + j] = static_cast<float>(row[2 * j]);
+        for (int64_t j = 0; j < ncols; ++j) dst[k * N + p * kNr + j] = static_cast<T>(row[2 * j]);
       }
     }
   });
+}
+
+}  // namespace
+
+void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, float* dst) {
+  unpack_bf16_to(packed, K, N, dst);
+}
+
+void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, c10::BFloat16* dst) {
+  unpack_bf16_to(packed, K, N, dst);
 }
 
 namespace {

@@ -27,6 +27,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/mm.h>
@@ -44,6 +45,7 @@
 #include <string>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -487,9 +489,24 @@ void run_tiles(const Problem& p, const float* a, int64_t lda, const float* scale
   }
 }
 
-// Prefill: out = x @ W + bias by MKL over `dequantize(dst)`'s fp32 [K, N] copy in a per-thread scratch.
+// Prefill: out = x @ W + bias over `dequantize(dst)`'s [K, N] copy in a per-thread scratch: bf16 for oneDNN's bf16
+// GEMM where bf16_prefill_gemm() says so (bf16 x and out: the weight rounded to bf16, as an unquantized bf16 model's
+// is), else fp32 for MKL's sgemm.
 template <typename Dequantize>
 void dequantized_mm(const Problem& p, Dequantize&& dequantize) {
+  if (p.a.scalar_type() == at::kBFloat16 && p.out.scalar_type() == at::kBFloat16 && bf16_prefill_gemm()) {
+    static thread_local at::Tensor scratch16;
+    if (!scratch16.defined() || scratch16.numel() < p.K * p.N) scratch16 = at::empty({p.K * p.N}, p.a.options());
+    dequantize(scratch16.data_ptr<c10::BFloat16>());
+    const at::Tensor w = scratch16.narrow(0, 0, p.K * p.N).view({p.K, p.N});
+    at::Tensor out2d = p.out.view({p.M, p.N});
+    if (p.bias.defined()) {
+      at::addmm_out(out2d, p.bias.to(at::kBFloat16), p.a, w);
+    } else {
+      at::mm_out(out2d, p.a, w);
+    }
+    return;
+  }
   static thread_local at::Tensor scratch;
   if (!scratch.defined() || scratch.numel() < p.K * p.N) scratch = at::empty({p.K * p.N}, p.a.options().dtype(at::kFloat));
   dequantize(scratch.data_ptr<float>());
@@ -537,13 +554,14 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
   const auto* codes = packed.const_data_ptr<int8_t>();
   const float* scale = scales.const_data_ptr<float>();
   if (prefill_sized(p)) {
-    dequantized_mm(p, [&](float* dst) {
+    dequantized_mm(p, [&](auto* dst) {
+      using T = std::remove_pointer_t<decltype(dst)>;
       at::parallel_for(0, p.K, 16, [&](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k) {
           for (int64_t q = 0; q * kNr < p.N; ++q) {
             const int64_t ncols = std::min(kNr, p.N - q * kNr);
             const int8_t* row = codes + (q * p.K + k) * kNr;
-            for (int64_t j = 0; j < ncols; ++j) dst[k * p.N + q * kNr + j] = row[j] * scale[q * kNr + j];
+            for (int64_t j = 0; j < ncols; ++j) dst[k * p.N + q * kNr + j] = static_cast<T>(row[j] * scale[q * kNr + j]);
           }
         }
       });
@@ -646,7 +664,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t groups = K / group_size, panel_words = K / 8 * kNr;
   if (prefill_sized(p)) {
     const auto* pairs = scales_zeros.const_data_ptr<c10::BFloat16>();
-    dequantized_mm(p, [&](float* dst) {
+    dequantized_mm(p, [&](auto* dst) {
+      using T = std::remove_pointer_t<decltype(dst)>;
       at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k) {
           for (int64_t q = 0; q * kNr < p.N; ++q) {
@@ -655,8 +674,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
             const c10::BFloat16* group = pairs + ((q * groups + k / group_size) * kNr) * 2;
             for (int64_t j = 0; j < ncols; ++j) {
               const int code = static_cast<int>((static_cast<uint32_t>(row[j]) >> int4_bit(k % 8)) & 0xf) - 8;
-              dst[k * p.N + q * kNr + j] =
-                  static_cast<float>(code) * static_cast<float>(group[2 * j]) + static_cast<float>(group[2 * j + 1]);
+              dst[k * p.N + q * kNr + j] = static_cast<T>(static_cast<float>(code) * static_cast<float>(group[2 * j]) +
+                                                          static_cast<float>(group[2 * j + 1]));
             }
           }
         }

@@ -8,15 +8,30 @@ layers keep their own packed formats.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import cpu_kernels_available, pack_linear_weight
+from hpi_kernels.cpu import cpu_kernels_available, pack_linear_weight, prefill_gemm
 from hpi_runtime import cpu_features
 from hpi_runtime.models.layers import LMHead, VocabEmbedding
 from hpi_runtime.models.linear import LinearBase
+
+logger = logging.getLogger(__name__)
+
+
+def choose_prefill_gemm(dtype: torch.dtype) -> str | None:
+    """Settle, at start-up, how this CPU runs the prefill-sized GEMMs of bf16 models (hpi_kernels' prefill_gemm:
+    torch's bf16 GEMM or MKL's fp32 sgemm, whichever a short measurement finds faster; HPI_CPU_PREFILL_GEMM
+    overrides it) and log it; None where it does not apply (another dtype, or no C++ kernels)."""
+    if dtype != torch.bfloat16 or not cpu_kernels_available():
+        return None
+    choice = prefill_gemm()
+    logger.info("bf16 prefill GEMMs run in %s on this CPU (measured at start; HPI_CPU_PREFILL_GEMM=bf16|fp32 "
+                "overrides)", choice)  # fmt: skip
+    return choice
 
 
 def _is_float32_cpu(weight: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, Sched
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.config import ModelConfig
-from hpi_runtime.models.cpu_layout import pack_cpu_weights, use_sgemm_layout
+from hpi_runtime.models.cpu_layout import choose_prefill_gemm, pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.loader import load_model, weight_bytes
 from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
@@ -130,6 +130,8 @@ def _build_model(
             quantize_model(model, config.quantization)  # in place, one layer at a time
     with clock("layout"):
         pack_cpu_weights(model) or use_sgemm_layout(model)
+        if device.type == "cpu":
+            choose_prefill_gemm(config.dtype)
     return model
 
 

@@ -247,3 +247,21 @@ def test_without_the_cpu_kernels_weights_stay_for_use_sgemm_layout(tiny_model_di
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert all(m.weight.dim() == 2 and m.packed_out_features is None for m in linears)
     assert use_sgemm_layout(model) > 0
+
+
+def test_bf16_prefill_gemm_is_chosen_and_logged_at_start(caplog) -> None:
+    """A bf16 CPU model settles its prefill GEMM at start-up and says which; an override is honoured; other dtypes
+    leave it alone."""
+    from hpi_kernels.cpu import prefill_gemm
+
+    previous = prefill_gemm()
+    try:
+        with caplog.at_level("INFO", logger="hpi_runtime.models.cpu_layout"):
+            assert cpu_layout.choose_prefill_gemm(torch.bfloat16) == previous
+        assert f"bf16 prefill GEMMs run in {previous}" in caplog.text
+        assert cpu_layout.choose_prefill_gemm(torch.float32) is None
+        for forced in ("fp32", "bf16"):
+            prefill_gemm(forced)
+            assert cpu_layout.choose_prefill_gemm(torch.bfloat16) == forced
+    finally:
+        prefill_gemm(previous)
