@@ -7,9 +7,10 @@ PANEL = 32 columns with AVX512, 16 with AVX2. `packed_linear` is `F.linear` over
 Up to a few hundred rows the kernel streams each panel once while it computes. fp32: 1.3-1.8x MKL's sgemm
 at 8-64 rows here, as fast at one row. bf16: the kernel widens the weight to fp32 in registers and sums in
 fp32, so it runs at fp32's FMA rate over half the bytes (1.8-2.3x fp32 at 1-8 rows, even at 32-64, 2x torch's
-bf16 GEMM where the CPU has no AMX). Prefill-sized inputs go to MKL's sgemm over the weight unpacked (bf16:
-widened) into a per-thread fp32 scratch buffer, bf16 rounded once. A row's result does not depend on the other
-rows below that size.
+bf16 GEMM where the CPU has no AMX). Prefill-sized inputs go to MKL's sgemm over the weight unpacked into a
+per-thread fp32 scratch buffer (bf16 x and weight widened, rounded once), or, for bf16 x where `prefill_gemm`
+found it faster on this CPU (AVX512-BF16 or AMX), to torch's bf16 GEMM over a bf16 copy. A row's result does not
+depend on the other rows below that size.
 """
 
 from __future__ import annotations
