@@ -105,3 +105,15 @@ def run_at_lower_capability(test_files: list[str], capability: str, selection: s
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+@pytest.fixture(params=["bf16", "fp32"])
+def forced_prefill_gemm(request):
+    """Each prefill GEMM with bf16 x forced (the machine's own choice is measured at start), so both paths run on
+    any machine; the choice is restored after the test."""
+    from hpi_kernels.cpu import prefill_gemm
+
+    previous = prefill_gemm()
+    assert prefill_gemm(request.param) == request.param
+    yield request.param
+    prefill_gemm(previous)

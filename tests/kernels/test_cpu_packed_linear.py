@@ -192,15 +192,6 @@ def test_bf16_packed_layout_holds_pairs_of_k() -> None:
     assert torch.equal(packed_weight_rows(packed, ids, 41), F.embedding(ids, weight))
 
 
-@pytest.fixture(params=["bf16", "fp32"])
-def forced_prefill_gemm(request):
-    """Each prefill GEMM with bf16 x, forced (the machine's own choice is measured): both run on any machine."""
-    previous = prefill_gemm()
-    assert prefill_gemm(request.param) == request.param
-    yield request.param
-    prefill_gemm(previous)
-
-
 @pytest.mark.parametrize("rows", [321, 700])
 def test_bf16_prefill_matches_with_either_gemm(forced_prefill_gemm: str, rows: int) -> None:
     for out_features, in_features in [(96, 64), (50, 41), (200, 1001)]:

@@ -108,24 +108,18 @@ def test_int4_matches_the_fp64_reference(out_features: int, in_features: int, gr
                _reference(x, dequantized, bias))  # fmt: skip
 
 
-@pytest.mark.parametrize("choice", ["bf16", "fp32"])
-def test_bf16_prefill_with_either_gemm(choice: str) -> None:
+def test_bf16_prefill_with_either_gemm(forced_prefill_gemm: str) -> None:
     """Prefill-sized bf16 x over the dequantized weight, with each GEMM forced (both run on any machine): the
     bf16 GEMM reads the dequantized weight rounded to bf16, the fp32 one as it is."""
-    previous = prefill_gemm()
-    prefill_gemm(choice)
-    try:
-        (qweight, scales), dequantized8 = _int8(50, 128)
-        (q4, s4, z4), dequantized4 = _int4(50, 128, 32)
-        x, bias = torch.randn(400, 128).bfloat16(), torch.randn(50).bfloat16()
-        for out, dequantized in [
-            (int8_linear(x, *pack_int8_weight(qweight, scales), 50, bias), dequantized8),
-            (int4_linear(x, *pack_int4_weight(q4, s4, z4, 32), 32, 50, bias), dequantized4),
-        ]:
-            weight = dequantized.bfloat16().double() if choice == "bf16" else dequantized
-            torch.testing.assert_close(out, _reference(x, weight, None) + bias, atol=2e-2, rtol=2**-7)
-    finally:
-        prefill_gemm(previous)
+    (qweight, scales), dequantized8 = _int8(50, 128)
+    (q4, s4, z4), dequantized4 = _int4(50, 128, 32)
+    x, bias = torch.randn(400, 128).bfloat16(), torch.randn(50).bfloat16()
+    for out, dequantized in [
+        (int8_linear(x, *pack_int8_weight(qweight, scales), 50, bias), dequantized8),
+        (int4_linear(x, *pack_int4_weight(q4, s4, z4, 32), 32, 50, bias), dequantized4),
+    ]:
+        weight = dequantized.bfloat16().double() if forced_prefill_gemm == "bf16" else dequantized
+        torch.testing.assert_close(out, _reference(x, weight, None) + bias, atol=2e-2, rtol=2**-7)
 
 
 def test_padding_columns_are_zero_and_layouts_follow_the_panel_width() -> None:

@@ -143,9 +143,6 @@ void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, in
   }
 }
 
-// The weight back as fp32 [K, N] row-major (column-major [N, K]; bf16 widened), into a per-thread scratch
-// buffer reused across calls: for prefill-sized GEMMs, where MKL's own packing pays for itself and copying
-// the weight once costs 2-7% of the GEMM.
 // The packed bf16 weight as bf16 [K, N] row-major, into a per-thread scratch buffer (bf16_prefill_gemm's path).
 at::Tensor unpacked_weight_bf16(const at::Tensor& packed, int64_t K, int64_t N) {
   static thread_local at::Tensor scratch;
@@ -154,6 +151,9 @@ at::Tensor unpacked_weight_bf16(const at::Tensor& packed, int64_t K, int64_t N) 
   return scratch.narrow(0, 0, K * N).view({K, N});
 }
 
+// The weight back as fp32 [K, N] row-major (column-major [N, K]; bf16 widened), into a per-thread scratch
+// buffer reused across calls: for prefill-sized GEMMs, where MKL's own packing pays for itself and copying
+// the weight once costs 2-7% of the GEMM.
 at::Tensor unpacked_weight(const at::Tensor& packed, int64_t K, int64_t N) {
   static thread_local at::Tensor scratch;
   if (!scratch.defined() || scratch.numel() < K * N) scratch = at::empty({K * N}, packed.options().dtype(at::kFloat));

@@ -446,8 +446,8 @@ Problem problem(const char* op, const at::Tensor& x, int64_t K, int64_t N, const
   if (a.stride(1) != 1 || (a.size(0) > 1 && a.stride(0) < K)) a = a.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  return {a, at::empty(out_shape, fp32_out ? x.options().dtype(at::kFloat) : x.options()), has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor(),
-          a.size(0), K, N};
+  at::Tensor out = at::empty(out_shape, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  return {a, out, has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor(), a.size(0), K, N};
 }
 
 void check_panels(const char* op, const at::Tensor& packed, at::ScalarType dtype, int64_t out_features) {
@@ -561,7 +561,9 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
           for (int64_t q = 0; q * kNr < p.N; ++q) {
             const int64_t ncols = std::min(kNr, p.N - q * kNr);
             const int8_t* row = codes + (q * p.K + k) * kNr;
-            for (int64_t j = 0; j < ncols; ++j) dst[k * p.N + q * kNr + j] = static_cast<T>(row[j] * scale[q * kNr + j]);
+            for (int64_t j = 0; j < ncols; ++j) {
+              dst[k * p.N + q * kNr + j] = static_cast<T>(row[j] * scale[q * kNr + j]);
+            }
           }
         }
       });

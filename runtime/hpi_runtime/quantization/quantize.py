@@ -242,8 +242,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device)
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
-        for embedding in _tied_embeddings(model, weight):
-            embedding.rows_from = replacement  # it looks tokens up in the quantized head from now on
+        if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on
+            for embedding in _tied_embeddings(model, weight):
+                embedding.rows_from = replacement
         # The old parameter's weight_loader (a bound method) ties it to its module in a reference cycle, so
         # it would wait for the garbage collector: drop the storage now to keep peak memory at one layer.
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
