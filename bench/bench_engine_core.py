@@ -47,9 +47,14 @@ QUICK_PLAN = Plan(running=(16,), num_steps=5, num_windows=1, num_mixed_requests=
 class CountingExecutor:
     """Stands in for the model: tracks only each request's token count and samples token (pos % 1000)."""
 
+    num_host_kv_blocks = 0  # no host-memory KV tier
+
     def __init__(self, num_kv_blocks: int, block_size: int) -> None:
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.num_tokens: dict[str, list[int]] = {}  # request id -> [num tokens, num computed]
+
+    def stage_busy_s(self) -> tuple[float, ...]:
+        return ()  # not a pipeline of stages
 
     def register_failure_callback(self, callback) -> None:
         pass  # runs in this process: nothing can fail under it between steps
@@ -134,9 +139,12 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.pool
     waste, running_saturated, usage_saturated = [], [], []
-    num_computed = num_computed_once = num_steps = 0
+    # ignore_eos: every request runs to max_tokens, so uninterrupted each token but the last sampled one is
+    # computed once
+    num_computed_once = sum(len(prompt) + max_tokens - 1 for prompt, max_tokens in workload)
+    num_computed = num_steps = 0
     forward_time = 0.0
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():  # outputs go around the front end's processor
         so = scheduler.schedule()
         allocated = (pool.num_blocks - pool.num_free) * block_size
         held = sum(request.num_computed_tokens for request in scheduler.running)
@@ -149,9 +157,7 @@ def run_mixed(num_blocks: int, max_model_len: int, workload, block_size: int = 1
             num_steps += 1
             num_computed += so.total_num_scheduled_tokens
             forward_time += max(1.0, so.total_num_scheduled_tokens / BALANCE_TOKENS)
-            for output in scheduler.update_from_output(so, executor.execute_model(so)):
-                if output.finished:  # uninterrupted, every token but the last sampled one is computed once
-                    num_computed_once += len(output.prompt_token_ids) + len(output.output_token_ids) - 1
+            scheduler.update_from_output(so, executor.execute_model(so))
     stats = engine.get_stats()
     return {
         "waste": sum(waste) / len(waste),

@@ -19,10 +19,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.llamacpp_build import QUANT_TYPES, gguf_path, server_binary
+from bench.llamacpp_build import QUANT_TYPES, server_command
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.report import machine_description
-from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, free_port, hpi_command
+from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, hpi_command
 
 RESULTS = Path(__file__).parent / "results"
 # hpi's weight format -> the llama.cpp GGUF of the same bits per weight (near enough: Q4_0 keeps an fp16 scale per
@@ -44,15 +44,7 @@ class Plan:
 
 
 def llama_server_command(quant_type: str, parallel: int, plan: Plan) -> ServerCommand:
-    binary = server_binary()
-    if not binary.is_file():
-        raise FileNotFoundError(f"{binary} missing: run `python -m bench.llamacpp_build` (make llama-cpp)")
-    port = free_port()
-    context = parallel * (plan.prompt_len + plan.output_len + 64)
-    argv = (str(binary), "-m", str(gguf_path(quant_type)), "--alias", SERVED_MODEL_NAME, "--host", "127.0.0.1",
-            "--port", str(port), "-t", str(plan.threads), "-tb", str(plan.threads), "--parallel", str(parallel),
-            "-c", str(context), "--no-webui")  # fmt: skip
-    return ServerCommand(f"llama.cpp {quant_type}", argv, "/health", port)
+    return server_command(quant_type, parallel, plan.prompt_len + plan.output_len + 64, plan.threads)
 
 
 def hpi_server_command(weights: str, plan: Plan) -> ServerCommand:

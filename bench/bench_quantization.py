@@ -42,6 +42,7 @@ class Result:
     method: str
     group_size: int | None
     scheme: str  # e.g. int4-g32-mse-mixed (QuantizationConfig.scheme)
+    quantized_lm_head: bool
     weight_bytes: int
     load_s: float
     tokens_per_s: dict[int, float]  # concurrency -> generated tokens/s (median over rounds)
@@ -56,6 +57,7 @@ class Variant:
     group_size: int
     int4_fit: str = "mse"
     int4_policy: str = "mixed"
+    quantize_lm_head: bool = False  # int8/int4: the LM head too (a tied head becomes int8, shared with the embeddings)
 
 
 def cpu_isa() -> str:
@@ -71,7 +73,7 @@ def _load(variant: Variant) -> tuple[LLM, float]:
     start = time.perf_counter()
     llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
               int4_fit=variant.int4_fit, int4_policy=variant.int4_policy, kv_cache_memory_bytes=256 << 20,
-              max_model_len=1024)  # fmt: skip
+              max_model_len=1024, quantize_lm_head=variant.quantize_lm_head and variant.method != "none")  # fmt: skip
     return llm, time.perf_counter() - start
 
 
@@ -105,7 +107,9 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         ppl = perplexity(executor.model, executor.runner.backend, ids)
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
-                              llm.bundle.resolved.quantization_scheme, llm.bundle.footprint.weight_bytes, load_s,
+                              llm.bundle.resolved.quantization_scheme,
+                              variant.quantize_lm_head and variant.method != "none", llm.bundle.footprint.weight_bytes,
+                              load_s,
                               tokens_per_s, ppl, answer))  # fmt: skip
         llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
@@ -122,7 +126,7 @@ def table(results: list[Result], concurrency: list[int]) -> str:
     best = {n: max((r.tokens_per_s[n] for r in base.values()), default=None) for n in concurrency}
     for r in results:
         b = base.get(r.dtype, r)
-        name = r.scheme
+        name = r.scheme + (" + int8 head" if r.quantized_lm_head else "")
         row = [r.dtype, name, f"{r.weight_bytes / 2**20:.1f}", f"{r.weight_bytes / b.weight_bytes:.2f}"]
         for n in concurrency:
             best_n = best[n] or r.tokens_per_s[n]
@@ -145,6 +149,8 @@ def main() -> None:
                         help="int4 <fit>-<policy> pairs to try, e.g. minmax-uniform mse-uniform mse-mixed")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="int8/int4 variants quantize the LM head too (hpi serve --quantize-lm-head)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating timing rounds; the median is kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args()
@@ -152,7 +158,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} (the machine may be shared)", flush=True)  # fmt: skip
     load_before = os.getloadavg()[0]
     variants = [
-        Variant(dtype, method, group_size, *scheme.split("-"))
+        Variant(dtype, method, group_size, *scheme.split("-"), quantize_lm_head=args.quantize_lm_head)
         for dtype in args.dtypes
         for method in args.methods
         if method == "none" or dtype in (args.quantized_dtypes or args.dtypes)

@@ -19,7 +19,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from bench.systems import cache_dir
+from bench.systems import SERVED_MODEL_NAME, ServerCommand, cache_dir, free_port
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # Makefile's LLAMA_CPP_VERSION: the same llama.cpp tree as the Python server
 QUANT_TYPES = ("F16", "Q8_0", "Q4_0")
@@ -35,6 +35,23 @@ def server_binary() -> Path:
 
 def gguf_path(quant_type: str) -> Path:
     return root() / "gguf" / f"smollm2-135m-instruct-{quant_type.lower()}.gguf"
+
+
+def built(quant_type: str) -> bool:
+    """Whether `make llama-cpp` has built the server and this GGUF."""
+    return server_binary().is_file() and gguf_path(quant_type).is_file()
+
+
+def server_command(quant_type: str, parallel: int, tokens_per_request: int, threads: int) -> ServerCommand:
+    """llama-server on this GGUF with `parallel` slots (its continuous batching; the context is split among the
+    slots, so `-c` is `parallel` times one request's), `threads` for decode and prompt batches."""
+    if not built(quant_type):
+        raise FileNotFoundError(f"{server_binary()} or {gguf_path(quant_type)} missing: run `make llama-cpp`")
+    port = free_port()
+    argv = (str(server_binary()), "-m", str(gguf_path(quant_type)), "--alias", SERVED_MODEL_NAME, "--host",
+            "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads), "--parallel", str(parallel),
+            "-c", str(parallel * tokens_per_request), "--no-webui")  # fmt: skip
+    return ServerCommand(f"llama.cpp {quant_type}", argv, "/health", port)
 
 
 def _run(argv: list[str], log: Path, **kwargs) -> None:

@@ -142,31 +142,43 @@ def request_body(model: str, request: RequestSpec) -> dict:
     }
 
 
+# A pooled keep-alive connection the server closed as the request was being written: sent again on a new
+# connection before any response, as the openai client does (2 retries by default). The wait stays in the timings.
+CONNECT_ERRORS = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+CONNECT_RETRIES = 2
+
+
 async def send_one(session: aiohttp.ClientSession, config: LoadConfig, request: RequestSpec, t0: float):
     start = time.perf_counter()
     chunk_times, usage, finish_reason = [], None, None
-    try:
-        body = request_body(request.model or config.model, request)
-        async with session.post(f"{config.base_url}/v1/completions", json=body) as r:
-            if r.status != 200:
-                body = (await r.text())[:200]
-                return RequestResult(False, start - t0, time.perf_counter() - start, error=f"HTTP {r.status}: {body}")
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    if choice.get("text"):
-                        chunk_times.append(time.perf_counter())
-                    finish_reason = choice.get("finish_reason") or finish_reason
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-        return RequestResult(False, start - t0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    body = request_body(request.model or config.model, request)
+    for attempt in range(1 + CONNECT_RETRIES):
+        responded = False
+        try:
+            async with session.post(f"{config.base_url}/v1/completions", json=body) as r:
+                responded = True
+                if r.status != 200:
+                    error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                    return RequestResult(False, start - t0, time.perf_counter() - start, error=error)
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("text"):
+                            chunk_times.append(time.perf_counter())
+                        finish_reason = choice.get("finish_reason") or finish_reason
+            break
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            if isinstance(exc, CONNECT_ERRORS) and not responded and attempt < CONNECT_RETRIES:
+                continue
+            return RequestResult(False, start - t0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     if not chunk_times:
         return RequestResult(False, start - t0, end - start, error="no tokens streamed")

@@ -56,23 +56,43 @@ def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _serving_rows(results: dict) -> list[str]:
-    lines = ["| system | N | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
-             "| TPOT p50 (ms) | e2e p50 / p99 (ms) | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for system in ("hpi", "llama.cpp"):
-        for run in (results.get(system) or {}).get("closed_loop", []):
-            t, i, e = run["ttft_ms"], run["itl_ms"], run["e2e_ms"]
-            lines.append(
-                f"| {system} | {run['concurrency']} | {run['num_requests']} | {run['requests_per_s']:.2f} "
-                f"| {run['output_tokens_per_s']:.1f} | {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} "
-                f"| {_ms(i['p50'])} / {_ms(i['p90'])} / {_ms(i['p99'])} | {_ms(run['tpot_ms']['p50'])} "
-                f"| {_ms(e['p50'])} / {_ms(e['p99'])} | {run['num_errors']} |")
-    for run in (results.get("transformers") or {}).get("static_batches", []):
-        lines.append(
-            f"| transformers (static batch) | {run['batch_size']} | {run['num_requests']} "
-            f"| {run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} | {_ms(run['ttft_ms']['p50'])} (batch) "
-            f"| - | {_ms(run['tpot_ms']['p50'])} | {_ms(run['e2e_ms']['p50'])} | 0 |")
+def serving_rounds(serving: dict) -> list[dict]:
+    """The rounds of a serving section (one round's results when it ran once)."""
+    return serving.get("rounds", [serving]) if serving else []
+
+
+def _tf_label(tf: dict) -> str:
+    return f"transformers {tf.get('dtype', '')} (static batch)".replace("  ", " ")
+
+
+def _serving_rows(serving: dict) -> list[str]:
+    lines = ["| round | system | N | requests | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) "
+             "| ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | e2e p50 / p99 (ms) | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for index, results in enumerate(serving_rounds(serving), start=1):
+        for system in ("hpi", "llama.cpp"):
+            for run in (results.get(system) or {}).get("closed_loop", []):
+                t, i, e = run["ttft_ms"], run["itl_ms"], run["e2e_ms"]
+                lines.append(
+                    f"| {index} | {system} | {run['concurrency']} | {run['num_requests']} "
+                    f"| {run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} "
+                    f"| {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} "
+                    f"| {_ms(i['p50'])} / {_ms(i['p90'])} / {_ms(i['p99'])} | {_ms(run['tpot_ms']['p50'])} "
+                    f"| {_ms(e['p50'])} / {_ms(e['p99'])} | {run['num_errors']} |")
+        for key in ("transformers", "transformers-fp32"):
+            tf = results.get(key) or {}
+            for run in tf.get("static_batches", []):
+                lines.append(
+                    f"| {index} | {_tf_label(tf)} | {run['batch_size']} | {run['num_requests']} "
+                    f"| {run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} "
+                    f"| {_ms(run['ttft_ms']['p50'])} (batch) | - | {_ms(run['tpot_ms']['p50'])} "
+                    f"| {_ms(run['e2e_ms']['p50'])} | 0 |")
     return lines
+
+
+def _llama_name(serving: dict) -> str:
+    server = next((r["llama.cpp"].get("server") for r in serving_rounds(serving) if r.get("llama.cpp")), None)
+    return server or "llama-cpp-python's server"
 
 
 def _targets(results: dict) -> list[str]:
@@ -81,14 +101,14 @@ def _targets(results: dict) -> list[str]:
     high = [r for r in rows if r["concurrency"] >= 32]
     if high:
         best = max(high, key=lambda r: r["hpi_tok_s"])
-        if best["hpi_over_tf"] is not None:
-            lines.append(f"| output tok/s at N>=32 >= 2x transformers' best static batch <= N | "
-                         f"{best['hpi_tok_s']:.0f} vs {best['tf_tok_s']:.0f} (batch {best['tf_batch_size']}) at N="
-                         f"{best['concurrency']}: {_x(best['hpi_over_tf'])} "
-                         f"| {'yes' if best['hpi_over_tf'] >= 2 else 'no'} |")
+        if best.get("hpi_over_tf_best") is not None:
+            lines.append(f"| output tok/s at N>=32 >= 2x transformers' best static batch <= N, at its faster dtype | "
+                         f"{best['hpi_tok_s']:.0f} vs {best['tf_best_tok_s']:.0f} ({best['tf_best_dtype']}, batch "
+                         f"{best['tf_best_batch_size']}) at N={best['concurrency']}: {_x(best['hpi_over_tf_best'])} "
+                         f"| {'yes' if best['hpi_over_tf_best'] >= 2 else 'no'} |")
         if best["hpi_over_llama"] is not None:
-            lines.append(f"| output tok/s at N>=32 >= 3x llama-cpp-python's server | {best['hpi_tok_s']:.0f} vs "
-                         f"{best['llama_tok_s']:.0f}: {_x(best['hpi_over_llama'])} "
+            lines.append(f"| output tok/s at N>=32 >= 3x llama.cpp ({_llama_name(serving)}) | {best['hpi_tok_s']:.0f}"
+                         f" vs {best['llama_tok_s']:.0f}: {_x(best['hpi_over_llama'])} "
                          f"| {'yes' if best['hpi_over_llama'] >= 3 else 'no'} |")
     roofline = results.get("roofline")
     if roofline and roofline.get("hpi_fraction_of_peak") is not None:
@@ -108,20 +128,28 @@ def _targets(results: dict) -> list[str]:
 
 
 def _single_request(serving: dict) -> str | None:
-    def tok_s(system: str) -> float | None:
-        run = next((r for r in (serving.get(system) or {}).get("closed_loop", []) if r["concurrency"] == 1), None)
+    """One stream's decode speed (1000 / TPOT p50 at N=1), the median over the rounds, per system."""
+    def tok_s(results: dict, system: str) -> float | None:
+        if system == "transformers":
+            run = next((r for r in (results.get(system) or {}).get("static_batches", []) if r["batch_size"] == 1),
+                       None)  # fmt: skip
+        else:
+            run = next((r for r in (results.get(system) or {}).get("closed_loop", []) if r["concurrency"] == 1), None)
         return run and 1000 / run["tpot_ms"]["p50"]
 
-    hpi, llama = tok_s("hpi"), tok_s("llama.cpp")
-    tf = next((r for r in (serving.get("transformers") or {}).get("static_batches", []) if r["batch_size"] == 1), None)
+    def median(system: str) -> float | None:
+        values = sorted(v for v in (tok_s(r, system) for r in serving_rounds(serving)) if v)
+        return values[len(values) // 2] if values else None
+
+    hpi, llama, tf = median("hpi"), median("llama.cpp"), median("transformers")
     if hpi is None:
         return None
     parts = [f"hpi {hpi:.1f} tok/s"]
     if llama:
         parts.append(f"llama.cpp {llama:.1f} tok/s (hpi/llama.cpp {hpi / llama:.2f}x)")
     if tf:
-        parts.append(f"transformers {1000 / tf['tpot_ms']['p50']:.1f} tok/s")
-    return ", ".join(parts) + " (1000 / TPOT p50)"
+        parts.append(f"transformers {tf:.1f} tok/s")
+    return ", ".join(parts) + " (1000 / TPOT p50, median of the rounds)"
 
 
 def render_markdown(results: dict) -> str:
@@ -141,7 +169,8 @@ def render_markdown(results: dict) -> str:
         f"| memory | {m['memory_gib']} GiB |",
         f"| threads | torch {m['torch_threads']}; llama.cpp {plan.get('num_threads', '-')} |",
         f"| software | Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
-        f"llama-cpp-python {m['llama_cpp_python'] or '-'} |",
+        f"llama.cpp: {_llama_name(serving)}"
+        f"{'' if not m['llama_cpp_python'] else ' (llama-cpp-python ' + m['llama_cpp_python'] + ' tree)'} |",
         f"| load average at start | {', '.join(f'{x:.2f}' for x in m['load_average_at_start'])} |",
         "",
         "## Targets",
@@ -149,29 +178,38 @@ def render_markdown(results: dict) -> str:
         *_targets(results),
     ]
     if serving:
-        tf_dtype = (serving.get("transformers") or {}).get("dtype", "-")
+        rounds = serving_rounds(serving)
+        tf_dtypes = " and ".join(r[k]["dtype"] for k in ("transformers", "transformers-fp32") for r in rounds[:1]
+                                 if r.get(k))  # fmt: skip
         lines += [
             "",
             f"## Serving: closed loop, {plan['prompt_len']}-token prompts, {plan['output_len']}-token outputs",
             "",
-            f"N = concurrent clients (transformers: static batch size; offline, dtype {tf_dtype}). "
+            f"{len(rounds)} round(s), the systems in alternating order (round 2 runs them in reverse). "
+            f"N = concurrent clients (transformers: static batch size; offline, dtype {tf_dtypes or '-'}). "
             "TTFT = time to first token, ITL = gap between streamed tokens, TPOT = (e2e - TTFT) / (tokens - 1).",
             "",
             *_serving_rows(serving),
             "",
-            "### Ratios (output tokens/s)",
+            "### Ratios (output tokens/s, median of the rounds)",
             "",
-            "| N | hpi | transformers best static batch <= N | llama.cpp | hpi offline (LLM.generate) "
-            "| hpi / transformers | hpi / llama.cpp | served / offline |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "transformers' baseline is its best static batch <= N at its faster dtype on this machine (both shown).",
+            "",
+            "| N | hpi | transformers best (dtype, batch) | transformers in hpi's dtype | transformers fp32 "
+            "| llama.cpp | hpi offline (LLM.generate) | hpi / transformers best | hpi / llama.cpp | served / offline |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in serving.get("ratios", []):
-            tf = "-" if r["tf_tok_s"] is None else f"{r['tf_tok_s']:.1f} (batch {r['tf_batch_size']})"
+            best = "-" if r.get("tf_best_tok_s") is None else (
+                f"{r['tf_best_tok_s']:.1f} ({r['tf_best_dtype']}, {r['tf_best_batch_size']})")
+            tf = "-" if r["tf_tok_s"] is None else f"{r['tf_tok_s']:.1f}"
+            tf32 = "-" if r.get("tf_fp32_tok_s") is None else f"{r['tf_fp32_tok_s']:.1f}"
             llama = "-" if r["llama_tok_s"] is None else f"{r['llama_tok_s']:.1f} (N={r['llama_concurrency']})"
             offline = "-" if r.get("offline_tok_s") is None else f"{r['offline_tok_s']:.1f}"
-            lines.append(f"| {r['concurrency']} | {r['hpi_tok_s']:.1f} | {tf} | {llama} | {offline} "
-                         f"| {_x(r['hpi_over_tf'])} | {_x(r['hpi_over_llama'])} | {_x(r.get('hpi_over_offline'))} |")
-        open_loop = (serving.get("hpi") or {}).get("open_loop")
+            lines.append(f"| {r['concurrency']} | {r['hpi_tok_s']:.1f} | {best} | {tf} | {tf32} | {llama} | {offline} "
+                         f"| {_x(r.get('hpi_over_tf_best'))} | {_x(r['hpi_over_llama'])} "
+                         f"| {_x(r.get('hpi_over_offline'))} |")
+        open_loop = (rounds[0].get("hpi") or {}).get("open_loop")
         if open_loop:
             t, e = open_loop["ttft_ms"], open_loop["e2e_ms"]
             lines += ["", "### Open loop (hpi, Poisson arrivals)", "",
@@ -182,7 +220,8 @@ def render_markdown(results: dict) -> str:
                       f"| {open_loop['output_tokens_per_s']:.1f} | {_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} "
                       f"| {_ms(open_loop['tpot_ms']['p50'])} | {_ms(e['p50'])} / {_ms(e['p99'])} "
                       f"| {open_loop['num_errors']} |"]
-        lines += ["", "![throughput](throughput.png)", "", "![latency CDFs](latency_cdf.png)"]
+        lines += ["", "Plots: the first round.", "", "![throughput](throughput.png)", "",
+                  "![latency CDFs](latency_cdf.png)"]
     roofline = results.get("roofline")
     if roofline:
         lines += ["", "## Roofline", "",
@@ -253,6 +292,8 @@ def render_plots(results: dict, out_dir: Path) -> list[Path]:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     serving = results.get("serving") or {}
+    plan = serving.get("plan")
+    serving = serving_rounds(serving)[0] if serving else {}
     if "hpi" not in serving:
         return []
     paths = []
@@ -263,12 +304,17 @@ def render_plots(results: dict, out_dir: Path) -> list[Path]:
             color, marker = SYSTEM_STYLE[system]
             ax.plot([r["concurrency"] for r in runs], [r["output_tokens_per_s"] for r in runs], marker=marker,
                     color=color, label=f"{system} (server, closed loop)")
-    tf_runs = (serving.get("transformers") or {}).get("static_batches", [])
-    if tf_runs:
-        color, marker = SYSTEM_STYLE["transformers"]
-        ax.plot([r["batch_size"] for r in tf_runs], [r["output_tokens_per_s"] for r in tf_runs], marker=marker,
-                color=color, linestyle="--", label="transformers generate (offline, static batch)")
-    roofline, plan = results.get("roofline"), serving["plan"]
+    tf_runs = []
+    for key, linestyle in (("transformers", "--"), ("transformers-fp32", "-.")):
+        tf = serving.get(key) or {}
+        runs = [{**r, "dtype": tf.get("dtype")} for r in tf.get("static_batches", [])]
+        if runs:
+            color, marker = SYSTEM_STYLE["transformers"]
+            ax.plot([r["batch_size"] for r in runs], [r["output_tokens_per_s"] for r in runs], marker=marker,
+                    color=color, linestyle=linestyle, label=f"transformers generate {tf.get('dtype')} (offline, static"
+                    " batch)")  # fmt: skip
+        tf_runs += runs
+    roofline = results.get("roofline")
     if roofline and roofline.get("hpi_dtype") in roofline["peaks"]:
         peak = roofline["peaks"][roofline["hpi_dtype"]]["peak_gflops"] * 1e9
         output_share = plan["output_len"] / (plan["prompt_len"] + plan["output_len"])
@@ -297,7 +343,8 @@ def render_plots(results: dict, out_dir: Path) -> list[Path]:
             run = best_tf = None
             fitting = [r for r in tf_runs if target_n and r["batch_size"] <= target_n]
             best_tf = max(fitting, key=lambda r: r["output_tokens_per_s"], default=None)
-            run, label = best_tf, f"transformers (batch {best_tf['batch_size']})" if best_tf else ""
+            run = best_tf
+            label = f"transformers {best_tf['dtype']} (batch {best_tf['batch_size']})" if best_tf else ""
         else:
             runs = (serving.get(system) or {}).get("closed_loop", [])
             run = max((r for r in runs if r["concurrency"] <= (target_n or 0)), key=lambda r: r["concurrency"],

@@ -1,10 +1,14 @@
 """Serving benchmark: hpi against transformers `generate` and llama.cpp, same machine, same requests.
 
 For each concurrency N, a closed loop of N clients replays a seeded request set (fixed prompt and output
-lengths, EOS ignored) against `hpi serve`, then against llama-cpp-python's OpenAI server on the GGUF the
-embedded model was converted from. transformers runs offline on the same prompts with static batches; its
-row at concurrency N is its best batch size <= N. One system runs at a time. An open-loop run (Poisson
-arrivals at a fraction of hpi's measured capacity) shows latency under a load that does not wait for it.
+lengths, EOS ignored) against `hpi serve`, then against llama.cpp: its own C++ `llama-server` with `--parallel N`
+on the F16 GGUF made from the checkpoint hpi serves (`make llama-cpp` builds both), or, where that was not
+built, llama-cpp-python's server (one sequence at a time) on the GGUF the embedded model was converted from.
+transformers runs offline on the same prompts with static batches, in hpi's dtype and in fp32 where that
+differs; its row at concurrency N is its best batch size <= N, and the baseline of the ratios is the faster of
+its dtypes. One system runs at a time; with several rounds the order alternates and the ratios are the median.
+An open-loop run (Poisson arrivals at a fraction of hpi's measured capacity) shows latency under a load that
+does not wait for it.
 
     .venv/bin/python -m bench.serving --concurrency 1 8 32 --output-len 32     # a smaller sweep
 """
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.llamacpp_build import built, server_command
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.systems import (
     SERVED_MODEL_NAME,
@@ -31,11 +36,14 @@ from bench.systems import (
     metric_value,
 )
 
+SYSTEMS = ("hpi", "llama.cpp", "transformers", "transformers-fp32", "hpi-offline")
+
 
 @dataclass(frozen=True)
 class ServingPlan:
     concurrencies: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
-    llama_concurrencies: tuple[int, ...] = (1, 4, 32)  # one sequence at a time: flat after N=1
+    llama_concurrencies: tuple[int, ...] = (1, 4, 32)  # llama-cpp-python: one sequence at a time, flat after N=1
+    # llama.cpp's C++ server batches: it runs at every N of `concurrencies` (a server with --parallel N for each)
     tf_batch_sizes: tuple[int, ...] = (1, 8, 16, 32, 64)
     prompt_len: int = 128
     output_len: int = 128
@@ -96,6 +104,8 @@ def run_hpi(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
 
 
 def run_llamacpp(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
+    if built("F16"):
+        return _run_llama_server(plan, tokenizer, log_dir, progress)
     runs = []
     command = llamacpp_command(plan.num_threads)
     with ServerProcess(command, log_dir / "llamacpp.log") as server:
@@ -103,8 +113,21 @@ def run_llamacpp(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
         for concurrency in plan.llama_concurrencies:
             summary = _closed_loop(server, tokenizer, plan, concurrency, plan.llama_max_requests)
             runs.append(summary)
-            progress(f"llama.cpp N={concurrency}: {summary['output_tokens_per_s']:.1f} out tok/s")
-    return {"closed_loop": runs, "command": list(command.argv[1:])}
+            progress(f"llama-cpp-python N={concurrency}: {summary['output_tokens_per_s']:.1f} out tok/s")
+    return {"closed_loop": runs, "server": "llama-cpp-python", "command": list(command.argv[1:])}
+
+
+def _run_llama_server(plan: ServingPlan, tokenizer, log_dir: Path, progress) -> dict:
+    """llama.cpp's C++ server, restarted with `--parallel N` for each N (its best setting for N clients)."""
+    runs, command = [], None
+    for concurrency in plan.concurrencies:
+        command = server_command("F16", concurrency, plan.prompt_len + plan.output_len + 64, plan.num_threads)
+        with ServerProcess(command, log_dir / f"llama-server-{concurrency}.log") as server:
+            _warm_up(server.base_url, tokenizer, plan)
+            runs.append(_closed_loop(server, tokenizer, plan, concurrency, None))
+        progress(f"llama-server F16 N={concurrency}: {runs[-1]['output_tokens_per_s']:.1f} out tok/s")
+    return {"closed_loop": runs, "server": "llama-server F16 (C++, --parallel N)",
+            "command": list(command.argv[1:]) if command else []}
 
 
 def run_transformers(plan: ServingPlan, tokenizer, model_dir: Path, dtype: torch.dtype, progress) -> dict:
@@ -150,16 +173,20 @@ def best_static_batch(tf_runs: list[dict], concurrency: int) -> dict | None:
 
 
 def ratio_rows(results: dict) -> list[dict]:
-    """Per hpi concurrency: output tok/s of hpi, transformers' best static batch <= N, llama.cpp at N
-    (or its nearest measured N below, since it serves one sequence at a time), and hpi's ratios."""
+    """Per hpi concurrency: output tok/s of hpi, transformers' best static batch <= N (in hpi's dtype, in fp32,
+    and the faster of the two: the baseline at its best on this machine), llama.cpp at N (or its nearest
+    measured N below, where llama-cpp-python serves one sequence at a time), and hpi's ratios."""
     tf_runs = (results.get("transformers") or {}).get("static_batches", [])
     tf32_runs = (results.get("transformers-fp32") or {}).get("static_batches", [])
+    tf_dtype = (results.get("transformers") or {}).get("dtype")
     llama_runs = (results.get("llama.cpp") or {}).get("closed_loop", [])
     offline = {r["concurrency"]: r for r in (results.get("hpi-offline") or {}).get("runs", [])}
     rows = []
     for run in results["hpi"]["closed_loop"]:
         n, hpi_tps = run["concurrency"], run["output_tokens_per_s"]
         tf, tf32 = best_static_batch(tf_runs, n), best_static_batch(tf32_runs, n)
+        best = max((r for r in (tf, tf32) if r), key=lambda r: r["output_tokens_per_s"], default=None)
+        best_dtype = None if best is None else ("float32" if best is tf32 else tf_dtype)
         llama = max((r for r in llama_runs if r["concurrency"] <= n), key=lambda r: r["concurrency"], default=None)
         rows.append({
             "concurrency": n,
@@ -171,6 +198,10 @@ def ratio_rows(results: dict) -> list[dict]:
             "hpi_over_tf": tf and hpi_tps / tf["output_tokens_per_s"],
             "tf_fp32_tok_s": tf32 and tf32["output_tokens_per_s"],
             "hpi_over_tf_fp32": tf32 and hpi_tps / tf32["output_tokens_per_s"],
+            "tf_best_tok_s": best and best["output_tokens_per_s"],
+            "tf_best_batch_size": best and best["batch_size"],
+            "tf_best_dtype": best_dtype,
+            "hpi_over_tf_best": best and hpi_tps / best["output_tokens_per_s"],
             "hpi_over_llama": llama and hpi_tps / llama["output_tokens_per_s"],
             "offline_tok_s": offline[n]["output_tokens_per_s"] if n in offline else None,
             "hpi_over_offline": hpi_tps / offline[n]["output_tokens_per_s"] if n in offline else None,
@@ -181,20 +212,33 @@ def ratio_rows(results: dict) -> list[dict]:
 def median_ratios(rounds: list[dict]) -> list[dict]:
     """Per concurrency, the median over rounds of every rate and ratio (each round's own rows stay in the
     JSON): a ratio from one round compares systems run minutes apart, the median of rounds in alternating
-    order cancels most of a shared machine's drift."""
+    order cancels most of a shared machine's drift. Labels (batch sizes, dtypes) are the first round's."""
     by_concurrency: dict[int, list[dict]] = {}
     for results in rounds:
         for row in results.get("ratios", []):
             by_concurrency.setdefault(row["concurrency"], []).append(row)
     merged = []
-    for concurrency, rows in sorted(by_concurrency.items()):
-        row = {"concurrency": concurrency, "rounds": len(rows)}
+    for _, rows in sorted(by_concurrency.items()):
+        row = {**rows[0], "rounds": len(rows)}
         for key, value in rows[0].items():
             if key != "concurrency" and isinstance(value, float):
                 values = [r[key] for r in rows if isinstance(r.get(key), float)]
                 row[key] = statistics.median(values)
         merged.append(row)
     return merged
+
+
+def run_rounds(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: Path, progress,
+               systems: tuple[str, ...], rounds: int) -> dict:
+    """`rounds` runs of the systems, every other one in reverse order; with one round, that round's results."""
+    results = []
+    for r in range(rounds):
+        order = systems if r % 2 == 0 else tuple(reversed(systems))
+        results.append(run_serving(plan, model_dir, dtype, log_dir, lambda m, r=r: progress(f"round {r + 1}: {m}"),
+                                   order))
+    if rounds == 1:
+        return results[0]
+    return {"plan": results[0]["plan"], "rounds": results, "ratios": median_ratios(results)}
 
 
 def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: Path, progress=print,
@@ -213,7 +257,7 @@ def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir:
             progress(f"llama.cpp skipped: {exc}")
     if "transformers" in systems:
         results["transformers"] = run_transformers(plan, tokenizer, model_dir, dtype, progress)
-    if "transformers-fp32" in systems:  # the baseline at its own fastest dtype here, where hpi's is bf16
+    if "transformers-fp32" in systems and dtype != torch.float32:  # the baseline's other dtype: which is faster
         results["transformers-fp32"] = run_transformers(plan, tokenizer, model_dir, torch.float32, progress)
     if "hpi-offline" in systems:
         results["hpi-offline"] = run_hpi_offline(plan, tokenizer, progress)
@@ -232,11 +276,11 @@ def main() -> None:
     parser.add_argument("--tf-batch-sizes", type=int, nargs="+", default=list(ServingPlan.tf_batch_sizes))
     parser.add_argument("--prompt-len", type=int, default=ServingPlan.prompt_len)
     parser.add_argument("--output-len", type=int, default=ServingPlan.output_len)
-    parser.add_argument("--systems", nargs="+", default=["hpi", "llama.cpp", "transformers"],
-                        help="any of hpi, llama.cpp, transformers, hpi-offline (LLM.generate on the same requests), "
-                             "transformers-fp32 (transformers in fp32 whatever hpi's dtype)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS),
+                        help="any of hpi, llama.cpp, transformers (in hpi's dtype), transformers-fp32 (in fp32 as "
+                             "well where hpi's dtype is not), hpi-offline (LLM.generate on the same requests)")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=int, default=2,
                         help="run the systems this many times, every other round in reverse order, so that a "
                              "shared machine's drift lands on all alike; ratios per round and the median")  # fmt: skip
     args = parser.parse_args()
@@ -245,13 +289,7 @@ def main() -> None:
                        output_len=args.output_len)
     model_dir, _ = resolve_model_dir(None)
     dtype = resolve_dtype("auto", torch.device("cpu"), "float32")
-    rounds = []
-    for r in range(args.rounds):
-        systems = tuple(args.systems) if r % 2 == 0 else tuple(reversed(args.systems))
-        rounds.append(run_serving(plan, model_dir, dtype, Path("bench/results/tmp"), systems=systems))
-        for row in rounds[-1].get("ratios", []):
-            print(f"round {r + 1}:", row)
-    results = rounds[0] if len(rounds) == 1 else {"rounds": rounds, "ratios": median_ratios(rounds)}
+    results = run_rounds(plan, model_dir, dtype, Path("bench/results/tmp"), print, tuple(args.systems), args.rounds)
     for row in results.get("ratios", []):
         print(row)
     if args.out:
