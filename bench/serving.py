@@ -243,24 +243,31 @@ def run_rounds(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: 
 
 def run_serving(plan: ServingPlan, model_dir: Path, dtype: torch.dtype, log_dir: Path, progress=print,
                 systems: tuple[str, ...] = ("hpi", "llama.cpp", "transformers")) -> dict:
+    """The systems one at a time, in the order given (run_rounds alternates it), and hpi's ratios."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    results: dict = {"plan": asdict(plan)}
-    if "hpi" in systems:
-        results["hpi"] = run_hpi(plan, tokenizer, log_dir, progress)
-    if "llama.cpp" in systems:
+    runners = {
+        "hpi": lambda: run_hpi(plan, tokenizer, log_dir, progress),
+        "llama.cpp": lambda: run_llamacpp(plan, tokenizer, log_dir, progress),
+        "transformers": lambda: run_transformers(plan, tokenizer, model_dir, dtype, progress),
+        "transformers-fp32": lambda: run_transformers(plan, tokenizer, model_dir, torch.float32, progress),
+        "hpi-offline": lambda: run_hpi_offline(plan, tokenizer, progress),
+    }
+    unknown = set(systems) - set(runners)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; known: {sorted(runners)}")
+    results: dict = {"plan": asdict(plan), "order": list(systems)}
+    for system in systems:
+        if system == "transformers-fp32" and dtype == torch.float32:
+            continue  # "transformers" is fp32 already
         try:
-            results["llama.cpp"] = run_llamacpp(plan, tokenizer, log_dir, progress)
+            results[system] = runners[system]()
         except (FileNotFoundError, RuntimeError) as exc:
-            results["llama.cpp"] = {"skipped": str(exc)}
+            if system != "llama.cpp":
+                raise
+            results[system] = {"skipped": str(exc)}
             progress(f"llama.cpp skipped: {exc}")
-    if "transformers" in systems:
-        results["transformers"] = run_transformers(plan, tokenizer, model_dir, dtype, progress)
-    if "transformers-fp32" in systems and dtype != torch.float32:  # the baseline's other dtype: which is faster
-        results["transformers-fp32"] = run_transformers(plan, tokenizer, model_dir, torch.float32, progress)
-    if "hpi-offline" in systems:
-        results["hpi-offline"] = run_hpi_offline(plan, tokenizer, progress)
     if "hpi" in results:
         results["ratios"] = ratio_rows(results)
     return results

@@ -3,6 +3,8 @@ and the targets' verdicts, on hand-made results (the suite itself runs for minut
 
 from __future__ import annotations
 
+import torch
+
 from bench.report import render_markdown
 from bench.serving import median_ratios, ratio_rows
 
@@ -69,3 +71,31 @@ def test_the_report_judges_the_targets_on_the_median_against_the_best_dtype():
     assert "transformers float32 (static batch)" in text and "transformers bfloat16 (static batch)" in text
     # One stream: hpi 1000 / 10 ms against llama.cpp's 1000 / 15 ms.
     assert "hpi 100.0 tok/s, llama.cpp 66.7 tok/s (hpi/llama.cpp 1.50x)" in text
+
+
+def test_rounds_alternate_the_order_of_the_systems(monkeypatch, tmp_path):
+    """Round 2 runs the systems in reverse (stand-ins for them record the order), and the ratios are the median."""
+    import transformers
+
+    from bench import serving
+
+    calls: list[str] = []
+    speeds = iter([400.0, 100.0, 200.0, 200.0, 100.0, 300.0])
+
+    def system(name: str, key: str, make):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return {key: [make(next(speeds))], **({"dtype": "bfloat16"} if key == "static_batches" else {})}
+        return run
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(serving, "run_hpi", system("hpi", "closed_loop", lambda v: _closed(32, v)))
+    monkeypatch.setattr(serving, "run_llamacpp", system("llama.cpp", "closed_loop", lambda v: _closed(32, v)))
+    monkeypatch.setattr(serving, "run_transformers", system("transformers", "static_batches", lambda v: _static(32, v)))
+    results = serving.run_rounds(serving.ServingPlan(), tmp_path, torch.bfloat16, tmp_path, lambda m: None,
+                                 ("hpi", "llama.cpp", "transformers"), rounds=2)  # fmt: skip
+    assert calls == ["hpi", "llama.cpp", "transformers", "transformers", "llama.cpp", "hpi"]
+    assert [r["order"] for r in results["rounds"]] == [["hpi", "llama.cpp", "transformers"],
+                                                       ["transformers", "llama.cpp", "hpi"]]  # fmt: skip
+    [row] = results["ratios"]
+    assert row["hpi_over_llama"] == (4.0 + 3.0) / 2 and row["hpi_over_tf_best"] == (2.0 + 1.5) / 2

@@ -117,3 +117,18 @@ def forced_prefill_gemm(request):
     assert prefill_gemm(request.param) == request.param
     yield request.param
     prefill_gemm(previous)
+
+
+@pytest.fixture(params=["widen", "dpbf16"])
+def forced_bf16_tile(request):
+    """Each packed bf16 tile forced (the machine's own choice is measured at start), so both run wherever the CPU
+    has them: dpbf16 needs AVX512-BF16 and the AVX512 build; the choice is restored after the test."""
+    from hpi_kernels.cpu import bf16_tile
+
+    previous = bf16_tile()
+    try:
+        assert bf16_tile(request.param) == request.param
+    except ValueError as e:
+        pytest.skip(f"{request.param}: {e}")
+    yield request.param
+    bf16_tile(previous)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hpi_kernels.cpu import (
+    bf16_tile,
     cpu_capability,
     load_extension,
     pack_linear_weight,
@@ -145,7 +146,8 @@ def _bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 257, 320, 321, 700])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001)])
-def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in_features: int) -> None:
+def test_bf16_matches_the_fp32_sum_rounded_once(forced_bf16_tile: str, rows: int, out_features: int,
+                                                in_features: int) -> None:  # fmt: skip
     weight = _weight(out_features, in_features).bfloat16()
     bias = torch.randn(out_features).bfloat16()
     x = torch.randn(rows, in_features).bfloat16()
@@ -158,7 +160,7 @@ def test_bf16_matches_the_fp32_sum_rounded_once(rows: int, out_features: int, in
 
 
 @pytest.mark.parametrize("rows", [1, 13, 321])
-def test_bf16_logits_are_the_fp32_sums_unrounded(rows: int) -> None:
+def test_bf16_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, rows: int) -> None:
     """packed_logits (an LM head): the same fp32 sums as packed_linear, not rounded to bf16."""
     weight, x = _weight(200, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
     packed = pack_linear_weight(weight)
@@ -172,7 +174,7 @@ def test_bf16_logits_are_the_fp32_sums_unrounded(rows: int) -> None:
     torch.library.opcheck(torch.ops.hpi_kernels.packed_logits.default, (x, packed, 200))
 
 
-def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel() -> None:
+def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel(forced_bf16_tile: str) -> None:
     weight, x = _weight(4097, 4100).bfloat16(), torch.randn(321, 4100).bfloat16()
     assert weight.numel() > 2**24
     torch.testing.assert_close(packed_linear(x, pack_linear_weight(weight), 4097), _bf16_reference(x, weight),
@@ -204,13 +206,37 @@ def test_bf16_prefill_matches_with_either_gemm(forced_prefill_gemm: str, rows: i
     assert prefill_gemm() == forced_prefill_gemm
 
 
+def test_the_tiles_differ_in_summation_order_only(forced_bf16_tile: str) -> None:
+    """Each tile's fp32 sums (the logits, unrounded) against fp64, and the two tiles against each other where both
+    run: products are exact in both, so only the order of the fp32 additions differs."""
+    weight, x = _weight(200, 576).bfloat16(), torch.randn(7, 576).bfloat16()
+    packed = pack_linear_weight(weight)
+    logits = packed_logits(x, packed, 200)
+    exact = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(logits.double(), exact, atol=1e-4, rtol=1e-5)
+    assert bf16_tile() == forced_bf16_tile
+    other = "dpbf16" if forced_bf16_tile == "widen" else "widen"
+    try:
+        bf16_tile(other)
+    except ValueError:
+        return  # this CPU runs only one of them
+    torch.testing.assert_close(packed_logits(x, packed, 200), logits, atol=1e-4, rtol=1e-5)
+    bf16_tile(forced_bf16_tile)
+
+
+def test_bf16_tile_choice_is_checked() -> None:
+    assert bf16_tile() in ("widen", "dpbf16")
+    with pytest.raises(ValueError, match="auto, widen or dpbf16"):
+        bf16_tile("amx")
+
+
 def test_prefill_gemm_choice_is_checked() -> None:
     assert prefill_gemm() in ("bf16", "fp32")
     with pytest.raises(ValueError, match="auto, bf16 or fp32"):
         prefill_gemm("fp16")
 
 
-def test_bf16_rows_do_not_depend_on_the_batch() -> None:
+def test_bf16_rows_do_not_depend_on_the_batch(forced_bf16_tile: str) -> None:
     """Up to the prefill path, each bf16 row alone, in a slice or among 300 rows (two chunks of rows) sums in
     the same order."""
     weight, x = _weight(96, 576).bfloat16(), torch.randn(300, 576).bfloat16()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hpi_kernels.cpu._extension import CpuKernelBuildError, cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.lora_delta import lora_add, lora_add_ref
 from hpi_kernels.cpu.packed_linear import (
+    bf16_tile,
     pack_linear_weight,
     packed_linear,
     packed_logits,
@@ -28,6 +29,7 @@ from hpi_kernels.cpu.quant_linear import (
 
 __all__ = [
     "CpuKernelBuildError",
+    "bf16_tile",
     "cached_paged_attention_cpu",
     "cpu_capability",
     "cpu_kernels_available",

@@ -1,7 +1,11 @@
-// bf16 linear layers over prepacked weights. On CPUs without AMX, torch's bf16 GEMM (oneDNN) runs at half of
-// fp32's speed (AVX512-BF16's vdpbf16ps issues at half the FMA rate here, and without it bf16 is emulated).
-// Here the weight stays bf16 in memory, packed as pairs (packed_linear.h), and is widened to fp32 in registers
-// (a shift and a mask per 16 pairs) for fp32 FMAs: the step moves half of fp32's bytes at fp32's FMA peak.
+// bf16 linear layers over prepacked weights. The weight stays bf16 in memory, packed as pairs (packed_linear.h),
+// and one of two tiles multiplies it (tile_choice: measured on this CPU at the first call):
+// - "widen": each pair widened to fp32 in registers (a shift and a mask per 16 pairs) for fp32 FMAs, half of
+//   fp32's bytes at fp32's FMA peak. The only tile where the CPU lacks AVX512-BF16 (there bf16 is emulated), and
+//   the faster one where vdpbf16ps issues at half the FMA rate (an Intel machine measured it so).
+// - "dpbf16" (AVX512 build, CPUs with AVX512-BF16): vdpbf16ps on the pairs as they are in memory and x's pair
+//   broadcast, two products exact and summed in fp32 per lane: half the instructions per k, and on AMD Zen 4
+//   vdpbf16ps issues at the FMA's rate with twice its multiply-adds. Sums differ from widen's in order only.
 //
 // The tile is packed_linear.cpp's: kMr rows x kNr columns of fp32 accumulators; per pair of k, kNrVecs loads
 // of the panel widened into 2 * kNrVecs vectors, 2 * kMr broadcasts of x (converted to fp32 once per call),
@@ -12,9 +16,16 @@
 #include "packed_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -26,6 +37,38 @@ namespace {
 using IVec = at::vec::Vectorized<int32_t>;
 static_assert(IVec::size() == kVecSize, "a panel row of pairs is kNrVecs vectors of int32");
 constexpr int kMrBf16 = kVecSize >= 16 ? 12 : 5;  // 24 (or 10) accumulators + 4 widened weights + a broadcast
+
+// c[r, 0:ncols] = Out(acc[r] + bias) for r < R: bf16 rounded once, or the fp32 sums themselves (logits).
+template <int R, typename Out>
+inline void store_tile(const Vec (&acc)[R][kNrVecs], const c10::BFloat16* bias, Out* c, int64_t ldc, int64_t ncols) {
+  static_assert(kNrVecs == 2, "one Vectorized<BFloat16> holds the two vectors of a tile row");
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  Vec bias_v[kNrVecs] = {Vec(0.f), Vec(0.f)};
+  if (bias != nullptr) {
+    std::tie(bias_v[0], bias_v[1]) =
+        at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (std::is_same_v<Out, float>) {
+      for (int v = 0; v < kNrVecs; ++v) {
+        const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
+        const Vec sum = acc[r][v] + bias_v[v];
+        if (count == kVecSize) {
+          sum.store(c + r * ldc + v * kVecSize);
+        } else if (count > 0) {
+          sum.store(c + r * ldc + v * kVecSize, count);
+        }
+      }
+    } else {
+      const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
+      if (ncols == kNr) {
+        rounded.store(c + r * ldc);
+      } else {
+        rounded.store(c + r * ldc, ncols);
+      }
+    }
+  }
+}
 
 // c[r, 0:ncols] = Out(sum_k a[r, k] * w[k, 0:kNr] + bias) for r < R (Out: bf16, rounded once, or the fp32 sums
 // themselves, for logits); a is fp32 (row stride lda, padded to even K), b one packed panel of `pairs` rows of
@@ -60,34 +103,45 @@ inline void tile(const float* a, int64_t lda, const int32_t* b, int64_t pairs, c
       }
     }
   }
-  static_assert(kNrVecs == 2, "one Vectorized<BFloat16> holds the two vectors of a tile row");
-  using BVec = at::vec::Vectorized<c10::BFloat16>;
-  Vec bias_v[kNrVecs] = {Vec(0.f), Vec(0.f)};
-  if (bias != nullptr) {
-    std::tie(bias_v[0], bias_v[1]) =
-        at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
-  }
+  store_tile<R, Out>(acc, bias, c, ldc, ncols);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// tile's twin with vdpbf16ps: a is bf16 (row stride lda, even K: the pair (2q, 2q + 1) of a row read as one int32),
+// broadcast per row and multiplied with the panel's pairs as they are in memory.
+template <int R, typename Out>
+__attribute__((target("avx512bf16"))) void tile_dp(const c10::BFloat16* a, int64_t lda, const int32_t* b,
+                                                   int64_t pairs, const c10::BFloat16* bias, Out* c, int64_t ldc,
+                                                   int64_t ncols, const int32_t* next, int64_t phase, int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns of pairs per vector");
+  __m512 acc[R][kNrVecs];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    if constexpr (std::is_same_v<Out, float>) {
-      for (int v = 0; v < kNrVecs; ++v) {
-        const int64_t count = std::clamp<int64_t>(ncols - v * kVecSize, 0, kVecSize);
-        const Vec sum = acc[r][v] + bias_v[v];
-        if (count == kVecSize) {
-          sum.store(c + r * ldc + v * kVecSize);
-        } else if (count > 0) {
-          sum.store(c + r * ldc + v * kVecSize, count);
-        }
-      }
-    } else {
-      const auto rounded = at::vec::convert_float_bfloat16(acc[r][0] + bias_v[0], acc[r][1] + bias_v[1]);
-      if (ncols == kNr) {
-        rounded.store(c + r * ldc);
-      } else {
-        rounded.store(c + r * ldc, ncols);
-      }
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t countdown = phase;
+  for (int64_t q = 0; q < pairs; ++q) {
+    __m512bh w[kNrVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) w[v] = (__m512bh)_mm512_loadu_si512(b + q * kNr + v * kVecSize);
+    prefetch_rows(b, next, q, countdown, step);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * q, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, w[v]);
     }
   }
+  Vec sums[R][kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) sums[r][v] = acc[r][v];
+  }
+  store_tile<R, Out>(sums, bias, c, ldc, ncols);
 }
+#endif
 
 }  // namespace
 
@@ -137,17 +191,20 @@ namespace {
 
 template <typename Out>
 void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
-                  int64_t M, int64_t K, int64_t N, Out* out) {
+                  int64_t M, int64_t K, int64_t N, Out* out, bool dp) {
   const int64_t pairs = (K + 1) / 2, lda32 = 2 * pairs, n_panels = (N + kNr - 1) / kNr;
-  static thread_local std::vector<float> scratch;  // x in fp32, rows padded with a zero to even K
-  if (scratch.size() < static_cast<size_t>(M * lda32)) scratch.resize(M * lda32);
-  float* a32 = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {  // a prefill's x is megabytes: every thread widens
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t k = 0; k < K; ++k) a32[m * lda32 + k] = static_cast<float>(a[m * lda + k]);
-      if (K % 2 != 0) a32[m * lda32 + K] = 0.f;
-    }
-  });
+  float* a32 = nullptr;  // x in fp32, rows padded with a zero to even K (the widen tile's)
+  if (!dp) {
+    static thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(M * lda32)) scratch.resize(M * lda32);
+    a32 = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {  // a prefill's x is megabytes: every thread widens
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t k = 0; k < K; ++k) a32[m * lda32 + k] = static_cast<float>(a[m * lda + k]);
+        if (K % 2 != 0) a32[m * lda32 + K] = 0.f;
+      }
+    });
+  }
   const auto* packed32 = reinterpret_cast<const int32_t*>(packed);  // a pair per int32
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t mc = std::min(kMc, M - m0), tiles = (mc + kMrBf16 - 1) / kMrBf16;
@@ -160,6 +217,13 @@ void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pack
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t m = m0 + t * kMrBf16, rows = std::min<int64_t>(kMrBf16, m0 + mc - m);
           with_rows<kMrBf16>(rows, [&](auto height) {
+#if defined(CPU_CAPABILITY_AVX512)
+            if (dp) {
+              tile_dp<decltype(height)::value, Out>(a + m * lda, lda, panel, pairs, panel_bias, out + m * N + p * kNr,
+                                                    N, ncols, next, t, tiles);
+              return;
+            }
+#endif
             tile<decltype(height)::value, Out>(a32 + m * lda32, lda32, panel, pairs, panel_bias,
                                                out + m * N + p * kNr, N, ncols, next, t, tiles);
           });
@@ -169,16 +233,90 @@ void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pack
   }
 }
 
+// Which tile the packed bf16 GEMMs run on this CPU: 0 not chosen yet, 1 widen, 2 dpbf16. One choice for every
+// row count, so that a row's result stays independent of the rows beside it (the tiles sum in different orders).
+std::atomic<int> g_tile{0};
+
+bool dp_available() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool available = __builtin_cpu_supports("avx512bf16");
+  return available;
+#else
+  return false;
+#endif
+}
+
+// The faster tile over one request's decode (1 row) and a batch's (16 rows) together, on a weight that streams
+// from memory (8 MiB, beyond L2, like a layer's): the best of 5 alternating blocks of 4 calls per tile and row
+// count, so that a load that comes and goes weighs on both alike.
+int measure_tile() {
+  if (!dp_available()) return 1;
+  constexpr int64_t K = 1024, N = 4096;
+  const at::Tensor packed = pack_bf16(at::randn({N, K}).to(at::kBFloat16));
+  double total[2] = {0, 0};
+  for (const int64_t rows : {1, 16}) {
+    const at::Tensor x = at::randn({rows, K}).to(at::kBFloat16);
+    std::vector<c10::BFloat16> out(static_cast<size_t>(rows * N));
+    double best[2] = {1e30, 1e30};
+    for (int block = 0; block < 6; ++block) {
+      for (int dp = 0; dp < 2; ++dp) {
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < 4; ++i) {
+          gemm_bf16_to(x.const_data_ptr<c10::BFloat16>(), K, packed.const_data_ptr<c10::BFloat16>(), nullptr, rows,
+                       K, N, out.data(), dp == 1);
+        }
+        const auto elapsed = std::chrono::steady_clock::now() - start;
+        if (block > 0) best[dp] = std::min(best[dp], std::chrono::duration<double, std::milli>(elapsed).count());
+      }
+    }
+    total[0] += best[0];
+    total[1] += best[1];
+  }
+  return total[1] < total[0] ? 2 : 1;
+}
+
+int parse_tile(const std::string& choice) {
+  TORCH_CHECK_VALUE(choice == "auto" || choice == "widen" || choice == "dpbf16",
+                    "bf16 GEMM tile must be auto, widen or dpbf16, got '", choice, "'");
+  TORCH_CHECK_VALUE(choice != "dpbf16" || dp_available(),
+                    "the dpbf16 tile needs a CPU with AVX512-BF16 and the AVX512 build of the kernels");
+  return choice == "widen" ? 1 : choice == "dpbf16" ? 2 : 0;
+}
+
+// choice "": the current tile (measured now if not chosen yet, unless HPI_CPU_BF16_TILE=widen|dpbf16 says);
+// "auto" measures again; "widen" / "dpbf16" force one.
+std::string tile_choice(const std::string& choice) {
+  if (!choice.empty()) {
+    const int value = parse_tile(choice);
+    g_tile.store(value != 0 ? value : measure_tile());
+  } else if (g_tile.load() == 0) {
+    const char* env = std::getenv("HPI_CPU_BF16_TILE");
+    const int value = env != nullptr && *env != '\0' ? parse_tile(env) : 0;
+    g_tile.store(value != 0 ? value : measure_tile());
+  }
+  return g_tile.load() == 2 ? "dpbf16" : "widen";
+}
+
+bool use_dp(int64_t K) {
+  if (K % 2 != 0 || !dp_available()) return false;
+  if (g_tile.load() == 0) tile_choice("");
+  return g_tile.load() == 2;
+}
+
 }  // namespace
 
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
-  gemm_bf16_to(a, lda, packed, bias, M, K, N, out);
+  gemm_bf16_to(a, lda, packed, bias, M, K, N, out, use_dp(K));
 }
 
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, float* out) {
-  gemm_bf16_to(a, lda, packed, bias, M, K, N, out);
+  gemm_bf16_to(a, lda, packed, bias, M, K, N, out, use_dp(K));
 }
 
 }  // namespace hpi_packed
+
+TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
+  m.def("bf16_tile(str choice='') -> str", &hpi_packed::tile_choice);
+}

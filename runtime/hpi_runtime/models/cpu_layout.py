@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import cpu_kernels_available, pack_linear_weight, prefill_gemm
+from hpi_kernels.cpu import bf16_tile, cpu_kernels_available, pack_linear_weight, prefill_gemm
 from hpi_runtime import cpu_features
 from hpi_runtime.models.layers import LMHead, VocabEmbedding
 from hpi_runtime.models.linear import LinearBase
@@ -22,16 +22,18 @@ from hpi_runtime.models.linear import LinearBase
 logger = logging.getLogger(__name__)
 
 
-def choose_prefill_gemm(dtype: torch.dtype) -> str | None:
-    """Settle, at start-up, how this CPU runs the prefill-sized GEMMs of bf16 models (hpi_kernels' prefill_gemm:
-    torch's bf16 GEMM or MKL's fp32 sgemm, whichever a short measurement finds faster; HPI_CPU_PREFILL_GEMM
-    overrides it) and log it; None where it does not apply (another dtype, or no C++ kernels)."""
+def choose_bf16_gemms(dtype: torch.dtype) -> dict[str, str] | None:
+    """Settle, at start-up, how this CPU runs the GEMMs of bf16 models and log it: the packed tile of decode-sized
+    GEMMs and LM heads (hpi_kernels' bf16_tile: widen to fp32 or vdpbf16ps; HPI_CPU_BF16_TILE overrides) and the
+    prefill-sized GEMMs (prefill_gemm: torch's bf16 GEMM or MKL's fp32 sgemm; HPI_CPU_PREFILL_GEMM overrides),
+    each whichever a short measurement finds faster. None where they do not apply (another dtype, no C++ kernels)."""
     if dtype != torch.bfloat16 or not cpu_kernels_available():
         return None
-    choice = prefill_gemm()
-    logger.info("bf16 prefill GEMMs run in %s on this CPU (measured at start; HPI_CPU_PREFILL_GEMM=bf16|fp32 "
-                "overrides)", choice)  # fmt: skip
-    return choice
+    chosen = {"tile": bf16_tile(), "prefill": prefill_gemm()}
+    logger.info("bf16 GEMMs on this CPU (measured at start): the %s tile up to prefill size (HPI_CPU_BF16_TILE="
+                "widen|dpbf16 overrides), prefill in %s (HPI_CPU_PREFILL_GEMM=bf16|fp32 overrides)", chosen["tile"],
+                chosen["prefill"])  # fmt: skip
+    return chosen
 
 
 def _is_float32_cpu(weight: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, Sched
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.config import ModelConfig
-from hpi_runtime.models.cpu_layout import choose_prefill_gemm, pack_cpu_weights, use_sgemm_layout
+from hpi_runtime.models.cpu_layout import choose_bf16_gemms, pack_cpu_weights, use_sgemm_layout
 from hpi_runtime.models.decoder import DecoderForCausalLM
 from hpi_runtime.models.loader import load_model, weight_bytes
 from hpi_runtime.models.parallel import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
@@ -131,7 +131,7 @@ def _build_model(
     with clock("layout"):
         pack_cpu_weights(model) or use_sgemm_layout(model)
         if device.type == "cpu":
-            choose_prefill_gemm(config.dtype)
+            choose_bf16_gemms(config.dtype)
     return model
 
 

@@ -249,19 +249,23 @@ def test_without_the_cpu_kernels_weights_stay_for_use_sgemm_layout(tiny_model_di
     assert use_sgemm_layout(model) > 0
 
 
-def test_bf16_prefill_gemm_is_chosen_and_logged_at_start(caplog) -> None:
-    """A bf16 CPU model settles its prefill GEMM at start-up and says which; an override is honoured; other dtypes
-    leave it alone."""
-    from hpi_kernels.cpu import prefill_gemm
+def test_bf16_gemms_are_chosen_and_logged_at_start(caplog) -> None:
+    """A bf16 CPU model settles its packed tile and its prefill GEMM at start-up and says which; overrides are
+    honoured; other dtypes leave them alone."""
+    from hpi_kernels.cpu import bf16_tile, prefill_gemm
 
-    previous = prefill_gemm()
+    previous = {"tile": bf16_tile(), "prefill": prefill_gemm()}
     try:
         with caplog.at_level("INFO", logger="hpi_runtime.models.cpu_layout"):
-            assert cpu_layout.choose_prefill_gemm(torch.bfloat16) == previous
-        assert f"bf16 prefill GEMMs run in {previous}" in caplog.text
-        assert cpu_layout.choose_prefill_gemm(torch.float32) is None
+            assert cpu_layout.choose_bf16_gemms(torch.bfloat16) == previous
+        assert f"the {previous['tile']} tile up to prefill size" in caplog.text
+        assert f"prefill in {previous['prefill']}" in caplog.text
+        assert cpu_layout.choose_bf16_gemms(torch.float32) is None
         for forced in ("fp32", "bf16"):
             prefill_gemm(forced)
-            assert cpu_layout.choose_prefill_gemm(torch.bfloat16) == forced
+            assert cpu_layout.choose_bf16_gemms(torch.bfloat16)["prefill"] == forced
+        bf16_tile("widen")
+        assert cpu_layout.choose_bf16_gemms(torch.bfloat16)["tile"] == "widen"
     finally:
-        prefill_gemm(previous)
+        prefill_gemm(previous["prefill"])
+        bf16_tile(previous["tile"])
