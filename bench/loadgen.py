@@ -142,43 +142,59 @@ def request_body(model: str, request: RequestSpec) -> dict:
     }
 
 
-# A pooled keep-alive connection the server closed as the request was being written: sent again on a new
-# connection before any response, as the openai client does (2 retries by default). The wait stays in the timings.
+# A pooled keep-alive connection the server closed as the request was being written (llama-server's HTTP library
+# closes a connection after a few requests): sent again, on a connection of its own, before any response, as the
+# openai client does (2 retries by default). The wait stays in the timings.
 CONNECT_ERRORS = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 CONNECT_RETRIES = 2
 
 
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, chunk_times: list, state: dict) -> str | None:
+    """POST `body` and read its stream into chunk_times and state (usage, finish_reason; "responded" once the
+    status line came back); an HTTP error's message, or None."""
+    async with session.post(url, json=body) as r:
+        state["responded"] = True
+        if r.status != 200:
+            return f"HTTP {r.status}: {(await r.text())[:200]}"
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                state["usage"] = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
+                    chunk_times.append(time.perf_counter())
+                state["finish_reason"] = choice.get("finish_reason") or state.get("finish_reason")
+    return None
+
+
 async def send_one(session: aiohttp.ClientSession, config: LoadConfig, request: RequestSpec, t0: float):
     start = time.perf_counter()
-    chunk_times, usage, finish_reason = [], None, None
-    body = request_body(request.model or config.model, request)
+    chunk_times: list[float] = []
+    state: dict = {}
+    body, url = request_body(request.model or config.model, request), f"{config.base_url}/v1/completions"
     for attempt in range(1 + CONNECT_RETRIES):
-        responded = False
+        state["responded"] = False
         try:
-            async with session.post(f"{config.base_url}/v1/completions", json=body) as r:
-                responded = True
-                if r.status != 200:
-                    error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                    return RequestResult(False, start - t0, time.perf_counter() - start, error=error)
-                async for raw in r.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or ():
-                        if choice.get("text"):
-                            chunk_times.append(time.perf_counter())
-                        finish_reason = choice.get("finish_reason") or finish_reason
+            if attempt == 0:
+                error = await _stream(session, url, body, chunk_times, state)
+            else:  # not another pooled connection: it may be closed as well
+                connector = aiohttp.TCPConnector(force_close=True)
+                async with aiohttp.ClientSession(timeout=session.timeout, connector=connector) as fresh:
+                    error = await _stream(fresh, url, body, chunk_times, state)
+            if error is not None:
+                return RequestResult(False, start - t0, time.perf_counter() - start, error=error)
             break
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-            if isinstance(exc, CONNECT_ERRORS) and not responded and attempt < CONNECT_RETRIES:
+            if isinstance(exc, CONNECT_ERRORS) and not state["responded"] and attempt < CONNECT_RETRIES:
                 continue
             return RequestResult(False, start - t0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    usage, finish_reason = state.get("usage"), state.get("finish_reason")
     end = time.perf_counter()
     if not chunk_times:
         return RequestResult(False, start - t0, end - start, error="no tokens streamed")

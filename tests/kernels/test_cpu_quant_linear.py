@@ -68,7 +68,8 @@ SHAPES = [(96, 64), (50, 128), (17, 576)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_matches_the_fp64_reference(out_features: int, in_features: int, dtype: torch.dtype) -> None:
+def test_int8_matches_the_fp64_reference(forced_bf16_tile: str, out_features: int, in_features: int,
+                                         dtype: torch.dtype) -> None:  # fmt: skip
     (qweight, scales), dequantized = _int8(out_features, in_features)
     packed, packed_scales = pack_int8_weight(qweight, scales)
     bias = torch.randn(out_features).to(dtype)
@@ -80,7 +81,8 @@ def test_int8_matches_the_fp64_reference(out_features: int, in_features: int, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_logits_are_the_fp32_sums_unrounded(out_features: int, in_features: int, dtype: torch.dtype) -> None:
+def test_int8_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, out_features: int, in_features: int,
+                                                 dtype: torch.dtype) -> None:  # fmt: skip
     """An int8 LM head's logits: fp32 out for bf16 x too, within fp32's tolerance of the fp64 reference (one
     bf16 rounding of the output would miss it), and the rows an embedding tied to it looks up."""
     (qweight, scales), dequantized = _int8(out_features, in_features)
@@ -96,8 +98,8 @@ def test_int8_logits_are_the_fp32_sums_unrounded(out_features: int, in_features:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int4_matches_the_fp64_reference(out_features: int, in_features: int, group_size: int,
-                                         dtype: torch.dtype) -> None:  # fmt: skip
+def test_int4_matches_the_fp64_reference(forced_bf16_tile: str, out_features: int, in_features: int,
+                                         group_size: int, dtype: torch.dtype) -> None:  # fmt: skip
     (qweight, scales, zeros), dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(qweight, scales, zeros, group_size)
     bias = torch.randn(out_features).to(dtype)
@@ -152,10 +154,11 @@ def test_any_leading_shape_strided_rows_and_no_rows() -> None:
     assert int4_linear(torch.empty(0, 96), packed4, scales_zeros, 32, 64).shape == (0, 64)
 
 
-def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_result_does_not_depend_on_the_batch(forced_bf16_tile: str, dtype: torch.dtype) -> None:
     """Below the prefill path each row sums in the same order whatever the other rows: a request's greedy
     tokens do not change with what it is batched with."""
-    x = torch.randn(64, 128)
+    x = torch.randn(64, 128).to(dtype)
     (qweight, scales), _ = _int8(96, 128)
     (q4, s4, z4), _ = _int4(96, 128, 32)
     ops = [lambda rows, p=pack_int8_weight(qweight, scales): int8_linear(rows, *p, 96),

@@ -59,6 +59,9 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, c10::BFloat1
 // them, fp32 sums, bf16 out), false widens x and the weight to fp32 for MKL's sgemm. Chosen per machine by
 // measurement at the first call (prefill_gemm_choice); HPI_CPU_PREFILL_GEMM=bf16|fp32 forces one.
 bool bf16_prefill_gemm();
+// Whether decode-sized GEMMs with bf16 x run vdpbf16ps tiles (packed bf16, int8 and int4 alike) rather than the
+// tiles that widen to fp32: measured at the first call where the CPU has AVX512-BF16 (bf16_tile op), false else.
+bool dp_tile();
 // out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (or nullptr), accumulated
 // in fp32 and rounded to bf16 once.
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,

@@ -297,13 +297,15 @@ std::string tile_choice(const std::string& choice) {
   return g_tile.load() == 2 ? "dpbf16" : "widen";
 }
 
-bool use_dp(int64_t K) {
-  if (K % 2 != 0 || !dp_available()) return false;
+bool use_dp(int64_t K) { return K % 2 == 0 && dp_tile(); }
+
+}  // namespace
+
+bool dp_tile() {
+  if (!dp_available()) return false;
   if (g_tile.load() == 0) tile_choice("");
   return g_tile.load() == 2;
 }
-
-}  // namespace
 
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {

@@ -291,12 +291,9 @@ void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros,
 // from the 16-bit halves of Int4Words' layout by one vpermw. Products are exact and summed in fp32, so this
 // differs from tile_int4 by summation order only; it issues half the instructions per k (Zen 4 runs
 // vdpbf16ps at the FMA's rate, twice its multiply-adds).
-// HPI_CPU_DPBF16=0 turns the path off (to measure the fp32 tile against it on the same machine).
-bool use_dpbf16() {
-  static const bool use = __builtin_cpu_supports("avx512bf16") &&
-                          !(std::getenv("HPI_CPU_DPBF16") != nullptr && std::string(std::getenv("HPI_CPU_DPBF16")) == "0");
-  return use;
-}
+// Taken where the packed bf16 linear's tile is (bf16_tile: measured at start, HPI_CPU_BF16_TILE overrides): whether
+// vdpbf16ps beats widening to fp32 is the CPU's, whatever the weight's format.
+bool use_dpbf16() { return dp_tile(); }
 
 // int8 with bf16 x, likewise: codes k and k + 1 of 16 columns widened to fp32 (an integer of 8 bits is exact in
 // bf16, so the fp32's high half is its bf16) and interleaved into pairs by a shift and a 16-bit blend.
