@@ -21,7 +21,9 @@ def extension() -> str:
                          [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33),
                           # 512 tokens, 341 on slot 0: 43 tiles, more than one thread's share (kMinWorkPerThread)
                           (512, 3, 32, 256, 1024)])  # fmt: skip
-def test_matches_the_float64_reference(dtype, tokens, slots, width, in_features, out_features) -> None:
+def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, width, in_features,
+                                       out_features) -> None:  # fmt: skip
+    """Either shrink for bf16 (widened to fp32 FMAs, or vdpbf16ps where the CPU has it), fp32's FMAs."""
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
     a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(dtype)

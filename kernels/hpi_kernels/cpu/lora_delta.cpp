@@ -8,7 +8,10 @@
 // Shapes: x [T, K]; a [S, W, K] (slot s's A, W = parts x max_rank, zero-padded); bt [S, W, N] (slot s's B
 // transposed: W rows of N outputs, so the expand is W AXPYs over contiguous outputs, no horizontal sums);
 // slots [T] int64; out [T, N], contiguous. float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
-// registers, the sums (out[t] + the delta) are fp32, rounded once.
+// registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
+// measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead.
+
+#include "packed_linear.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -100,12 +104,45 @@ inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int
   }
 }
 
-// One tile: tokens rows[0:n] (all of slot s). h[r][w] = A[s][w] . x[rows[r]]; then
-// out[rows[r]] += sum_w h[r][w] * Bt[s][w].
-// n is a template argument so that the accumulators stay in registers. xf: room for n rows of K floats.
-template <typename T, int n>
-void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
-          int64_t N, float* h, float* xf) {
+#if defined(CPU_CAPABILITY_AVX512)
+// shrink_block with vdpbf16ps for bf16 (where the measured bf16 tile is dpbf16, hpi_packed::dp_tile): x's rows and
+// A's as they are in memory, 32 elements of k per instruction in pairs, products exact, fp32 sums (the same
+// values as shrink_block's but for the order of the additions).
+template <int n, int WB>
+__attribute__((target("avx512bf16"))) void shrink_block_dp(const c10::BFloat16* x, const int64_t* rows,
+                                                           const c10::BFloat16* a, int64_t w0, int64_t K, int64_t W,
+                                                           float* h) {
+  constexpr int64_t kStep = 32;
+  const int64_t k_main = K / kStep * kStep;
+  __m512 acc[n][WB];
+  for (int r = 0; r < n; ++r) {
+    for (int b = 0; b < WB; ++b) acc[r][b] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_main; k += kStep) {
+    __m512bh av[WB];
+#pragma GCC unroll 4
+    for (int b = 0; b < WB; ++b) av[b] = (__m512bh)_mm512_loadu_si512(a + (w0 + b) * K + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + rows[r] * K + k);
+#pragma GCC unroll 4
+      for (int b = 0; b < WB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], av[b], xv);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    for (int b = 0; b < WB; ++b) {
+      const c10::BFloat16* arow = a + (w0 + b) * K;
+      float sum = _mm512_reduce_add_ps(acc[r][b]);
+      for (int64_t k = k_main; k < K; ++k) sum += static_cast<float>(arow[k]) * static_cast<float>(x[rows[r] * K + k]);
+      h[r * W + w0 + b] = sum;
+    }
+  }
+}
+#endif
+
+// The shrink with fp32 FMAs: the tile's x rows widened to fp32 once (xf), then WB rows of A at a time.
+template <typename T, int n, int WB>
+void shrink_widened(const T* x, const T* a, const int64_t* rows, int64_t K, int64_t W, float* h, float* xf) {
   const int64_t k_main = K / kChunk * kChunk;
   for (int r = 0; r < n; ++r) {
     const T* xr = x + rows[r] * K;
@@ -116,11 +153,14 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
     }
     for (int64_t k = k_main; k < K; ++k) xf[r * K + k] = static_cast<float>(xr[k]);
   }
-  // WB rows of A per pass: n * WB accumulators + 2 * WB A vectors + 2 x vectors within the 32 registers.
-  constexpr int WB = n <= 4 ? 4 : 2;
   int64_t w0 = 0;
   for (; w0 + WB <= W; w0 += WB) shrink_block<T, n, WB>(xf, a, w0, K, W, h);
   for (; w0 < W; ++w0) shrink_block<T, n, 1>(xf, a, w0, K, W, h);
+}
+
+// The expand: out[rows[r]] += sum_w h[r][w] * Bt[s][w], fp32 sums over out's own values, rounded once.
+template <typename T, int n>
+void expand(const T* bt, T* out, const int64_t* rows, int64_t W, int64_t N, const float* h) {
   const int64_t n_main = N / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
     Vec lo[n], hi[n];
@@ -146,6 +186,29 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
       out[rows[r] * N + j] = static_cast<T>(sum);
     }
   }
+}
+
+// One tile: tokens rows[0:n] (all of slot s). h[r][w] = A[s][w] . x[rows[r]]; then
+// out[rows[r]] += sum_w h[r][w] * Bt[s][w].
+// n is a template argument so that the accumulators stay in registers. xf: room for n rows of K floats. dp: the
+// shrink with vdpbf16ps (bf16 only).
+template <typename T, int n>
+void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
+          int64_t N, float* h, float* xf, bool dp) {
+  constexpr int WB = n <= 4 ? 4 : 2;  // WB rows of A per pass: n * WB accumulators + WB A vectors + x's
+  bool shrunk = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dp) {
+      int64_t w0 = 0;
+      for (; w0 + WB <= W; w0 += WB) shrink_block_dp<n, WB>(x, rows, a, w0, K, W, h);
+      for (; w0 < W; ++w0) shrink_block_dp<n, 1>(x, rows, a, w0, K, W, h);
+      shrunk = true;
+    }
+  }
+#endif
+  if (!shrunk) shrink_widened<T, n, WB>(x, a, rows, K, W, h, xf);
+  expand<T, n>(bt, out, rows, W, N, h);
 }
 
 // Below this many multiply-adds per thread (~15 us) tiles run on the calling thread: an OpenMP region costs
@@ -191,6 +254,9 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   for (const auto& rows : by_slot) adapted += static_cast<int64_t>(rows.size());
   const int64_t tile_work = adapted / static_cast<int64_t>(tiles.size()) * W * (K + N);  // the mean tile's
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, tile_work));
+  // bf16: the shrink takes the bf16 tile the packed linears measured at start (hpi_packed::dp_tile), settled here,
+  // outside the parallel region.
+  const bool dp = dtype == at::kBFloat16 && hpi_packed::dp_tile();
   const auto run = [&](auto* type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
@@ -208,14 +274,14 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
         const int64_t* r = rows.data() + first;
         static_assert(kTile == 8, "one case per tile size");
         switch (n) {
-          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, h.data(), xf.data()); break;
-          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, h.data(), xf.data());
+          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
+          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp);
         }
       }
     });
