@@ -291,9 +291,8 @@ void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros,
 // from the 16-bit halves of Int4Words' layout by one vpermw. Products are exact and summed in fp32, so this
 // differs from tile_int4 by summation order only; it issues half the instructions per k (Zen 4 runs
 // vdpbf16ps at the FMA's rate, twice its multiply-adds).
-// Taken where the packed bf16 linear's tile is (bf16_tile: measured at start, HPI_CPU_BF16_TILE overrides): whether
+// Taken where the packed bf16 linear's tile is (dp_tile: measured at start, HPI_CPU_BF16_TILE overrides): whether
 // vdpbf16ps beats widening to fp32 is the CPU's, whatever the weight's format.
-bool use_dpbf16() { return dp_tile(); }
 
 // int8 with bf16 x, likewise: codes k and k + 1 of 16 columns widened to fp32 (an integer of 8 bits is exact in
 // bf16, so the fp32's high half is its bf16) and interleaved into pairs by a shift and a 16-bit blend.
@@ -569,7 +568,7 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
   }
   const int64_t panel_bytes = p.K * kNr;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (p.a.scalar_type() == at::kBFloat16 && p.K % 2 == 0 && use_dpbf16()) {
+  if (p.a.scalar_type() == at::kBFloat16 && p.K % 2 == 0 && dp_tile()) {
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
     const int64_t ldx = p.a.stride(0);
     run_tiles<kMrInt8>(p, nullptr, 0, scale, panel_bytes, reinterpret_cast<const uint8_t*>(codes),
@@ -692,7 +691,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     for (int64_t k = 0; k < K; ++k) x_sums[m * groups + k / group_size] += a[m * lda + k];
   }
 #if defined(CPU_CAPABILITY_AVX512)
-  if (p.a.scalar_type() == at::kBFloat16 && use_dpbf16()) {
+  if (p.a.scalar_type() == at::kBFloat16 && dp_tile()) {
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
     const int64_t ldx = p.a.stride(0);
     run_tiles<kMrInt4>(p, a, lda, nullptr, panel_bytes, panels,
