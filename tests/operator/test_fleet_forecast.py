@@ -13,6 +13,7 @@ from hpi_operator.fleet.forecast import (
     LAG_POLLS,
     LEVEL_SMOOTHING,
     MAX_LEAD_S,
+    REFERENCE_POLL_S,
     TREND_SMOOTHING,
     Lead,
     Trend,
@@ -20,6 +21,7 @@ from hpi_operator.fleet.forecast import (
     planned_rate,
     start_times,
     update,
+    weight,
 )
 
 
@@ -30,11 +32,30 @@ def test_the_first_reading_is_the_level_with_no_slope() -> None:
 
 
 def test_one_step_by_hand() -> None:
-    trend = update(Trend(10.0, 0.0, 0.0), 20.0, 10.0)
+    assert REFERENCE_POLL_S == 15
+    trend = update(Trend(10.0, 0.0, 0.0), 20.0, 15.0)
     level = LEVEL_SMOOTHING * 20 + (1 - LEVEL_SMOOTHING) * 10  # 15
-    slope = TREND_SMOOTHING * (level - 10) / 10  # 0.1 req/s per s
+    slope = TREND_SMOOTHING * (level - 10) / 15  # 0.0667 req/s per s
     assert trend.level == pytest.approx(level) and trend.slope == pytest.approx(slope)
-    assert planned_rate(trend, 20.0, 120) == pytest.approx(max(20.0, level + slope * 120))  # 27
+    assert planned_rate(trend, 20.0, 120) == pytest.approx(max(20.0, level + slope * 120))  # 23
+
+
+def test_the_smoothing_is_per_second_not_per_poll() -> None:
+    """Two polls 7.5 s apart leave the same level as one poll 15 s later at the same rate, and a 1 s poll's
+    noise reaches the plan no more than a 15 s poll's does: a slope of noise is not extrapolated 150x."""
+    assert weight(LEVEL_SMOOTHING, 15.0) == pytest.approx(LEVEL_SMOOTHING)
+    one = update(Trend(10.0, 0.0, 0.0), 20.0, 15.0)
+    two = update(update(Trend(10.0, 0.0, 0.0), 20.0, 7.5), 20.0, 15.0)
+    assert two.level == pytest.approx(one.level, rel=0.05)
+    plans = {}
+    for poll_s in (1.0, 15.0):
+        trend, t = None, 0.0
+        for i in range(int(600 / poll_s)):
+            trend = update(trend, 12.0 * (1.01 if i % 2 else 0.99), t)  # a steady 12 req/s, read +-1%
+            t += poll_s
+        assert trend is not None
+        plans[poll_s] = planned_rate(trend, 12.12, 150 + 2 * poll_s)
+    assert plans[1.0] <= plans[15.0] * 1.01 and plans[1.0] < 12.12 * 1.03
 
 
 def test_a_steady_ramp_is_planned_ahead_by_about_the_lead_time() -> None:

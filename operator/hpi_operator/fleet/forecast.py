@@ -11,6 +11,10 @@ smoothing, with the poll's irregular interval): a smoothed level and a smoothed 
 - The plan never goes below the rate measured now (a burst the level has not caught up with yet still counts).
 - The slope is smoothed harder than the level (TREND_SMOOTHING < LEVEL_SMOOTHING): one poll's rate is a noisy
   count (Poisson: +-3% at 1,000 requests), and a slope amplifies the noise by lead / interval.
+- The smoothing is per unit of time, not per poll: the weights are those of a poll every REFERENCE_POLL_S (the
+  operator's default), and a reading `dt` after the previous one weighs 1 - (1 - weight) ** (dt / 15 s). With
+  per-poll weights a 1 s poll would pass one reading's noise into the plan 150 times over at a 150 s lead (a
+  +-1% rate became a plan 15% too high); with per-second weights the memory is the same seconds at any poll.
 
 How far ahead (`lead_time`): spec.autoscaling.leadTimeSeconds when set; otherwise the start time its pods
 measured (creation to Ready, the 90th percentile of a pool's ready pods, kept in status while a pool has none) of
@@ -26,6 +30,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+REFERENCE_POLL_S = 15.0  # the weights below are per poll of this length (the operator's default interval)
 LEVEL_SMOOTHING = 0.5  # weight of the newest rate in the level
 TREND_SMOOTHING = 0.2  # weight of the newest level change in the slope
 ASSUMED_START_S = 120.0  # a pool with no pod seen starting yet: an 8B model on a GPU takes one to three minutes
@@ -40,14 +45,21 @@ class Trend:
     at_s: float  # when it was last updated (epoch seconds)
 
 
+def weight(per_reference_poll: float, dt: float) -> float:
+    """The weight of a reading taken `dt` seconds after the previous one, for a smoothing whose weight per poll of
+    REFERENCE_POLL_S is `per_reference_poll`: what is left of the past decays by the same factor per second."""
+    return 1.0 - (1.0 - per_reference_poll) ** (dt / REFERENCE_POLL_S)
+
+
 def update(previous: Trend | None, rate: float, now_s: float) -> Trend:
     """Fold the rate measured at `now_s` into the trend."""
     if previous is None or now_s <= previous.at_s:
         return Trend(rate, previous.slope if previous else 0.0, now_s)
     dt = now_s - previous.at_s
     expected = max(previous.level + previous.slope * dt, 0.0)
-    level = LEVEL_SMOOTHING * rate + (1 - LEVEL_SMOOTHING) * expected
-    slope = TREND_SMOOTHING * (level - previous.level) / dt + (1 - TREND_SMOOTHING) * previous.slope
+    level_weight, trend_weight = weight(LEVEL_SMOOTHING, dt), weight(TREND_SMOOTHING, dt)
+    level = level_weight * rate + (1 - level_weight) * expected
+    slope = trend_weight * (level - previous.level) / dt + (1 - trend_weight) * previous.slope
     return Trend(level, slope, now_s)
 
 
