@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
-    Path(__file__).with_name(name)
+    Path(__file__).resolve().with_name(name)  # absolute: a relative PYTHONPATH entry and a later chdir
     for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_quant.cpp",
                  "lora_delta.cpp")
 )  # fmt: skip
