@@ -1,7 +1,8 @@
 """The engine core's loop, run in its own process under the server (or in a thread, for tests).
 
 One loop drives an `EngineCore`: apply every message the frontend sent (add, abort, sleep, wake, shutdown),
-run one step, emit its deltas and a stats snapshot. In its own process the core holds the GIL alone, so the model step
+run one step, emit its deltas and a stats snapshot (and, before a step that prefills, one more: such a step can run
+for seconds). In its own process the core holds the GIL alone, so the model step
 never waits on the API server's event loop, and the event loop never waits on a step.
 
 - `ProcessCoreClient` spawns the core process (which loads the model itself), waits for its `CoreInfo`,
@@ -70,6 +71,7 @@ class _ExecutorFailed:
 def run_core_loop(core: EngineCore, inbox: queue.Queue, emit: Emit) -> None:
     """Until a Shutdown message: apply inputs, step, emit. Emits CoreDead (and returns) if the core dies."""
     core.executor.register_failure_callback(lambda error: inbox.put(_ExecutorFailed(error)))
+    core.on_prefill_scheduled = lambda: emit(CoreOutputs((), core.get_stats()))  # the stats while it runs
     try:
         while True:
             # Block for input only when there is nothing to step.

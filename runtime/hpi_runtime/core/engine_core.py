@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from hpi_runtime.config import EngineConfig
@@ -111,6 +111,10 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.grammar_compiler = grammar_compiler
         self.sleep_level = 0  # 0: awake; 1 or 2: asleep (see sleep())
+        # Called when a step that prefills has been scheduled, before it runs (the core loop publishes the stats
+        # then): such a step can take seconds (2,048 prompt tokens on a 2-core CPU: ~1.4 s), and stats published
+        # only after it would show the requests it admitted as not running all that time.
+        self.on_prefill_scheduled: Callable[[], None] | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         # The frontend's OutputProcessor refuses ids in use, and it forgets a request only after the core has.
@@ -190,6 +194,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self._announce(scheduler_output)
         try:
             start = time.perf_counter()
             model_output = self.executor.execute_model(scheduler_output)
@@ -213,6 +218,7 @@ class EngineCore:
         if len(queue) < self.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
+                self._announce(scheduler_output)
                 queue.append((scheduler_output, self.executor.submit(scheduler_output)))
                 submitted = True
         if not queue or (submitted and len(queue) < self.max_concurrent_batches and not queue[0][1].done()):
@@ -226,6 +232,13 @@ class EngineCore:
                 self.scheduler.fail_scheduled(queue.popleft()[0])
             raise
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _announce(self, scheduler_output: SchedulerOutput) -> None:
+        """on_prefill_scheduled() for a step with more tokens than requests: a prefill (or drafts to verify)."""
+        if self.on_prefill_scheduled is not None and (
+            scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
+        ):
+            self.on_prefill_scheduled()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 import time
 
 import pytest
@@ -198,3 +199,27 @@ async def test_generate_priority_is_admitted_first(make_llm, expected_token):
     )
     admitted = sorted(finals, key=lambda output: output.first_scheduled_time)
     assert [output.request_id for output in admitted] == ["first", "urgent", "normal"]
+
+
+async def test_a_prefill_steps_requests_show_as_running_while_it_runs(make_llm, expected_token):
+    """A step that prefills can take seconds on a CPU: its stats (vllm:num_requests_running, which the autoscaler
+    reads) are published before it runs, not only after it, which would show its requests as not running."""
+    llm = await make_llm()
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking_token(rid, pos):  # the first step (the prompt's) holds the core until released
+        entered.set()
+        release.wait(10)
+        return expected_token(rid, pos, 300)
+
+    llm.client.core.executor.token_fn = blocking_token
+    stream = llm.generate("long", list(range(40)), SamplingParams(max_tokens=2, ignore_eos=True))
+    pending = asyncio.ensure_future(anext(stream))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        await eventually(lambda: llm.get_stats().num_running == 1 and llm.get_stats().num_waiting == 0)
+        assert not pending.done()  # still inside the step: these stats came before it ended
+    finally:
+        release.set()
+    assert list((await pending).new_token_ids) == [expected_token("long", 40, 300)]
+    assert [o async for o in stream][-1].finished
