@@ -105,6 +105,8 @@ inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kShrinkAhead = 256;  // elements of an A row (512 bytes) ahead of the one read
+
 // shrink_block with vdpbf16ps for bf16 (where the measured bf16 tile is dpbf16, hpi_packed::dp_tile): x's rows and
 // A's as they are in memory, 32 elements of k per instruction in pairs, products exact, fp32 sums (the same
 // values as shrink_block's but for the order of the additions).
@@ -121,7 +123,10 @@ __attribute__((target("avx512bf16"))) void shrink_block_dp(const c10::BFloat16* 
   for (int64_t k = 0; k < k_main; k += kStep) {
     __m512bh av[WB];
 #pragma GCC unroll 4
-    for (int b = 0; b < WB; ++b) av[b] = (__m512bh)_mm512_loadu_si512(a + (w0 + b) * K + k);
+    for (int b = 0; b < WB; ++b) {
+      if (k + kShrinkAhead < K) __builtin_prefetch(a + (w0 + b) * K + k + kShrinkAhead, 0, 3);
+      av[b] = (__m512bh)_mm512_loadu_si512(a + (w0 + b) * K + k);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < n; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + rows[r] * K + k);
@@ -158,6 +163,14 @@ void shrink_widened(const T* x, const T* a, const int64_t* rows, int64_t K, int6
   for (; w0 < W; ++w0) shrink_block<T, n, 1>(xf, a, w0, K, W, h);
 }
 
+constexpr int64_t kExpandAhead = 4;  // chunks
+
+// Both cache lines of a chunk (64 bytes of bf16, 128 of fp32) into L1.
+template <typename T>
+inline void prefetch_chunk(const T* p) {
+  for (size_t b = 0; b < kChunk * sizeof(T); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+}
+
 // The expand: out[rows[r]] += sum_w h[r][w] * Bt[s][w], fp32 sums over out's own values, rounded once.
 template <typename T, int n>
 void expand(const T* bt, T* out, const int64_t* rows, int64_t W, int64_t N, const float* h) {
@@ -168,6 +181,9 @@ void expand(const T* bt, T* out, const int64_t* rows, int64_t W, int64_t N, cons
     for (int r = 0; r < n; ++r) load_chunk(out + rows[r] * N + j, lo[r], hi[r]);
     for (int64_t w = 0; w < W; ++w) {
       Vec blo, bhi;
+      // W rows of Bt are read side by side, a chunk of each: more streams than the hardware prefetcher follows
+      // (qkv: 48), so each row's chunk kExpandAhead steps on is asked for here.
+      if (j + kExpandAhead * kChunk < n_main) prefetch_chunk(bt + w * N + j + kExpandAhead * kChunk);
       load_chunk(bt + w * N + j, blo, bhi);
 #pragma GCC unroll 8
       for (int r = 0; r < n; ++r) {
