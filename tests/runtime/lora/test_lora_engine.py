@@ -63,8 +63,11 @@ def test_bad_lora_requests_are_refused(llm, tiny_model_dir, adapters, tmp_path):
     big = build_adapter(tiny_model_dir, tmp_path / "big", rank=16, targets=("q_proj",))
     with pytest.raises(ValueError, match="rank 16 is greater than max_lora_rank 8"):
         llm.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("big", 9, str(big)))
+    # An id names one directory: this test uses its own id, so it holds whichever tests ran before it on this
+    # module's engine (pytest-xdist may run them on another worker).
+    llm.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("first", 41, str(adapters["attn"])))
     with pytest.raises(ValueError, match="already used"):
-        llm.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("other", 1, str(adapters["mlp"])))
+        llm.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("other", 41, str(adapters["mlp"])))
     with LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True) as plain:
         with pytest.raises(ValueError, match="enable_lora"):
             plain.generate(["x"], SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, str(big)))
