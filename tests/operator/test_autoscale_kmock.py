@@ -279,6 +279,8 @@ async def test_a_restarted_operator_keeps_the_scale_down_window(
         await asyncio.to_thread(held)
         clock.offset_s = window_s  # the window is over
         await eventually(lambda: replicas_of(kube, "keep") == 1, timeout_s=30)
+        # spec.replicas and the status are two writes (status is a subresource): wait for the scale's record.
+        await eventually(lambda: autoscaling_status(kube, "keep").get("lastScaleEpoch") != scaled_at)
         auto = await asyncio.to_thread(autoscaling_status, kube, "keep")
         assert auto["lastScaleEpoch"] >= scaled_at + window_s  # not before the window that began before restart
 
