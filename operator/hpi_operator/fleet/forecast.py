@@ -14,7 +14,7 @@ smoothing, with the poll's irregular interval): a smoothed level and a smoothed 
 - The smoothing is per unit of time, not per poll: the weights are those of a poll every REFERENCE_POLL_S (the
   operator's default), and a reading `dt` after the previous one weighs 1 - (1 - weight) ** (dt / 15 s). With
   per-poll weights a 1 s poll would pass one reading's noise into the plan 150 times over at a 150 s lead (a
-  +-1% rate became a plan 15% too high); with per-second weights the memory is the same seconds at any poll.
+  +-1% rate became a plan 10% too high); with per-second weights the memory is the same seconds at any poll.
 
 How far ahead (`lead_time`): spec.autoscaling.leadTimeSeconds when set; otherwise the start time its pods
 measured (creation to Ready, the 90th percentile of a pool's ready pods, kept in status while a pool has none) of

@@ -2,8 +2,8 @@
 
 One loop drives an `EngineCore`: apply every message the frontend sent (add, abort, sleep, wake, shutdown),
 run one step, emit its deltas and a stats snapshot (and, before a step that prefills, one more: such a step can run
-for seconds). In its own process the core holds the GIL alone, so the model step
-never waits on the API server's event loop, and the event loop never waits on a step.
+for seconds). In its own process the core holds the GIL alone, so the model step never waits on the API server's
+event loop, and the event loop never waits on a step.
 
 - `ProcessCoreClient` spawns the core process (which loads the model itself), waits for its `CoreInfo`,
   then sends messages over a pipe and receives the core's through an event-loop reader: no thread in the

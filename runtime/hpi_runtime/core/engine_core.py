@@ -234,10 +234,13 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def _announce(self, scheduler_output: SchedulerOutput) -> None:
-        """on_prefill_scheduled() for a step with more tokens than requests: a prefill (or drafts to verify)."""
-        if self.on_prefill_scheduled is not None and (
-            scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
-        ):
+        """on_prefill_scheduled() for a step with prompt tokens: more tokens than one per request and its drafts
+        (a speculative decode step's drafts alone do not make it long)."""
+        if self.on_prefill_scheduled is None:
+            return
+        so = scheduler_output
+        num_drafts = sum(len(drafts) for drafts in so.spec_token_ids.values())
+        if so.total_num_scheduled_tokens > len(so.num_scheduled_tokens) + num_drafts:
             self.on_prefill_scheduled()
 
     def has_unfinished_requests(self) -> bool:

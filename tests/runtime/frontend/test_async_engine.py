@@ -223,3 +223,23 @@ async def test_a_prefill_steps_requests_show_as_running_while_it_runs(make_llm, 
         release.set()
     assert list((await pending).new_token_ids) == [expected_token("long", 40, 300)]
     assert [o async for o in stream][-1].finished
+
+
+async def test_only_steps_with_prompt_tokens_are_announced(make_llm):
+    """A speculative decode step (one token per request plus its drafts) is not a prefill: no extra stats."""
+    from hpi_runtime.core.interface import SchedulerOutput
+
+    core = (await make_llm(start=False)).client.core
+    calls = []
+    core.on_prefill_scheduled = lambda: calls.append(True)
+
+    def step(tokens: int, drafts: tuple[int, ...]) -> SchedulerOutput:
+        spec = {"a": drafts} if drafts else {}
+        return SchedulerOutput((), (), {"a": tokens, "b": 1}, tokens + 1, spec_token_ids=spec)
+
+    core._announce(step(3, (7, 8)))  # decode: 1 token + 2 drafts, and b's one token
+    core._announce(step(1, ()))
+    assert calls == []
+    core._announce(step(4, (7, 8)))  # one prompt token beside the drafts
+    core._announce(step(40, ()))
+    assert calls == [True, True]
