@@ -25,3 +25,23 @@ def test_public_api_resolves() -> None:
         assert callable(getattr(hpi_kernels, name))
     with pytest.raises(AttributeError):
         hpi_kernels.no_such_kernel  # noqa: B018
+
+
+def test_the_cpp_sources_and_every_header_they_include_ship_in_the_package() -> None:
+    """The C++ kernels compile on the user's machine from the installed package (a plain `pip install ./kernels`,
+    as Dockerfile.runtime does): each source and every local header it includes must match the package data."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from hpi_kernels.cpu._extension import _SOURCES
+
+    package = Path(hpi_kernels.__file__).parent / "cpu"
+    pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["hpi_kernels.cpu"]
+    headers = {h for source in _SOURCES for h in re.findall(r'#include "([^"]+)"', source.read_text())}
+    assert "packed_linear.h" in headers  # the pattern finds the includes
+    shipped = {p.name for p in package.iterdir() if any(fnmatch.fnmatch(p.name, pat) for pat in patterns)}
+    missing = sorted(({s.name for s in _SOURCES} | headers) - shipped)
+    assert not missing, f"kernels/pyproject.toml's package-data leaves out {missing}"
