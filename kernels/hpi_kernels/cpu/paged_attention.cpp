@@ -20,6 +20,8 @@
 // Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability (AVX512, AVX2 or
 // none), so at::vec::Vectorized<float> is 16, 8 (or 4 on aarch64) lanes wide.
 
+#include "cpu_vec.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -46,16 +48,7 @@ constexpr int64_t kMaxTileVecs = 4;     // row vectors per prefill tile (64 rows
 constexpr int64_t kMaxTileRows = kMaxTileVecs * kVecSize;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <typename T>
-inline Vec load_float(const T* src) {  // kVecSize elements of src, widened to fp32
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(src);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(src, out);
-    return out;
-  }
-}
+using hpi_vec::load_float;
 
 // Horizontal sum / max through at::vec's shuffle trees (Vectorized::reduce_add does not compile in
 // torch's generic DEFAULT build).

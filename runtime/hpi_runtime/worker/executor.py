@@ -77,6 +77,9 @@ class ExecutorConfig:
     # LoRA: device slots (distinct adapters per batch; 0: LoRA off) and the largest rank they hold.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # CPU decode steps of up to this many tokens run as one C++ call for all layers (worker/cpu_decode.py) where
+    # the model allows it; 0: never.
+    cpu_decode_max_rows: int = 64
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -114,6 +117,15 @@ def graph_config(config: ExecutorConfig, device: torch.device) -> CudaGraphConfi
     if config.enforce_eager or device.type != "cuda":
         return None
     return CudaGraphConfig(sizes=capture_sizes(config.max_num_seqs), max_model_len=config.max_model_len)
+
+
+def cpu_decode_rows(config: ExecutorConfig, device: torch.device) -> int:
+    """The most tokens of a decode step the runner's CPU DecodeStack runs (worker/cpu_decode.py); 0: none (asked
+    for, with --enforce-eager as well, or not a CPU device, or a vision-language model's image inputs). The runner
+    may still decline it for a model the stack cannot run (cpu_decode.unsupported_reason)."""
+    if config.enforce_eager or device.type != "cpu" or config.model_config.vision is not None:
+        return 0
+    return config.cpu_decode_max_rows
 
 
 def _build_model(
@@ -187,7 +199,7 @@ class LocalExecutor:
         with clock("compile"):
             self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
                                       compile_config(config, device), drafter, self.lora,
-                                      graph_config(config, device))  # fmt: skip
+                                      graph_config(config, device), cpu_decode_rows(config, device))  # fmt: skip
         self.startup = dict(clock.phases)
         self.sleeper = ModelSleeper(self.model, lambda: _build_model(config, device, backend, tp, stage=stage))
 

@@ -30,6 +30,7 @@ from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.spec_decode.draft_model import DraftModel
 from hpi_runtime.spec_decode.verify import num_accepted, rejection_sample
 from hpi_runtime.worker.compiled_model import CompiledForward
+from hpi_runtime.worker.cpu_decode import CpuDecodeStack, unsupported_reason
 from hpi_runtime.worker.cuda_graphs import CudaGraphConfig, DecodeGraphs, graphs_unsafe_reason
 from hpi_runtime.worker.input_batch import InputBatch, StepInputs
 from hpi_runtime.worker.multimodal import MultimodalBatch
@@ -104,6 +105,7 @@ class ModelRunner:
         drafter: DraftModel | None = None,  # draft-model speculation: it fills the scheduled draft slots
         lora: LoRAModel | None = None,  # the model's LoRA slots (lora/layers.py); None: no adapters
         graph_config: CudaGraphConfig | None = None,  # CUDA graphs for decode steps (cuda_graphs.py); None: none
+        cpu_decode_rows: int = 0,  # CPU decode steps of up to this many tokens in one C++ call (cpu_decode.py)
     ) -> None:
         self.model = model
         self.backend = backend
@@ -116,10 +118,13 @@ class ModelRunner:
         self.multimodal = MultimodalBatch(model, self.device) if model.config.vision is not None else None
         self._forward: Callable[..., torch.Tensor] = model
         self.graphs: DecodeGraphs | None = None  # before the compile's warm-up steps, which look for graphs
+        self.cpu_decode: CpuDecodeStack | None = None  # likewise
         if compile_config is not None:
             self._compile(compile_config)
         if graph_config is not None:
             self._set_up_graphs(graph_config)
+        if cpu_decode_rows:
+            self._set_up_cpu_decode(cpu_decode_rows)
 
     @property
     def is_compiled(self) -> bool:
@@ -191,14 +196,18 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.batch.set_step(step.token_lora_slots, device, len(step.input_ids))
         stage = self.model.stage
+        forward = self._forward
+        if self.cpu_decode is not None and self.cpu_decode.takes(len(step.input_ids), step.max_query_len,
+                                                                 step.num_drafts):  # fmt: skip
+            forward = self.cpu_decode
         if self.multimodal is not None:  # one stage only (engine_factory.check_pipeline_parallel)
             inputs_embeds, positions = self.multimodal.step_inputs(step)
             return self.model(step.input_ids.to(device), positions, metadata, inputs_embeds)
         if stage.size == 1:
-            return self._forward(step.input_ids.to(device), step.positions.to(device), metadata)
+            return forward(step.input_ids.to(device), step.positions.to(device), metadata)
         # A pipeline stage: the previous stage's output in, this one's out to the next (eager: no compile).
         received = None if stage.is_first else stage.link.recv(len(step.input_ids))
-        hidden = self._forward(step.input_ids.to(device), step.positions.to(device), metadata, received)
+        hidden = forward(step.input_ids.to(device), step.positions.to(device), metadata, received)
         if not stage.is_last:
             stage.link.send(hidden)
             return None
@@ -349,17 +358,37 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend.build_metadata, config, self.block_size)
         self.capture_graphs()
 
+    def _set_up_cpu_decode(self, max_rows: int) -> None:
+        """Run decode steps of up to `max_rows` tokens through a DecodeStack, unless this model cannot."""
+        probe = torch.empty(1, 1, self.model.config.head_dim, dtype=self.model.model.norm.weight.dtype)
+        uses_kernel = getattr(self.backend, "uses_cpu_kernel", lambda q: False)(probe)
+        reason = unsupported_reason(self.model, probe.dtype, uses_kernel)
+        if reason is None and self.lora is not None:
+            reason = "LoRA adapters (their deltas run per linear)"
+        if reason is not None:
+            logger.info("running decode steps through the model's own ops: %s", reason)
+            return
+        self.cpu_decode = CpuDecodeStack(self.model, max_rows)
+        self.capture_graphs()
+        logger.info("decode steps of up to %d tokens run as one C++ call for the %d layers", max_rows,
+                    len(self.model.model._own))  # fmt: skip
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """(Re)capture the decode graphs over the current weights and KV cache (at start-up and after a wake)."""
+        """(Re)build the decode step's fast path over the current weights and KV cache (at start-up and after a
+        wake): the CUDA graphs, or the CPU DecodeStack."""
         if self.graphs is not None:
             self.graphs.capture()
+        if self.cpu_decode is not None:
+            self.cpu_decode.build()
 
     def release_graphs(self) -> None:
-        """Drop the decode graphs before their weights or KV cache are freed (sleep); steps run eagerly until
-        capture_graphs."""
+        """Drop the decode graphs (and the CPU DecodeStack's hold on the weights and caches) before their weights
+        or KV cache are freed (sleep); steps run through the model's own ops until capture_graphs."""
         if self.graphs is not None:
             self.graphs.release()
+        if self.cpu_decode is not None:
+            self.cpu_decode.release()
 
 
 def _warmup_step(query_lens: tuple[int, ...], block_size: int) -> SchedulerOutput:

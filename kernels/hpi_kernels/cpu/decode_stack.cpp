@@ -1,0 +1,347 @@
+// A stage's decoder layers for decode-sized steps in one C++ call: hpi_kernels::DecodeStack.
+//
+// A one-request decode step of a small model spends as long around its weight reads as in them: each layer is a
+// dozen ops (two RMSNorms, RoPE, the four linears, attention, SiLU x mul, two residual adds), and every one of
+// them costs Python, Dynamo's and Inductor's wrapper code and a dispatch, whatever its size (~3 ms of a 7 ms int4
+// step on SmolLM2-135M, bench/results/quant_llamacpp.md). Here the layers' weights are registered once, after
+// loading and packing, and `forward` runs all of them per step: the linears through the ops the model itself
+// calls (packed fp32/bf16 panels, int8 and int4 panels, or at::linear for weights left unpacked), attention
+// through cached_paged_attention_cpu, the element-wise work in loops of its own.
+//
+// The layer is Llama's pre-norm block (the models/decoder.py DecoderLayer with DecoderAttention and GatedMLP,
+// SiLU-gated, no q/k norms or sandwich norms); sliding windows, soft-capped attention, partial rotation and
+// Gemma's unit-offset norms are parameters. The element-wise ops round where the eager model rounds (RMSNorm's
+// output before the weight scales it, SiLU's before the multiply, each residual sum), so the result is the
+// eager model's up to the order of RMSNorm's sum of squares.
+
+#include "cpu_vec.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVecSize = Vec::size();
+constexpr int64_t kElementsPerTask = 16384;  // element-wise work below this many elements stays on one thread
+
+using hpi_vec::load_float;
+
+template <typename T>
+inline T round_to(float x) {  // x in T (the rounding an eager op's output gets)
+  return static_cast<T>(x);
+}
+
+// The linears' kinds: how the model's layer stores its weight, and the op that multiplies by it.
+enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3 };
+
+struct Linear {
+  int64_t kind = kUnpacked, out_features = 0, group_size = 0;
+  at::Tensor weight, scales;  // scales: int8's per-channel scales, int4's (scale, zero) pairs; else undefined
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    using Op3 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
+    using Op4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                           const std::optional<at::Tensor>&);
+    using Op5 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                           const std::optional<at::Tensor>&);
+    static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::packed_linear", "")
+                                   .typed<Op3>();
+    static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int8_linear", "")
+                                 .typed<Op4>();
+    static const auto int4 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_linear", "")
+                                 .typed<Op5>();
+    switch (kind) {
+      case kPacked: return packed.call(x, weight, out_features, bias);
+      case kInt8: return int8.call(x, weight, scales, out_features, bias);
+      case kInt4: return int4.call(x, weight, scales, group_size, out_features, bias);
+      default: return at::linear(x, weight, bias);
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;  // [hidden] in the model's dtype
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  double scale = 1.0, logit_softcap = 0.0;
+  int64_t sliding_window = 0;
+};
+
+// fn(begin, end) over rows 0..rows, on one thread unless the rows hold enough elements to split.
+template <typename F>
+inline void for_rows(int64_t rows, int64_t width, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(1, width));
+  if (rows <= grain) {
+    fn(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, fn);
+  }
+}
+
+// out = RMSNorm(x) * w as models/layers.py's RMSNorm computes it: the sum of squares and the scaling in fp32,
+// then (Llama) rounded to T before the weight scales it, or (Gemma, unit_offset) scaled by 1 + w in fp32.
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, bool unit_offset) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kVecSize <= n; i += kVecSize) {
+    const Vec v = load_float(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const float normed = static_cast<float>(x[j]) * r;
+    out[j] = unit_offset ? round_to<T>(normed * (1.f + static_cast<float>(w[j])))
+                         : round_to<T>(static_cast<float>(w[j]) * static_cast<float>(round_to<T>(normed)));
+  }
+}
+
+// hidden += delta (rounded to T, as an eager residual add), then normed = RMSNorm(hidden) when norm is given.
+template <typename T>
+void add_and_norm(T* hidden, const T* delta, const T* norm, T* normed, int64_t rows, int64_t n, float eps,
+                  bool unit_offset) {
+  for_rows(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* h = hidden + r * n;
+      if (delta != nullptr) {
+        const T* d = delta + r * n;
+        for (int64_t j = 0; j < n; ++j) h[j] = round_to<T>(static_cast<float>(h[j]) + static_cast<float>(d[j]));
+      }
+      if (norm != nullptr) rms_norm_row(h, norm, normed + r * n, n, eps, unit_offset);
+    }
+  });
+}
+
+// q and k heads of each row of qkv rotated in place (rotate-half layout, fp32, the first `rotary` dims of a
+// head), as models/rotary.py's apply_rotary does; cos/sin: [max_positions, rotary / 2] fp32 tables.
+template <typename T>
+void rotate(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, int64_t rotary,
+            const int64_t* positions, const float* cos, const float* sin) {
+  const int64_t half = rotary / 2;
+  for_rows(rows, heads * head_dim, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cos + positions[r] * half;
+      const float* s = sin + positions[r] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + r * row_stride + h * head_dim;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
+          x[j] = round_to<T>(x1 * c[j] - x2 * s[j]);
+          x[j + half] = round_to<T>(x2 * c[j] + x1 * s[j]);
+        }
+      }
+    }
+  });
+}
+
+// out[r] = silu(gate[r]) * up[r], gate_up[r] = [gate | up]; SiLU's output rounded to T before the multiply.
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  for_rows(rows, 2 * n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      int64_t j = 0;
+      for (; j + kVecSize <= n; j += kVecSize) {
+        const Vec x = load_float(g + j);
+        float silu[kVecSize];
+        (x / (Vec(1.f) + x.neg().exp())).store(silu);
+        for (int64_t i = 0; i < kVecSize; ++i) {
+          o[j + i] = round_to<T>(static_cast<float>(round_to<T>(silu[i])) * static_cast<float>(u[j + i]));
+        }
+      }
+      for (; j < n; ++j) {
+        const float x = static_cast<float>(g[j]);
+        o[j] = round_to<T>(static_cast<float>(round_to<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // Shapes of this model's layers (this tensor-parallel rank's heads: all of them, since the stack serves one
+  // rank only), its RMSNorm settings and RoPE tables ([max_positions, rotary_dim / 2] fp32).
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool unit_offset,
+              at::Tensor cos, at::Tensor sin)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        unit_offset_(unit_offset), cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
+                      "DecodeStack: bad head counts ", num_heads, " / ", num_kv_heads, " x ", head_dim);
+    TORCH_CHECK_VALUE(cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.scalar_type() == at::kFloat &&
+                          cos_.is_contiguous() && sin_.is_contiguous() && 2 * cos_.size(1) <= head_dim &&
+                          cos_.size(1) > 0,
+                      "DecodeStack: cos and sin must be contiguous fp32 [max_positions, rotary_dim / 2] tables");
+  }
+
+  // The next linear of the layer being added, in the order qkv, o, gate_up, down: kind (LinearKind), its
+  // weight as the model's layer holds it, int8 scales or int4 (scale, zero) pairs (an empty tensor for the
+  // float kinds), the bias (an empty tensor for none), out_features, and int4's group size.
+  void add_linear(int64_t kind, at::Tensor weight, at::Tensor scales, at::Tensor bias, int64_t out_features,
+                  int64_t group_size) {
+    TORCH_CHECK_VALUE(kind >= kUnpacked && kind <= kInt4, "DecodeStack: unknown linear kind ", kind);
+    TORCH_CHECK_VALUE(pending_.size() < 4, "DecodeStack: a layer has four linears; call add_layer");
+    Linear linear;
+    linear.kind = kind;
+    linear.weight = std::move(weight);
+    linear.scales = std::move(scales);
+    if (bias.numel() > 0) linear.bias = std::move(bias);
+    linear.out_features = out_features;
+    linear.group_size = group_size;
+    pending_.push_back(std::move(linear));
+  }
+
+  // A layer over the four linears added since the last one, with its two norms' weights and its KV cache.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache, double scale,
+                 int64_t sliding_window, double logit_softcap) {
+    TORCH_CHECK_VALUE(pending_.size() == 4, "DecodeStack: add_layer needs the layer's four linears, got ",
+                      pending_.size());
+    TORCH_CHECK_VALUE(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes() && input_norm.is_contiguous() &&
+                          post_norm.is_contiguous(),
+                      "DecodeStack: norm weights must be contiguous [hidden] vectors");
+    TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads_ && k_cache.size(3) == head_dim_,
+                      "DecodeStack: the KV cache must be [blocks, block_size, ", num_kv_heads_, ", ", head_dim_,
+                      "], got ", k_cache.sizes());
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    TORCH_CHECK_VALUE(pending_[0].out_features == q_size + 2 * kv_size && pending_[1].out_features ==
+                          input_norm.size(0) && pending_[3].out_features == input_norm.size(0) &&
+                          pending_[2].out_features % 2 == 0,
+                      "DecodeStack: the linears' widths do not fit the layer's heads and hidden size");
+    Layer layer;
+    layer.input_norm = std::move(input_norm);
+    layer.post_norm = std::move(post_norm);
+    layer.qkv = std::move(pending_[0]);
+    layer.o = std::move(pending_[1]);
+    layer.gate_up = std::move(pending_[2]);
+    layer.down = std::move(pending_[3]);
+    layer.k_cache = std::move(k_cache);
+    layer.v_cache = std::move(v_cache);
+    layer.scale = scale;
+    layer.sliding_window = sliding_window;
+    layer.logit_softcap = logit_softcap;
+    pending_.clear();
+    layers_.push_back(std::move(layer));
+  }
+
+  // The final RMSNorm of the last pipeline stage, applied after the layers (none: the stage's raw output).
+  void set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [num_tokens, hidden] (the embeddings, or the previous stage's output) through every layer; the
+  // attention inputs are the step's, as the model's attention op takes them. Returns a new tensor.
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                     at::Tensor query_start_loc, at::Tensor context_lens) {
+    TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers added");
+    const int64_t n = layers_[0].input_norm.size(0);
+    TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) == n && hidden.device().is_cpu(),
+                      "DecodeStack: hidden must be a CPU [num_tokens, ", n, "] tensor, got ", hidden.sizes());
+    TORCH_CHECK_VALUE(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
+                      "DecodeStack runs fp32 or bf16 models, got ", hidden.scalar_type());
+    TORCH_CHECK_VALUE(hidden.scalar_type() == layers_[0].input_norm.scalar_type(),
+                      "DecodeStack: hidden's dtype differs from the model's");
+    TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == hidden.size(0) &&
+                          positions.scalar_type() == at::kLong,
+                      "DecodeStack: positions must be an int64 [num_tokens] vector");
+    const at::Tensor pos = positions.contiguous();
+    const int64_t* p = pos.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < pos.size(0); ++i) {
+      TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < cos_.size(0), "DecodeStack: position ", p[i], " is past the RoPE table's ",
+                        cos_.size(0));
+    }
+    at::Tensor x = hidden.contiguous().clone();
+    if (x.scalar_type() == at::kBFloat16) {
+      run<c10::BFloat16>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens);
+    } else {
+      run<float>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens);
+    }
+    return x;
+  }
+
+ private:
+  template <typename T>
+  void run(at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+           const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
+    using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, double, int64_t, double);
+    static const auto attention =
+        c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::cached_paged_attention_cpu", "")
+            .typed<AttentionOp>();
+    const int64_t rows = x.size(0), n = x.size(1);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t rotary = 2 * cos_.size(1);
+    const float eps = static_cast<float>(eps_);
+    at::Tensor normed = at::empty_like(x);
+    T* h = x.mutable_data_ptr<T>();
+    // The first layer's input norm; each later one's comes with the previous layer's last residual add.
+    add_and_norm<T>(h, nullptr, layers_[0].input_norm.const_data_ptr<T>(), normed.mutable_data_ptr<T>(), rows, n,
+                    eps, unit_offset_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      at::Tensor qkv = layer.qkv(normed);
+      TORCH_CHECK(qkv.is_contiguous(), "DecodeStack: qkv projection returned a strided tensor");
+      rotate<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), num_heads_ + num_kv_heads_, head_dim_, rotary,
+                positions.const_data_ptr<int64_t>(), cos_.const_data_ptr<float>(), sin_.const_data_ptr<float>());
+      const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+      const at::Tensor attended =
+          attention.call(q, k, v, layer.k_cache, layer.v_cache, slot_mapping, block_tables, query_start_loc,
+                         context_lens, layer.scale, layer.sliding_window, layer.logit_softcap);
+      const at::Tensor o = layer.o(attended.view({rows, q_size})).contiguous();
+      add_and_norm<T>(h, o.const_data_ptr<T>(), layer.post_norm.const_data_ptr<T>(), normed.mutable_data_ptr<T>(),
+                      rows, n, eps, unit_offset_);
+      const at::Tensor gate_up = layer.gate_up(normed).contiguous();
+      const int64_t inner = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({rows, inner}, x.options());
+      silu_and_mul<T>(gate_up.const_data_ptr<T>(), act.mutable_data_ptr<T>(), rows, inner);
+      const at::Tensor down = layer.down(act).contiguous();
+      const bool last = i + 1 == layers_.size();
+      const at::Tensor* next_norm = last ? (final_norm_.has_value() ? &*final_norm_ : nullptr)
+                                         : &layers_[i + 1].input_norm;
+      add_and_norm<T>(h, down.const_data_ptr<T>(), next_norm ? next_norm->const_data_ptr<T>() : nullptr,
+                      normed.mutable_data_ptr<T>(), rows, n, eps, unit_offset_);
+    }
+    if (final_norm_.has_value()) x = normed;
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  bool unit_offset_;
+  at::Tensor cos_, sin_;
+  std::optional<at::Tensor> final_norm_;
+  std::vector<Linear> pending_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
+      .def("add_linear", &DecodeStack::add_linear)
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

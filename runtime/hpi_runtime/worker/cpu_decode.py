@@ -1,0 +1,133 @@
+"""Decode steps on CPU as one C++ call for all of a stage's layers: hpi_kernels' DecodeStack.
+
+A compiled step still pays per op: every norm, RoPE, linear, attention call and residual add of every layer goes
+through Inductor's Python wrapper and a dispatch, and opens its own OpenMP region. For a one-request step of a
+small model that is as long as reading the weights (~3 ms of a 7 ms int4 step of SmolLM2-135M on 2 cores:
+bench/results/quant_llamacpp.md); llama.cpp runs the same token as one graph. The stack holds the layers' weights
+and KV caches (registered once, after loading, packing and warm-up) and runs a step's layers in C++, calling
+the same linear and attention kernels the model calls, so its output is the eager model's (the element-wise ops
+round where the eager ones round).
+
+It takes the steps it was measured faster on: decode-only steps of at most `max_rows` tokens (every request one
+new token, no drafts); the rest (prefill chunks, speculative verification) run the compiled graph. A model
+takes it when every layer is the shared decoder's Llama-style block (models/decoder.py: DecoderAttention,
+GatedMLP with SiLU, no q/k norms or sandwich norms) on one tensor-parallel rank, without LoRA adapters or image
+inputs, its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its
+attention on the C++ kernel; `unsupported_reason` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hpi_kernels.cpu import cpu_kernels_available
+from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP
+from hpi_runtime.models.layers import silu_and_mul
+from hpi_runtime.models.linear import LinearBase
+from hpi_runtime.quantization.linear import QuantizedLinear
+
+# LinearKind in decode_stack.cpp
+_UNPACKED, _PACKED, _INT8, _INT4 = 0, 1, 2, 3
+_NONE = torch.empty(0)
+
+
+def _linear_args(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | str:
+    """DecodeStack.add_linear's arguments for one of the model's linears, or why it cannot take it."""
+    if isinstance(module, QuantizedLinear):
+        if not module.cpu_panels or module.input_perm is not None:
+            return f"a quantized linear without the C++ panels ({module.extra_repr()})"
+        bias = _NONE if module.bias is None else module.bias
+        if module.method == "int8":
+            return _INT8, module.qweight, module.scales, bias, module.out_features, 0
+        return _INT4, module.qweight, module.scales_and_zeros, bias, module.out_features, module.group_size
+    if isinstance(module, LinearBase):
+        bias = _NONE if module.bias is None else module.bias
+        if module.packed_out_features is not None:
+            return _PACKED, module.weight, _NONE, bias, module.packed_out_features, 0
+        return _UNPACKED, module.weight, _NONE, bias, module.weight.shape[0], 0
+    return f"a {type(module).__name__} linear"
+
+
+def unsupported_reason(model: DecoderForCausalLM, dtype: torch.dtype, uses_cpu_kernel: bool) -> str | None:
+    """Why the stack cannot run this model's decode steps, or None when it can. `uses_cpu_kernel`: whether the
+    model's attention runs the C++ CPU kernel (attention/op.py)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype} activations (the stack runs fp32 and bf16)"
+    if not cpu_kernels_available():
+        return "the C++ CPU kernels did not build"
+    if not uses_cpu_kernel:
+        return "attention does not run the C++ CPU kernel"
+    decoder = model.model
+    if decoder.tp.size > 1:
+        return "tensor parallelism (the layers' all-reduces run between their ops)"
+    if decoder.sliding_rotary is not None or decoder.rotary.mrope_axis is not None:
+        return "a second RoPE for sliding-window layers, or M-RoPE"
+    for layer, _ in decoder._own:
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention:
+            attention = type(getattr(layer, "self_attn", None)).__name__
+            return f"a {type(layer).__name__} with {attention} (the stack runs the shared DecoderAttention)"
+        if type(layer.mlp) is not GatedMLP or layer.mlp.act_and_mul is not silu_and_mul:
+            return f"a {type(layer.mlp).__name__} MLP that is not SiLU-gated"
+        if layer.self_attn.q_norm is not None or layer.pre_feedforward_layernorm is not None:
+            return "q/k norms or sandwich norms"
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if isinstance(args := _linear_args(linear), str):
+                return args
+    return None
+
+
+def build_stack(model: DecoderForCausalLM) -> torch.ScriptObject:
+    """A DecodeStack over this stage's layers (unsupported_reason must have said None), with the final norm on
+    the last stage."""
+    decoder, config = model.model, model.config
+    first = next(layer for layer, _ in decoder._own).self_attn
+    stack = torch.classes.hpi_kernels.DecodeStack(
+        first.num_heads, first.num_kv_heads, first.head_dim, config.rms_norm_eps, config.norm_unit_offset,
+        decoder.rotary.cos.contiguous(), decoder.rotary.sin.contiguous(),
+    )  # fmt: skip
+    for layer, _ in decoder._own:
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            stack.add_linear(*_linear_args(linear))
+        attn = attention.attn
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache,
+                        attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0)  # fmt: skip
+    if decoder.stage.is_last:
+        stack.set_final_norm(decoder.norm.weight)
+    return stack
+
+
+class CpuDecodeStack:
+    """The model's decode steps of up to `max_rows` tokens through a DecodeStack; `build` (re)registers the
+    current weights and KV caches (at start-up, and after a wake), `release` drops them (before a sleep)."""
+
+    def __init__(self, model: DecoderForCausalLM, max_rows: int) -> None:
+        self.model, self.max_rows = model, max_rows
+        self._stack: torch.ScriptObject | None = None
+        self.steps = 0  # steps run here
+
+    def build(self) -> None:
+        self._stack = build_stack(self.model)
+
+    def release(self) -> None:
+        self._stack = None
+
+    def takes(self, num_tokens: int, max_query_len: int, num_drafts: tuple[int, ...]) -> bool:
+        """Whether a step of these inputs runs here: decodes only, one token each, at most max_rows."""
+        return (self._stack is not None and max_query_len == 1 and 0 < num_tokens <= self.max_rows
+                and not any(num_drafts))  # fmt: skip
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionInputs,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the model's forward (models/decoder.py DecoderModel.forward) for a step `takes` accepted."""
+        self.steps += 1
+        hidden = self.model.model.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        return self._stack.forward(hidden, positions, metadata.slot_mapping, metadata.block_tables,
+                                   metadata.query_start_loc, metadata.context_lens)  # fmt: skip

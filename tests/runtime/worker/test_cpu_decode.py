@@ -1,0 +1,178 @@
+"""The CPU DecodeStack (worker/cpu_decode.py, kernels' decode_stack.cpp): decode steps through it give the eager
+model's tokens and hidden states for every linear kind (packed fp32/bf16, unpacked, int8, int4), with biases, a
+sliding window and a soft-cap; steps it does not take (prefill chunks) and models it cannot run go through the
+model's own ops; bad inputs are ValueErrors; a sleep drops it and a wake rebuilds it over the new caches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpi_kernels.cpu import cpu_kernels_available
+from hpi_runtime.attention.factory import get_attention_backend
+from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.config import CacheConfig
+from hpi_runtime.models.config import load_model_config
+from hpi_runtime.models.cpu_layout import pack_cpu_weights
+from hpi_runtime.models.loader import load_model
+from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
+from hpi_runtime.worker.cpu_decode import CpuDecodeStack, build_stack, unsupported_reason
+from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
+from hpi_runtime.worker.model_runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+
+from .test_compiled_model import BF16_NEAR_TIE_NATS, _assert_same_up_to_near_ties, _generate
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels did not build here")
+
+NUM_BLOCKS, BLOCK_SIZE = 96, 8
+
+
+def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack: bool = True):
+    config = load_model_config(model_dir)
+    cpu = torch.device("cpu")
+    backend = get_attention_backend("torch", dtype, cpu)
+    model = load_model(config, dtype, cpu, backend)
+    quantize_model(model, QuantizationConfig(method=quantization))
+    if pack:
+        pack_cpu_weights(model)
+    allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, dtype), cpu)
+    return model, backend
+
+
+def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: str = "none",
+            pack: bool = True) -> ModelRunner:  # fmt: skip
+    model, backend = _model(model_dir, dtype, quantization, pack)
+    config = load_model_config(model_dir)
+    return ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0, cpu_decode_rows=stack_rows)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "quantization", "pack"),
+    [
+        ("llama", {}, "none", True),
+        ("llama", {}, "none", False),  # weights left unpacked: at::linear
+        ("llama", {}, "int8", True),
+        ("llama", {}, "int4", True),
+        ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1}, "none", True),  # q/k/v biases
+        ("mistral", {"sliding_window": 6}, "none", True),
+        ("phi3", {"partial_rotary_factor": 0.5}, "none", True),  # half of each head rotated
+    ],
+    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary"],
+)
+def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
+                                                               pack) -> None:  # fmt: skip
+    """fp32, greedy: token for token the eager model's, over chunked prefills (which the stack does not take), a
+    late arrival and up to four requests decoding together."""
+    model_dir = tiny_model_factory(arch, **overrides)
+    reference = _runner(model_dir, torch.float32, 0, quantization, pack)
+    runner = _runner(model_dir, torch.float32, 64, quantization, pack)
+    assert reference.cpu_decode is None
+    prompt_lens = [5, 19, 1, 33]
+    assert _generate(runner, prompt_lens, 16) == _generate(reference, prompt_lens, 16)
+    assert runner.cpu_decode.steps >= 6  # the decode-only steps after the last prefill chunk (5 requests)
+
+
+def test_bf16_tokens_match_up_to_near_ties(tiny_model_dir: Path) -> None:
+    reference = _runner(tiny_model_dir, torch.bfloat16, 0)
+    runner = _runner(tiny_model_dir, torch.bfloat16, 64)
+    prompt_lens = [5, 19, 1, 33]
+    logprobs: dict[str, list[Any]] = {}
+    expected = _generate(reference, prompt_lens, 16, logprobs=logprobs)
+    ties = _assert_same_up_to_near_ties(_generate(runner, prompt_lens, 16), expected, logprobs, BF16_NEAR_TIE_NATS)
+    assert ties <= 1, f"{ties} of {len(expected)} requests parted at near-ties: more than bf16 explains"
+
+
+def _decode_inputs(num_reqs: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One decode token per request, request r's context in blocks r * blocks_per_req ...: ids, positions and the
+    attention inputs, with the earlier context's K/V already in the caches (random)."""
+    blocks_per_req = -(-context // BLOCK_SIZE)
+    input_ids = torch.randint(3, 300, (num_reqs,), generator=generator)
+    positions = torch.full((num_reqs,), context - 1, dtype=torch.int64)
+    block_tables = torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).view(num_reqs, blocks_per_req)
+    slot_mapping = block_tables[:, (context - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
+    context_lens = torch.full((num_reqs,), context, dtype=torch.int32)
+    return input_ids, positions, slot_mapping, block_tables, query_start_loc, context_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_reqs", [1, 7, 40])  # 40 x 64 elements: the element-wise loops split over threads
+def test_hidden_states_are_the_eager_models(tiny_model_factory, dtype: torch.dtype, num_reqs: int) -> None:
+    """The stack's output and KV writes against the eager forward over the same caches: a soft-capped,
+    sliding-window model (Mistral's layer with Gemma 2's attention cap set on it), random caches."""
+    model, _ = _model(tiny_model_factory("mistral", sliding_window=5, num_layers=3), dtype)
+    for attn in model.attention_layers():
+        attn.logit_softcap = 4.0
+    assert unsupported_reason(model, dtype, True) is None
+    generator = torch.Generator().manual_seed(num_reqs)
+    caches = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=generator))
+        v.copy_(torch.randn(v.shape, generator=generator))
+    saved = [(k.clone(), v.clone()) for k, v in caches]
+    ids, positions, slots, tables, starts, lens = _decode_inputs(num_reqs, 13, generator)
+    metadata = PagedAttentionInputs(slots, tables, starts, lens)
+    with torch.inference_mode():
+        expected = model(ids, positions, metadata)
+        expected_caches = [(k.clone(), v.clone()) for k, v in caches]
+        for (k, v), (k0, v0) in zip(caches, saved, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        got = CpuDecodeStack(model, 64)
+        got.build()
+        hidden = got(ids, positions, metadata)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(hidden, expected, **tolerance)
+    for (k, v), (ek, ev) in zip(caches, expected_caches, strict=True):
+        torch.testing.assert_close(k, ek, **tolerance)
+        torch.testing.assert_close(v, ev, **tolerance)
+
+
+def test_models_it_cannot_run_say_why_and_decode_through_their_own_ops(tiny_model_factory) -> None:
+    qwen3 = tiny_model_factory("qwen3")
+    model, _ = _model(qwen3, torch.float32)
+    assert "Qwen3Attention" in unsupported_reason(model, torch.float32, True)
+    assert "attention" in unsupported_reason(_model(qwen3, torch.float32)[0], torch.float32, False)
+    runner = _runner(qwen3, torch.float32, 64)
+    assert runner.cpu_decode is None
+    assert _generate(runner, [4, 9], 5) == _generate(_runner(qwen3, torch.float32, 0), [4, 9], 5)
+
+
+def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
+    model, _ = _model(tiny_model_dir, torch.float32)
+    stack = build_stack(model)
+    generator = torch.Generator().manual_seed(0)
+    ids, positions, slots, tables, starts, lens = _decode_inputs(2, 9, generator)
+    hidden = model.model.embed(ids)
+    with pytest.raises(ValueError, match="past the RoPE table"):
+        stack.forward(hidden, torch.tensor([3, 10_000]), slots, tables, starts, lens)
+    with pytest.raises(ValueError, match="hidden must be"):
+        stack.forward(hidden[:, :10], positions, slots, tables, starts, lens)
+    with pytest.raises(ValueError, match="dtype"):
+        stack.forward(hidden.bfloat16(), positions, slots, tables, starts, lens)
+    with pytest.raises(ValueError, match="outside the cache"):
+        stack.forward(hidden, positions, slots + 10**9, tables, starts, lens)
+    with pytest.raises(ValueError, match="four linears"):
+        build_stack(model).add_layer(*([model.model.norm.weight] * 2), model.attention_layers()[0].k_cache,
+                                     model.attention_layers()[0].v_cache, 1.0, 0, 0.0)  # fmt: skip
+
+
+def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_model_dir: Path) -> None:
+    config = ExecutorConfig(model_config=load_model_config(tiny_model_dir), dtype=torch.float32,
+                            device=torch.device("cpu"), max_model_len=64,
+                            cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20))  # fmt: skip
+    executor = LocalExecutor(config)
+    runner = executor.runner
+    assert runner.cpu_decode is not None and runner.cpu_decode.takes(1, 1, (0,))
+    before = _generate(runner, [5, 9], 6)
+    runner.input_batch.clear()
+    executor.sleep(1)
+    assert not runner.cpu_decode.takes(1, 1, (0,))  # holds no cache any more: steps go through the model's ops
+    executor.wake_up()
+    assert runner.cpu_decode.takes(1, 1, (0,))
+    steps = runner.cpu_decode.steps
+    assert _generate(runner, [5, 9], 6) == before
+    assert runner.cpu_decode.steps > steps
