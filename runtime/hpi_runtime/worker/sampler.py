@@ -4,7 +4,7 @@ draws, logprobs.
 Rows under a grammar (structured outputs) get its token bitmask applied, and only they: a step without one
 pays a single None check.
 
-Every row is processed with vectorised ops; only seeded rows draw their noise one by one, from their own
+Every row is processed with vectorised ops; only seeded rows draw their uniform one by one, from their own
 generator re-seeded per output position, so a seeded request's tokens depend only on its seed and its
 logits: not on the batch it shares, nor on preemption.
 """
@@ -101,17 +101,50 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _draw_noise(
-    shape: tuple[int, int], seeds: tuple[int | None, ...], device: torch.device, generator: torch.Generator
-) -> torch.Tensor:
-    """Exp(1) noise [S, V]: seeded rows from their own generator, the rest from the shared one."""
-    noise = torch.empty(shape, device=device).exponential_(generator=generator)
-    row_generator = torch.Generator(device=device)
+_DRAW_BLOCK = 256  # vocabulary entries per block of _draw's two-level search
+
+
+def _last_positive(cdf: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Per row of a cumulative sum [S, N] with row totals [S, 1]: the index of the last entry of positive weight."""
+    return torch.searchsorted(cdf, total, right=False)
+
+
+def _draw(probs: torch.Tensor, seeds: tuple[int | None, ...], generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [S, V] by inverse transform sampling: a uniform draw per row (seeded rows from
+    their own generator, the rest from the shared one) located in the row's cumulative sums, in fp64, in two
+    levels: among the sums of blocks of _DRAW_BLOCK tokens, then within the chosen block. Zero-probability
+    tokens are never chosen.
+
+    One uniform per row instead of the exponential race's one Exp(1) draw per vocabulary entry, which torch makes
+    one at a time on CPU (~19 ns each: 1.0 ms a row for a 49k vocabulary, 32 ms a step for 32 sampled requests,
+    as long as the model step). The two levels keep every temporary small: a whole-row fp64 cumulative sum is
+    12 MB at 32 rows, and glibc hands buffers that size back to the OS when freed, so each step paid its page
+    faults again (2.3 ms instead of 0.25 at 8 rows). bench/results/sampler.md."""
+    num_rows, vocab = probs.shape
+    uniform = torch.rand((num_rows, 1), dtype=torch.float64, device=probs.device, generator=generator)
+    row_generator = torch.Generator(device=probs.device)
     for row, seed in enumerate(seeds):
         if seed is not None:
             row_generator.manual_seed(seed)
-            noise[row].exponential_(generator=row_generator)
-    return noise
+            uniform[row] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=row_generator)
+    whole = vocab // _DRAW_BLOCK * _DRAW_BLOCK
+    block_sums = probs[:, :whole].view(num_rows, -1, _DRAW_BLOCK).sum(dim=-1, dtype=torch.float64)
+    if whole < vocab:
+        block_sums = torch.cat((block_sums, probs[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64)), dim=1)
+    block_cdf = block_sums.cumsum(dim=-1)
+    total = block_cdf[:, -1:].contiguous()
+    target = uniform * total
+    # u * total may round up to total: the last block of positive weight is as far as a draw may land.
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True), _last_positive(block_cdf, total))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * _DRAW_BLOCK + torch.arange(_DRAW_BLOCK, device=probs.device)  # [S, _DRAW_BLOCK]
+    inside = torch.where(columns < vocab, probs.gather(1, columns.clamp(max=vocab - 1)), 0.0)
+    inside_cdf = inside.cumsum(dim=-1, dtype=torch.float64)
+    inside_total = inside_cdf[:, -1:].contiguous()
+    # The block's own sum may differ from its share of block_cdf in the last bits: clamp as above.
+    offset = torch.minimum(torch.searchsorted(inside_cdf, target - before, right=True),
+                           _last_positive(inside_cdf, inside_total))  # fmt: skip
+    return (columns.gather(1, offset)).squeeze(1)
 
 
 def logprobs_of(
@@ -179,8 +212,6 @@ class Sampler:
             if bool((batch.top_k > 0).any() | (batch.top_p < 1).any() | (batch.min_p > 0).any()):
                 scaled = apply_top_k_top_p_min_p(scaled, batch)
             probs = scaled.softmax(dim=-1)
-            # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-            noise = _draw_noise(tuple(probs.shape), batch.seeds, probs.device, self.generator)
-            sampled_ids = (probs / noise).argmax(dim=-1)
+            sampled_ids = _draw(probs, batch.seeds, self.generator)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
         return SamplerOutput(token_ids.tolist(), logprobs_of(raw_logits, token_ids, batch.num_logprobs), probs)

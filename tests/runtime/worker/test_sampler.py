@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hpi_runtime.worker.sampler import Sampler, SamplingBatch, mix_seed
@@ -54,6 +55,24 @@ def test_sampling_follows_the_distribution() -> None:
     tokens = torch.tensor(Sampler(seed=0)(logits, _batch(6000, temperature=1.0)).token_ids)
     observed = torch.bincount(tokens, minlength=3)[:3].float() / 6000
     torch.testing.assert_close(observed, logits[0, :3].softmax(-1), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 50_000])  # SmolLM2's (whole blocks of the draw), one with a tail
+def test_a_large_vocabulary_is_sampled_in_proportion_to_the_end(vocab: int) -> None:
+    """Half the mass on the last token, the rest spread evenly, so a draw in a cumulative sum that lost precision
+    over the vocabulary (or mishandled the blocks of the two-level search) would miss the last token's share."""
+    logits = torch.zeros(1, vocab)
+    logits[0, -1] = torch.log(torch.tensor(vocab - 1.0))  # p(last) = (V - 1) / (2 (V - 1)) = 0.5
+    logits[0, :100] = -float("inf")  # never drawn
+    tokens = torch.tensor(Sampler(seed=4)(logits.expand(4000, -1).contiguous(), _batch(4000)).token_ids)
+    assert tokens.min() >= 100
+    share = (tokens == vocab - 1).float().mean().item()
+    expected = (vocab - 1) / (2 * vocab - 2 - 100)
+    assert abs(share - expected) < 0.03, share
+    # Uniform: 4000 draws from `vocab` tokens hit ~3850 distinct ones, spread over each block's positions.
+    uniform = torch.tensor(Sampler(seed=5)(torch.zeros(4000, vocab), _batch(4000)).token_ids)
+    assert len(set(uniform.tolist())) > 3500
+    assert abs(uniform.float().mean().item() / (vocab - 1) - 0.5) < 0.03
 
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
