@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import tomllib
 
 import hpi_kernels
+from hpi_kernels.cpu._extension import _SOURCES
 
 
 def test_quant_and_reference_do_not_import_triton() -> None:
@@ -30,13 +35,6 @@ def test_public_api_resolves() -> None:
 def test_the_cpp_sources_and_every_header_they_include_ship_in_the_package() -> None:
     """The C++ kernels compile on the user's machine from the installed package (a plain `pip install ./kernels`,
     as Dockerfile.runtime does): each source and every local header it includes must match the package data."""
-    import fnmatch
-    import re
-    import tomllib
-    from pathlib import Path
-
-    from hpi_kernels.cpu._extension import _SOURCES
-
     package = Path(hpi_kernels.__file__).parent / "cpu"
     pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["hpi_kernels.cpu"]
