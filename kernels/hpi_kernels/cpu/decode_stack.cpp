@@ -9,8 +9,8 @@
 // through cached_paged_attention_cpu, the element-wise work in loops of its own.
 //
 // The layer is Llama's pre-norm block (the models/decoder.py DecoderLayer with DecoderAttention and GatedMLP,
-// SiLU-gated, no q/k norms or sandwich norms); sliding windows, soft-capped attention, partial rotation and
-// Gemma's unit-offset norms are parameters. The element-wise ops round where the eager model rounds (RMSNorm's
+// SiLU-gated, no sandwich norms); Qwen3's per-head q/k norms, sliding windows, soft-capped attention, partial
+// rotation and Gemma's unit-offset norms are parameters. The element-wise ops round where the eager model rounds (RMSNorm's
 // output before the weight scales it, SiLU's before the multiply, each residual sum), so the result is the
 // eager model's up to the order of RMSNorm's sum of squares.
 
@@ -79,6 +79,7 @@ struct Layer {
   at::Tensor input_norm, post_norm;  // [hidden] in the model's dtype
   Linear qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  at::Tensor q_norm, k_norm;    // [head_dim] per-head RMSNorm weights before RoPE (Qwen3), or undefined
   double scale = 1.0, logit_softcap = 0.0;
   int64_t sliding_window = 0;
 };
@@ -210,9 +211,10 @@ class DecodeStack : public torch::CustomClassHolder {
     pending_.push_back(std::move(linear));
   }
 
-  // A layer over the four linears added since the last one, with its two norms' weights and its KV cache.
+  // A layer over the four linears added since the last one, with its two norms' weights, its KV cache, and the
+  // per-head q and k norms' weights (Qwen3; empty tensors for none).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache, double scale,
-                 int64_t sliding_window, double logit_softcap) {
+                 int64_t sliding_window, double logit_softcap, at::Tensor q_norm, at::Tensor k_norm) {
     TORCH_CHECK_VALUE(pending_.size() == 4, "DecodeStack: add_layer needs the layer's four linears, got ",
                       pending_.size());
     TORCH_CHECK_VALUE(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes() && input_norm.is_contiguous() &&
@@ -226,7 +228,17 @@ class DecodeStack : public torch::CustomClassHolder {
                           input_norm.size(0) && pending_[3].out_features == input_norm.size(0) &&
                           pending_[2].out_features % 2 == 0,
                       "DecodeStack: the linears' widths do not fit the layer's heads and hidden size");
+    TORCH_CHECK_VALUE(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || (q_norm.dim() == 1 &&
+                          q_norm.size(0) == head_dim_ && q_norm.is_contiguous() && k_norm.is_contiguous() &&
+                          q_norm.scalar_type() == input_norm.scalar_type() &&
+                          k_norm.scalar_type() == input_norm.scalar_type())),
+                      "DecodeStack: q/k norm weights must both be empty or contiguous [", head_dim_,
+                      "] vectors in the model's dtype");
     Layer layer;
+    if (q_norm.numel() > 0) {
+      layer.q_norm = std::move(q_norm);
+      layer.k_norm = std::move(k_norm);
+    }
     layer.input_norm = std::move(input_norm);
     layer.post_norm = std::move(post_norm);
     layer.qkv = std::move(pending_[0]);
@@ -278,6 +290,21 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Each q head of each row of qkv normed in place with the layer's q norm, each k head with its k norm.
+  template <typename T>
+  void head_norms(T* qkv, int64_t rows, int64_t row_stride, const Layer& layer, float eps) const {
+    const T* q_weight = layer.q_norm.const_data_ptr<T>();
+    const T* k_weight = layer.k_norm.const_data_ptr<T>();
+    for_rows(rows, (num_heads_ + num_kv_heads_) * head_dim_, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t h = 0; h < num_heads_ + num_kv_heads_; ++h) {
+          T* head = qkv + r * row_stride + h * head_dim_;
+          rms_norm_row(head, h < num_heads_ ? q_weight : k_weight, head, head_dim_, eps, unit_offset_);
+        }
+      }
+    });
+  }
+
   template <typename T>
   void run(at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
            const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
@@ -300,6 +327,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const Layer& layer = layers_[i];
       at::Tensor qkv = layer.qkv(normed);
       TORCH_CHECK(qkv.is_contiguous(), "DecodeStack: qkv projection returned a strided tensor");
+      if (layer.q_norm.defined()) head_norms<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), layer, eps);
       rotate<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), num_heads_ + num_kv_heads_, head_dim_, rotary,
                 positions.const_data_ptr<int64_t>(), cos_.const_data_ptr<float>(), sin_.const_data_ptr<float>());
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});

@@ -9,10 +9,10 @@ the same linear and attention kernels the model calls, so its output is the eage
 round where the eager ones round).
 
 It takes the steps it was measured faster on: decode-only steps of at most `max_rows` tokens (every request one
-new token, no drafts); the rest (prefill chunks, speculative verification) run the compiled graph. A model
-takes it when every layer is the shared decoder's Llama-style block (models/decoder.py: DecoderAttention,
-GatedMLP with SiLU, no q/k norms or sandwich norms) on one tensor-parallel rank, without LoRA adapters or image
-inputs, its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its
+new token, no drafts); the rest (prefill chunks, speculative verification) run the compiled graph. A model takes
+it when every layer is the shared decoder's Llama-style block (models/decoder.py: DecoderAttention, with Qwen3's
+q/k norms or without, GatedMLP with SiLU, no sandwich norms) on one tensor-parallel rank, without LoRA adapters
+or image inputs, its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its
 attention on the C++ kernel; `unsupported_reason` says why not otherwise.
 """
 
@@ -65,13 +65,15 @@ def unsupported_reason(model: DecoderForCausalLM, dtype: torch.dtype, uses_cpu_k
     if decoder.sliding_rotary is not None or decoder.rotary.mrope_axis is not None:
         return "a second RoPE for sliding-window layers, or M-RoPE"
     for layer, _ in decoder._own:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention:
-            attention = type(getattr(layer, "self_attn", None)).__name__
-            return f"a {type(layer).__name__} with {attention} (the stack runs the shared DecoderAttention)"
+        attention = getattr(layer, "self_attn", None)
+        if type(layer) is not DecoderLayer or not isinstance(attention, DecoderAttention) or (
+                type(attention).forward is not DecoderAttention.forward):  # fmt: skip
+            return (f"a {type(layer).__name__} with {type(attention).__name__} (the stack runs the shared "
+                    "DecoderAttention's forward)")  # fmt: skip
         if type(layer.mlp) is not GatedMLP or layer.mlp.act_and_mul is not silu_and_mul:
             return f"a {type(layer.mlp).__name__} MLP that is not SiLU-gated"
-        if layer.self_attn.q_norm is not None or layer.pre_feedforward_layernorm is not None:
-            return "q/k norms or sandwich norms"
+        if layer.pre_feedforward_layernorm is not None:
+            return "sandwich norms"
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if isinstance(args := _linear_args(linear), str):
                 return args
@@ -92,8 +94,10 @@ def build_stack(model: DecoderForCausalLM) -> torch.ScriptObject:
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
             stack.add_linear(*_linear_args(linear))
         attn = attention.attn
+        head_norms = (_NONE, _NONE) if attention.q_norm is None else (attention.q_norm.weight, attention.k_norm.weight)
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache,
-                        attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0)  # fmt: skip
+                        attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0,
+                        *head_norms)  # fmt: skip
     if decoder.stage.is_last:
         stack.set_final_norm(decoder.norm.weight)
     return stack

@@ -59,8 +59,9 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1}, "none", True),  # q/k/v biases
         ("mistral", {"sliding_window": 6}, "none", True),
         ("phi3", {"partial_rotary_factor": 0.5}, "none", True),  # half of each head rotated
+        ("qwen3", {}, "none", True),  # per-head q/k norms (random weights)
     ],
-    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary"],
+    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
@@ -132,13 +133,14 @@ def test_hidden_states_are_the_eager_models(tiny_model_factory, dtype: torch.dty
 
 
 def test_models_it_cannot_run_say_why_and_decode_through_their_own_ops(tiny_model_factory) -> None:
-    qwen3 = tiny_model_factory("qwen3")
-    model, _ = _model(qwen3, torch.float32)
-    assert "Qwen3Attention" in unsupported_reason(model, torch.float32, True)
-    assert "attention" in unsupported_reason(_model(qwen3, torch.float32)[0], torch.float32, False)
-    runner = _runner(qwen3, torch.float32, 64)
+    gemma2 = tiny_model_factory("gemma2")
+    model, _ = _model(gemma2, torch.float32)
+    assert "not SiLU-gated" in unsupported_reason(model, torch.float32, True)  # GELU-tanh (and sandwich norms)
+    llama, _ = _model(tiny_model_factory("llama"), torch.float32)
+    assert "attention" in unsupported_reason(llama, torch.float32, False)
+    runner = _runner(gemma2, torch.float32, 64)
     assert runner.cpu_decode is None
-    assert _generate(runner, [4, 9], 5) == _generate(_runner(qwen3, torch.float32, 0), [4, 9], 5)
+    assert _generate(runner, [4, 9], 5) == _generate(_runner(gemma2, torch.float32, 0), [4, 9], 5)
 
 
 def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
@@ -157,7 +159,8 @@ def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
         stack.forward(hidden, positions, slots + 10**9, tables, starts, lens)
     with pytest.raises(ValueError, match="four linears"):
         build_stack(model).add_layer(*([model.model.norm.weight] * 2), model.attention_layers()[0].k_cache,
-                                     model.attention_layers()[0].v_cache, 1.0, 0, 0.0)  # fmt: skip
+                                     model.attention_layers()[0].v_cache, 1.0, 0, 0.0, torch.empty(0),
+                                     torch.empty(0))  # fmt: skip
 
 
 def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_model_dir: Path) -> None:
