@@ -77,9 +77,9 @@ class ExecutorConfig:
     # LoRA: device slots (distinct adapters per batch; 0: LoRA off) and the largest rank they hold.
     max_loras: int = 0
     max_lora_rank: int = 16
-    # CPU decode steps of up to this many tokens run as one C++ call for all layers (worker/cpu_decode.py) where
-    # the model allows it; 0: never.
-    cpu_decode_max_rows: int = 64
+    # CPU decode steps as one C++ call for all layers (worker/cpu_decode.py) where the model allows it: measured
+    # faster than the compiled step at every batch size tried (1-128 rows), so for every decode-only step.
+    cpu_decode_stack: bool = True
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -120,12 +120,13 @@ def graph_config(config: ExecutorConfig, device: torch.device) -> CudaGraphConfi
 
 
 def cpu_decode_rows(config: ExecutorConfig, device: torch.device) -> int:
-    """The most tokens of a decode step the runner's CPU DecodeStack runs (worker/cpu_decode.py); 0: none (asked
-    for, with --enforce-eager as well, or not a CPU device, or a vision-language model's image inputs). The runner
-    may still decline it for a model the stack cannot run (cpu_decode.unsupported_reason)."""
-    if config.enforce_eager or device.type != "cpu" or config.model_config.vision is not None:
+    """The most tokens of a decode step the runner's CPU DecodeStack runs (worker/cpu_decode.py): every decode-only
+    step (max_num_seqs); 0: none (turned off, --enforce-eager, not a CPU device, or a vision-language model's image
+    inputs). The runner may still decline it for a model the stack cannot run (cpu_decode.unsupported_reason)."""
+    image_inputs = config.model_config.vision is not None
+    if not config.cpu_decode_stack or config.enforce_eager or device.type != "cpu" or image_inputs:
         return 0
-    return config.cpu_decode_max_rows
+    return config.max_num_seqs  # the most decodes one step holds
 
 
 def _build_model(
