@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpi_runtime.worker.sampler import Sampler, SamplingBatch, mix_seed
+from bench.bench_sampler import filter_by_full_sort
+from hpi_runtime.worker.sampler import Sampler, SamplingBatch, apply_top_k_top_p_min_p, mix_seed
 
 VOCAB = 32
 
@@ -126,3 +127,23 @@ def test_banned_tokens_and_logprobs() -> None:
         torch.tensor([v for _, v in first.top], dtype=torch.float64), top_values, atol=1e-5, rtol=0
     )
     assert out.logprobs[1] is None and out.logprobs[2].top == ()
+
+
+def test_filters_over_a_large_vocabulary_keep_the_full_sorts_sets() -> None:
+    """Rows peaked (a nucleus of tens of tokens) and flat (one of thousands, past the first candidates), with
+    top-k below and above the first candidates, top-p, min-p, and none at all: the same kept tokens and values as
+    a full sort, and a row without filters keeps every logit."""
+    vocab, generator = 5000, torch.Generator().manual_seed(11)
+    scales = torch.tensor([8.0, 8.0, 0.3, 0.3, 8.0, 0.3, 1.0, 1.0, 0.05])
+    logits = torch.randn(len(scales), vocab, generator=generator) * scales[:, None]
+    top_k = torch.tensor([0, 40, 0, 700, 0, 0, 300, 0, 0])
+    top_p = torch.tensor([0.95, 0.9, 0.95, 0.8, 1.0, 1.0, 0.99, 1.0, 0.999])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.3, 0.0, 0.0, 0.0])
+    batch = _batch(len(scales), top_k=top_k, top_p=top_p, min_p=min_p)
+    got = apply_top_k_top_p_min_p(logits, batch)
+    expected = filter_by_full_sort(logits, batch)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+    kept = (~torch.isinf(got)).sum(dim=1).tolist()
+    assert kept[2] > 256 and kept[5] > 256 and kept[7] == vocab  # flat rows' sets reach past the first candidates
+    assert torch.equal(got[7], logits[7])
