@@ -116,7 +116,10 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_llama) -> None:
     llm = speculative_twin(tiny_llama, {**NGRAM, "disable_by_batch_size": num_draws})
     speculative = draws(llm)
     stats = llm.engine.get_stats()
-    assert stats.spec_num_accepted_tokens > 100 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    # About half the ~220 drafts are accepted (110 when this test runs alone); the draws depend on the shared
+    # generator's state, which the tests before it in a worker move: a quarter is 7 standard deviations below.
+    drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    assert drafts > 100 and drafts / 4 < accepted < drafts
     categories = sorted(set(plain) | set(speculative))
     assert len(categories) >= 3  # a real distribution, not a point mass
     table = [[plain[c] for c in categories], [speculative[c] for c in categories]]

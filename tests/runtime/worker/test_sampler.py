@@ -65,14 +65,14 @@ def test_a_large_vocabulary_is_sampled_in_proportion_to_the_end(vocab: int) -> N
     logits = torch.zeros(1, vocab)
     logits[0, -1] = torch.log(torch.tensor(vocab - 1.0))  # p(last) = (V - 1) / (2 (V - 1)) = 0.5
     logits[0, :100] = -float("inf")  # never drawn
-    tokens = torch.tensor(Sampler(seed=4)(logits.expand(4000, -1).contiguous(), _batch(4000)).token_ids)
+    tokens = torch.tensor(Sampler(seed=4)(logits.expand(1500, -1).contiguous(), _batch(1500)).token_ids)
     assert tokens.min() >= 100
     share = (tokens == vocab - 1).float().mean().item()
     expected = (vocab - 1) / (2 * vocab - 2 - 100)
     assert abs(share - expected) < 0.03, share
-    # Uniform: 4000 draws from `vocab` tokens hit ~3850 distinct ones, spread over each block's positions.
-    uniform = torch.tensor(Sampler(seed=5)(torch.zeros(4000, vocab), _batch(4000)).token_ids)
-    assert len(set(uniform.tolist())) > 3500
+    # Uniform: 1500 draws from `vocab` tokens hit ~1480 distinct ones, spread over each block's positions.
+    uniform = torch.tensor(Sampler(seed=5)(torch.zeros(1500, vocab), _batch(1500)).token_ids)
+    assert len(set(uniform.tolist())) > 1400
     assert abs(uniform.float().mean().item() / (vocab - 1) - 0.5) < 0.03
 
 
