@@ -8,9 +8,10 @@
 // calls (packed fp32/bf16 panels, int8 and int4 panels, or at::linear for weights left unpacked), attention
 // through cached_paged_attention_cpu, the element-wise work in loops of its own.
 //
-// The layer is Llama's pre-norm block (the models/decoder.py DecoderLayer with DecoderAttention and GatedMLP,
-// SiLU-gated, no sandwich norms); Qwen3's per-head q/k norms, sliding windows, soft-capped attention, partial
-// rotation and Gemma's unit-offset norms are parameters. The element-wise ops round where the eager model rounds (RMSNorm's
+// The layer is the models/decoder.py DecoderLayer with DecoderAttention and GatedMLP: Llama's pre-norm block, with
+// what the other dense families set on it as parameters: Qwen3's per-head q/k norms, Gemma's sandwich norms,
+// unit-offset norms, GELU gates and second RoPE table for sliding-window layers, sliding windows, soft-capped
+// attention and partial rotation. The element-wise ops round where the eager model rounds (RMSNorm's
 // output before the weight scales it, SiLU's before the multiply, each residual sum), so the result is the
 // eager model's up to the order of RMSNorm's sum of squares.
 
@@ -27,6 +28,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -75,13 +77,18 @@ struct Linear {
   }
 };
 
+// The gate's activation in GatedMLP (models/layers.py GATED_ACTIVATIONS).
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
 struct Layer {
-  at::Tensor input_norm, post_norm;  // [hidden] in the model's dtype
+  at::Tensor input_norm, post_norm;  // [hidden] in the model's dtype (post_norm: post_attention_layernorm)
+  at::Tensor pre_ff_norm, post_ff_norm;  // Gemma's sandwich norms around the MLP, or undefined
   Linear qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
   at::Tensor q_norm, k_norm;    // [head_dim] per-head RMSNorm weights before RoPE (Qwen3), or undefined
   double scale = 1.0, logit_softcap = 0.0;
   int64_t sliding_window = 0;
+  bool sliding_rope = false;  // RoPE from the stack's sliding-window table (Gemma 3's local layers)
 };
 
 // fn(begin, end) over rows 0..rows, on one thread unless the rows hold enough elements to split.
@@ -153,28 +160,44 @@ void rotate(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t hea
   });
 }
 
-// out[r] = silu(gate[r]) * up[r], gate_up[r] = [gate | up]; SiLU's output rounded to T before the multiply.
+inline Vec activate(const Vec& x, int64_t activation) {
+  switch (activation) {
+    case kGeluTanh: {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh")
+      const Vec inner = Vec(0.7978845608028654f) * (x + Vec(0.044715f) * x * x * x);
+      return Vec(0.5f) * x * (Vec(1.f) + inner.tanh());
+    }
+    case kGelu: return Vec(0.5f) * x * (Vec(1.f) + (x * Vec(0.7071067811865476f)).erf());
+    default: return x / (Vec(1.f) + x.neg().exp());
+  }
+}
+
+// out[r] = act(gate[r]) * up[r], gate_up[r] = [gate | up]; the activation's output rounded to T before the
+// multiply, as the eager ops round it.
 template <typename T>
-void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+void gated_activation(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t activation) {
   for_rows(rows, 2 * n, [&](int64_t r0, int64_t r1) {
+    float gate[kVecSize], act[kVecSize];
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gate_up + r * 2 * n;
       const T* u = g + n;
       T* o = out + r * n;
-      int64_t j = 0;
-      for (; j + kVecSize <= n; j += kVecSize) {
-        const Vec x = load_float(g + j);
-        float silu[kVecSize];
-        (x / (Vec(1.f) + x.neg().exp())).store(silu);
-        for (int64_t i = 0; i < kVecSize; ++i) {
-          o[j + i] = round_to<T>(static_cast<float>(round_to<T>(silu[i])) * static_cast<float>(u[j + i]));
+      for (int64_t j = 0; j < n; j += kVecSize) {
+        const int64_t count = std::min<int64_t>(kVecSize, n - j);
+        for (int64_t i = 0; i < count; ++i) gate[i] = static_cast<float>(g[j + i]);
+        activate(Vec::loadu(gate, count), activation).store(act, count);
+        for (int64_t i = 0; i < count; ++i) {
+          o[j + i] = round_to<T>(static_cast<float>(round_to<T>(act[i])) * static_cast<float>(u[j + i]));
         }
       }
-      for (; j < n; ++j) {
-        const float x = static_cast<float>(g[j]);
-        o[j] = round_to<T>(static_cast<float>(round_to<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[j]));
-      }
     }
+  });
+}
+
+// Each row of x [rows, n] normed in place (Gemma's norms of the attention's and the MLP's outputs).
+template <typename T>
+void norm_rows(T* x, const T* weight, int64_t rows, int64_t n, float eps, bool unit_offset) {
+  for_rows(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * n, weight, x + r * n, n, eps, unit_offset);
   });
 }
 
@@ -211,10 +234,10 @@ class DecodeStack : public torch::CustomClassHolder {
     pending_.push_back(std::move(linear));
   }
 
-  // A layer over the four linears added since the last one, with its two norms' weights, its KV cache, and the
-  // per-head q and k norms' weights (Qwen3; empty tensors for none).
+  // A layer over the four linears added since the last one, with its input and post-attention norms' weights and
+  // its KV cache. The set_* methods below add what some families have to the layer added last.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache, double scale,
-                 int64_t sliding_window, double logit_softcap, at::Tensor q_norm, at::Tensor k_norm) {
+                 int64_t sliding_window, double logit_softcap) {
     TORCH_CHECK_VALUE(pending_.size() == 4, "DecodeStack: add_layer needs the layer's four linears, got ",
                       pending_.size());
     TORCH_CHECK_VALUE(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes() && input_norm.is_contiguous() &&
@@ -228,17 +251,7 @@ class DecodeStack : public torch::CustomClassHolder {
                           input_norm.size(0) && pending_[3].out_features == input_norm.size(0) &&
                           pending_[2].out_features % 2 == 0,
                       "DecodeStack: the linears' widths do not fit the layer's heads and hidden size");
-    TORCH_CHECK_VALUE(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || (q_norm.dim() == 1 &&
-                          q_norm.size(0) == head_dim_ && q_norm.is_contiguous() && k_norm.is_contiguous() &&
-                          q_norm.scalar_type() == input_norm.scalar_type() &&
-                          k_norm.scalar_type() == input_norm.scalar_type())),
-                      "DecodeStack: q/k norm weights must both be empty or contiguous [", head_dim_,
-                      "] vectors in the model's dtype");
     Layer layer;
-    if (q_norm.numel() > 0) {
-      layer.q_norm = std::move(q_norm);
-      layer.k_norm = std::move(k_norm);
-    }
     layer.input_norm = std::move(input_norm);
     layer.post_norm = std::move(post_norm);
     layer.qkv = std::move(pending_[0]);
@@ -252,6 +265,43 @@ class DecodeStack : public torch::CustomClassHolder {
     layer.logit_softcap = logit_softcap;
     pending_.clear();
     layers_.push_back(std::move(layer));
+  }
+
+  // Qwen3: an RMSNorm over each q head and each k head before RoPE.
+  void set_head_norms(at::Tensor q_norm, at::Tensor k_norm) {
+    check_vector(q_norm, head_dim_, "q_norm");
+    check_vector(k_norm, head_dim_, "k_norm");
+    last_layer().q_norm = std::move(q_norm);
+    last_layer().k_norm = std::move(k_norm);
+  }
+
+  // Gemma 2/3: the attention's output normed before the residual add (with the post-attention norm), the MLP's
+  // input by pre_ff and its output by post_ff before theirs.
+  void set_sandwich_norms(at::Tensor pre_ff, at::Tensor post_ff) {
+    const int64_t n = last_layer().input_norm.size(0);
+    check_vector(pre_ff, n, "pre_feedforward_layernorm");
+    check_vector(post_ff, n, "post_feedforward_layernorm");
+    last_layer().pre_ff_norm = std::move(pre_ff);
+    last_layer().post_ff_norm = std::move(post_ff);
+  }
+
+  // Gemma 3: the RoPE table of the sliding-window layers (same shape as the global one), and the layers taking it.
+  void set_sliding_rope(at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK_VALUE(cos.sizes() == cos_.sizes() && sin.sizes() == sin_.sizes() && cos.scalar_type() == at::kFloat &&
+                          sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+                      "DecodeStack: the sliding-window RoPE table must have the global one's shape, fp32");
+    sliding_cos_ = std::move(cos);
+    sliding_sin_ = std::move(sin);
+  }
+  void use_sliding_rope() {
+    TORCH_CHECK_VALUE(sliding_cos_.defined(), "DecodeStack: set_sliding_rope first");
+    last_layer().sliding_rope = true;
+  }
+
+  // The gate's activation of every layer's MLP (Activation; SiLU by default).
+  void set_activation(int64_t activation) {
+    TORCH_CHECK_VALUE(activation >= kSilu && activation <= kGelu, "DecodeStack: unknown activation ", activation);
+    activation_ = activation;
   }
 
   // The final RMSNorm of the last pipeline stage, applied after the layers (none: the stage's raw output).
@@ -290,6 +340,17 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  Layer& last_layer() {
+    TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: add_layer first");
+    return layers_.back();
+  }
+
+  void check_vector(const at::Tensor& t, int64_t n, const char* name) const {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.is_contiguous() && !layers_.empty() &&
+                          t.scalar_type() == layers_.back().input_norm.scalar_type(),
+                      "DecodeStack: ", name, " must be a contiguous [", n, "] vector in the model's dtype");
+  }
+
   // Each q head of each row of qkv normed in place with the layer's q norm, each k head with its k norm.
   template <typename T>
   void head_norms(T* qkv, int64_t rows, int64_t row_stride, const Layer& layer, float eps) const {
@@ -328,8 +389,10 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor qkv = layer.qkv(normed);
       TORCH_CHECK(qkv.is_contiguous(), "DecodeStack: qkv projection returned a strided tensor");
       if (layer.q_norm.defined()) head_norms<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), layer, eps);
+      const at::Tensor& cos = layer.sliding_rope ? sliding_cos_ : cos_;
+      const at::Tensor& sin = layer.sliding_rope ? sliding_sin_ : sin_;
       rotate<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), num_heads_ + num_kv_heads_, head_dim_, rotary,
-                positions.const_data_ptr<int64_t>(), cos_.const_data_ptr<float>(), sin_.const_data_ptr<float>());
+                positions.const_data_ptr<int64_t>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>());
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
       const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
@@ -337,13 +400,19 @@ class DecodeStack : public torch::CustomClassHolder {
           attention.call(q, k, v, layer.k_cache, layer.v_cache, slot_mapping, block_tables, query_start_loc,
                          context_lens, layer.scale, layer.sliding_window, layer.logit_softcap);
       const at::Tensor o = layer.o(attended.view({rows, q_size})).contiguous();
-      add_and_norm<T>(h, o.const_data_ptr<T>(), layer.post_norm.const_data_ptr<T>(), normed.mutable_data_ptr<T>(),
-                      rows, n, eps, unit_offset_);
+      const bool sandwich = layer.pre_ff_norm.defined();
+      if (sandwich) norm_rows(o.mutable_data_ptr<T>(), layer.post_norm.const_data_ptr<T>(), rows, n, eps, unit_offset_);
+      const at::Tensor& mlp_norm = sandwich ? layer.pre_ff_norm : layer.post_norm;
+      add_and_norm<T>(h, o.const_data_ptr<T>(), mlp_norm.const_data_ptr<T>(), normed.mutable_data_ptr<T>(), rows, n,
+                      eps, unit_offset_);
       const at::Tensor gate_up = layer.gate_up(normed).contiguous();
       const int64_t inner = gate_up.size(1) / 2;
       at::Tensor act = at::empty({rows, inner}, x.options());
-      silu_and_mul<T>(gate_up.const_data_ptr<T>(), act.mutable_data_ptr<T>(), rows, inner);
+      gated_activation<T>(gate_up.const_data_ptr<T>(), act.mutable_data_ptr<T>(), rows, inner, activation_);
       const at::Tensor down = layer.down(act).contiguous();
+      if (sandwich) {
+        norm_rows(down.mutable_data_ptr<T>(), layer.post_ff_norm.const_data_ptr<T>(), rows, n, eps, unit_offset_);
+      }
       const bool last = i + 1 == layers_.size();
       const at::Tensor* next_norm = last ? (final_norm_.has_value() ? &*final_norm_ : nullptr)
                                          : &layers_[i + 1].input_norm;
@@ -357,6 +426,8 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_;
   bool unit_offset_;
   at::Tensor cos_, sin_;
+  at::Tensor sliding_cos_, sliding_sin_;  // Gemma 3's local layers' RoPE table, or undefined
+  int64_t activation_ = kSilu;
   std::optional<at::Tensor> final_norm_;
   std::vector<Linear> pending_;
   std::vector<Layer> layers_;
@@ -369,6 +440,11 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_linear", &DecodeStack::add_linear)
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_head_norms", &DecodeStack::set_head_norms)
+      .def("set_sandwich_norms", &DecodeStack::set_sandwich_norms)
+      .def("set_sliding_rope", &DecodeStack::set_sliding_rope)
+      .def("use_sliding_rope", &DecodeStack::use_sliding_rope)
+      .def("set_activation", &DecodeStack::set_activation)
       .def("set_final_norm", &DecodeStack::set_final_norm)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);

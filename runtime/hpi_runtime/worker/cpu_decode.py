@@ -8,10 +8,10 @@ and KV caches (registered once, after loading, packing and warm-up) and runs a s
 the same linear and attention kernels the model calls, so its output is the eager model's (the element-wise ops
 round where the eager ones round).
 
-It takes the steps it was measured faster on: decode-only steps of at most `max_rows` tokens (every request one
-new token, no drafts); the rest (prefill chunks, speculative verification) run the compiled graph. A model takes
-it when every layer is the shared decoder's Llama-style block (models/decoder.py: DecoderAttention, with Qwen3's
-q/k norms or without, GatedMLP with SiLU, no sandwich norms) on one tensor-parallel rank, without LoRA adapters
+It takes the steps it was measured faster on: decode-only steps (every request one new token, no drafts); the
+rest (prefill chunks, speculative verification) run the compiled graph. A model takes it when every layer is the
+shared decoder's block (models/decoder.py: DecoderAttention, with Qwen3's q/k norms or without; GatedMLP with SiLU
+or GELU gates; Gemma's sandwich norms and second RoPE or not) on one tensor-parallel rank, without LoRA adapters
 or image inputs, its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its
 attention on the C++ kernel; `unsupported_reason` says why not otherwise.
 """
@@ -24,12 +24,14 @@ from torch import nn
 from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime.attention.op import PagedAttentionInputs
 from hpi_runtime.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP
-from hpi_runtime.models.layers import silu_and_mul
+from hpi_runtime.models.layers import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from hpi_runtime.models.linear import LinearBase
 from hpi_runtime.quantization.linear import QuantizedLinear
 
 # LinearKind in decode_stack.cpp
 _UNPACKED, _PACKED, _INT8, _INT4 = 0, 1, 2, 3
+# Activation in decode_stack.cpp, by GatedMLP's gate function
+_ACTIVATIONS = {silu_and_mul: 0, gelu_tanh_and_mul: 1, gelu_and_mul: 2}
 _NONE = torch.empty(0)
 
 
@@ -62,18 +64,16 @@ def unsupported_reason(model: DecoderForCausalLM, dtype: torch.dtype, uses_cpu_k
     decoder = model.model
     if decoder.tp.size > 1:
         return "tensor parallelism (the layers' all-reduces run between their ops)"
-    if decoder.sliding_rotary is not None or decoder.rotary.mrope_axis is not None:
-        return "a second RoPE for sliding-window layers, or M-RoPE"
+    if decoder.rotary.mrope_axis is not None:
+        return "M-RoPE (positions per axis)"
     for layer, _ in decoder._own:
         attention = getattr(layer, "self_attn", None)
         if type(layer) is not DecoderLayer or not isinstance(attention, DecoderAttention) or (
                 type(attention).forward is not DecoderAttention.forward):  # fmt: skip
             return (f"a {type(layer).__name__} with {type(attention).__name__} (the stack runs the shared "
                     "DecoderAttention's forward)")  # fmt: skip
-        if type(layer.mlp) is not GatedMLP or layer.mlp.act_and_mul is not silu_and_mul:
-            return f"a {type(layer.mlp).__name__} MLP that is not SiLU-gated"
-        if layer.pre_feedforward_layernorm is not None:
-            return "sandwich norms"
+        if type(layer.mlp) is not GatedMLP or layer.mlp.act_and_mul not in _ACTIVATIONS:
+            return f"a {type(layer.mlp).__name__} MLP (the stack runs GatedMLP with SiLU or GELU gates)"
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if isinstance(args := _linear_args(linear), str):
                 return args
@@ -84,20 +84,28 @@ def build_stack(model: DecoderForCausalLM) -> torch.ScriptObject:
     """A DecodeStack over this stage's layers (unsupported_reason must have said None), with the final norm on
     the last stage."""
     decoder, config = model.model, model.config
-    first = next(layer for layer, _ in decoder._own).self_attn
+    first_layer = next(layer for layer, _ in decoder._own)
+    first, first_mlp = first_layer.self_attn, first_layer.mlp
     stack = torch.classes.hpi_kernels.DecodeStack(
         first.num_heads, first.num_kv_heads, first.head_dim, config.rms_norm_eps, config.norm_unit_offset,
         decoder.rotary.cos.contiguous(), decoder.rotary.sin.contiguous(),
     )  # fmt: skip
-    for layer, _ in decoder._own:
+    stack.set_activation(_ACTIVATIONS[first_mlp.act_and_mul])
+    if decoder.sliding_rotary is not None:
+        stack.set_sliding_rope(decoder.sliding_rotary.cos.contiguous(), decoder.sliding_rotary.sin.contiguous())
+    for layer, uses_sliding_rope in decoder._own:
         attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
             stack.add_linear(*_linear_args(linear))
         attn = attention.attn
-        head_norms = (_NONE, _NONE) if attention.q_norm is None else (attention.q_norm.weight, attention.k_norm.weight)
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache,
-                        attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0,
-                        *head_norms)  # fmt: skip
+                        attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0)  # fmt: skip
+        if attention.q_norm is not None:
+            stack.set_head_norms(attention.q_norm.weight, attention.k_norm.weight)
+        if layer.pre_feedforward_layernorm is not None:
+            stack.set_sandwich_norms(layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+        if uses_sliding_rope:
+            stack.use_sliding_rope()
     if decoder.stage.is_last:
         stack.set_final_norm(decoder.norm.weight)
     return stack

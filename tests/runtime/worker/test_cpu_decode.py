@@ -60,8 +60,11 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("mistral", {"sliding_window": 6}, "none", True),
         ("phi3", {"partial_rotary_factor": 0.5}, "none", True),  # half of each head rotated
         ("qwen3", {}, "none", True),  # per-head q/k norms (random weights)
+        ("gemma2", {}, "none", True),  # sandwich norms, GELU-tanh, soft-caps, alternating windows, unit offsets
+        ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
-    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm"],
+    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm",
+         "gemma2", "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
@@ -99,14 +102,24 @@ def _decode_inputs(num_reqs: int, context: int, generator: torch.Generator) -> t
     return input_ids, positions, slot_mapping, block_tables, query_start_loc, context_lens
 
 
+HIDDEN_STATE_MODELS = {  # arch, config overrides, attention soft-cap set on every layer afterwards
+    "mistral-window-softcap": ("mistral", {"sliding_window": 5, "num_layers": 3}, 4.0),
+    # sandwich norms, GELU-tanh, unit-offset norms, its own soft-caps and query scale, alternating windows
+    "gemma2": ("gemma2", {"sliding_window": 5, "num_layers": 3}, None),
+    # and the sliding-window layers' own RoPE table (layer 5 of 6 global)
+    "gemma3": ("gemma3", {"sliding_window": 5, "num_layers": 6, "rope_local_base_freq": 100.0}, None),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_reqs", [1, 7, 40])  # 40 x 64 elements: the element-wise loops split over threads
-def test_hidden_states_are_the_eager_models(tiny_model_factory, dtype: torch.dtype, num_reqs: int) -> None:
-    """The stack's output and KV writes against the eager forward over the same caches: a soft-capped,
-    sliding-window model (Mistral's layer with Gemma 2's attention cap set on it), random caches."""
-    model, _ = _model(tiny_model_factory("mistral", sliding_window=5, num_layers=3), dtype)
+@pytest.mark.parametrize("name", list(HIDDEN_STATE_MODELS))
+def test_hidden_states_are_the_eager_models(tiny_model_factory, name: str, dtype: torch.dtype, num_reqs: int) -> None:
+    """The stack's output and KV writes against the eager forward over the same random caches."""
+    arch, overrides, softcap = HIDDEN_STATE_MODELS[name]
+    model, _ = _model(tiny_model_factory(arch, **overrides), dtype)
     for attn in model.attention_layers():
-        attn.logit_softcap = 4.0
+        attn.logit_softcap = softcap or attn.logit_softcap
     assert unsupported_reason(model, dtype, True) is None
     generator = torch.Generator().manual_seed(num_reqs)
     caches = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
@@ -133,14 +146,14 @@ def test_hidden_states_are_the_eager_models(tiny_model_factory, dtype: torch.dty
 
 
 def test_models_it_cannot_run_say_why_and_decode_through_their_own_ops(tiny_model_factory) -> None:
-    gemma2 = tiny_model_factory("gemma2")
-    model, _ = _model(gemma2, torch.float32)
-    assert "not SiLU-gated" in unsupported_reason(model, torch.float32, True)  # GELU-tanh (and sandwich norms)
+    mixtral = tiny_model_factory("mixtral")
+    model, _ = _model(mixtral, torch.float32)
+    assert "MLP" in unsupported_reason(model, torch.float32, True)  # Mixture-of-Experts
     llama, _ = _model(tiny_model_factory("llama"), torch.float32)
     assert "attention" in unsupported_reason(llama, torch.float32, False)
-    runner = _runner(gemma2, torch.float32, 64)
+    runner = _runner(mixtral, torch.float32, 64)
     assert runner.cpu_decode is None
-    assert _generate(runner, [4, 9], 5) == _generate(_runner(gemma2, torch.float32, 0), [4, 9], 5)
+    assert _generate(runner, [4, 9], 5) == _generate(_runner(mixtral, torch.float32, 0), [4, 9], 5)
 
 
 def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
@@ -159,8 +172,9 @@ def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
         stack.forward(hidden, positions, slots + 10**9, tables, starts, lens)
     with pytest.raises(ValueError, match="four linears"):
         build_stack(model).add_layer(*([model.model.norm.weight] * 2), model.attention_layers()[0].k_cache,
-                                     model.attention_layers()[0].v_cache, 1.0, 0, 0.0, torch.empty(0),
-                                     torch.empty(0))  # fmt: skip
+                                     model.attention_layers()[0].v_cache, 1.0, 0, 0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="q_norm must be"):
+        stack.set_head_norms(torch.ones(7), torch.ones(7))
 
 
 def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_model_dir: Path) -> None:
