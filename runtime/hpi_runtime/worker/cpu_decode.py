@@ -66,6 +66,8 @@ def unsupported_reason(model: DecoderForCausalLM, dtype: torch.dtype, uses_cpu_k
         return "tensor parallelism (the layers' all-reduces run between their ops)"
     if decoder.rotary.mrope_axis is not None:
         return "M-RoPE (positions per axis)"
+    if not decoder._own:
+        return "no decoder layers on this pipeline stage"
     for layer, _ in decoder._own:
         attention = getattr(layer, "self_attn", None)
         if type(layer) is not DecoderLayer or not isinstance(attention, DecoderAttention) or (
