@@ -12,22 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.report import machine_description
+from bench.report import machine_description, ms_per_call
 from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear, packed_logits
 
 VOCAB, HIDDEN = 49152, 576
-
-
-def _median_ms(call, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main() -> None:
@@ -49,7 +41,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(args.rounds):
             for name, call in ways.items():
-                times[name].append(_median_ms(call, args.calls))
+                times[name].append(ms_per_call(call, args.calls))
         medians = {name: statistics.median(t) for name, t in times.items()}
         ratio = medians["fp32"] / medians["rounded"]
         rows_out.append({"rows": rows, "rounded_ms": medians["rounded"], "fp32_ms": medians["fp32"], "ratio": ratio})

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.report import machine_description
+from bench.report import machine_description, ms_per_call
 from hpi_runtime.worker.sampler import SamplingBatch, _draw, apply_top_k_top_p_min_p
 
 VOCAB = 49152
@@ -56,15 +55,8 @@ def _timed(ways: dict, rounds: int, calls: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, call in ways.items():
-            times[name].append(_ms_per_call(call, calls))
+            times[name].append(ms_per_call(call, calls))
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _ms_per_call(call, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main() -> None:

@@ -48,6 +48,14 @@ def machine_description(llama_python: Path | None = None) -> dict:
     }
 
 
+def ms_per_call(call, calls: int) -> float:
+    """Milliseconds per call of `call`, over `calls` calls back to back (microbenchmarks time a few in turn)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
 def _ms(value) -> str:
     return "-" if value is None else (f"{value:.0f}" if value >= 10 else f"{value:.1f}")
 

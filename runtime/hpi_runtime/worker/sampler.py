@@ -105,8 +105,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     out = logits.clone()
     full_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     pending = filtered.nonzero().squeeze(1)
-    k = min(vocab, _FILTER_CANDIDATES)
-    while pending.numel():
+    for k in sorted({min(vocab, _FILTER_CANDIDATES), vocab}):  # the candidates, then the whole vocabulary
+        if not pending.numel():
+            break
         row_k, top_p, min_p = top_k[pending], batch.top_p[pending], batch.min_p[pending]
         rows_logits = logits[pending]
         values, ids = rows_logits.sort(dim=-1, descending=True) if k == vocab else rows_logits.topk(k, dim=-1)
@@ -119,18 +120,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
         outside_top_p[:, 0] = False
         below_min_p = probs < min_p[:, None] * probs[:, :1]
         kept = values.masked_fill(outside_top_p | below_min_p, float("-inf"))
-        # Every token past the k best is outside some filter: past top-k, or the mass before it reaches top-p, or
-        # its probability is below the k-th's, which is below min-p.
-        # (A top-k past the k best is not covered: its set's normaliser is not among them.)
+        # A row is done when every token past the k best is outside some filter: past top-k, or the mass before it
+        # reaches top-p, or its probability is below the k-th's, which is below min-p. (A top-k past the k best is
+        # not done: its set's normaliser is not among them.) The whole vocabulary finishes every row.
         whole_row = row_k == vocab
-        covered = (row_k <= k) | (whole_row & ((mass[:, -1] >= top_p) | (probs[:, -1] < min_p * probs[:, 0])))
-        if k == vocab:
-            covered[:] = True
-        rows = pending[covered]
+        done = (row_k <= k) | (whole_row & ((mass[:, -1] >= top_p) | (probs[:, -1] < min_p * probs[:, 0])))
+        rows = pending[done]
         masked = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
-        out[rows] = masked.scatter_(1, ids[covered], kept[covered])
-        pending = pending[~covered]
-        k = vocab
+        out[rows] = masked.scatter_(1, ids[done], kept[done])
+        pending = pending[~done]
     return out
 
 
@@ -177,7 +175,7 @@ def _draw(probs: torch.Tensor, seeds: tuple[int | None, ...], generator: torch.G
     # The block's own sum may differ from its share of block_cdf in the last bits: clamp as above.
     offset = torch.minimum(torch.searchsorted(inside_cdf, target - before, right=True),
                            _last_positive(inside_cdf, inside_total))  # fmt: skip
-    return (columns.gather(1, offset)).squeeze(1)
+    return columns.gather(1, offset).squeeze(1)
 
 
 def logprobs_of(
