@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hpi_kernels.cpu import (
+    int4_a8_linear,
+    int4_a8_tile,
     int4_linear,
     int8_linear,
     int8_logits,
@@ -110,6 +112,74 @@ def test_int4_matches_the_fp64_reference(forced_bf16_tile: str, out_features: in
                _reference(x, dequantized, bias))  # fmt: skip
 
 
+def _int8_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's x as the kernel quantizes it: per row and group, scale = max|x| / 127 and codes = round(x * (127 /
+    max|x|)) in fp32, ties to even (torch.round). Returns (codes, scales) as [M, K] and [M, K / group_size]."""
+    groups = x.float().reshape(x.shape[0], -1, group_size)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # A true division: `127 / amax` would be amax.reciprocal() * 127 in torch, rounded differently.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    return torch.round(groups * inverse).reshape(x.shape), (amax / 127).squeeze(-1)
+
+
+def _a8_reference(x: torch.Tensor, quantized, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp64: sum over groups of x_scale * codes . (q - 8) * scale, plus zero * the exact sum of x."""
+    qweight, scales, zeros = quantized
+    codes, x_scales = _int8_groups(x, group_size)
+    x_hat = (codes.double().reshape(x.shape[0], -1, group_size) * x_scales.double()[..., None]).reshape(x.shape)
+    zero_part = zeros.double().repeat_interleave(group_size, dim=1)
+    weight = dequantize_int4(qweight, scales, zeros, group_size).double() - zero_part
+    out = x_hat @ weight.T + x.double() @ zero_part.T
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int4_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int, in_features: int, group_size: int,
+                                                               dtype: torch.dtype) -> None:  # fmt: skip
+    """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 and generic builds' child runs take the portable one)
+    is exactly the integer dot products of x's int8 codes: within fp32's tolerance of the fp64 reference over x
+    quantized the same way. Prefill-sized x (321 rows) takes the dequantized GEMM over x as it is."""
+    quantized, dequantized = _int4(out_features, in_features, group_size)
+    packed, scales_zeros = pack_int4_weight(*quantized, group_size)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        expected = _reference(x, dequantized, bias) if rows > 320 else _a8_reference(x, quantized, group_size, bias)
+        _check(int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias), expected)
+    x = torch.randn(7, in_features).to(dtype)
+    _check(int4_a8_linear(x, packed, scales_zeros, group_size, out_features),
+           _a8_reference(x, quantized, group_size, None))  # fmt: skip
+
+
+def test_int4_a8_quantizes_each_group_apart() -> None:
+    """Each group of k has its own scale: a 1000x outlier in group 0 leaves the other groups' result as it is
+    without it (the output splits into the two parts exactly), and the rounding of x costs under 1% elsewhere.
+    Rows of zeros give the bias."""
+    quantized, _ = _int4(64, 128, 32)
+    packed, scales_zeros = pack_int4_weight(*quantized, 32)
+
+    def a8(rows: torch.Tensor) -> torch.Tensor:
+        return int4_a8_linear(rows, packed, scales_zeros, 32, 64)
+
+    x = torch.randn(3, 128)
+    x[0, 3] = 1000.0
+    first, rest = torch.zeros_like(x), x.clone()
+    first[:, :32], rest[:, :32] = x[:, :32], 0
+    torch.testing.assert_close(a8(x), a8(first) + a8(rest), atol=1e-3, rtol=1e-5)
+    exact = int4_linear(rest, packed, scales_zeros, 32, 64)
+    assert 0 < (a8(rest) - exact).norm() < 0.01 * exact.norm()
+    bias = torch.randn(64)
+    assert torch.equal(int4_a8_linear(torch.zeros(3, 128), packed, scales_zeros, 32, 64, bias), bias.expand(3, 64))
+
+
+def test_int4_a8_tile_names_this_cpus_path() -> None:
+    flags = open("/proc/cpuinfo").read() if torch.backends.cpu.get_cpu_capability() == "AVX512" else ""
+    expected = "vnni" if "avx512_vnni" in flags else "portable"
+    assert int4_a8_tile() == expected
+
+
 def test_bf16_prefill_with_either_gemm(forced_prefill_gemm: str) -> None:
     """Prefill-sized bf16 x over the dequantized weight, with each GEMM forced (both run on any machine): the
     bf16 GEMM reads the dequantized weight rounded to bf16, the fp32 one as it is."""
@@ -162,7 +232,8 @@ def test_a_rows_result_does_not_depend_on_the_batch(forced_bf16_tile: str, dtype
     (qweight, scales), _ = _int8(96, 128)
     (q4, s4, z4), _ = _int4(96, 128, 32)
     ops = [lambda rows, p=pack_int8_weight(qweight, scales): int8_linear(rows, *p, 96),
-           lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_linear(rows, p[0], p[1], 32, 96)]  # fmt: skip
+           lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_linear(rows, p[0], p[1], 32, 96),
+           lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_a8_linear(rows, p[0], p[1], 32, 96)]  # fmt: skip
     for op in ops:
         alone = torch.cat([op(x[i : i + 1]) for i in range(64)])
         assert torch.equal(op(x), alone)
@@ -196,6 +267,10 @@ def test_bad_arguments_raise_value_error() -> None:
         int4_linear(torch.randn(2, 96), packed4, scales_zeros, 96, 64)  # another group size than packed
     with pytest.raises(ValueError, match="bias must be Float"):
         int4_linear(torch.randn(2, 96), packed4, scales_zeros, 32, 64, torch.randn(64).bfloat16())
+    with pytest.raises(ValueError, match="int4_a8_linear: scales_zeros must be the bfloat16"):
+        int4_a8_linear(torch.randn(2, 96), packed4, scales_zeros, 96, 64)
+    with pytest.raises(ValueError, match="int4_a8_linear: x has 95 features"):
+        int4_a8_linear(torch.randn(2, 95), packed4, scales_zeros, 32, 64)
 
 
 def test_op_schemas_and_fake_kernels() -> None:
@@ -212,3 +287,6 @@ def test_op_schemas_and_fake_kernels() -> None:
                           (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64))  # fmt: skip
     torch.library.opcheck(int4_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
     torch.library.opcheck(int4_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))
+    a8_op = torch.ops.hpi_kernels.int4_a8_linear.default
+    torch.library.opcheck(a8_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
+    torch.library.opcheck(a8_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))

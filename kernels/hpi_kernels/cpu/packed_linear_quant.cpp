@@ -23,6 +23,7 @@
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
 // plain loops in the generic one; the vdpbf16ps tiles exist in the AVX512 build only.
 
+#include "cpu_vec.h"
 #include "packed_linear.h"
 
 #include <ATen/Parallel.h>
@@ -39,6 +40,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +53,7 @@
 namespace {
 
 using namespace hpi_packed;
+using hpi_vec::load_float;
 using IVec = at::vec::Vectorized<int32_t>;
 static_assert(kNrVecs == 2, "a panel row is two vectors: int4's low and high nibbles of one run of bytes");
 constexpr int64_t kMaxTileRows = 320;           // more rows (prefill): dequantize and call at::mm,
@@ -459,6 +462,211 @@ std::vector<float> group_sums(const at::Tensor& a, int64_t group_size) {
   return sums;
 }
 
+// W4A8 (int4_a8_linear): x quantized to int8 per row and group of k, as llama.cpp's Q4_0 x Q8_0 dot products do,
+// so that int8 x int4 products are summed exactly in int32, four per 32-bit lane and instruction (vpdpbusd on
+// CPUs with AVX512-VNNI), where the float tiles multiply-add two (vdpbf16ps) or one (FMA). Per row and group:
+// scale = max|x| / 127, codes = round(x / scale) (to nearest, ties to even); a group's dot product with a
+// column is then scale * sum(code * (q - 8)), exact up to the rounding of x, and the int4 weight's own scale and
+// zero point apply to it as in tile_int4 (the zero point to the exact sum of x).
+// The codes of each run of 8 k are stored in the order in which Int4Words' nibbles leave a 32-bit word by a mask
+// (k = 0, 4, 1, 5 in its four bytes) and by a shift and the mask (2, 6, 3, 7): one 32-bit broadcast of x's codes
+// then meets four codes of each column's word.
+constexpr int64_t kNibbleOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int kMrInt4A8 = kVecSize >= 16 ? 4 : 2;  // as kMrInt4: 6 rows measured the same (1.09-1.29x bf16)
+
+struct Int8Rows {
+  int64_t groups = 0;
+  std::vector<int8_t> codes;     // [M, K], runs of 8 in kNibbleOrder
+  std::vector<float> scales;     // [M, groups]
+  std::vector<int32_t> offsets;  // [M, groups]: -8 * the sum of the group's codes (the words hold q, not q - 8)
+};
+
+// One row's group of x (`count` values, a multiple of 8) quantized into codes (kNibbleOrder runs); returns the
+// sum of its codes. The vector and scalar paths give the same codes: one fp32 multiply, then round to even.
+template <typename T>
+int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
+  int32_t sum = 0;
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (; k + 16 <= count; k += 16) {
+    const __m512 scaled = _mm512_mul_ps(load_float(x + k), _mm512_set1_ps(inv));
+    const __m512i ints = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    sum += _mm512_reduce_add_epi32(ints);
+    const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(ints), order);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), bytes);
+  }
+#endif
+  for (; k < count; k += 8) {
+    for (int64_t p = 0; p < 8; ++p) {
+      const float scaled = static_cast<float>(x[k + kNibbleOrder[p]]) * inv;
+      const int32_t code = std::isnan(scaled) ? -128 : static_cast<int32_t>(std::nearbyint(std::clamp(scaled, -128.f, 127.f)));
+      codes[k + p] = static_cast<int8_t>(code);
+      sum += code;
+    }
+  }
+  return sum;
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size, Int8Rows& out) {
+  const int64_t groups = K / group_size;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* group = x + m * ldx + g * group_size;
+        Vec peak(0.f);
+        int64_t k = 0;
+        for (; k + kVecSize <= group_size; k += kVecSize) peak = at::vec::maximum(peak, load_float(group + k).abs());
+        float amax = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); },
+                                                    peak);
+        for (; k < group_size; ++k) amax = std::max(amax, std::abs(static_cast<float>(group[k])));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const int32_t sum = quantize_group(group, group_size, inv, out.codes.data() + m * K + g * group_size);
+        out.scales[m * groups + g] = amax / 127.f;
+        out.offsets[m * groups + g] = -8 * sum;
+      }
+    }
+  });
+}
+
+Int8Rows int8_rows(const at::Tensor& a, int64_t group_size) {
+  const int64_t M = a.size(0), K = a.size(1);
+  Int8Rows rows;
+  rows.groups = K / group_size;
+  rows.codes.resize(static_cast<size_t>(M * K));
+  rows.scales.resize(static_cast<size_t>(M * rows.groups));
+  rows.offsets.resize(static_cast<size_t>(M * rows.groups));
+  if (a.scalar_type() == at::kFloat) {
+    quantize_rows(a.const_data_ptr<float>(), a.stride(0), M, K, group_size, rows);
+  } else {
+    quantize_rows(a.const_data_ptr<c10::BFloat16>(), a.stride(0), M, K, group_size, rows);
+  }
+  return rows;
+}
+
+// The epilogue of a group shared by both W4A8 tiles: acc += float(sum) * (weight scale * x scale), then the zero
+// point times the exact sum of x.
+template <int R>
+__attribute__((always_inline)) inline void add_group(const Vec (&sums)[R][kNrVecs], const Vec (&scale)[kNrVecs],
+                                                     const Vec (&zero_point)[kNrVecs], const float* x_scales,
+                                                     const float* x_sums, int64_t groups, int64_t g,
+                                                     Vec (&acc)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const Vec x_scale(x_scales[r * groups + g]), x_sum(x_sums[r * groups + g]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) {
+      acc[r][v] = at::vec::fmadd(sums[r][v], scale[v] * x_scale, acc[r][v]);
+      acc[r][v] = at::vec::fmadd(x_sum, zero_point[v], acc[r][v]);
+    }
+  }
+}
+
+// W4A8 in plain loops: any CPU (the builds without AVX512, and AVX512 CPUs without VNNI).
+template <int R>
+void tile_int4_a8(const TileArgs& t, const Int8Rows& x, const int32_t* b, const int32_t* scales_zeros,
+                  int64_t group_size, const float* x_sums) {
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t part[R][kNr];
+    for (int r = 0; r < R; ++r) std::fill_n(part[r], kNr, x.offsets[(t.row + r) * groups + g]);
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      for (int64_t j = 0; j < kNr; ++j) {
+        const auto word = static_cast<uint32_t>(b[k8 * kNr + j]);
+        for (int64_t p = 0; p < 4; ++p) {
+          const int32_t low = (word >> (8 * p)) & 0xf, high = (word >> (8 * p + 4)) & 0xf;
+          for (int r = 0; r < R; ++r) {
+            part[r][j] += low * codes[r * t.K + 8 * k8 + p] + high * codes[r * t.K + 8 * k8 + 4 + p];
+          }
+        }
+      }
+    }
+    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      float lanes[kNr];
+      for (int64_t j = 0; j < kNr; ++j) lanes[j] = static_cast<float>(part[r][j]);
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = Vec::loadu(lanes + v * kVecSize);
+    }
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+bool cpu_has_vnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
+// W4A8 with vpdpbusd: per 8 k and column, the word's low nibbles (k = 0, 4, 1, 5) and high ones (2, 6, 3, 7) as
+// unsigned bytes against a broadcast of x's four codes for the same k; int32 sums per group, started at the
+// group's offset (-8 * sum of x's codes) so that they come out as sum(code * (q - 8)).
+template <int R>
+__attribute__((target("avx512vnni"))) void tile_int4_a8_vnni(const TileArgs& t, const Int8Rows& x, const int32_t* b,
+                                                             const int32_t* scales_zeros, int64_t group_size,
+                                                             const float* x_sums, const int32_t* next, int64_t phase,
+                                                             int64_t step) {
+  static_assert(kVecSize == 16, "AVX512: 16 columns per vector");
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i part[R][kNrVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_set1_epi32(x.offsets[(t.row + r) * groups + g]);
+    }
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      __m512i low[kNrVecs], high[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) {
+        const __m512i words = _mm512_loadu_si512(b + k8 * kNr + v * kVecSize);
+        low[v] = _mm512_and_si512(words, nibble);
+        high[v] = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibble);
+      }
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t first, second;
+        std::memcpy(&first, codes + r * t.K + 8 * k8, sizeof(first));
+        std::memcpy(&second, codes + r * t.K + 8 * k8 + 4, sizeof(second));
+        const __m512i x_low = _mm512_set1_epi32(first), x_high = _mm512_set1_epi32(second);
+        for (int v = 0; v < kNrVecs; ++v) {
+          part[r][v] = _mm512_dpbusd_epi32(part[r][v], low[v], x_low);
+          part[r][v] = _mm512_dpbusd_epi32(part[r][v], high[v], x_high);
+        }
+      }
+    }
+    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
+    }
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+#endif
+
+// Which W4A8 tile this build runs on this CPU: "vnni" or "portable" (the int4_a8_tile op; the runtime takes
+// W4A8 by default only where it is "vnni").
+std::string int4_a8_tile() {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (cpu_has_vnni()) return "vnni";
+#endif
+  return "portable";
+}
+
 // The layer's shape and inputs, checked; shared by both formats.
 struct Problem {
   at::Tensor a;      // [M, K] rows of x, unit column stride
@@ -683,19 +891,22 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, c
   return {packed, scales_zeros};
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                       int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
-  check_panels("int4_linear", packed, at::kInt, out_features);
+// int8_x: W4A8 (x quantized to int8 per row and group) for decode-sized x; prefill-sized x takes the dequantized
+// GEMM either way.
+at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_zeros, int64_t group_size, int64_t out_features,
+                            const std::optional<at::Tensor>& bias, bool int8_x) {
+  check_panels(op, packed, at::kInt, out_features);
   const int64_t K = 8 * packed.size(1);
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, "int4_linear: group_size ",
-                    group_size, " must be a multiple of 8 that divides in_features ", K);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, op, ": group_size ", group_size,
+                    " must be a multiple of 8 that divides in_features ", K);
   TORCH_CHECK_VALUE(scales_zeros.dim() == 4 && scales_zeros.size(0) == packed.size(0) &&
                         scales_zeros.size(1) == K / group_size && scales_zeros.size(2) == kNr &&
                         scales_zeros.size(3) == 2 && scales_zeros.scalar_type() == at::kBFloat16 &&
                         scales_zeros.is_contiguous(),
-                    "int4_linear: scales_zeros must be the bfloat16 [", packed.size(0), ", ", K / group_size, ", ",
+                    op, ": scales_zeros must be the bfloat16 [", packed.size(0), ", ", K / group_size, ", ",
                     kNr, ", 2] from pack_int4_weight, got ", scales_zeros.scalar_type(), " ", scales_zeros.sizes());
-  const Problem p = problem("int4_linear", x, K, out_features, bias);
+  const Problem p = problem(op, x, K, out_features, bias);
   if (p.M == 0) return p.out;
   const int32_t* codes = packed.const_data_ptr<int32_t>();
   const auto* sz = reinterpret_cast<const int32_t*>(scales_zeros.const_data_ptr<c10::BFloat16>());
@@ -725,6 +936,28 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t panel_bytes = panel_words * 4;
   auto words = [](const uint8_t* panel) { return reinterpret_cast<const int32_t*>(panel); };
   const std::vector<float> x_sums = group_sums(p.a, group_size);
+  if (int8_x) {
+    const Int8Rows rows = int8_rows(p.a, group_size);
+#if defined(CPU_CAPABILITY_AVX512)
+    if (cpu_has_vnni()) {
+      run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
+                           [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
+                               int64_t phase, int64_t step) {
+                             tile_int4_a8_vnni<decltype(height)::value>(args, rows, words(panel), sz + q * groups * kNr,
+                                                                        group_size, x_sums.data() + args.row * groups,
+                                                                        words(next), phase, step);
+                           });
+      return p.out;
+    }
+#endif
+    run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
+                         [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t*,
+                             int64_t, int64_t) {
+                           tile_int4_a8<decltype(height)::value>(args, rows, words(panel), sz + q * groups * kNr,
+                                                                 group_size, x_sums.data() + args.row * groups);
+                         });
+    return p.out;
+  }
 #if defined(CPU_CAPABILITY_AVX512)
   if (p.a.scalar_type() == at::kBFloat16 && dp_tile()) {  // x as it is: no fp32 copy
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
@@ -749,6 +982,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                                                           words(next), phase, step);
                      });
   return p.out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                       int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return int4_linear_impl("int4_linear", x, packed, scales_zeros, group_size, out_features, bias, false);
+}
+
+at::Tensor int4_a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                          int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return int4_linear_impl("int4_a8_linear", x, packed, scales_zeros, group_size, out_features, bias, true);
 }
 
 at::Tensor quant_linear_meta(const at::Tensor& x, int64_t out_features) {
@@ -783,6 +1026,10 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def(
       "int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
       "Tensor? bias=None) -> Tensor");
+  m.def(
+      "int4_a8_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
+      "Tensor? bias=None) -> Tensor");
+  m.def("int4_a8_tile() -> str", &int4_a8_tile);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
@@ -791,10 +1038,12 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("int8_logits", &int8_logits);
   m.impl("pack_int4_weight", &pack_int4_weight);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_a8_linear", &int4_a8_linear);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("int8_linear", &int8_linear_meta);
   m.impl("int8_logits", &int8_logits_meta);
   m.impl("int4_linear", &int4_linear_meta);
+  m.impl("int4_a8_linear", &int4_linear_meta);
 }

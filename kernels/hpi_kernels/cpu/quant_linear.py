@@ -91,3 +91,27 @@ def int4_linear(
     """x @ ((q - 8) * scale + zero).T + bias, the weight dequantized in registers, summed in fp32."""
     load_extension()
     return torch.ops.hpi_kernels.int4_linear(x, packed, scales_zeros, group_size, out_features, bias)
+
+
+def int4_a8_linear(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int4_weight
+    scales_zeros: torch.Tensor,  # from pack_int4_weight
+    group_size: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [..., N], x's dtype
+    """int4_linear with x quantized to int8 per row and group of k (W4A8, as llama.cpp's Q4_0 x Q8_0): each
+    group's sum(x * (q - 8)) becomes x_scale * sum(code * (q - 8)) in exact integer arithmetic, x_scale = max|x| /
+    127 over the group and codes = round(x / x_scale) (ties to even); the zero point multiplies the exact sum of x.
+    Integer dot products run four products per lane and instruction (vpdpbusd) where `int4_a8_tile()` is "vnni",
+    plain loops elsewhere. Prefill-sized x (over 320 rows) takes int4_linear's dequantized GEMM, x unquantized."""
+    load_extension()
+    return torch.ops.hpi_kernels.int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias)
+
+
+def int4_a8_tile() -> str:
+    """The W4A8 tile this CPU runs: "vnni" (AVX512-VNNI's vpdpbusd) or "portable" (plain integer loops, correct
+    anywhere and slower than int4_linear's float tiles: the runtime takes W4A8 by default only on "vnni")."""
+    load_extension()
+    return torch.ops.hpi_kernels.int4_a8_tile()
