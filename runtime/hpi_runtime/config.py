@@ -59,6 +59,11 @@ class LoadConfig:
     int4_policy: str = option(
         "mixed", "int4 only: mixed keeps the q/k/v projections at int8 (the layers int4 hurts most, "
         "docs/quantization.md); uniform makes every linear int4", choices=("mixed", "uniform"))  # fmt: skip
+    int4_activations: str = option(
+        "auto", "int4 only, CPU: int8 quantizes each activation row to int8 per group of k for the int4 linears "
+        "(W4A8, as llama.cpp's Q4_0 x Q8_0 dot products: exact integer sums, twice the multiply-adds per "
+        "instruction on CPUs with AVX512-VNNI); float keeps the activations as they are; auto = int8 where the "
+        "CPU has AVX512-VNNI, else float", choices=("auto", "int8", "float"))  # fmt: skip
     # Off by default: its error lands directly on the logits (and, tied, on the embeddings).
     quantize_lm_head: bool = option(
         False, "also quantize the LM head: an untied head like the other linears, a head tied to the embeddings "

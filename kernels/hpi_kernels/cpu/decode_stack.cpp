@@ -49,7 +49,7 @@ inline T round_to(float x) {  // x in T (the rounding an eager op's output gets)
 }
 
 // The linears' kinds: how the model's layer stores its weight, and the op that multiplies by it.
-enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3 };
+enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3, kInt4A8 = 4 };  // kInt4A8: W4A8
 
 struct Linear {
   int64_t kind = kUnpacked, out_features = 0, group_size = 0;
@@ -68,10 +68,13 @@ struct Linear {
                                  .typed<Op4>();
     static const auto int4 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_linear", "")
                                  .typed<Op5>();
+    static const auto int4_a8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_a8_linear", "")
+                                    .typed<Op5>();
     switch (kind) {
       case kPacked: return packed.call(x, weight, out_features, bias);
       case kInt8: return int8.call(x, weight, scales, out_features, bias);
       case kInt4: return int4.call(x, weight, scales, group_size, out_features, bias);
+      case kInt4A8: return int4_a8.call(x, weight, scales, group_size, out_features, bias);
       default: return at::linear(x, weight, bias);
     }
   }
@@ -222,7 +225,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // float kinds), the bias (an empty tensor for none), out_features, and int4's group size.
   void add_linear(int64_t kind, at::Tensor weight, at::Tensor scales, at::Tensor bias, int64_t out_features,
                   int64_t group_size) {
-    TORCH_CHECK_VALUE(kind >= kUnpacked && kind <= kInt4, "DecodeStack: unknown linear kind ", kind);
+    TORCH_CHECK_VALUE(kind >= kUnpacked && kind <= kInt4A8, "DecodeStack: unknown linear kind ", kind);
     TORCH_CHECK_VALUE(pending_.size() < 4, "DecodeStack: a layer has four linears; call add_layer");
     Linear linear;
     linear.kind = kind;

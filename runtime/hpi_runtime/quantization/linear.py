@@ -2,7 +2,9 @@
 
 CPU, fp32 or bf16 activations: hpi_kernels' packed tiles (`hpi_kernels.cpu.quant_linear`, where the C++ CPU
 kernels build): the portable weight repacked once into column panels that stream once per step, widened to
-fp32 in registers, summed in fp32; activations are not rounded. Elsewhere on CPU (fp16 activations, or no
+fp32 in registers, summed in fp32; activations are not rounded, except that int4 layers quantize them to int8
+per group of k (W4A8, `int4_a8_linear`) where `int4_activations` says so (by default on CPUs with
+AVX512-VNNI, int4_int8_activations). Elsewhere on CPU (fp16 activations, or no
 C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
 `aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
 `aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import cpu_kernels_available, int8_weight_rows, pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu import cpu_kernels_available, int4_a8_tile, int8_weight_rows, pack_int4_weight, pack_int8_weight
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
 CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
@@ -42,6 +44,20 @@ def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype
     if torch.device(device).type == "cpu" and activation_dtype == torch.float32:
         return torch.bfloat16
     return activation_dtype
+
+
+def int4_int8_activations(setting: str, device: torch.device | str) -> bool:
+    """Whether int4 layers quantize their activations to int8 (W4A8) for `int4_activations` = setting ("auto",
+    "int8", "float") on this device: only hpi_kernels' CPU panels have the W4A8 op; "auto" takes it where its
+    integer tile runs vpdpbusd (AVX512-VNNI), where it measured faster than the float tiles (docs/quantization.md,
+    "W4A8"). ValueError for "int8" on another device."""
+    if torch.device(device).type != "cpu":
+        if setting == "int8":
+            raise ValueError(f"int4_activations int8 (W4A8) runs on CPU only, not {torch.device(device).type}")
+        return False
+    if setting == "auto":
+        return cpu_kernels_available() and int4_a8_tile() == "vnni"
+    return setting == "int8"
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,7 @@ class QuantizedLinear(nn.Module):
         dtype: torch.dtype,  # activation dtype
         device: torch.device,
         input_perm: torch.Tensor | None = None,  # [K] int64: the weight's columns are x's in this order
+        int4_activations: str = "float",  # "auto" | "int8" | "float": see int4_int8_activations
     ) -> None:
         super().__init__()
         self.activation_dtype = dtype
@@ -121,6 +138,9 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.device_type = torch.device(device).type
         self.cpu_panels = uses_cpu_panels(weight, dtype, device)
+        # W4A8: int4 panels with x quantized to int8 per group (hpi_kernels' int4_a8_linear).
+        self.int8_activations = (self.cpu_panels and self.method == "int4"
+                                 and int4_int8_activations(int4_activations, device))  # fmt: skip
 
         def frozen(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
@@ -155,7 +175,8 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method == "int4" else ""
         perm = ", input_perm" if self.input_perm is not None else ""
-        panels = ", hpi_kernels panels" if self.cpu_panels else ""
+        panels = (", hpi_kernels panels" + (", int8 activations" if self.int8_activations else "")
+                  if self.cpu_panels else "")  # fmt: skip
         return f"{self.in_features}, {self.out_features}, {self.method}{group}{perm}, {self.device_type}{panels}"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] contiguous -> [M, N]
@@ -196,8 +217,8 @@ class QuantizedLinear(nn.Module):
         if self.method == "int8":
             out = torch.ops.hpi_kernels.int8_linear(x, self.qweight, self.scales, self.out_features, self.bias)
         else:
-            out = torch.ops.hpi_kernels.int4_linear(x, self.qweight, self.scales_and_zeros, self.group_size,
-                                                    self.out_features, self.bias)  # fmt: skip
+            op = torch.ops.hpi_kernels.int4_a8_linear if self.int8_activations else torch.ops.hpi_kernels.int4_linear
+            out = op(x, self.qweight, self.scales_and_zeros, self.group_size, self.out_features, self.bias)
         return out.to(rows.dtype)
 
     def _packed_forward(self, rows: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,12 @@ from hpi_runtime.models.moe import FusedExperts
 from hpi_runtime.models.parallel import mlp_span, split_heads
 from hpi_runtime.quantization.checkpoint import read_checkpoint_quantization
 from hpi_runtime.quantization.int4_fit import fit_int4
-from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, op_dtype
+from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, int4_int8_activations, op_dtype
 from hpi_runtime.quantization.policy import DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 INT4_FITS = ("mse", "minmax")  # how int4 scales/zeros are chosen: the MSE search (default) or min/max
+INT4_ACTIVATIONS = ("auto", "int8", "float")  # int4 on CPU: W4A8 (int8 x per group) or float x; linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
 # Measured (docs/quantization.md): on the embedded SmolLM2-135M group 32 keeps perplexity within 0.3% of
 # the float model where group 64 loses 12% (44% with plain min/max), for 4% fewer weight bytes (that
@@ -51,6 +52,7 @@ class QuantizationConfig:
     quantize_lm_head: bool = False  # untied heads only; a tied head shares the (float) embedding
     int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales and zeros are chosen (int4_fit.py)
     int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at higher precision (quantization/policy.py)
+    int4_activations: str = "auto"  # "auto" | "int8" | "float": W4A8 on CPU panels (linear.int4_int8_activations)
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -61,6 +63,9 @@ class QuantizationConfig:
             raise ValueError(f"int4_fit must be one of {', '.join(INT4_FITS)}; got {self.int4_fit!r}")
         if self.int4_policy not in INT4_POLICIES:
             raise ValueError(f"int4_policy must be one of {', '.join(INT4_POLICIES)}; got {self.int4_policy!r}")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
+                             f"got {self.int4_activations!r}")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +76,8 @@ class QuantizationConfig:
         """The name the `hpi:quantization_info` metric and the start-up log give this quantization."""
         if self.method != "int4":
             return self.method
-        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}"
+        activations = "-a8" if self.int4_activations == "int8" else ""  # "auto" is resolved per device first
+        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{activations}"
 
 
 def quantize_weight(
@@ -226,6 +232,21 @@ def resolve_quantization(
                                 f"{checkpoint.scheme} (pre-quantized checkpoint, repacked at load)")  # fmt: skip
 
 
+def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device) -> ResolvedQuantization:
+    """At-load int4's `int4_activations` made concrete for the device ("auto" -> "int8" or "float",
+    linear.int4_int8_activations), so that the scheme label, the log and the compile cache key say whether the
+    int4 layers run W4A8. ValueError for "int8" on a GPU."""
+    config = resolved.config
+    if config.method != "int4":
+        return resolved
+    activations = "int8" if int4_int8_activations(config.int4_activations, device) else "float"
+    config = dataclasses.replace(config, int4_activations=activations)
+    detail = resolved.detail.replace(resolved.scheme, config.scheme, 1)
+    if activations == "int8":
+        detail += "; activations int8 per group of k for the int4 linears (W4A8)"
+    return dataclasses.replace(resolved, config=config, scheme=config.scheme, detail=detail)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
     """Swap the model's linear layers for quantized ones in place (returns `model`); "none" is a no-op."""
@@ -239,7 +260,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
-        replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device)
+        replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device,
+                                    int4_activations=layer_config.int4_activations)  # fmt: skip
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
         if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on

@@ -6,13 +6,20 @@ from pathlib import Path
 
 import pytest
 
+from hpi_kernels.cpu import int4_a8_tile
 from hpi_runtime.cli import build_parser
 from hpi_runtime.config import EngineArgs
 from hpi_runtime.engine_factory import create_engine, resolve_engine
 from hpi_runtime.llm import LLM
-from hpi_runtime.quantization.linear import QuantizedLinear
+from hpi_runtime.quantization.linear import QuantizedLinear, int4_int8_activations
 from hpi_runtime.quantization.policy import _RULES, DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
-from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE, INT4_FITS, INT4_GROUP_SIZES, QuantizationConfig
+from hpi_runtime.quantization.quantize import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_ACTIVATIONS,
+    INT4_FITS,
+    INT4_GROUP_SIZES,
+    QuantizationConfig,
+)
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.metrics import ServingMetrics
 
@@ -42,6 +49,11 @@ def test_serve_flags() -> None:
         assert build_parser().parse_args(["serve", "--int4-policy", policy]).int4_policy == policy
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--int4-policy", "q4_k_m"])
+    assert defaults.int4_activations == INT4_ACTIVATIONS[0] == "auto"
+    for activations in INT4_ACTIVATIONS:
+        assert build_parser().parse_args(["serve", "--int4-activations", activations]).int4_activations == activations
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--int4-activations", "int4"])
 
 
 def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> None:
@@ -69,7 +81,8 @@ def test_llm_generates_with_quantized_linears(tiny_model_dir: Path) -> None:
 
 
 def test_int4_scheme_and_policy_are_named_for_the_metric_and_the_log(tiny_model_dir: Path) -> None:
-    prepared = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4"))
+    prepared = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4",
+                                                      int4_activations="float"))  # fmt: skip
     assert prepared.quantization == "int4"
     assert prepared.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
     assert "int8: qkv_proj of layers 0-1" in prepared.quantization_detail
@@ -102,3 +115,31 @@ def test_policy_rules_pick_layers_by_position() -> None:
         assert [_RULES[rule](i, 30) for i in range(30)] == expected, rule
     assert describe_policy("uniform", 30) == "all linears int4"
     assert describe_policy("mixed", 30) == "int8: qkv_proj of layers 0-29"
+
+
+def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path) -> None:
+    """auto is W4A8 exactly where the CPU runs its vpdpbusd tile; the resolved choice is in the scheme label (and
+    so in the metric and the compile cache key) and reaches the int4 layers, not the int8 ones."""
+    def scheme(**options) -> str:
+        return resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), **options)).quantization_scheme
+
+    base = f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
+    assert scheme(quantization="int4") == base + ("-a8" if int4_a8_tile() == "vnni" else "")
+    assert scheme(quantization="int4", int4_activations="int8") == base + "-a8"
+    assert scheme(quantization="int4", int4_activations="float") == base
+    assert scheme(quantization="int8", int4_activations="int8") == "int8"
+    detail = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4",
+                                                    int4_activations="int8")).quantization_detail  # fmt: skip
+    assert "W4A8" in detail
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8",
+              kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+    layer = llm.engine.executor.model.model.layers[0]
+    assert layer.mlp.down_proj.int8_activations and not layer.self_attn.qkv_proj.int8_activations
+    assert "int8 activations" in repr(layer.mlp.down_proj)
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 8
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        int4_int8_activations("int8", "cuda")
+    assert not int4_int8_activations("auto", "cuda")
+    with pytest.raises(ValueError, match="int4_activations must be one of"):
+        QuantizationConfig("int4", int4_activations="int4")

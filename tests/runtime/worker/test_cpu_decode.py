@@ -35,7 +35,9 @@ def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack
     cpu = torch.device("cpu")
     backend = get_attention_backend("torch", dtype, cpu)
     model = load_model(config, dtype, cpu, backend)
-    quantize_model(model, QuantizationConfig(method=quantization))
+    # "int4" runs the float-activation int4 op, "int4-a8" W4A8 (int4_a8_linear), whatever this CPU's default.
+    method, _, a8 = quantization.partition("-")
+    quantize_model(model, QuantizationConfig(method=method, int4_activations="int8" if a8 else "float"))
     if pack:
         pack_cpu_weights(model)
     allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, dtype), cpu)
@@ -56,6 +58,7 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("llama", {}, "none", False),  # weights left unpacked: at::linear
         ("llama", {}, "int8", True),
         ("llama", {}, "int4", True),
+        ("llama", {}, "int4-a8", True),  # W4A8: x quantized to int8 per group in the stack as in the model
         ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1}, "none", True),  # q/k/v biases
         ("mistral", {"sliding_window": 6}, "none", True),
         ("phi3", {"partial_rotary_factor": 0.5}, "none", True),  # half of each head rotated
@@ -63,8 +66,8 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("gemma2", {}, "none", True),  # sandwich norms, GELU-tanh, soft-caps, alternating windows, unit offsets
         ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
-    ids=["packed", "unpacked", "int8", "int4", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm",
-         "gemma2", "gemma3-int4"],
+    ids=["packed", "unpacked", "int8", "int4", "int4-a8", "qwen2-bias", "mistral-window", "phi3-partial-rotary",
+         "qwen3-qk-norm", "gemma2", "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
