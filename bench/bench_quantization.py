@@ -4,11 +4,14 @@ For each method (and dtype) the embedded SmolLM2-135M-Instruct is loaded through
 weight bytes are what the engine reports (`hpi:model_weight_bytes`); tokens/s is generated tokens over
 wall time for N concurrent short prompts (~6 tokens) decoding `--max-tokens` greedy tokens each (EOS
 ignored), all variants loaded at once and timed in alternation (median of `--rounds`); perplexity is over
-the fixed text the tests ship (tests/runtime/quantization/data/ppl_text.txt), one prefill. Ratios are against
+the fixed text the tests ship (tests/runtime/quantization/data/ppl_text.txt), once in one prefill (the linears'
+long-prefill path) and once in chunks of 64 tokens (the kernels decode steps run: what int4's int8 activations
+change shows there only). Ratios are against
 `none` at the same dtype, and ("x best") against the faster unquantized dtype at that concurrency (the
 baseline a user would pick on this machine), same machine, same run. int4 variants are named by scheme
-(`int4-g<group>-<fit>-<policy>`): `--int4-schemes minmax-uniform mse-mixed` compares the min/max rounding of
-before issue 17 with the MSE fit and the mixed-precision policy. The answer column is the greedy answer to
+(`int4-g<group>-<fit>-<policy>[-a8]`): `--int4-schemes minmax-uniform mse-mixed` compares the min/max rounding
+of before issue 17 with the MSE fit and the mixed-precision policy; `mse-mixed-float mse-mixed-int8` int4 with
+float and with int8 activations (W4A8, `--int4-activations`). The answer column is the greedy answer to
 the bare "What is the capital of France?". The CPU's bf16 ISA is recorded with the results.
 
     .venv/bin/python bench/bench_quantization.py                           # fp32, N = 1 and 32
@@ -33,6 +36,7 @@ from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
 from hpi_runtime.sampling_params import SamplingParams
 
 TEXT_PATH = Path(__file__).resolve().parent.parent / "tests/runtime/quantization/data/ppl_text.txt"
+PERPLEXITY_CHUNK = 64  # tokens per chunk of the second perplexity: decode-sized row counts for the linears
 PROMPTS = ["The capital of France is", "Once upon a time, there", "The best way to learn is", "Rivers flow"]
 
 
@@ -46,7 +50,8 @@ class Result:
     weight_bytes: int
     load_s: float
     tokens_per_s: dict[int, float]  # concurrency -> generated tokens/s (median over rounds)
-    perplexity: float
+    perplexity: float  # one prefill of the text: linears over the long-prefill path
+    perplexity_chunked: float  # the text in chunks of PERPLEXITY_CHUNK tokens: linears over decode's kernels
     answer: str
 
 
@@ -57,6 +62,7 @@ class Variant:
     group_size: int
     int4_fit: str = "mse"
     int4_policy: str = "mixed"
+    int4_activations: str = "auto"  # "auto" | "int8" (W4A8) | "float"
     quantize_lm_head: bool = False  # int8/int4: the LM head too (a tied head becomes int8, shared with the embeddings)
 
 
@@ -72,7 +78,8 @@ def cpu_isa() -> str:
 def _load(variant: Variant) -> tuple[LLM, float]:
     start = time.perf_counter()
     llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
-              int4_fit=variant.int4_fit, int4_policy=variant.int4_policy, kv_cache_memory_bytes=256 << 20,
+              int4_fit=variant.int4_fit, int4_policy=variant.int4_policy,
+              int4_activations=variant.int4_activations, kv_cache_memory_bytes=256 << 20,
               max_model_len=1024, quantize_lm_head=variant.quantize_lm_head and variant.method != "none")  # fmt: skip
     return llm, time.perf_counter() - start
 
@@ -105,12 +112,13 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         # Last: perplexity() gives the model a private KV cache, so the engine must be done with it.
         executor = llm.engine.executor
         ppl = perplexity(executor.model, executor.runner.backend, ids)
+        ppl_chunked = perplexity(executor.model, executor.runner.backend, ids, PERPLEXITY_CHUNK)
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
                               llm.bundle.resolved.quantization_scheme,
                               variant.quantize_lm_head and variant.method != "none", llm.bundle.footprint.weight_bytes,
                               load_s,
-                              tokens_per_s, ppl, answer))  # fmt: skip
+                              tokens_per_s, ppl, ppl_chunked, answer))  # fmt: skip
         llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
     return results
@@ -120,7 +128,8 @@ def table(results: list[Result], concurrency: list[int]) -> str:
     head = ["dtype", "quantization", "weights (MiB)", "x none"]
     for n in concurrency:
         head += [f"tok/s @{n}", "x none", "x best"]
-    head += ["perplexity", "x none", "answer to 'capital of France?'"]
+    head += ["perplexity", "x none", f"perplexity, {PERPLEXITY_CHUNK}-token chunks", "x none",
+             "answer to 'capital of France?'"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {r.dtype: r for r in results if r.method == "none"}
     best = {n: max((r.tokens_per_s[n] for r in base.values()), default=None) for n in concurrency}
@@ -132,7 +141,8 @@ def table(results: list[Result], concurrency: list[int]) -> str:
             best_n = best[n] or r.tokens_per_s[n]
             row += [f"{r.tokens_per_s[n]:.1f}", f"{r.tokens_per_s[n] / b.tokens_per_s[n]:.2f}",
                     f"{r.tokens_per_s[n] / best_n:.2f}"]  # fmt: skip
-        row += [f"{r.perplexity:.2f}", f"{r.perplexity / b.perplexity:.3f}", r.answer.replace("|", "/")]
+        row += [f"{r.perplexity:.2f}", f"{r.perplexity / b.perplexity:.3f}", f"{r.perplexity_chunked:.2f}",
+                f"{r.perplexity_chunked / b.perplexity_chunked:.3f}", r.answer.replace("|", "/")]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -146,7 +156,8 @@ def main() -> None:
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[DEFAULT_INT4_GROUP_SIZE],
                         help="int4 group sizes to try")
     parser.add_argument("--int4-schemes", nargs="+", default=["mse-mixed"],
-                        help="int4 <fit>-<policy> pairs to try, e.g. minmax-uniform mse-uniform mse-mixed")
+                        help="int4 <fit>-<policy>[-<activations>] to try, e.g. minmax-uniform mse-mixed "
+                             "mse-mixed-int8 mse-mixed-float (activations: hpi serve --int4-activations)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--quantize-lm-head", action="store_true",

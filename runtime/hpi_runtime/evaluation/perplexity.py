@@ -19,27 +19,41 @@ BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int]) -> float:
-    """exp(mean negative log-likelihood of token i + 1 given tokens 0..i), over the whole sequence."""
+def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int],
+               chunk_size: int | None = None) -> float:  # fmt: skip
+    """exp(mean negative log-likelihood of token i + 1 given tokens 0..i), over the whole sequence.
+
+    chunk_size: prefill the text in chunks of that many tokens (each attending to the ones before, as chunked
+    prefill does) instead of in one pass: with chunks of decode-sized row counts the linears run the kernels
+    decode steps run (on CPU, the quantized panels' tiles rather than the dequantized GEMM a long prefill
+    takes), so that what those kernels change (int4's int8 activations) shows in the number."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     device = next(model.parameters()).device
     dtype = model.model.norm.weight.dtype
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // BLOCK_SIZE)
     allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), device)
-    common = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        num_decode_reqs=0,
-        max_query_len=num_tokens,
-        max_context_len=num_tokens,
-        block_size=BLOCK_SIZE,
-    )
     ids = torch.tensor(token_ids, device=device)
-    hidden = model(ids, torch.arange(num_tokens, device=device), backend.build_metadata(common))
-    logits = model.compute_logits(hidden[:-1])  # [num_tokens - 1, vocab] fp32
-    nll = torch.nn.functional.cross_entropy(logits, ids[1:])
-    return math.exp(nll.item())
+    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    step = chunk_size or num_tokens
+    nll = torch.zeros((), dtype=torch.float64)
+    for start in range(0, num_tokens, step):
+        end = min(start + step, num_tokens)
+        common = AttentionMetadata(
+            slot_mapping=torch.arange(start, end, device=device),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            num_decode_reqs=0,
+            max_query_len=end - start,
+            max_context_len=end,
+            block_size=BLOCK_SIZE,
+        )
+        hidden = model(ids[start:end], torch.arange(start, end, device=device), backend.build_metadata(common))
+        targets = ids[start + 1 : end + 1]  # the last chunk has no next token for its last row
+        logits = model.compute_logits(hidden[: targets.shape[0]])  # fp32
+        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double()
+    return math.exp(nll.item() / (num_tokens - 1))

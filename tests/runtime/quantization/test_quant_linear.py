@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_kernels.cpu import prefill_gemm
+from hpi_kernels.cpu import int4_a8_linear, prefill_gemm
 from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.linear import LinearBase
@@ -77,6 +77,27 @@ def test_cpu_panels_keep_fp32_activations_unrounded() -> None:
     assert (rounded - exact[:8]).abs().max() > 1e-3  # what the fallback would give, visibly
 
 
+def test_int4_layers_with_int8_activations_run_the_w4a8_op() -> None:
+    """int4_activations="int8": decode-sized rows through hpi_kernels' int4_a8_linear (x rounded to int8 per
+    group: close to, not equal to, the float op), prefill-sized rows through the dequantized GEMM as before."""
+    generator = torch.Generator().manual_seed(2)
+    qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig("int4"), torch.bfloat16)
+    bias = torch.randn(40, generator=generator)
+    a8 = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), int4_activations="int8")
+    plain = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), int4_activations="float")
+    assert a8.int8_activations and not plain.int8_activations
+    x = torch.randn(7, 128, generator=generator)
+    direct = int4_a8_linear(x, a8.qweight, a8.scales_and_zeros, 32, 40, bias)
+    assert torch.equal(a8(x), direct)
+    assert not torch.equal(a8(x), plain(x))
+    assert (a8(x) - plain(x)).norm() < 0.02 * plain(x).norm()  # x's rounding to 8 bits per group of 32
+    long = torch.randn(400, 128, generator=generator)
+    assert torch.equal(a8(long), plain(long))
+    int8_layer = QuantizedLinear(quantize_weight(torch.randn(40, 128), QuantizationConfig("int8"), torch.bfloat16),
+                                 None, torch.float32, torch.device("cpu"), int4_activations="int8")  # fmt: skip
+    assert not int8_layer.int8_activations  # W4A8 is int4's
+
+
 def _tiny_model(model_dir: Path):
     config = load_model_config(model_dir)
     return load_model(config, torch.float32, torch.device("cpu"), get_attention_backend("torch", torch.float32))
@@ -116,6 +137,27 @@ def test_quantized_model_stays_close_to_the_float_model(qwen_untied_dir: Path) -
     for config in CONFIGS:
         quantized = perplexity(quantize_model(_tiny_model(qwen_untied_dir), config), backend, ids)
         assert abs(quantized / reference - 1) < 0.05, (config, quantized, reference)
+
+
+def test_chunked_perplexity_is_the_one_pass_perplexity_and_sees_w4a8(qwen_untied_dir: Path) -> None:
+    """Perplexity over chunks (chunked prefill) equals the one-pass figure for the same kernels; with int4's int8
+    activations, chunks of decode-sized row counts run W4A8 where one long pass would not, and stay close."""
+    from hpi_runtime.evaluation.perplexity import perplexity
+
+    ids = torch.randint(3, 200, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    backend = get_attention_backend("torch", torch.float32)
+    model = _tiny_model(qwen_untied_dir)
+    one_pass = perplexity(model, backend, ids)
+    for chunk in (1, 7, 64):
+        assert perplexity(model, backend, ids, chunk) == pytest.approx(one_pass, rel=1e-5)
+    a8 = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int4", int4_activations="int8"))
+    float_x = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int4", int4_activations="float"))
+    assert perplexity(a8, backend, ids) == perplexity(float_x, backend, ids)  # 400 rows: the dequantized GEMM
+    chunked = perplexity(a8, backend, ids, 64)
+    assert chunked != perplexity(float_x, backend, ids, 64)
+    assert chunked == pytest.approx(one_pass, rel=0.05)
+    with pytest.raises(ValueError, match="chunk_size must be positive"):
+        perplexity(model, backend, ids, 0)
 
 
 def test_lm_head_quantized_only_when_asked(qwen_untied_dir: Path) -> None:
