@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from hpi_kernels.cpu import int4_a8_tile
 from hpi_runtime.evaluation.perplexity import perplexity
 from hpi_runtime.llm import LLM
 from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
@@ -181,7 +182,7 @@ def main() -> None:
     print(f"load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f}")
     if args.json:
         payload = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_bf16": cpu_isa(),
-                   "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "int4_a8_tile": int4_a8_tile(),
                    "load_average": [load_before, os.getloadavg()[0]],
                    "results": [asdict(r) for r in results]}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))

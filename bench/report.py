@@ -35,7 +35,8 @@ def machine_description(llama_python: Path | None = None) -> dict:
     return {
         "cpu_model": model,
         "num_cpus": os.cpu_count(),
-        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
+        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+                      if f in flags],  # fmt: skip
         "memory_gib": round(mem_kib / 2**20, 1),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),

@@ -140,13 +140,13 @@ def test_int4_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int
                                                                dtype: torch.dtype) -> None:  # fmt: skip
     """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 and generic builds' child runs take the portable one)
     is exactly the integer dot products of x's int8 codes: within fp32's tolerance of the fp64 reference over x
-    quantized the same way. Prefill-sized x (321 rows) takes the dequantized GEMM over x as it is."""
+    quantized the same way, at every row count (prefill-sized x too)."""
     quantized, dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(*quantized, group_size)
     bias = torch.randn(out_features).to(dtype)
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
-        expected = _reference(x, dequantized, bias) if rows > 320 else _a8_reference(x, quantized, group_size, bias)
+        expected = _a8_reference(x, quantized, group_size, bias)
         _check(int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias), expected)
     x = torch.randn(7, in_features).to(dtype)
     _check(int4_a8_linear(x, packed, scales_zeros, group_size, out_features),
@@ -238,6 +238,9 @@ def test_a_rows_result_does_not_depend_on_the_batch(forced_bf16_tile: str, dtype
         alone = torch.cat([op(x[i : i + 1]) for i in range(64)])
         assert torch.equal(op(x), alone)
         assert torch.equal(op(x[5:30]), alone[5:30])
+    # W4A8 has no prefill path: a row in a 400-row prefill chunk is the row of a decode step.
+    long = torch.cat([x, torch.randn(336, 128).to(dtype)])
+    assert torch.equal(ops[2](long)[:64], ops[2](x))
 
 
 def test_bad_arguments_raise_value_error() -> None:

@@ -105,7 +105,8 @@ def int4_a8_linear(
     group's sum(x * (q - 8)) becomes x_scale * sum(code * (q - 8)) in exact integer arithmetic, x_scale = max|x| /
     127 over the group and codes = round(x / x_scale) (ties to even); the zero point multiplies the exact sum of x.
     Integer dot products run four products per lane and instruction (vpdpbusd) where `int4_a8_tile()` is "vnni",
-    plain loops elsewhere. Prefill-sized x (over 320 rows) takes int4_linear's dequantized GEMM, x unquantized."""
+    plain loops elsewhere. At every row count: prefill-sized x too (the tile beats int4_linear's dequantized GEMM
+    there), so a row's result does not depend on the size of its batch or prefill chunk."""
     load_extension()
     return torch.ops.hpi_kernels.int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias)
 
