@@ -239,24 +239,36 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
 // 0: not chosen yet, 1: bf16, 2: fp32.
 std::atomic<int> g_prefill_gemm{0};
 
-double median_ms(const at::Tensor& a, const at::Tensor& b) {
-  std::vector<double> times;
-  for (int i = 0; i < 4; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    at::mm(a, b);
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
+double call_ms(const at::Tensor& a, const at::Tensor& b) {
+  const auto start = std::chrono::steady_clock::now();
+  at::mm(a, b);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+double median(std::vector<double> times) {
   std::sort(times.begin(), times.end());
-  return (times[1] + times[2]) / 2;  // the first call warms up
+  return times[times.size() / 2];
 }
 
 // bf16 vs fp32 GEMM on a prefill-sized problem of a small model's shape, measured on this CPU: without native
 // bf16 (AVX2 only) torch's bf16 GEMM is emulated and several times slower; with AVX512-BF16 (an AMD EPYC here) it
-// measured 2.1-2.7x faster than sgemm at 512-2048 rows, with AMX more.
+// measured 2.1-2.7x faster than sgemm at 512-2048 rows, with AMX more. Two warm-up calls each (oneDNN builds its
+// kernel at the first), then seven alternating pairs and their medians: whatever else runs at start-up (compiles,
+// the API process) lands on both sides, where four calls of one and then four of the other once chose the 3x
+// slower sgemm.
 int measure_prefill_gemm() {
   const at::Tensor a = at::randn({384, 576}), b = at::randn({576, 1024});
-  const double fp32 = median_ms(a, b), bf16 = median_ms(a.to(at::kBFloat16), b.to(at::kBFloat16));
-  return bf16 < fp32 ? 1 : 2;
+  const at::Tensor a16 = a.to(at::kBFloat16), b16 = b.to(at::kBFloat16);
+  for (int i = 0; i < 2; ++i) {
+    call_ms(a, b);
+    call_ms(a16, b16);
+  }
+  std::vector<double> fp32, bf16;
+  for (int i = 0; i < 7; ++i) {
+    fp32.push_back(call_ms(a, b));
+    bf16.push_back(call_ms(a16, b16));
+  }
+  return median(bf16) < median(fp32) ? 1 : 2;
 }
 
 int parse_prefill_gemm(const std::string& choice) {
