@@ -20,8 +20,11 @@
 // the weight dequantized into a per-thread fp32 scratch copy: one pass over the weight, which a long prefill
 // amortizes. A row's result does not depend on the other rows below that size.
 //
+// - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
+//   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, plain loops elsewhere), at every row count.
+//
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
-// plain loops in the generic one; the vdpbf16ps tiles exist in the AVX512 build only.
+// plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only.
 
 #include "cpu_vec.h"
 #include "packed_linear.h"
