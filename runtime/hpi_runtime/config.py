@@ -61,9 +61,9 @@ class LoadConfig:
         "docs/quantization.md); uniform makes every linear int4", choices=("mixed", "uniform"))  # fmt: skip
     int4_activations: str = option(
         "auto", "int4 only, CPU: int8 quantizes each activation row to int8 per group of k for the int4 linears "
-        "(W4A8, as llama.cpp's Q4_0 x Q8_0 dot products: exact integer sums, twice the multiply-adds per "
-        "instruction on CPUs with AVX512-VNNI); float keeps the activations as they are; auto = int8 where the "
-        "CPU has AVX512-VNNI, else float", choices=("auto", "int8", "float"))  # fmt: skip
+        "(W4A8, as llama.cpp's Q4_0 x Q8_0 dot products: exact integer sums, more multiply-adds per "
+        "instruction); float keeps the activations as they are; auto = int8 where the kernels have integer dot "
+        "products for it (AVX512-VNNI, AVX2), else float", choices=("auto", "int8", "float"))  # fmt: skip
     # Off by default: its error lands directly on the logits (and, tied, on the embeddings).
     quantize_lm_head: bool = option(
         False, "also quantize the LM head: an untied head like the other linears, a head tied to the embeddings "

@@ -21,7 +21,8 @@
 // amortizes. A row's result does not depend on the other rows below that size.
 //
 // - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
-//   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, plain loops elsewhere), at every row count.
+//   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw in the AVX2 build, plain loops elsewhere),
+//   at every row count.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
 // plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only.
@@ -499,6 +500,20 @@ int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
     const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(ints), order);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), bytes);
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (; k + 16 <= count; k += 16) {
+    // Rounded by the MXCSR's mode, to nearest even as std::nearbyint below; NaN gives INT_MIN, saturated to -128.
+    const __m256i first = _mm256_cvtps_epi32(_mm256_mul_ps(load_float(x + k), _mm256_set1_ps(inv)));
+    const __m256i second = _mm256_cvtps_epi32(_mm256_mul_ps(load_float(x + k + 8), _mm256_set1_ps(inv)));
+    const __m256i both = _mm256_add_epi32(first, second);
+    const __m128i halves = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    const __m128i pairs = _mm_add_epi32(halves, _mm_shuffle_epi32(halves, 0x4e));
+    sum += _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 0xb1)));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xd8);  // k 0..15 as int16
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm_shuffle_epi8(bytes, order));
+  }
 #endif
   for (; k < count; k += 8) {
     for (int64_t p = 0; p < 8; ++p) {
@@ -661,11 +676,66 @@ __attribute__((target("avx512vnni"))) void tile_int4_a8_vnni(const TileArgs& t, 
 }
 #endif
 
-// Which W4A8 tile this build runs on this CPU: "vnni" or "portable" (the int4_a8_tile op; the runtime takes
-// W4A8 by default only where it is "vnni").
+#if defined(CPU_CAPABILITY_AVX2)
+// W4A8 on AVX2 (no VNNI): vpmaddubsw multiplies the nibbles (unsigned bytes) by x's codes and adds adjacent pairs
+// into int16 (at most 2 * 15 * 127: no saturation), the low and high nibbles' results are added as int16 (at most
+// 7620) and vpmaddwd with ones widens the pairs into the int32 sums: four instructions per 8 k, row and vector,
+// where the fp32 tile issues eight FMAs.
+template <int R>
+void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, const int32_t* scales_zeros,
+                       int64_t group_size, const float* x_sums, const int32_t* next, int64_t phase, int64_t step) {
+  static_assert(kVecSize == 8, "AVX2: 8 columns per vector");
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
+    }
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      __m256i low[kNrVecs], high[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k8 * kNr + v * kVecSize));
+        low[v] = _mm256_and_si256(words, nibble);
+        high[v] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble);
+      }
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+      for (int r = 0; r < R; ++r) {
+        int32_t first, second;
+        std::memcpy(&first, codes + r * t.K + 8 * k8, sizeof(first));
+        std::memcpy(&second, codes + r * t.K + 8 * k8 + 4, sizeof(second));
+        const __m256i x_low = _mm256_set1_epi32(first), x_high = _mm256_set1_epi32(second);
+        for (int v = 0; v < kNrVecs; ++v) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[v], x_low),
+                                                 _mm256_maddubs_epi16(high[v], x_high));
+          part[r][v] = _mm256_add_epi32(part[r][v], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
+    }
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+#endif
+
+// Which W4A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI), "avx2" or "portable" (the int4_a8_tile
+// op; the runtime takes W4A8 by default where it is not "portable").
 std::string int4_a8_tile() {
 #if defined(CPU_CAPABILITY_AVX512)
   if (cpu_has_vnni()) return "vnni";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
 #endif
   return "portable";
 }
@@ -953,6 +1023,15 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
                            });
       return p.out;
     }
+#elif defined(CPU_CAPABILITY_AVX2)
+    run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
+                         [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
+                             int64_t phase, int64_t step) {
+                           tile_int4_a8_avx2<decltype(height)::value>(args, rows, words(panel), sz + q * groups * kNr,
+                                                                      group_size, x_sums.data() + args.row * groups,
+                                                                      words(next), phase, step);
+                         });
+    return p.out;
 #endif
     run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
                          [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t*,

@@ -105,14 +105,16 @@ def int4_a8_linear(
     group's sum(x * (q - 8)) becomes x_scale * sum(code * (q - 8)) in exact integer arithmetic, x_scale = max|x| /
     127 over the group and codes = round(x / x_scale) (ties to even); the zero point multiplies the exact sum of x.
     Integer dot products run four products per lane and instruction (vpdpbusd) where `int4_a8_tile()` is "vnni",
-    plain loops elsewhere. At every row count: prefill-sized x too (the tile beats int4_linear's dequantized GEMM
-    there), so a row's result does not depend on the size of its batch or prefill chunk."""
+    vpmaddubsw + vpmaddwd where it is "avx2", plain loops elsewhere. At every row count: prefill-sized x too (the
+    tile beats int4_linear's dequantized GEMM there), so a row's result does not depend on the size of its batch
+    or prefill chunk."""
     load_extension()
     return torch.ops.hpi_kernels.int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias)
 
 
 def int4_a8_tile() -> str:
-    """The W4A8 tile this CPU runs: "vnni" (AVX512-VNNI's vpdpbusd) or "portable" (plain integer loops, correct
-    anywhere and slower than int4_linear's float tiles: the runtime takes W4A8 by default only on "vnni")."""
+    """The W4A8 tile this CPU runs: "vnni" (AVX512-VNNI's vpdpbusd), "avx2" (vpmaddubsw, the AVX2 build) or
+    "portable" (plain integer loops, correct anywhere and slower than int4_linear's float tiles: the runtime takes
+    W4A8 by default only on the other two; AVX512 CPUs without VNNI get it)."""
     load_extension()
     return torch.ops.hpi_kernels.int4_a8_tile()

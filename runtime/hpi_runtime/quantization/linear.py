@@ -3,8 +3,8 @@
 CPU, fp32 or bf16 activations: hpi_kernels' packed tiles (`hpi_kernels.cpu.quant_linear`, where the C++ CPU
 kernels build): the portable weight repacked once into column panels that stream once per step, widened to
 fp32 in registers, summed in fp32; activations are not rounded, except that int4 layers quantize them to int8
-per group of k (W4A8, `int4_a8_linear`) where `int4_activations` says so (by default on CPUs with
-AVX512-VNNI, int4_int8_activations). Elsewhere on CPU (fp16 activations, or no
+per group of k (W4A8, `int4_a8_linear`) where `int4_activations` says so (by default where its tile has
+integer dot products: AVX512-VNNI or the AVX2 build; int4_int8_activations). Elsewhere on CPU (fp16 activations, or no
 C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
 `aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
 `aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
@@ -23,6 +23,7 @@ from torch import nn
 from hpi_kernels.cpu import cpu_kernels_available, int4_a8_tile, int8_weight_rows, pack_int4_weight, pack_int8_weight
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
+INTEGER_TILES = ("vnni", "avx2")  # hpi_kernels.int4_a8_tile() values with integer dot-product instructions
 CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
 # fp32 activations on CPU, int8 weights: from this many rows on (prefill chunks, big batches) dequantizing the
 # layer and running torch's fp32 GEMM beats the packed op's bf16 path on CPUs without native bf16 (AVX2
@@ -49,14 +50,15 @@ def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype
 def int4_int8_activations(setting: str, device: torch.device | str) -> bool:
     """Whether int4 layers quantize their activations to int8 (W4A8) for `int4_activations` = setting ("auto",
     "int8", "float") on this device: only hpi_kernels' CPU panels have the W4A8 op; "auto" takes it where its
-    integer tile runs vpdpbusd (AVX512-VNNI), where it measured faster than the float tiles (docs/quantization.md,
-    "W4A8"). ValueError for "int8" on another device."""
+    integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), where it measured faster than the
+    float tiles (docs/quantization.md, "W4A8"), not where it is plain loops. ValueError for "int8" on another
+    device."""
     if torch.device(device).type != "cpu":
         if setting == "int8":
             raise ValueError(f"int4_activations int8 (W4A8) runs on CPU only, not {torch.device(device).type}")
         return False
     if setting == "auto":
-        return cpu_kernels_available() and int4_a8_tile() == "vnni"
+        return cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES
     return setting == "int8"
 
 

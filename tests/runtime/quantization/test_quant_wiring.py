@@ -118,13 +118,14 @@ def test_policy_rules_pick_layers_by_position() -> None:
 
 
 def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path) -> None:
-    """auto is W4A8 exactly where the CPU runs its vpdpbusd tile; the resolved choice is in the scheme label (and
-    so in the metric and the compile cache key) and reaches the int4 layers, not the int8 ones."""
+    """auto is W4A8 exactly where its tile has integer dot products (not plain loops); the resolved choice is in
+    the scheme label (and so in the metric and the compile cache key) and reaches the int4 layers, not the int8
+    ones."""
     def scheme(**options) -> str:
         return resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), **options)).quantization_scheme
 
     base = f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
-    assert scheme(quantization="int4") == base + ("-a8" if int4_a8_tile() == "vnni" else "")
+    assert scheme(quantization="int4") == base + ("-a8" if int4_a8_tile() in ("vnni", "avx2") else "")
     assert scheme(quantization="int4", int4_activations="int8") == base + "-a8"
     assert scheme(quantization="int4", int4_activations="float") == base
     assert scheme(quantization="int8", int4_activations="int8") == "int8"
