@@ -138,9 +138,9 @@ def _a8_reference(x: torch.Tensor, quantized, group_size: int, bias: torch.Tenso
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_int4_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int, in_features: int, group_size: int,
                                                                dtype: torch.dtype) -> None:  # fmt: skip
-    """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 and generic builds' child runs take the portable one)
-    is exactly the integer dot products of x's int8 codes: within fp32's tolerance of the fp64 reference over x
-    quantized the same way, at every row count (prefill-sized x too)."""
+    """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 build's child run takes its vpmaddubsw tile, the
+    generic build's the portable one) is exactly the integer dot products of x's int8 codes: within fp32's
+    tolerance of the fp64 reference over x quantized the same way, at every row count (prefill-sized x too)."""
     quantized, dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(*quantized, group_size)
     bias = torch.randn(out_features).to(dtype)

@@ -25,7 +25,8 @@
 //   at every row count.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
-// plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only.
+// plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only, the
+// vpmaddubsw W4A8 tile in the AVX2 build only.
 
 #include "cpu_vec.h"
 #include "packed_linear.h"
@@ -733,11 +734,12 @@ void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, c
 // op; the runtime takes W4A8 by default where it is not "portable").
 std::string int4_a8_tile() {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (cpu_has_vnni()) return "vnni";
+  return cpu_has_vnni() ? "vnni" : "portable";
 #elif defined(CPU_CAPABILITY_AVX2)
   return "avx2";
-#endif
+#else
   return "portable";
+#endif
 }
 
 // The layer's shape and inputs, checked; shared by both formats.
