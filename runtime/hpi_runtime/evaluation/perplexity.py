@@ -39,7 +39,7 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
     ids = torch.tensor(token_ids, device=device)
     block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     step = chunk_size or num_tokens
-    nll = torch.zeros((), dtype=torch.float64)
+    nll = 0.0  # a Python float: the chunks' sums may come from a GPU
     for start in range(0, num_tokens, step):
         end = min(start + step, num_tokens)
         common = AttentionMetadata(
@@ -55,5 +55,5 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
         hidden = model(ids[start:end], torch.arange(start, end, device=device), backend.build_metadata(common))
         targets = ids[start + 1 : end + 1]  # the last chunk has no next token for its last row
         logits = model.compute_logits(hidden[: targets.shape[0]])  # fp32
-        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double()
-    return math.exp(nll.item() / (num_tokens - 1))
+        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+    return math.exp(nll / (num_tokens - 1))
