@@ -104,10 +104,11 @@ class EngineCore:
             executor.num_host_kv_blocks,
             config.kv_sliding_window,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
-        # vLLM's batch queue: an executor of pipeline stages runs this many batches at once (one per stage), each
-        # submitted as it is scheduled and awaited oldest first; every other executor runs one step at a time.
+        # vLLM's batch queue: an executor of pipeline stages runs this many batches at once (at least one per
+        # stage), each submitted as it is scheduled and awaited oldest first; every other executor runs one step at
+        # a time. The scheduler gives each batch its share of the requests.
         self.max_concurrent_batches = getattr(executor, "max_concurrent_batches", 1)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, batches_in_flight=self.max_concurrent_batches)
         self._batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.grammar_compiler = grammar_compiler
         self.sleep_level = 0  # 0: awake; 1 or 2: asleep (see sleep())

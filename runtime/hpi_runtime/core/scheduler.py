@@ -72,9 +72,16 @@ from hpi_runtime.structured.compiler import grammar_bitmask
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv_cache_manager: KVCacheManager, clock: Callable[[], float] = time.monotonic
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+        batches_in_flight: int | None = None,
     ) -> None:
         self.config = config
+        # Batches the executor runs at once (pipeline stages: at least one per stage); each takes its share of the
+        # requests. None: one per pipeline stage.
+        self.batches_in_flight = batches_in_flight or config.pipeline_parallel_size
         self.kv = kv_cache_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}  # unfinished ones
@@ -124,10 +131,10 @@ class Scheduler:
         preempted = False
         if self.proposer is not None:
             self._propose_drafts()
-        # Pipeline stages: each batch takes its share of the unfinished requests, so the next batch finds some
-        # not in flight and every stage has work (one batch of everything would leave the others idle).
-        num_stages = self.config.pipeline_parallel_size
-        max_batch_reqs = -(-len(self.requests) // num_stages) if num_stages > 1 else len(self.requests)
+        # Pipeline stages: each batch in flight takes its share of the unfinished requests, so the next batch finds
+        # some not in flight and every stage has work (one batch of everything would leave the others idle).
+        num_batches = self.batches_in_flight
+        max_batch_reqs = -(-len(self.requests) // num_batches) if num_batches > 1 else len(self.requests)
         i = 0
         while i < len(running) and budget > 0 and len(scheduled) < max_batch_reqs:
             request = running[i]

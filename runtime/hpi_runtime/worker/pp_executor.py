@@ -5,7 +5,7 @@ The engine process is the world's rank 0 (the driver). It hosts the TCP store ev
 worker/pp_host.py, which spawns theirs), waits for the whole group and joins it. Each step is submitted
 without waiting (`submit` returns a Future): its pickled SchedulerOutput goes to every rank, and a receiver
 thread reads the last stage's samples back in order. The engine core keeps `max_concurrent_batches` (one per
-stage) in flight, so every stage has a batch to work on (core/engine_core.py's batch queue).
+stage, one more on CPU) in flight, so every stage has a batch to work on (core/engine_core.py's batch queue).
 
 Failure ends the group, never a request alone: a local rank that exits, a rank or host that reports a failure in
 the store, a worker host whose heartbeat stops for `heartbeat_timeout_s`, or a broken link makes the executor
@@ -70,7 +70,12 @@ class PipelineExecutor:
             raise ValueError(f"{layout.ranks_per_node} ranks per host need as many CUDA devices; "
                              f"{torch.cuda.device_count()} are visible")  # fmt: skip
         self.config, self.layout = config, layout
-        self.max_concurrent_batches = layout.pipeline_parallel_size
+        # One batch per stage, and on CPU one more: the leader's driver (samples back, the next step scheduled and
+        # pickled) shares the first stage's cores, and the extra batch keeps that stage busy across the hand-off
+        # (bench/results/multi_node.md: 19 + 11 layers, 32 clients, stage busy 82-85% / 57-60% -> 90% / 64%). GPUs
+        # keep vLLM's one per stage (smaller batches cost a GPU more; unmeasured there).
+        extra = 1 if config.device.type == "cpu" else 0
+        self.max_concurrent_batches = layout.pipeline_parallel_size + extra
         self._lock = threading.Lock()
         self._dead: ExecutorDeadError | None = None
         self._closing = False

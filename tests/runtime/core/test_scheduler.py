@@ -3,6 +3,9 @@ admission headroom."""
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future
+
 import pytest
 
 from hpi_runtime.config import EngineConfig
@@ -243,3 +246,47 @@ def test_request_larger_than_the_headroom_is_admitted_once_nothing_runs(make_eng
     assert set(finished_at) == {"small", "big", "after"}
     assert admitted_at["big"] == finished_at["small"] + 1  # the first step with nothing running
     assert admitted_at["after"] > admitted_at["big"]
+
+
+class _LazyFuture(Future):
+    """A batch's result, computed when the engine first asks for it (its batches' results come back in order)."""
+
+    def __init__(self, executor) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def result(self, timeout=None):
+        while not super().done():
+            so, future = self.executor.pending.popleft()
+            Future.set_result(future, self.executor.execute_model(so))
+        return super().result(timeout)
+
+
+def test_each_batch_in_flight_takes_its_share_of_the_requests(fake_executor_cls, expected_token, drain):
+    """An executor that runs 3 batches at once (pipeline stages, as on CPU: one more than stages): the engine
+    submits batches without waiting, each with a third of the requests, none in two batches at once, and every
+    request still gets its own tokens."""
+
+    class PipelinedExecutor(fake_executor_cls):
+        max_concurrent_batches = 3
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.pending = deque()
+
+        def submit(self, so) -> Future:
+            future = _LazyFuture(self)
+            self.pending.append((so, future))
+            return future
+
+    cfg = EngineConfig(block_size=8, max_model_len=128)
+    executor = PipelinedExecutor(64, cfg.block_size)
+    engine = LLMEngine(cfg, executor, None, frozenset())
+    for i in range(9):
+        engine.add_request(f"r{i}", list(range(10 * i, 10 * i + 5)), SamplingParams(max_tokens=6, ignore_eos=True))
+    finals = drain(engine)
+    first = [set(batch.num_scheduled_tokens) for batch in executor.batches[:3]]
+    assert all(len(batch) == 3 for batch in first) and set().union(*first) == {f"r{i}" for i in range(9)}
+    assert all(len(batch.num_scheduled_tokens) <= 3 for batch in executor.batches)
+    for i in range(9):
+        assert finals[f"r{i}"].output_token_ids == tuple(expected_token(f"r{i}", 5 + j) for j in range(6))
