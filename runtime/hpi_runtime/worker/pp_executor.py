@@ -72,8 +72,8 @@ class PipelineExecutor:
         self.config, self.layout = config, layout
         # One batch per stage, and on CPU one more: the leader's driver (samples back, the next step scheduled and
         # pickled) shares the first stage's cores, and the extra batch keeps that stage busy across the hand-off
-        # (bench/results/multi_node.md: 19 + 11 layers, 32 clients, stage busy 82-85% / 57-60% -> 90% / 64%). GPUs
-        # keep vLLM's one per stage (smaller batches cost a GPU more; unmeasured there).
+        # (bench/results/multi_node.md, 32 clients: stage 0 busy 73-82% -> 87-91% over three splits, side by side).
+        # GPUs keep vLLM's one per stage (smaller batches cost a GPU more; unmeasured there).
         extra = 1 if config.device.type == "cpu" else 0
         self.max_concurrent_batches = layout.pipeline_parallel_size + extra
         self._lock = threading.Lock()

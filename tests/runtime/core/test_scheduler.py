@@ -258,7 +258,7 @@ class _LazyFuture(Future):
     def result(self, timeout=None):
         while not super().done():
             so, future = self.executor.pending.popleft()
-            Future.set_result(future, self.executor.execute_model(so))
+            future.set_result(self.executor.execute_model(so))
         return super().result(timeout)
 
 
