@@ -24,6 +24,7 @@ _FLAGS = (
     ServeFlag('--kv-cache-memory', 'kv_cache_memory_bytes', 'bytes', None),
     ServeFlag('--kv-offload-bytes', 'kv_offload_bytes', 'bytes', 0),
     ServeFlag('--no-prefix-caching', 'enable_prefix_caching', 'switch', True),
+    ServeFlag('--kv-cache-dtype', 'kv_cache_dtype', 'str', 'auto', choices=('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2')),
     ServeFlag('--max-num-seqs', 'max_num_seqs', 'int', 64),
     ServeFlag('--max-num-batched-tokens', 'max_num_batched_tokens', 'int', 2048),
     ServeFlag('--max-model-len', 'max_model_len', 'int', None),

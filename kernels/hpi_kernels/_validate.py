@@ -7,6 +7,8 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# One-byte KV caches (`--kv-cache-dtype fp8*`): written saturated at the format's largest finite value, unscaled.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def interpreting() -> bool:
@@ -41,12 +43,12 @@ def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) ->
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and float dtype."""
+    """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and float (or fp8) dtype."""
     check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     check_rank("v_cache", v_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
-    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype("k_cache", k_cache, FLOAT_DTYPES + FP8_KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
 
@@ -59,8 +61,8 @@ def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor) -> int:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
+    if query.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype} (nor an fp8 cache)")
     return num_q_heads // num_kv_heads
 
 

@@ -6,7 +6,21 @@ import torch
 import triton
 import triton.language as tl
 
-from hpi_kernels._validate import check_device, check_dim, check_dtype, check_kv_cache, check_rank
+from hpi_kernels._validate import FP8_KV_DTYPES, check_device, check_dim, check_dtype, check_kv_cache, check_rank
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
+    """x (fp32) rounded to nearest even on the fp8 format's grid and clamped to +-LIMIT, still in fp32: the cast
+    that follows is then exact. Written out because Triton's interpreter rounds wrong where the carry crosses a
+    binade (-31.13 -> -16.0 in e4m3), and so the tests check the bits a GPU writes."""
+    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.maximum(exponent, 128 - BIAS)  # subnormals: the smallest normal binade's spacing
+    # 2^23 ulps: adding it to |x| leaves |x| rounded to a whole ulp (fp32 rounds to nearest even); the sign after,
+    # so that what rounds to zero keeps it (-0.0, as torch's conversion has it).
+    magic = ((exponent - MANTISSA + 23) << 23).to(tl.float32, bitcast=True)
+    rounded = tl.minimum((tl.abs(x) + magic) - magic, LIMIT)
+    return tl.where(x < 0, -rounded, rounded)
 
 
 @triton.jit
@@ -23,6 +37,9 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # an fp8 cache's mantissa bits (0: a cache in the rows' dtype)
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # its largest finite value: larger values saturate
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -46,8 +63,11 @@ def _write_kv_cache_kernel(
             + heads[:, None].to(tl.int64) * stride_cache_h
             + dims[None, :] * stride_cache_d
         )
-        tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
-        tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
+        if FP8_MANTISSA > 0:
+            key = _round_to_fp8_grid(key.to(tl.float32), FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+            value = _round_to_fp8_grid(value.to(tl.float32), FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+        tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -57,7 +77,8 @@ def write_kv_cache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [T] int64; slot = block_id * block_size + offset, -1 = skip
 ) -> None:
-    """Scatters key/value rows into k_cache/v_cache at slot_mapping; padded tokens use slot -1."""
+    """Scatters key/value rows into k_cache/v_cache at slot_mapping; padded tokens use slot -1. An fp8 cache
+    gets the rows rounded to nearest even and saturated (no scale), as `.clamp(-max, max).to(fp8)` would."""
     check_kv_cache(k_cache, v_cache)
     check_rank("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     check_rank("value", value, 3, "[num_tokens, num_kv_heads, head_dim]")
@@ -65,7 +86,7 @@ def write_kv_cache(
         raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     check_dim("key", key, 1, k_cache.shape[2], "the cache's num_kv_heads")
     check_dim("key", key, 2, k_cache.shape[3], "the cache's head_dim")
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+    if value.dtype != key.dtype or (key.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES):
         raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache's {k_cache.dtype}")
     check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
     check_dtype("slot_mapping", slot_mapping, (torch.int64,))
@@ -83,4 +104,13 @@ def write_kv_cache(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **_fp8_format(k_cache.dtype),
     )
+
+
+def _fp8_format(cache_dtype: torch.dtype) -> dict[str, float]:
+    """The write kernel's FP8_* constants for a cache of `cache_dtype` (mantissa 0: not an fp8 cache)."""
+    formats = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
+    mantissa, bias = formats.get(cache_dtype, (0, 0))
+    limit = float(torch.finfo(cache_dtype).max) if mantissa else 0.0
+    return {"FP8_MANTISSA": mantissa, "FP8_BIAS": bias, "FP8_MAX": limit}

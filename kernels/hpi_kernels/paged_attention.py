@@ -109,6 +109,9 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:  # an fp8 cache widened to q's dtype for tl.dot (a no-op for a cache in q's dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
         if SOFTCAP:
             qk = softcap_log2(qk, softcap_log2e)

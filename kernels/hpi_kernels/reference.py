@@ -7,6 +7,15 @@ import torch
 from hpi_kernels.quant import dequantize_int4, dequantize_int8
 
 
+def to_cache_dtype(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows as a cache of `cache_dtype` stores them: as they are, or, for an fp8 cache, saturated at the
+    format's largest finite value and rounded to nearest even, unscaled (vLLM's default k/v scale of 1.0)."""
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(cache_dtype).max
+        return rows.clamp(-limit, limit).to(cache_dtype)
+    return rows.to(cache_dtype)
+
+
 def write_kv_cache_ref(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -18,8 +27,8 @@ def write_kv_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]
+    k_cache[blocks, offsets] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(value[keep], v_cache.dtype)
 
 
 def gather_kv(

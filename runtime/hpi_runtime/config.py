@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpi_contracts.kv_cache import BLOCK_SIZES
+from hpi_contracts.kv_cache import BLOCK_SIZES, KV_CACHE_DTYPES
 from hpi_contracts.pool_profile import parse_pool_profile
 from hpi_runtime.lora.request import LoRAModulePath, lora_modules
 from hpi_runtime.options import OptionSpec, check_choices, option, option_specs, parse_bytes, positive_int
@@ -97,6 +97,11 @@ class CacheConfig:
         "from the KV cache are kept there and loaded back instead of recomputed, and preempted requests are "
         "swapped there (docs/kv-offload.md); default 0: off", parse=parse_bytes)  # fmt: skip
     enable_prefix_caching: bool = option(True, "disable prefix caching", flag="--no-prefix-caching")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache element type: auto = the model's --dtype; fp8 (= fp8_e4m3) or fp8_e5m2 keep K/V in one "
+        "byte (half a bf16 cache: twice the tokens in the same memory, half the bytes read per decode step), "
+        "unscaled and saturated, as with vLLM's default scale of 1.0 (docs/kv-cache-dtype.md)",
+        choices=KV_CACHE_DTYPES)  # fmt: skip
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -7,6 +7,7 @@ is a dependency of hpi-kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 from hpi_kernels.cpu import cpu_capability, cpu_kernels_available, load_extension
 from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
+from hpi_kernels.reference import to_cache_dtype
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -121,6 +123,24 @@ HEADS = [pytest.param(4, 4, id="mha"), pytest.param(9, 3, id="gqa9:3"), pytest.p
 def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:
     batch = make_batch(mixed_requests(block_size), num_heads, num_kv_heads, head_dim, block_size, dtype)
     out, expected = run_both(batch, head_dim**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+FP8_CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_fp8_cache_matches_reference(cache_dtype, dtype, block_size) -> None:
+    """An fp8 cache (`--kv-cache-dtype fp8*`) is widened exactly: fp32 queries meet fp32's tolerance against the
+    reference over the same fp8 values, decodes (decode_item) and prefill tiles (tile_item) alike. Keys up to
+    +-12 and small values reach both formats' subnormals and their top binades."""
+    batch = make_batch(mixed_requests(block_size), 9, 3, 64, block_size, dtype, seed=3)
+    batch = dataclasses.replace(batch, k_cache=(batch.k_cache.float() * 4).to(cache_dtype),
+                                v_cache=(batch.v_cache.float() * 0.02).to(cache_dtype))  # fmt: skip
+    out, expected = run_both(batch, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -247,7 +267,7 @@ def _valid_args() -> dict:
     "overrides,message",
     [
         ({"q": torch.randn(4, 4, 64, dtype=torch.float64)}, "float32, bfloat16 or float16"),
-        ({"q": torch.randn(4, 4, 64).bfloat16()}, "must have q's dtype"),
+        ({"q": torch.randn(4, 4, 64).bfloat16()}, "must both have q's dtype"),
         ({"q": torch.randn(4, 3, 64), "out": torch.empty(4, 3, 64)}, "multiple of num_kv_heads"),
         ({"q": torch.randn(4, 4, 128)[..., ::2]}, "contiguous last dim"),
         ({"out": torch.empty(4, 4, 64).transpose(0, 1).contiguous().transpose(0, 1)}, "out must be"),
@@ -344,6 +364,35 @@ def test_cached_op_writes_the_new_rows_then_attends() -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     assert not out[4:].any()
     torch.library.opcheck(torch.ops.hpi_kernels.cached_paged_attention_cpu.default, _cached_step())
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cached_op_writes_fp8_rows_rounded_and_saturated(cache_dtype, dtype) -> None:
+    """Into an fp8 cache the new rows go as to_cache_dtype has them (clamped to the largest finite value, then
+    rounded to nearest even: bit for bit torch's conversion), and attention reads them back."""
+    q, k, v, k_cache, v_cache, *rest = _cached_step()
+    k[1, 0, :3] = torch.tensor([1e6, -1e6, 500.0])  # past both formats' range (e5m2's top is 57344), past e4m3's
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    slots = rest[0]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for cache, rows in ((expected_k, k), (expected_v, v)):
+        cache.view(torch.uint8).view(-1, 2, 64)[slots] = to_cache_dtype(rows[:4], cache_dtype).view(torch.uint8)
+    expected = torch.zeros(q.shape, dtype=dtype)
+    paged_attention_ref(expected, q, expected_k, expected_v, *rest[1:])
+    out = torch.ops.hpi_kernels.cached_paged_attention_cpu(q, k, v, k_cache, v_cache, *rest)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+    limit = torch.finfo(cache_dtype).max
+    assert k_cache.view(-1, 2, 64)[slots[1], 0, :2].float().tolist() == [limit, -limit]
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_a_cache_of_another_dtype_is_refused() -> None:
+    q, k, v, k_cache, v_cache, *rest = _cached_step()
+    with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+        torch.ops.hpi_kernels.cached_paged_attention_cpu(q, k, v, k_cache.half(), v_cache.half(), *rest)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,26 @@ def test_write_matches_reference(
     assert torch.equal(cache.v_cache, v_expected)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_into_an_fp8_cache_rounds_and_saturates(paged_cache, device, cache_dtype, dtype) -> None:
+    """The reference's to_cache_dtype exactly: clamped to the format's largest finite value, rounded to nearest
+    even (subnormals included); values past the range saturate instead of becoming NaN."""
+    cache = paged_cache([32], 2, 64, 16, cache_dtype)
+    key = (torch.randn(3, 2, 64) * torch.logspace(-4, 2, 64)).to(device, dtype)  # subnormals to e4m3's top
+    key[0, 0, :2] = torch.tensor([1e6, -1e6])
+    value = torch.randn(3, 2, 64).to(device, dtype)
+    slot_mapping = torch.tensor([5, -1, 31], dtype=torch.int64, device=device)
+    k_expected, v_expected = cache.k_cache.clone(), cache.v_cache.clone()
+    write_kv_cache_ref(key, value, k_expected, v_expected, slot_mapping)
+    write_kv_cache(key, value, cache.k_cache, cache.v_cache, slot_mapping)
+    # Values, not bits: Triton's interpreter casts -0.0 to +0.0 (a GPU keeps the sign); every other value is exact.
+    assert torch.equal(cache.k_cache.float(), k_expected.float())
+    assert torch.equal(cache.v_cache.float(), v_expected.float())
+    limit = torch.finfo(cache_dtype).max
+    assert cache.k_cache.view(-1, 2, 64)[5, 0, :2].float().tolist() == [limit, -limit]
+
+
 def test_write_of_no_tokens_is_a_no_op(paged_cache, device) -> None:
     cache = paged_cache([4], 2, 64, 16)
     before = cache.k_cache.clone()

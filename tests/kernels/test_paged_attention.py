@@ -50,6 +50,20 @@ def test_decode_matches_reference(
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_reads_an_fp8_cache(paged_cache, tol, device, cache_dtype, dtype) -> None:
+    """`--kv-cache-dtype fp8*`: K/V tiles widened to the query's dtype for tl.dot, against the reference over
+    the same fp8 values."""
+    context_lens = [1, 16, 17, 53]
+    cache = paged_cache(context_lens, 3, 64, 16, cache_dtype)
+    query = _query((len(context_lens), 9, 64), dtype, device, non_contiguous=False)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    out = paged_decode_attention(*args, num_splits=2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args), **tol(dtype))
+
+
 def test_split_count_does_not_change_the_result(paged_cache, device) -> None:
     cache = paged_cache([7, 150], num_kv_heads=2, head_dim=64, block_size=16)
     query = torch.randn(2, 4, 64, device=device)

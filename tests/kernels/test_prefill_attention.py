@@ -66,6 +66,16 @@ def test_prefill_matches_reference(
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_prefill_reads_an_fp8_cache(paged_cache, tol, device, cache_dtype) -> None:
+    cache = paged_cache([40, 23], 3, 64, 16, cache_dtype)
+    query = torch.randn(30, 9, 64, device=device)  # 20 new tokens of the first request, 10 of the second
+    query_start_loc = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.context_lens, 0.125)
+    torch.testing.assert_close(paged_prefill_attention(*args), paged_prefill_attention_ref(*args),
+                               **tol(torch.float32))  # fmt: skip
+
+
 def test_prefill_of_single_tokens_equals_decode(paged_cache, device) -> None:
     cache = paged_cache([1, 16, 40], num_kv_heads=3, head_dim=64, block_size=16)
     query = torch.randn(3, 9, 64, device=device)

@@ -15,7 +15,9 @@
 //   - prefill/extend chunks: a tile of up to kMaxTileVecs * Vec::size() (token, q head) rows, stored
 //     transposed so that the rows sit in vector lanes: scores, the online softmax and the P @ V update
 //     all run across rows without horizontal reductions (tile_item).
-// Math is fp32 (bf16/fp16 inputs are widened on load), the softmax is the streaming (online) one.
+// Math is fp32 (bf16/fp16 inputs are widened on load), the softmax is the streaming (online) one. The cache
+// holds q's dtype, or fp8 (e4m3fn or e5m2, `--kv-cache-dtype fp8*`: half the bytes of a bf16 cache to read
+// per step and to keep), written saturated and unscaled and widened to fp32 as it is read (cpu_vec.h).
 //
 // Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability (AVX512, AVX2 or
 // none), so at::vec::Vectorized<float> is 16, 8 (or 4 on aarch64) lanes wide.
@@ -127,12 +129,12 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t head
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 struct Problem {
   T* out;                          // [num_tokens, num_heads, head_dim] contiguous
   const T* q;                      // [num_tokens, num_heads, head_dim], last dim contiguous
-  const T* k_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const T* v_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const C* k_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const C* v_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
   const int32_t* block_tables;     // [num_reqs, max_blocks], row stride block_table_stride
   const int32_t* query_start_loc;  // [num_reqs + 1]
   const int32_t* context_lens;     // [num_reqs]
@@ -152,7 +154,7 @@ struct Problem {
   int64_t cache_token_stride() const { return num_kv_heads * head_dim; }
 
   // Keys (or values) of the kv head at cache block block_table[req][b]: row j at + j * cache_token_stride().
-  const T* block_rows(const T* cache, int64_t req, int64_t b, int64_t kv_head) const {
+  const C* block_rows(const C* cache, int64_t req, int64_t b, int64_t kv_head) const {
     const int64_t block = block_tables[req * block_table_stride + b];
     TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", req, "][", b, "] = ", block,
                       " is outside the cache's ", num_blocks, " blocks");
@@ -170,8 +172,8 @@ struct WorkItem {
 };
 
 // One decode token, q heads [first, first + GB) of one kv head's group, over all its cached keys.
-template <typename T, int GB>
-void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+template <typename T, typename C, int GB>
+void decode_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
   const int64_t D = p.head_dim, BS = p.block_size, token_stride = p.cache_token_stride();
   const int64_t token = p.query_start_loc[w.req];
   const int64_t context_len = p.context_lens[w.req];
@@ -179,6 +181,7 @@ void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
   float* q = scratch;            // [GB, D] query rows times scale
   float* acc = q + GB * D;       // [GB, D] unnormalised output
   float* scores = acc + GB * D;  // [GB, BS] one block's scores, then probabilities
+  float* keys = scores + GB * BS;  // [BS, D] one block's keys in fp32 (fp8 caches only)
   for (int g = 0; g < GB; ++g) {
     const T* src = p.q + token * p.q_token_stride + (head0 + g) * p.q_head_stride;
     for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(src[d]) * p.scale;
@@ -192,14 +195,20 @@ void decode_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
 
   for (int64_t b = first_key / BS, start = b * BS; start < context_len; start += BS, ++b) {
     const int64_t n = std::min(BS, context_len - start);
-    const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
-    const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
+    const C* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
+    const C* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
     if (start + BS < context_len) {
       const int64_t next_n = std::min(BS, context_len - start - BS);
       prefetch_rows(p.block_rows(p.k_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
       prefetch_rows(p.block_rows(p.v_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
     }
-    for (int g = 0; g < GB; ++g) score_keys(q + g * D, k, n, token_stride, D, scores + g * BS);
+    if constexpr (hpi_vec::is_fp8<C>) {  // widened once for the GB heads: widening fp8 costs more than the FMAs
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < D; c += kVecSize) load_float(k + j * token_stride + c).store(keys + j * D + c);
+      for (int g = 0; g < GB; ++g) score_keys(q + g * D, keys, n, D, D, scores + g * BS);
+    } else {
+      for (int g = 0; g < GB; ++g) score_keys(q + g * D, k, n, token_stride, D, scores + g * BS);
+    }
     if (p.logit_softcap > 0.f) {
       for (int g = 0; g < GB; ++g)
         for (int64_t j = 0; j < n; ++j)
@@ -290,8 +299,8 @@ inline void accumulate_values(const float* probs, const float* values, int64_t v
 
 // Rows [first, first + count) of one request's (token, q head) rows of one kv head, over the keys up to
 // the last row's position. Row r is token r / group_size, q head r % group_size of the group.
-template <typename T, int NV>
-void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+template <typename T, typename C, int NV>
+void tile_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
   constexpr int64_t RT = NV * kVecSize;  // rows in lanes, padded
   const int64_t D = p.head_dim, BS = p.block_size, G = p.group_size, token_stride = p.cache_token_stride();
   const int64_t q_start = p.query_start_loc[w.req];
@@ -302,8 +311,8 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
   float* acc = qt + D * RT;       // [D, RT] unnormalised output, transposed
   float* scores = acc + D * RT;   // [BS, RT] one block's scores, then probabilities
   float* pos = scores + BS * RT;  // [RT] position of each row; pad rows see every key
-  float* kbuf = pos + RT;         // [BS, D] a block's keys in fp32 (bf16/fp16 caches only)
-  float* vbuf = kbuf + BS * D;    // [BS, D] a block's values in fp32 (bf16/fp16 caches only)
+  float* kbuf = pos + RT;         // [BS, D] a block's keys in fp32 (16- and 8-bit caches only)
+  float* vbuf = kbuf + BS * D;    // [BS, D] a block's values in fp32 (16- and 8-bit caches only)
 
   for (int64_t r = 0; r < RT; ++r) {
     if (r < num_rows) {
@@ -330,8 +339,8 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
 
   for (int64_t b = first_key / BS, start = b * BS; start < kv_end; start += BS, ++b) {
     const int64_t n = std::min(BS, kv_end - start);
-    const T* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
-    const T* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
+    const C* k = p.block_rows(p.k_cache, w.req, b, w.kv_head);
+    const C* v = p.block_rows(p.v_cache, w.req, b, w.kv_head);
     if (start + BS < kv_end) {
       const int64_t next_n = std::min(BS, kv_end - start - BS);
       prefetch_rows(p.block_rows(p.k_cache, w.req, b + 1, w.kv_head), next_n, token_stride, D);
@@ -340,7 +349,7 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
     const float* kf;
     const float* vf;
     int64_t kv_stride;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       kf = k, vf = v, kv_stride = token_stride;
     } else {  // widen once per block; every row of the tile reuses it
       for (int64_t j = 0; j < n; ++j) {
@@ -410,31 +419,31 @@ void tile_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
   }
 }
 
-template <typename T>
-void run_item(const Problem<T>& p, const WorkItem& w, float* scratch) {
+template <typename T, typename C>
+void run_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
   if (w.decode) {
     switch (w.count) {
-      case 1: return decode_item<T, 1>(p, w, scratch);
-      case 2: return decode_item<T, 2>(p, w, scratch);
-      case 3: return decode_item<T, 3>(p, w, scratch);
-      case 4: return decode_item<T, 4>(p, w, scratch);
-      case 5: return decode_item<T, 5>(p, w, scratch);
-      case 6: return decode_item<T, 6>(p, w, scratch);
-      case 7: return decode_item<T, 7>(p, w, scratch);
-      default: return decode_item<T, 8>(p, w, scratch);
+      case 1: return decode_item<T, C, 1>(p, w, scratch);
+      case 2: return decode_item<T, C, 2>(p, w, scratch);
+      case 3: return decode_item<T, C, 3>(p, w, scratch);
+      case 4: return decode_item<T, C, 4>(p, w, scratch);
+      case 5: return decode_item<T, C, 5>(p, w, scratch);
+      case 6: return decode_item<T, C, 6>(p, w, scratch);
+      case 7: return decode_item<T, C, 7>(p, w, scratch);
+      default: return decode_item<T, C, 8>(p, w, scratch);
     }
   }
   switch ((w.count + kVecSize - 1) / kVecSize) {
-    case 1: return tile_item<T, 1>(p, w, scratch);
-    case 2: return tile_item<T, 2>(p, w, scratch);
-    case 3: return tile_item<T, 3>(p, w, scratch);
-    default: return tile_item<T, 4>(p, w, scratch);
+    case 1: return tile_item<T, C, 1>(p, w, scratch);
+    case 2: return tile_item<T, C, 2>(p, w, scratch);
+    case 3: return tile_item<T, C, 3>(p, w, scratch);
+    default: return tile_item<T, C, 4>(p, w, scratch);
   }
 }
 
 // Floats of per-thread scratch that any item needs.
 int64_t scratch_floats(int64_t head_dim, int64_t block_size) {
-  const int64_t decode = 2 * kMaxDecodeHeads * head_dim + kMaxDecodeHeads * block_size;
+  const int64_t decode = 2 * kMaxDecodeHeads * head_dim + kMaxDecodeHeads * block_size + block_size * head_dim;
   const int64_t tile =
       2 * head_dim * kMaxTileRows + block_size * kMaxTileRows + kMaxTileRows + 2 * block_size * head_dim;
   return std::max(decode, tile);
@@ -456,6 +465,8 @@ struct OpArgs {
   int64_t num_reqs() const { return block_tables.size(0); }
   int64_t group_size() const { return q.size(1) / k_cache.size(2); }
 };
+
+bool is_fp8_dtype(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 void check_int32_vector(const at::Tensor& t, const char* name, int64_t length) {
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == length && t.scalar_type() == at::kInt && t.is_contiguous(), name,
@@ -480,9 +491,10 @@ void check_args(const OpArgs& a) {
   const auto dtype = a.q.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                     "q must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK_VALUE(a.k_cache.scalar_type() == dtype && a.v_cache.scalar_type() == dtype,
-                    "k_cache and v_cache must have q's dtype ", dtype, ", got ", a.k_cache.scalar_type(), " and ",
-                    a.v_cache.scalar_type());
+  const auto cache_dtype = a.k_cache.scalar_type();
+  TORCH_CHECK_VALUE((cache_dtype == dtype || is_fp8_dtype(cache_dtype)) && a.v_cache.scalar_type() == cache_dtype,
+                    "k_cache and v_cache must both have q's dtype ", dtype, " or both float8_e4m3fn or float8_e5m2, "
+                    "got ", cache_dtype, " and ", a.v_cache.scalar_type());
   TORCH_CHECK_VALUE(a.out.sizes() == a.q.sizes() && a.out.scalar_type() == dtype && a.out.is_contiguous(),
                     "out must be a contiguous tensor of q's shape and dtype");
   const int64_t num_heads = a.q.size(1), head_dim = a.q.size(2), num_kv_heads = a.k_cache.size(2);
@@ -547,12 +559,12 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
   return items;
 }
 
-template <typename T>
+template <typename T, typename C>
 void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
-  const Problem<T> problem{.out = a.out.data_ptr<T>(),
+  const Problem<T, C> problem{.out = a.out.data_ptr<T>(),
                            .q = a.q.const_data_ptr<T>(),
-                           .k_cache = a.k_cache.const_data_ptr<T>(),
-                           .v_cache = a.v_cache.const_data_ptr<T>(),
+                           .k_cache = a.k_cache.const_data_ptr<C>(),
+                           .v_cache = a.v_cache.const_data_ptr<C>(),
                            .block_tables = a.block_tables.const_data_ptr<int32_t>(),
                            .query_start_loc = a.query_start_loc.const_data_ptr<int32_t>(),
                            .context_lens = a.context_lens.const_data_ptr<int32_t>(),
@@ -581,6 +593,15 @@ void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
   });
 }
 
+template <typename T>
+void launch_for_cache(const OpArgs& a, const std::vector<WorkItem>& items) {
+  switch (a.k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: return launch<T, c10::Float8_e4m3fn>(a, items);
+    case at::kFloat8_e5m2: return launch<T, c10::Float8_e5m2>(a, items);
+    default: return launch<T, T>(a, items);
+  }
+}
+
 void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                          const at::Tensor& context_lens, double scale, int64_t sliding_window, double logit_softcap) {
@@ -590,9 +611,77 @@ void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::T
   const std::vector<WorkItem> items = plan_work(args);
   if (items.empty()) return;
   switch (q.scalar_type()) {
-    case at::kBFloat16: return launch<at::BFloat16>(args, items);
-    case at::kHalf: return launch<at::Half>(args, items);
-    default: return launch<float>(args, items);
+    case at::kBFloat16: return launch_for_cache<at::BFloat16>(args, items);
+    case at::kHalf: return launch_for_cache<at::Half>(args, items);
+    default: return launch_for_cache<float>(args, items);
+  }
+}
+
+// x rounded to nearest even on fp8's grid and saturated at its largest finite value (M mantissa bits, exponent
+// bias B), as fp8 bits: written without branches (GCC vectorises the row loop below) instead of c10's scalar
+// conversion, which cost 1.6 ns an element (1.3 ms of a 2048-token prefill's layer). |x| + 2^(e - M + 23), less
+// the same, leaves |x| rounded to a whole ulp of its binade e (subnormals: of the smallest normal binade); the
+// rounded value is then exactly representable and its bits are moved into place. Bit for bit torch's
+// conversion (tests/kernels/test_cpu_attention.py), except that NaN saturates too.
+template <int M, int B>
+inline uint8_t fp8_bits(float x, float limit) {
+  uint32_t u, ua, ur;
+  std::memcpy(&u, &x, 4);
+  float a = std::fabs(x);
+  a = a < limit ? a : limit;
+  std::memcpy(&ua, &a, 4);
+  const int32_t e = std::max<int32_t>(static_cast<int32_t>(ua >> 23), 128 - B);
+  const uint32_t magic_bits = static_cast<uint32_t>(e - M + 23) << 23;
+  float magic;
+  std::memcpy(&magic, &magic_bits, 4);
+  const float r = (a + magic) - magic;
+  std::memcpy(&ur, &r, 4);
+  constexpr float kMinNormal = 1.f / static_cast<float>(1 << (B - 1));  // 2^(1 - B)
+  constexpr float kSubnormalSteps = static_cast<float>(1 << (B + M - 1));  // subnormal ulps per unit
+  const uint32_t normal = (ur >> (23 - M)) - (static_cast<uint32_t>(127 - B) << M);
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(r * kSubnormalSteps));  // < 2^M: exact
+  return static_cast<uint8_t>((r >= kMinNormal ? normal : subnormal) | ((u >> 24) & 0x80));
+}
+
+template <bool kE4M3>
+void fp8_row(const float* __restrict x, uint8_t* __restrict out, int64_t n, float limit) {
+  for (int64_t i = 0; i < n; ++i) out[i] = kE4M3 ? fp8_bits<3, 7>(x[i], limit) : fp8_bits<2, 15>(x[i], limit);
+}
+
+// Rows [0, num_tokens) of src [rows, num_kv_heads, head_dim] written to an fp8 cache's slots, rounded to nearest
+// (even) and saturated at the format's largest finite value (448 for e4m3fn, 57344 for e5m2), with no scale:
+// vLLM's default k/v scale of 1.0. Tokens are split over the threads (a prefill's rows are many).
+template <typename T, typename C>
+void write_fp8_rows_as(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  constexpr bool kE4M3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+  const float limit = static_cast<float>(std::numeric_limits<C>::max());
+  const int64_t heads = cache.size(2), D = cache.size(3);
+  const T* from = src.const_data_ptr<T>();
+  auto* to = static_cast<uint8_t*>(cache.data_ptr());
+  const int64_t token_stride = src.stride(0), head_stride = src.stride(1);
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(D);  // head_dim is a multiple of 16
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* row = from + t * token_stride + h * head_stride;
+        for (int64_t d = 0; d < D; d += kVecSize) load_float(row + d).store(widened.data() + d);
+        fp8_row<kE4M3>(widened.data(), to + (slots[t] * heads + h) * D, D, limit);
+      }
+    }
+  });
+}
+
+template <typename T>
+void write_fp8_rows_from(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  if (cache.scalar_type() == at::kFloat8_e4m3fn) return write_fp8_rows_as<T, c10::Float8_e4m3fn>(src, cache, slots, num_tokens);
+  return write_fp8_rows_as<T, c10::Float8_e5m2>(src, cache, slots, num_tokens);
+}
+
+void write_fp8_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  switch (src.scalar_type()) {
+    case at::kBFloat16: return write_fp8_rows_from<at::BFloat16>(src, cache, slots, num_tokens);
+    case at::kHalf: return write_fp8_rows_from<at::Half>(src, cache, slots, num_tokens);
+    default: return write_fp8_rows_from<float>(src, cache, slots, num_tokens);
   }
 }
 
@@ -611,11 +700,15 @@ at::Tensor cached_paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                     "slot_mapping must be a contiguous int64 vector");
   TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) >= num_tokens && k.size(1) == k_cache.size(2) &&
-                        k.size(2) == k_cache.size(3) && k.scalar_type() == k_cache.scalar_type() &&
-                        v.scalar_type() == v_cache.scalar_type() && k.stride(2) == 1 && v.stride(2) == 1,
-                    "k and v must be [num_rows >= ", num_tokens, ", num_kv_heads, head_dim] rows of the caches' shape and dtype, "
-                    "got ", k.sizes(), " and ", v.sizes());
+                        k.size(2) == k_cache.size(3) && k.scalar_type() == q.scalar_type() &&
+                        v.scalar_type() == q.scalar_type() && k.stride(2) == 1 && v.stride(2) == 1,
+                    "k and v must be [num_rows >= ", num_tokens, ", num_kv_heads, head_dim] rows of the caches' shape "
+                    "in q's dtype, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+  TORCH_CHECK_VALUE((k_cache.scalar_type() == q.scalar_type() || is_fp8_dtype(k_cache.scalar_type())) &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    "k_cache and v_cache must both have q's dtype ", q.scalar_type(),
+                    " or both float8_e4m3fn or float8_e5m2, got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t row = k_cache.size(2) * k_cache.size(3), bytes = row * k_cache.element_size();
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
@@ -624,6 +717,7 @@ at::Tensor cached_paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, 
                       " is outside the cache's ", num_slots, " slots");
   }
   auto write = [&](const at::Tensor& src, const at::Tensor& cache) {
+    if (cache.scalar_type() != src.scalar_type()) return write_fp8_rows(src, cache, slots, num_tokens);
     const auto* from = static_cast<const char*>(src.const_data_ptr());
     auto* to = static_cast<char*>(cache.data_ptr());
     const int64_t token_stride = src.stride(0) * src.element_size(), head_stride = src.stride(1) * src.element_size();

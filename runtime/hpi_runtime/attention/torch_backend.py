@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from hpi_kernels.reference import to_cache_dtype
 from hpi_runtime.attention.metadata import AttentionMetadata
 
 
@@ -237,8 +238,12 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, k)
-        v_flat.index_copy_(0, metadata.slot_mapping, v)
+        # Through same-size integer views: torch's CPU index_copy_ has no fp8 kernel (the bits are what is copied).
+        for flat, rows in ((k_flat, k), (v_flat, v)):
+            new = to_cache_dtype(rows, flat.dtype)
+            if flat.dtype.itemsize == 1:
+                flat, new = flat.view(torch.uint8), new.view(torch.uint8)
+            flat.index_copy_(0, metadata.slot_mapping, new)
         num_heads = q.shape[1]
         group_size = num_heads // num_kv_heads
         out = q.new_empty(q.shape)  # contiguous even when q is a view
@@ -248,8 +253,9 @@ class TorchAttentionBackend:
         ) -> tuple[torch.Tensor, torch.Tensor]:  # keys and values, each [R, H_kv, Lk, D]
             # index_select, not advanced indexing: the latter is ~100x slower for these sizes on CPU.
             num_reqs, slots = key_slots.shape[0], key_slots.view(-1)
-            keys = k_flat.index_select(0, slots).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_flat.index_select(0, slots).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+            keys = k_flat.index_select(0, slots).to(q.dtype).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_flat.index_select(0, slots).to(q.dtype).view(num_reqs, -1, num_kv_heads, head_dim)
+            values = values.transpose(1, 2)
             return keys, values
 
         for group in metadata.decode_groups:

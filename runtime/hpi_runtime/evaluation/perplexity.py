@@ -20,13 +20,16 @@ BLOCK_SIZE = 16
 
 @torch.inference_mode()
 def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int],
-               chunk_size: int | None = None) -> float:  # fmt: skip
+               chunk_size: int | None = None, kv_cache_dtype: torch.dtype | None = None) -> float:  # fmt: skip
     """exp(mean negative log-likelihood of token i + 1 given tokens 0..i), over the whole sequence.
 
     chunk_size: prefill the text in chunks of that many tokens (each attending to the ones before, as chunked
     prefill does) instead of in one pass: with chunks of decode-sized row counts the linears run the kernels
     decode steps run (on CPU, the quantized panels' tiles rather than the dequantized GEMM a long prefill
-    takes), so that what those kernels change (int4's int8 activations) shows in the number."""
+    takes), so that what those kernels change (int4's int8 activations) shows in the number.
+
+    kv_cache_dtype: the private cache's element type (an fp8 type for `--kv-cache-dtype fp8*`); None: the
+    model's dtype. Every query reads its keys and values back from that cache, the text's own included."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     if chunk_size is not None and chunk_size < 1:
@@ -35,7 +38,7 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
     dtype = model.model.norm.weight.dtype
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // BLOCK_SIZE)
-    allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), device)
+    allocate_kv_caches(model, KVCacheSpec(num_blocks, BLOCK_SIZE, kv_cache_dtype or dtype), device)
     ids = torch.tensor(token_ids, device=device)
     block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     step = chunk_size or num_tokens

@@ -125,10 +125,11 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     # GC's generations so collections during serving stay short (vLLM does the same; the core does it too).
     gc.collect()
     gc.freeze()
-    logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB in %d blocks, "
+    logger.info("ready: %s (%s, quantization %s, on %s), weights %.1f MiB, KV cache %.1f MiB of %s in %d blocks, "
                 "max_model_len %d; engine core in its own process", state.settings.served_model_name,
                 prepared.dtype, prepared.quantization_detail, prepared.device, footprint.weight_bytes / 2**20,
-                footprint.kv_cache_bytes / 2**20, footprint.num_kv_blocks, max_model_len)
+                footprint.kv_cache_bytes / 2**20, str(prepared.executor_config.kv_dtype).removeprefix("torch."),
+                footprint.num_kv_blocks, max_model_len)  # fmt: skip
     if footprint.num_host_kv_blocks:
         logger.info("host KV tier: %.1f MiB of host memory in %d blocks (offloaded prefix blocks, swapped-out "
                     "requests)", footprint.host_kv_cache_bytes / 2**20, footprint.num_host_kv_blocks)

@@ -37,6 +37,8 @@ from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRun
 from hpi_runtime.worker.sleep import ModelSleeper
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# --kv-cache-dtype's one-byte types (vLLM's names; "fp8" is e4m3, as there); "auto" keeps the model's dtype.
+KV_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weights are loaded
 
 
@@ -80,6 +82,11 @@ class ExecutorConfig:
     # CPU decode steps as one C++ call for all layers (worker/cpu_decode.py) where the model allows it: measured
     # faster than the compiled step at every batch size tried (1-128 rows), so for every decode-only step.
     cpu_decode_stack: bool = True
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: --kv-cache-dtype's fp8 type, or the model's dtype for "auto"."""
+        return KV_TORCH_DTYPES.get(self.cache.kv_cache_dtype, self.dtype)
 
 
 def rank_kv_bytes_per_token(model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -172,14 +179,14 @@ class LocalExecutor:
         self._num_kv_blocks = stage.min_int(tp.min_int(
             num_blocks_for_budget(
                 kv_budget_bytes(config, device),
-                sum(rank_kv_bytes_per_token(model, config.dtype) for model in kv_models),
+                sum(rank_kv_bytes_per_token(model, config.kv_dtype) for model in kv_models),
                 config.cache.block_size,
                 config.kv_tokens_per_request or config.max_model_len,
             )
         ))
-        kv_spec = KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.dtype)
+        kv_spec = KVCacheSpec(self._num_kv_blocks, config.cache.block_size, config.kv_dtype)
         kv_cache_bytes = sum(allocate_kv_caches(model, kv_spec, device) for model in kv_models)
-        block_bytes = rank_kv_bytes_per_token(self.model, config.dtype) * config.cache.block_size
+        block_bytes = rank_kv_bytes_per_token(self.model, config.kv_dtype) * config.cache.block_size
         self._num_host_kv_blocks = stage.min_int(tp.min_int(
             num_host_blocks_for_budget(config.cache.kv_offload_bytes, block_bytes)))
         self.host_kv_cache = None

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpi_kernels.reference import to_cache_dtype
 from hpi_runtime.attention.metadata import AttentionMetadata
 from hpi_runtime.attention.torch_backend import TorchAttentionBackend, split_decodes_by_context_len
 
@@ -216,6 +217,21 @@ def test_op_bf16_is_close_to_fp32(prefer_cpu_kernel) -> None:
     out = _call_op(common, *bf16, prefer_cpu_kernel)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_op_over_an_fp8_cache(cache_dtype, prefer_cpu_kernel) -> None:
+    """`--kv-cache-dtype fp8*`: the new rows are stored as to_cache_dtype rounds them, and attention is exact
+    (fp32's tolerance) over the rounded cache, on the C++ kernel and the reference path alike."""
+    common, q, k, v, k_cache, v_cache = _paged_step([300, 17, 64, 48], [1, 1, 20, 48])
+    caches = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    expected = _reference(common, q, to_cache_dtype(k, cache_dtype).float(), to_cache_dtype(v, cache_dtype).float(),
+                          caches[0].float(), caches[1].float())  # fmt: skip
+    out = _call_op(common, q, k, v, *caches, prefer_cpu_kernel)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    written = caches[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[common.slot_mapping]
+    assert torch.equal(written.view(torch.uint8), to_cache_dtype(k, cache_dtype).view(torch.uint8))
 
 
 @pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from hpi_kernels.cpu import cpu_kernels_available
-from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.attention.op import PagedAttentionInputs, PagedAttentionOpBackend
 from hpi_runtime.config import CacheConfig
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.cpu_layout import pack_cpu_weights
@@ -30,23 +29,25 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU
 NUM_BLOCKS, BLOCK_SIZE = 96, 8
 
 
-def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack: bool = True):
+def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack: bool = True,
+           kv_dtype: torch.dtype | None = None, cpu_attention: bool = True):  # fmt: skip
     config = load_model_config(model_dir)
     cpu = torch.device("cpu")
-    backend = get_attention_backend("torch", dtype, cpu)
+    # cpu_attention=False: the reference attention (gather + SDPA) instead of the C++ kernel.
+    backend = PagedAttentionOpBackend(dtype, prefer_cpu_kernel=cpu_attention)
     model = load_model(config, dtype, cpu, backend)
     # "int4" runs the float-activation int4 op, "int4-a8" W4A8 (int4_a8_linear), whatever this CPU's default.
     method, _, a8 = quantization.partition("-")
     quantize_model(model, QuantizationConfig(method=method, int4_activations="int8" if a8 else "float"))
     if pack:
         pack_cpu_weights(model)
-    allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, dtype), cpu)
+    allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, kv_dtype or dtype), cpu)
     return model, backend
 
 
 def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: str = "none",
-            pack: bool = True) -> ModelRunner:  # fmt: skip
-    model, backend = _model(model_dir, dtype, quantization, pack)
+            pack: bool = True, **model_options: Any) -> ModelRunner:  # fmt: skip
+    model, backend = _model(model_dir, dtype, quantization, pack, **model_options)
     config = load_model_config(model_dir)
     return ModelRunner(model, backend, BLOCK_SIZE, config.eos_token_ids, 0, cpu_decode_rows=stack_rows)
 
@@ -80,6 +81,18 @@ def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory
     prompt_lens = [5, 19, 1, 33]
     assert _generate(runner, prompt_lens, 16) == _generate(reference, prompt_lens, 16)
     assert runner.cpu_decode.steps >= 6  # the decode-only steps after the last prefill chunk (5 requests)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_decode_steps_over_an_fp8_cache_give_the_reference_tokens(tiny_model_dir: Path, kv_dtype) -> None:
+    """`--kv-cache-dtype fp8*`: the stack writes and reads the one-byte cache (through the C++ attention) as the
+    eager model with the reference attention (gather + SDPA over the widened cache) does, token for token."""
+    reference = _runner(tiny_model_dir, torch.float32, 0, kv_dtype=kv_dtype, cpu_attention=False)
+    runner = _runner(tiny_model_dir, torch.float32, 64, kv_dtype=kv_dtype)
+    prompt_lens = [5, 19, 1, 33]
+    assert _generate(runner, prompt_lens, 16) == _generate(reference, prompt_lens, 16)
+    assert runner.cpu_decode.steps >= 6
+    assert runner.model.attention_layers()[0].k_cache.dtype == kv_dtype
 
 
 def test_bf16_tokens_match_up_to_near_ties(tiny_model_dir: Path) -> None:

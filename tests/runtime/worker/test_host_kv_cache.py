@@ -35,7 +35,7 @@ class _Layers:
         return self.layers
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_copies_round_trip_bit_exactly(dtype: torch.dtype, device: str) -> None:
     """On CUDA: pinned host pool, offloads on a side stream overlapping later work, loads on the compute stream."""
@@ -84,13 +84,17 @@ def _conversations(llm: LLM, num_turns: int = 3) -> tuple[list[list[int]], objec
     return answers, llm.engine.get_stats()
 
 
-def test_same_greedy_tokens_with_the_tier_and_far_less_prefill(tiny_model_dir: Path) -> None:
-    options = dict(dtype="float32", block_size=BLOCK, max_model_len=128, max_num_seqs=6,
-                   kv_cache_memory_bytes=24 * BLOCK * TOKEN_BYTES, enforce_eager=True)  # fmt: skip
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_same_greedy_tokens_with_the_tier_and_far_less_prefill(tiny_model_dir: Path, kv_cache_dtype: str) -> None:
+    """fp8: a quarter of the fp32 budget holds the same 24 blocks, and the tier moves its one-byte blocks."""
+    token_bytes = TOKEN_BYTES // 4 if kv_cache_dtype == "fp8" else TOKEN_BYTES
+    options = dict(dtype="float32", block_size=BLOCK, max_model_len=128, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype,
+                   kv_cache_memory_bytes=24 * BLOCK * token_bytes, enforce_eager=True)  # fmt: skip
     off = LLM(tiny_model_dir, **options)
+    assert off.engine.executor.num_kv_blocks == 24
     answers_off, stats_off = _conversations(off)
     off.shutdown()
-    on = LLM(tiny_model_dir, kv_offload_bytes=256 * BLOCK * TOKEN_BYTES, **options)
+    on = LLM(tiny_model_dir, kv_offload_bytes=256 * BLOCK * token_bytes, **options)
     answers_on, stats_on = _conversations(on)
     # The last step's finished requests reach the runner with the next step, even one of block copies alone.
     runner = on.engine.executor.runner
