@@ -63,6 +63,7 @@ class Profile:
     kv_offload_bytes: int = 0  # host memory for the runtime's second KV tier, over the whole pod
     num_nodes: int = 1  # pipeline stages, one pod (node) each: more than one is a LeaderWorkerSet group
     layer_partition: tuple[int, ...] = ()  # decoder layers per stage (the runtime's $VLLM_PP_LAYER_PARTITION)
+    kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype, which the KV arithmetic above counted in
 
     @property
     def multi_node(self) -> bool:
@@ -187,11 +188,11 @@ def _attempt(
         num_gpus=num_gpus,
         num_nodes=num_nodes,
         weight_bytes=weights,
-        min_kv_bytes=kv_cache_bytes(shape, dtype, engine.max_model_len, engine.block_size, num_gpus, num_nodes),
+        min_kv_bytes=kv_cache_bytes(shape, dtype, engine.max_model_len, engine.block_size, num_gpus, num_nodes,
+                                    engine.kv_cache_dtype),
         # More KV than max_num_seqs full-length sequences can never be used: do not reserve it.
-        max_kv_bytes=kv_cache_bytes(
-            shape, dtype, engine.max_model_len * engine.max_num_seqs, engine.block_size, num_gpus, num_nodes
-        ),
+        max_kv_bytes=kv_cache_bytes(shape, dtype, engine.max_model_len * engine.max_num_seqs, engine.block_size,
+                                    num_gpus, num_nodes, engine.kv_cache_dtype),
         overhead_bytes=overhead_bytes(weights, num_gpus, encoder_cache_bytes(shape, dtype, _encoder_cache_rows(spec))),
         budget_bytes=budget,
     )
@@ -344,8 +345,9 @@ def _fitting_choice(pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: s
         kv_offload_bytes=kv_offload_bytes(pool, spec, attempt.num_gpus, kv_bytes),
         num_nodes=attempt.num_nodes,
         layer_partition=stage_partition(shape, attempt.num_nodes) if attempt.num_nodes > 1 else (),
+        kv_cache_dtype=engine.kv_cache_dtype,
     )
-    per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes)
+    per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes, engine.kv_cache_dtype)
     if profile.multi_node:
         layout = _pipeline_note(shape, attempt, pinned=spec.parallelism.pipeline is not None)
         weights = "weights per stage"

@@ -94,7 +94,9 @@ def cache_key(spec: InferenceSpec, profile: Profile, pool: Pool) -> str:
         "engine": {"device": profile.device, "dtype": profile.dtype, "quantization": profile.quantization,
                    "tensorParallel": max(profile.num_gpus, 1), "kvCacheBytesPerGpu": profile.kv_cache_bytes_per_gpu,
                    "maxModelLen": engine.max_model_len, "maxNumSeqs": engine.max_num_seqs,
-                   "maxNumBatchedTokens": engine.max_num_batched_tokens, "blockSize": engine.block_size},
+                   "maxNumBatchedTokens": engine.max_num_batched_tokens, "blockSize": engine.block_size,
+                   # Only when set: the keys of profiles measured before the field existed stay valid.
+                   **({"kvCacheDtype": engine.kv_cache_dtype} if engine.kv_cache_dtype != "auto" else {})},
         "node": node_kind(pool),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

@@ -218,22 +218,26 @@ def stage_weight_bytes(
     return math.ceil(max(first, last, max(partition[1:-1], default=0) * per_layer))
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_stages: int = 1) -> int:
+def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_stages: int = 1,
+                       kv_cache_dtype: str = "auto") -> int:  # fmt: skip
     """KV bytes one token costs a replica's fullest pipeline stage (the whole replica with one stage) over the
     stage's GPUs. Every rank allocates the blocks the fullest rank affords, so a stage pays num_gpus x the
-    fullest rank's share (the plain K and V size when even)."""
+    fullest rank's share (the plain K and V size when even). `kv_cache_dtype`: the runtime's --kv-cache-dtype
+    (fp8: one byte an element whatever the model's dtype)."""
     num_ranks = max(num_gpus, 1)
     num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
     layers = stage_layers(shape, num_stages)
-    return kv_cache.kv_bytes_per_token(layers, num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype])
+    element_bytes = kv_cache.kv_cache_dtype_bytes(kv_cache_dtype, DTYPE_BYTES[dtype])
+    return kv_cache.kv_bytes_per_token(layers, num_kv_heads, shape.head_dim, element_bytes)
 
 
 def kv_cache_bytes(
-    shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1, num_stages: int = 1
+    shape: ModelShape, dtype: str, num_tokens: int, block_size: int, num_gpus: int = 1, num_stages: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes for `num_tokens` tokens of KV cache over the GPUs of a replica's fullest stage, rounded up to whole
     blocks (every stage holds its own layers' KV of every token)."""
-    per_token = kv_bytes_per_token(shape, dtype, num_gpus, num_stages)
+    per_token = kv_bytes_per_token(shape, dtype, num_gpus, num_stages, kv_cache_dtype)
     return math.ceil(num_tokens / block_size) * block_size * per_token
 
 

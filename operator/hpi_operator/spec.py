@@ -15,7 +15,7 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from hpi_contracts.kv_cache import BLOCK_SIZES
+from hpi_contracts.kv_cache import BLOCK_SIZES, KV_CACHE_DTYPES
 
 from .adapter_spec import AdapterSpec, parse_adapters
 from .crd_defaults import crd_default, with_defaults
@@ -109,6 +109,7 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     kv_cache_memory_fraction: float = crd_default("engine.kvCacheMemoryFraction")
     block_size: int = crd_default("engine.blockSize")
+    kv_cache_dtype: str = crd_default("engine.kvCacheDtype")  # the runtime's --kv-cache-dtype
     kv_offload_bytes: int | None = None  # the host KV tier per replica; None: "auto" (profiles.py decides)
     max_loras: int = crd_default("engine.maxLoras")  # with spec.adapters: adapters one batch holds
     max_lora_rank: int = crd_default("engine.maxLoraRank")
@@ -419,6 +420,7 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         max_num_batched_tokens=raw.get("maxNumBatchedTokens"),
         kv_cache_memory_fraction=float(_get(raw, "kvCacheMemoryFraction", EngineSpec.kv_cache_memory_fraction)),
         block_size=int(_get(raw, "blockSize", EngineSpec.block_size)),
+        kv_cache_dtype=str(_get(raw, "kvCacheDtype", EngineSpec.kv_cache_dtype)),
         kv_offload_bytes=_kv_offload_bytes(raw.get("kvOffloadMemory", "auto")),
         max_loras=int(_get(raw, "maxLoras", EngineSpec.max_loras)),
         max_lora_rank=int(_get(raw, "maxLoraRank", EngineSpec.max_lora_rank)),
@@ -426,6 +428,8 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     )
     if engine.block_size not in BLOCK_SIZES:
         raise SpecError(f"spec.engine.blockSize must be one of {BLOCK_SIZES}; got {engine.block_size}")
+    if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SpecError(f"spec.engine.kvCacheDtype must be one of {KV_CACHE_DTYPES}; got {engine.kv_cache_dtype!r}")
     if not 0.0 < engine.kv_cache_memory_fraction < 1.0:
         raise SpecError("spec.engine.kvCacheMemoryFraction must lie strictly between 0 and 1")
     if engine.max_model_len < 1 or engine.max_num_seqs < 1:

@@ -183,6 +183,7 @@ def test_example_crs_validate(path: str, cr: dict[str, Any]) -> None:
         {"replicas": -1},
         {"model": {"source": "s3"}},
         {"engine": {"blockSize": 12}},
+        {"engine": {"kvCacheDtype": "fp16"}},
         {"engine": {"kvCacheMemoryFraction": 1.5}},
         {"placement": {"profile": {"quantization": "fp8"}}},
         {"autoscaling": {"targetKVUtilization": 2}},

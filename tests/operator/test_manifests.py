@@ -271,6 +271,20 @@ def test_kv_cache_memory_is_per_rank_and_every_rank_holds_the_profiles_tokens(si
     assert num_blocks * engine.block_size >= planned_tokens - engine.block_size  # nor fewer tokens
 
 
+def test_fp8_kv_cache_reaches_every_runtime_and_halves_the_kv_arithmetic() -> None:
+    """spec.engine.kvCacheDtype fp8: `--kv-cache-dtype fp8` on every pool's runtime, and each profile counts one
+    byte a K/V element (Llama-3.1-8B: 64 KiB a token against bf16's 128 KiB), so the minimum KV halves."""
+    bf16 = plan_for("pvc-8b")
+    fp8 = make_plan(cr({**copy.deepcopy(SPECS["pvc-8b"]), "engine": {"kvCacheDtype": "fp8"}}), NODES)
+    assert fp8.deployments and len(fp8.choices) == len(bf16.choices)
+    for dep in fp8.deployments:
+        assert arg(container(dep)["args"], "--kv-cache-dtype") == "fp8"
+    assert all("--kv-cache-dtype" not in container(dep)["args"] for dep in bf16.deployments)  # auto: the default
+    gpu = {c.pool.name: c for c in fp8.choices}["gpu-h100-80gb-hbm3"]
+    assert "tokens x 65536 B)" in gpu.reason, gpu.reason
+    assert "tokens x 131072 B)" in {c.pool.name: c for c in bf16.choices}["gpu-h100-80gb-hbm3"].reason
+
+
 def test_runtime_parser_accepts_the_rendered_args() -> None:
     from hpi_runtime.cli import build_parser  # the test environment has every component installed
 

@@ -88,7 +88,7 @@ def test_the_profiling_job_is_the_pools_pod_running_hpi_profile() -> None:
     assert unknown == [] and args.command == "profile" and args.compact and args.output == "/dev/termination-log"
     serve, _ = build_parser().parse_known_args(runtime["args"])
     for flag in ("model", "dtype", "device", "quantization", "kv_cache_memory_bytes", "max_num_seqs", "block_size",
-                 "max_model_len", "tensor_parallel_size"):  # fmt: skip
+                 "kv_cache_dtype", "max_model_len", "tensor_parallel_size"):  # fmt: skip
         assert getattr(args, flag) == getattr(serve, flag), flag
     assert max(args.batch_sizes) <= args.max_num_seqs and args.steps <= 8
     assert target.key in job["metadata"]["name"] or target.key[:8] in job["metadata"]["name"]

@@ -86,6 +86,7 @@ def test_parameter_counts(text: Any, count: int) -> None:
         ({"autoscaling": {"minReplicas": 0}}, "scaleToZero"),
         ({"autoscaling": {"mode": "magic"}}, "mode"),
         ({"engine": {"blockSize": 12}}, "blockSize"),
+        ({"engine": {"kvCacheDtype": "int8"}}, "kvCacheDtype"),
         ({"replicas": -1}, "negative"),
         ({"apiKeySecretRef": {"key": "k"}}, "apiKeySecretRef.name"),
         ({"model": {"size": {"numHeads": 10, "numKVHeads": 4}}}, r"numKVHeads \(4\) must divide .*numHeads \(10\)"),

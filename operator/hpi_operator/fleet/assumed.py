@@ -76,7 +76,7 @@ def assumed_performance(
     # so a step reads every stage's weights and KV at one stage's bandwidth; its KV budget is a stage's.
     num_gpus, num_stages = max(profile.num_gpus, 1), profile.num_nodes
     bandwidth = figures.memory_bandwidth_gbps * 1e9 * DECODE_BANDWIDTH_EFFICIENCY * num_gpus
-    kv_per_token = kv_bytes_per_token(shape, profile.dtype, num_gpus, num_stages)
+    kv_per_token = kv_bytes_per_token(shape, profile.dtype, num_gpus, num_stages, profile.kv_cache_dtype)
     context = max(context_tokens, 1.0)
     max_num_seqs = max(1, int(profile.kv_cache_bytes // (kv_per_token * context)))
     flops = figures.dense_tflops_16bit * 1e12 * PREFILL_FLOPS_EFFICIENCY * num_gpus
