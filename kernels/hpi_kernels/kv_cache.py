@@ -63,9 +63,10 @@ def _write_kv_cache_kernel(
             + heads[:, None].to(tl.int64) * stride_cache_h
             + dims[None, :] * stride_cache_d
         )
+        key, value = key.to(tl.float32), value.to(tl.float32)  # exact; one type whichever branch runs
         if FP8_MANTISSA > 0:
-            key = _round_to_fp8_grid(key.to(tl.float32), FP8_MANTISSA, FP8_BIAS, FP8_MAX)
-            value = _round_to_fp8_grid(value.to(tl.float32), FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+            key = _round_to_fp8_grid(key, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+            value = _round_to_fp8_grid(value, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
         tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

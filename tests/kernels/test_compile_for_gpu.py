@@ -23,7 +23,7 @@ _BF16 = "*bf16"
 CONFIGS = [
     (
         "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64}, 4,
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0}, 4,
     ),
     (
         "paged_attention", "_decode_kernel",
@@ -65,6 +65,39 @@ CONFIGS = [
 ]
 
 
+# `--kv-cache-dtype fp8*` (one-byte caches): CUDA only, where Triton has both formats from sm_89 (e4m3 is fp8e4nv);
+# AMD's Instinct GPUs take other fp8 variants (fnuz), which the runtime does not use.
+_KV = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+FP8_CONFIGS = [
+    (
+        "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
+                                               "v_cache_ptr": "*fp8e4nv"},
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 3, "FP8_BIAS": 7, "FP8_MAX": 448.0}, 4,
+    ),
+    (
+        "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e5",
+                                               "v_cache_ptr": "*fp8e5"},
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 2, "FP8_BIAS": 15, "FP8_MAX": 57344.0}, 4,
+    ),
+    (
+        "paged_attention", "_decode_kernel",
+        {**_KV, "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv",
+         "v_cache_ptr": "*fp8e4nv"},
+        {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "SPLIT": True, "SOFTCAP": False,
+         "UPCAST": False}, 4,
+    ),
+    (
+        "prefill_attention", "_prefill_kernel",
+        {**_KV, "query_start_loc_ptr": "*i32", "k_cache_ptr": "*fp8e5", "v_cache_ptr": "*fp8e5"},
+        {"BLOCK_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 64, "SOFTCAP": False, "UPCAST": False}, 4,
+    ),
+]
+
+
+def _configs(arch: str) -> list:
+    return CONFIGS if arch.startswith("gfx") else CONFIGS + FP8_CONFIGS
+
+
 def _target(arch: str):
     """"90" -> CUDA sm_90 (32-wide warps); "gfx942" -> AMD's HIP target (64-wide wavefronts)."""
     from triton.backends.compiler import GPUTarget
@@ -78,7 +111,7 @@ def _compile_all(arch: str) -> None:
     import triton
     from triton.compiler import ASTSource
 
-    for module, name, pointers, constexprs, num_warps in CONFIGS:
+    for module, name, pointers, constexprs, num_warps in _configs(arch):
         kernel = getattr(importlib.import_module(f"hpi_kernels.{module}"), name)
         signature = {}
         for arg in kernel.arg_names:
@@ -109,7 +142,7 @@ def test_kernels_compile_for_sm90() -> None:
         [sys.executable, __file__, "90"], env=env, capture_output=True, text=True, timeout=500
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("compiled") == len(CONFIGS)
+    assert result.stdout.count("compiled") == len(_configs("90"))
 
 
 @pytest.mark.slow
