@@ -7,6 +7,8 @@ machine's cores as threads.
 
     .venv/bin/python -m bench.llamacpp_build                    # once: builds llama-server and the GGUFs
     .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2   # writes bench/results/quant_llamacpp.{json,md}
+    .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2 --weights int4 --hpi-kv-cache-dtype fp8 \
+        --llama-cache-type q8_0 --out /tmp/q.json                # each side's one-byte KV cache
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import json
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.llamacpp_build import QUANT_TYPES, server_command
@@ -41,15 +43,25 @@ class Plan:
     requests_per_client: int = 2
     threads: int = os.cpu_count() or 2
     hpi_dtype: str = "auto"  # the runtime's choice: bf16 with AVX512-BF16 or AMX, else fp32
+    # Each side's KV cache: hpi's --kv-cache-dtype, llama-server's -ctk/-ctv (q8_0 and q4_0 need its flash
+    # attention, turned on with them). The defaults are both servers' own: the model's dtype and f16.
+    hpi_kv_cache_dtype: str = "auto"
+    llama_cache_type: str = "f16"
+    weights: tuple[str, ...] = tuple(PAIRS)  # the pairs to run
 
 
 def llama_server_command(quant_type: str, parallel: int, plan: Plan) -> ServerCommand:
-    return server_command(quant_type, parallel, plan.prompt_len + plan.output_len + 64, plan.threads)
+    command = server_command(quant_type, parallel, plan.prompt_len + plan.output_len + 64, plan.threads)
+    if plan.llama_cache_type == "f16":
+        return command
+    cache = ("-ctk", plan.llama_cache_type, "-ctv", plan.llama_cache_type, "-fa", "on")
+    return replace(command, argv=(*command.argv, *cache))
 
 
 def hpi_server_command(weights: str, plan: Plan) -> ServerCommand:
     quant = () if weights == "unquantized" else ("--quantization", weights, "--quantize-lm-head")
-    return hpi_command(plan.threads, "--dtype", plan.hpi_dtype, "--max-num-seqs", "64", *quant)
+    return hpi_command(plan.threads, "--dtype", plan.hpi_dtype, "--max-num-seqs", "64", "--kv-cache-dtype",
+                       plan.hpi_kv_cache_dtype, *quant)  # fmt: skip
 
 
 def _measure(server: ServerProcess, tokenizer, plan: Plan, concurrency: int, seed: int) -> dict:
@@ -71,6 +83,8 @@ def run(plan: Plan, log_dir: Path) -> dict:
     results: dict[str, list[dict]] = {}
     for round_index in range(plan.rounds):
         for weights, quant_type in PAIRS.items():
+            if weights not in plan.weights:
+                continue
             for concurrency in plan.concurrencies:
                 seed = 1000 * round_index + concurrency  # new prompts per round: no prefix cache hits across runs
                 llama = llama_server_command(quant_type, concurrency, plan)
@@ -101,6 +115,8 @@ def table(results: dict[str, list[dict]], plan: Plan) -> list[dict]:
 
     rows = []
     for weights, quant_type in PAIRS.items():
+        if weights not in plan.weights:
+            continue
         for concurrency in plan.concurrencies:
             hpi, llama = median(f"hpi {weights}", concurrency), median(f"llama.cpp {quant_type}", concurrency)
             base = median("hpi unquantized", concurrency)
@@ -116,8 +132,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(Plan.concurrencies))
     parser.add_argument("--output-len", type=int, default=Plan.output_len)
     parser.add_argument("--out", type=Path, default=RESULTS / "quant_llamacpp.json")
+    parser.add_argument("--weights", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--hpi-kv-cache-dtype", default=Plan.hpi_kv_cache_dtype, help="hpi's --kv-cache-dtype")
+    parser.add_argument("--llama-cache-type", default=Plan.llama_cache_type, choices=("f16", "q8_0", "q4_0"),
+                        help="llama-server's -ctk/-ctv (with its flash attention when quantized)")
     args = parser.parse_args()
-    plan = Plan(concurrencies=tuple(args.concurrency), rounds=args.rounds, output_len=args.output_len)
+    plan = Plan(concurrencies=tuple(args.concurrency), rounds=args.rounds, output_len=args.output_len,
+                hpi_kv_cache_dtype=args.hpi_kv_cache_dtype, llama_cache_type=args.llama_cache_type,
+                weights=tuple(args.weights))  # fmt: skip
     machine = machine_description()
     results = run(plan, RESULTS / "logs" / "quant_llamacpp")
     rows = table(results, plan)
