@@ -42,6 +42,10 @@ REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
 # take the newest sample, as the Gateway API inference extension's LoRA affinity and the router do) and the
 # runtime's adapter moves (counters).
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# 1, labelled with the KV cache's configuration as vLLM labels it: block_size, cache_dtype (as configured:
+# auto, fp8, ...), enable_prefix_caching, num_gpu_blocks (the device pool's, also on CPU), num_cpu_blocks (the
+# host tier's).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"
 WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
 MAX_LORA_LABEL = "max_lora"

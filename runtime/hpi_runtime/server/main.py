@@ -106,6 +106,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         return
     footprint = info.footprint
     state.metrics.set_footprint(footprint)
+    state.metrics.set_cache_config(prepared.args.cache, footprint)
     total_s = process_age_s()
     state.metrics.set_startup(clock.phases, total_s)
     logger.info("%s", describe(clock.phases, total_s))

@@ -15,7 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from hpi_contracts import metrics as names
 from hpi_contracts.pool_profile import PoolProfile
+from hpi_runtime.config import CacheConfig
 from hpi_runtime.core.interface import MemoryFootprint
+
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks")
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -69,6 +72,8 @@ class ServingMetrics:
         self._kv_blocks = Gauge("hpi:kv_cache_blocks", "KV-cache blocks in the pool.", labels, registry=reg)
         self._block_size = Gauge("hpi:kv_cache_block_size_tokens", "Tokens per KV-cache block.", labels,
                                  registry=reg)
+        self._cache_config = Gauge(names.CACHE_CONFIG_INFO, "1, labelled with the KV cache's configuration (vLLM's "
+                                   "labels).", labels + list(CACHE_CONFIG_LABELS), registry=reg)  # fmt: skip
         self._ready = Gauge(names.READY, "1 when the server accepts requests.", labels, registry=reg)
         self._sleeping = Gauge(names.SLEEPING, "1 while the engine sleeps (POST /sleep; not ready).", labels,
                                registry=reg)
@@ -152,6 +157,13 @@ class ServingMetrics:
         self._host_bytes.labels(self._model).set(footprint.host_kv_cache_bytes)
         self._host_blocks.labels(self._model).set(footprint.num_host_kv_blocks)
         self._block_bytes = footprint.kv_cache_bytes // max(footprint.num_kv_blocks, 1)
+
+    def set_cache_config(self, cache: CacheConfig, footprint: MemoryFootprint) -> None:
+        values = {"block_size": footprint.block_size, "cache_dtype": cache.kv_cache_dtype,
+                  "enable_prefix_caching": cache.enable_prefix_caching, "num_gpu_blocks": footprint.num_kv_blocks,
+                  "num_cpu_blocks": footprint.num_host_kv_blocks}  # fmt: skip
+        self._cache_config.clear()
+        self._cache_config.labels(self._model, *(str(values[name]) for name in CACHE_CONFIG_LABELS)).set(1)
 
     def set_pool_profile(self, profile: PoolProfile | None) -> None:
         """Export `profile` as the only profile series (None: none): a profile that moved from assumed to

@@ -59,6 +59,10 @@ def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
     for name in READ_BY_OPERATOR:
         assert any(n == name or n.startswith(name + "_") for n in names), f"operator reads {name}"
     assert values["hpi:kv_cache_blocks"] > 0 and values["hpi:model_weight_bytes"] > 0
+    [cache_config] = [name for name in values if name.startswith("vllm:cache_config_info{")]
+    labels = dict(pair.split("=") for pair in cache_config.split("{")[1].rstrip("}").split(","))
+    assert labels["num_gpu_blocks"] == str(int(values["hpi:kv_cache_blocks"])) and labels["cache_dtype"] == "auto"
+    assert labels["block_size"] == "16" and labels["num_cpu_blocks"] == "0" and values[cache_config] == 1
     # Start-up, phase by phase (hpi_runtime/startup.py): the engine core's phases came through CoreInfo.
     phases = {name.split("phase=")[1].rstrip("}"): v for name, v in values.items()
               if name.startswith(STARTUP_PHASE_SECONDS + "{")}  # fmt: skip
