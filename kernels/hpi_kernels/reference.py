@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from hpi_kernels._validate import FP8_KV_DTYPES
 from hpi_kernels.quant import dequantize_int4, dequantize_int8
 
 
 def to_cache_dtype(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """K/V rows as a cache of `cache_dtype` stores them: as they are, or, for an fp8 cache, saturated at the
     format's largest finite value and rounded to nearest even, unscaled (vLLM's default k/v scale of 1.0)."""
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if cache_dtype in FP8_KV_DTYPES:
         limit = torch.finfo(cache_dtype).max
         return rows.clamp(-limit, limit).to(cache_dtype)
     return rows.to(cache_dtype)
+
+
+def byte_view(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for an fp8 one its bytes (same shape): what copies of whole elements go through,
+    since torch's CPU index_copy_ has no fp8 kernel."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_KV_DTYPES else cache
 
 
 def write_kv_cache_ref(

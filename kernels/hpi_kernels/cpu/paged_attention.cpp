@@ -562,24 +562,24 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
 template <typename T, typename C>
 void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
   const Problem<T, C> problem{.out = a.out.data_ptr<T>(),
-                           .q = a.q.const_data_ptr<T>(),
-                           .k_cache = a.k_cache.const_data_ptr<C>(),
-                           .v_cache = a.v_cache.const_data_ptr<C>(),
-                           .block_tables = a.block_tables.const_data_ptr<int32_t>(),
-                           .query_start_loc = a.query_start_loc.const_data_ptr<int32_t>(),
-                           .context_lens = a.context_lens.const_data_ptr<int32_t>(),
-                           .q_token_stride = a.q.stride(0),
-                           .q_head_stride = a.q.stride(1),
-                           .block_table_stride = a.block_tables.stride(0),
-                           .num_heads = a.q.size(1),
-                           .num_kv_heads = a.k_cache.size(2),
-                           .head_dim = a.q.size(2),
-                           .group_size = a.group_size(),
-                           .block_size = a.k_cache.size(1),
-                           .num_blocks = a.k_cache.size(0),
-                           .scale = static_cast<float>(a.scale),
-                           .sliding_window = a.sliding_window,
-                           .logit_softcap = static_cast<float>(a.logit_softcap)};
+                              .q = a.q.const_data_ptr<T>(),
+                              .k_cache = a.k_cache.const_data_ptr<C>(),
+                              .v_cache = a.v_cache.const_data_ptr<C>(),
+                              .block_tables = a.block_tables.const_data_ptr<int32_t>(),
+                              .query_start_loc = a.query_start_loc.const_data_ptr<int32_t>(),
+                              .context_lens = a.context_lens.const_data_ptr<int32_t>(),
+                              .q_token_stride = a.q.stride(0),
+                              .q_head_stride = a.q.stride(1),
+                              .block_table_stride = a.block_tables.stride(0),
+                              .num_heads = a.q.size(1),
+                              .num_kv_heads = a.k_cache.size(2),
+                              .head_dim = a.q.size(2),
+                              .group_size = a.group_size(),
+                              .block_size = a.k_cache.size(1),
+                              .num_blocks = a.k_cache.size(0),
+                              .scale = static_cast<float>(a.scale),
+                              .sliding_window = a.sliding_window,
+                              .logit_softcap = static_cast<float>(a.logit_softcap)};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t scratch_size = scratch_floats(problem.head_dim, problem.block_size);
   std::atomic<int64_t> next{0};

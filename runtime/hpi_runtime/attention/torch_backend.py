@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from hpi_kernels.reference import to_cache_dtype
+from hpi_kernels.reference import byte_view, to_cache_dtype
 from hpi_runtime.attention.metadata import AttentionMetadata
 
 
@@ -238,12 +238,8 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        # Through same-size integer views: torch's CPU index_copy_ has no fp8 kernel (the bits are what is copied).
         for flat, rows in ((k_flat, k), (v_flat, v)):
-            new = to_cache_dtype(rows, flat.dtype)
-            if flat.dtype.itemsize == 1:
-                flat, new = flat.view(torch.uint8), new.view(torch.uint8)
-            flat.index_copy_(0, metadata.slot_mapping, new)
+            byte_view(flat).index_copy_(0, metadata.slot_mapping, byte_view(to_cache_dtype(rows, flat.dtype)))
         num_heads = q.shape[1]
         group_size = num_heads // num_kv_heads
         out = q.new_empty(q.shape)  # contiguous even when q is a view

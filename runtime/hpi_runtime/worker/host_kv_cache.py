@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpi_kernels.reference import byte_view
 from hpi_runtime.core.interface import KVTransfers
 from hpi_runtime.models.decoder import DecoderForCausalLM
 
@@ -46,8 +47,8 @@ class HostKVCache:
         self.num_bytes = 0
         for attn in model.attention_layers():
             shape = (num_blocks,) + tuple(attn.k_cache.shape[1:])
-            host_k = torch.zeros(shape, dtype=_bits(attn.k_cache).dtype, pin_memory=self._pinned)
-            host_v = torch.zeros(shape, dtype=_bits(attn.v_cache).dtype, pin_memory=self._pinned)
+            host_k = torch.zeros(shape, dtype=byte_view(attn.k_cache).dtype, pin_memory=self._pinned)
+            host_v = torch.zeros(shape, dtype=byte_view(attn.v_cache).dtype, pin_memory=self._pinned)
             self.layers.append((attn, host_k, host_v))
             self.num_bytes += 2 * host_k.numel() * host_k.element_size()
         self._stream = torch.cuda.Stream(device) if self._pinned else None
@@ -78,7 +79,8 @@ class HostKVCache:
     def _start_offloads(self, pairs: tuple[tuple[int, int], ...]) -> None:
         device_ids, host_ids = _index_pair(pairs, self.device, torch.device("cpu"))
         # On the compute stream: ordered before the forward that may overwrite these blocks.
-        gathered = [(_bits(attn.k_cache).index_select(0, device_ids), _bits(attn.v_cache).index_select(0, device_ids))
+        gathered = [(byte_view(attn.k_cache).index_select(0, device_ids),
+                     byte_view(attn.v_cache).index_select(0, device_ids))
                     for attn, _, _ in self.layers]  # fmt: skip
         if self._stream is None:
             self._pending = _PendingOffload(host_ids, gathered, None, ())
@@ -104,13 +106,7 @@ class HostKVCache:
                 loaded = host.index_select(0, host_ids)
                 if self._pinned:  # a DMA from pinned memory; the allocator keeps it until the copy ran
                     loaded = loaded.pin_memory().to(self.device, non_blocking=True)
-                _bits(cache).index_copy_(0, device_ids, loaded)
-
-
-def _bits(cache: torch.Tensor) -> torch.Tensor:
-    """The cache itself, or for an fp8 cache its bytes: the tier moves blocks as they are, and torch's CPU
-    index_copy_ has no fp8 kernel."""
-    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+                byte_view(cache).index_copy_(0, device_ids, loaded)
 
 
 @dataclass(frozen=True)
