@@ -1,0 +1,141 @@
+"""The CPU's multiply-add ceiling per instruction kind: what the int8 and bf16 tiles could reach at most here.
+
+Each kind runs 12 independent accumulator chains of one instruction from registers (no memory traffic), on 1
+thread and on every core, and reports instructions per second per thread and multiply-adds per second in all:
+- vpdpbusd (AVX512-VNNI): 64 int8 x uint8 products per zmm instruction (the W4A8 tile's);
+- vdpbf16ps (AVX512-BF16): 32 bf16 products (the packed bf16 and int8 tiles');
+- vfmadd231ps: 16 fp32 products (AVX512) or 8 (AVX2 + FMA; the fp32 tiles', attention's).
+A kind the CPU lacks is skipped. The source is compiled here with the system C compiler (the one the C++
+kernels build with) and `-fopenmp`. The chains start from distinct values so that the compiler cannot merge them
+(checked: the timed loop holds 12 of the instruction).
+
+    .venv/bin/python -m bench.cpu_peak [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from hpi_runtime.cpu_features import cpu_flags
+
+# One function per kind; the accumulator type, its initialiser, the operands, the instruction and the final sum are
+# substituted per kind.
+_KERNEL = """
+__attribute__((noinline)) double run_NAME(long iters) {
+  TYPE a[12];
+  for (int i = 0; i < 12; ++i) a[i] = INIT(i + 1);
+  TYPE_X x = X, y = Y;
+  for (long n = 0; n < iters; ++n) {
+    __asm__ volatile("" : "+v"(x), "+v"(y));
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = OP(a[i], x, y);
+  }
+  double sink = 0;
+  for (int i = 0; i < 12; ++i) sink += SUM(a[i]);
+  return sink;
+}
+"""
+KINDS = {  # name: (required cpu flags, compiler flags, multiply-adds per instruction, substitutions)
+    "vpdpbusd": (("avx512_vnni",), "-mavx512f -mavx512vnni", 64, {
+        "TYPE": "__m512i", "INIT": "_mm512_set1_epi32", "TYPE_X": "__m512i", "X": "_mm512_set1_epi32(0x01010101)",
+        "Y": "_mm512_set1_epi32(0x02020202)", "OP": "_mm512_dpbusd_epi32", "SUM": "_mm512_reduce_add_epi32"}),
+    "vdpbf16ps": (("avx512_bf16",), "-mavx512f -mavx512bf16", 32, {
+        "TYPE": "__m512", "INIT": "_mm512_set1_ps", "TYPE_X": "__m512bh",
+        "X": "(__m512bh)_mm512_set1_epi32(0x3f803f80)", "Y": "(__m512bh)_mm512_setzero_si512()",
+        "OP": "_mm512_dpbf16_ps", "SUM": "_mm512_reduce_add_ps"}),
+    "vfmadd231ps zmm": (("avx512f",), "-mavx512f", 16, {
+        "TYPE": "__m512", "INIT": "_mm512_set1_ps", "TYPE_X": "__m512", "X": "_mm512_set1_ps(1.0f)",
+        "Y": "_mm512_setzero_ps()", "OP": "_mm512_fmadd_ps", "SUM": "_mm512_reduce_add_ps"}),
+    "vfmadd231ps ymm": (("avx2", "fma"), "-mavx2 -mfma", 8, {
+        "TYPE": "__m256", "INIT": "_mm256_set1_ps", "TYPE_X": "__m256", "X": "_mm256_set1_ps(1.0f)",
+        "Y": "_mm256_setzero_ps()", "OP": "_mm256_fmadd_ps", "SUM": "hsum256"}),
+}
+_MAIN = """
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static inline float hsum256(__m256 v) {
+  float f[8];
+  _mm256_storeu_ps(f, v);
+  return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
+}
+KERNELS
+int main(int argc, char** argv) {
+  const long iters = 20000000L;
+  const int threads = atoi(argv[1]);
+  double best = 1e30, sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += CALL(iters);
+    const double dt = now() - t0;
+    if (dt < best) best = dt;
+  }
+  printf("%.6f %g\\n", best, sink);
+  return 0;
+}
+"""
+
+
+def _kind_source(name: str, subs: dict[str, str]) -> str:
+    body = _KERNEL.replace("NAME", name)
+    for key in ("TYPE_X", "TYPE", "INIT", "X", "Y", "OP", "SUM"):  # TYPE_X before TYPE
+        body = body.replace(key, subs[key])
+    return body
+
+
+def measure(name: str, threads: int, build_dir: Path) -> float:
+    """Seconds for 20M iterations of 12 instructions on each of `threads` threads (best of 3)."""
+    _, cflags, _, subs = KINDS[name]
+    ident = name.replace(" ", "_")
+    source = _MAIN.replace("KERNELS", _kind_source(ident, subs)).replace("CALL", f"run_{ident}")
+    source = "#include <stdlib.h>\n" + source
+    c_file, binary = build_dir / f"{ident}.c", build_dir / ident
+    if not binary.exists():
+        c_file.write_text(source)
+        subprocess.run(["cc", "-O2", "-fopenmp", *cflags.split(), str(c_file), "-o", str(binary)], check=True)
+    out = subprocess.run([str(binary), str(threads)], check=True, capture_output=True, text=True).stdout
+    return float(out.split()[0])
+
+
+def run() -> dict:
+    flags = set(cpu_flags())
+    threads = os.cpu_count() or 1
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (needs, _, macs, _) in KINDS.items():
+            if not set(needs) <= flags:
+                continue
+            for n in sorted({1, threads}):
+                seconds = measure(name, n, Path(tmp))
+                instructions = 20_000_000 * 12
+                rows[f"{name}, {n} thread{'s' if n > 1 else ''}"] = {
+                    "g_instructions_per_s_per_thread": instructions / seconds / 1e9,
+                    "gmac_per_s": instructions * n * macs / seconds / 1e9,
+                }
+    return {"threads": threads, "flags": sorted(flags & {f for k in KINDS.values() for f in k[0]}), "peaks": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    result = run()
+    print(f"flags: {' '.join(result['flags'])}; {result['threads']} threads")
+    print("| instruction | G instructions/s per thread | G multiply-adds/s |")
+    print("| --- | --- | --- |")
+    for name, row in result["peaks"].items():
+        print(f"| {name} | {row['g_instructions_per_s_per_thread']:.2f} | {row['gmac_per_s']:.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
