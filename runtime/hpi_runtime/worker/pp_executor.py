@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 STOP_TIMEOUT_S = 10.0
+# How long a rank's own report waits for its host's: the host's watcher wakes as soon as a rank exits, and a rank
+# that reported a failure exits right after, so the host's word (which says whether a sibling was killed first)
+# follows within the time a process takes to exit.
+HOST_REPORT_GRACE_S = 2.0
 
 
 def heartbeat_key(node: int) -> str:
@@ -175,6 +179,8 @@ class PipelineExecutor:
             messages = [self._store.get(f"failed/{w}").decode() for w in whos if self._store.check([f"failed/{w}"])]
         except Exception as exc:  # the store lives in this process: this is not expected
             return f"the leader's store failed: {exc}"
+        # A rank killed by a signal is the cause; its siblings' broken connections are what it caused.
+        messages.sort(key=lambda message: "killed by signal" not in message)
         return "; ".join(messages) or None
 
     def _beat(self, node: int) -> int:
@@ -239,7 +245,7 @@ class PipelineExecutor:
         while time.monotonic() < deadline:
             reason = self._failure()
             if reason is not None:
-                return reason
+                return self._settled(reason)
             time.sleep(POLL_S)
         return symptom
 
@@ -252,8 +258,26 @@ class PipelineExecutor:
                 return
             reason = self._failure() or self._silent_host()
             if reason is not None:
-                self._die(reason)
+                self._die(self._settled(reason))
                 return
+
+    def _settled(self, reason: str) -> str:
+        """A rank's own report may be a symptom: when a sibling on its host is killed, the rank sees its peer's
+        connection reset and reports that, and the host's watcher reports the kill a moment later. Wait (at most
+        HOST_REPORT_GRACE_S) until every worker host with a failed rank has reported too, then give the reasons
+        with the kills first."""
+        deadline = time.monotonic() + HOST_REPORT_GRACE_S
+        while not self._hosts_reported() and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        return self._failure() or reason
+
+    def _hosts_reported(self) -> bool:
+        try:
+            failed = [m for m in range(self.layout.num_model_ranks) if self._store.check([f"failed/{m}"])]
+            hosts = {self.layout.node_of(m) for m in failed} - {0}
+            return all(self._store.check([f"failed/host{n}"]) for n in hosts)
+        except Exception:  # the store lives in this process: nothing to wait for if it fails
+            return True
 
     def _silent_host(self) -> str | None:
         now = time.monotonic()

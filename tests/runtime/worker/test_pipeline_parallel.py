@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch.distributed as dist
 
 from hpi_runtime.config import ParallelConfig
 from hpi_runtime.core.engine_io import EngineStats
@@ -20,7 +21,10 @@ from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.parallel import Span, pipeline_partition, stage_layers
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.metrics import ServingMetrics
+from hpi_runtime.worker import pp_executor
+from hpi_runtime.worker.pp_executor import PipelineExecutor
 from hpi_runtime.worker.pp_layout import GroupLayout, interface_towards, resolve_layout
+from hpi_runtime.worker.pp_worker import report_failure
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
@@ -105,6 +109,45 @@ def test_stage_busy_seconds_are_a_counter_per_stage_on_metrics() -> None:
 def test_the_interface_towards_the_leader_is_the_routed_one() -> None:
     assert interface_towards("127.0.0.1", 29500) == "lo"
     assert GroupLayout(1, 2, 2, 0, "127.0.0.1", 29500, 30.0).heartbeat_timeout_s == 5.0
+
+
+def _leader_reading(store_port: int) -> PipelineExecutor:
+    """The leader's failure reading alone, over a real store (no ranks): 2 stages on 2 hosts, tensor-parallel 2,
+    so host 1 holds model ranks 2 and 3."""
+    executor = PipelineExecutor.__new__(PipelineExecutor)  # the reading needs only these three
+    executor.layout = GroupLayout(2, 2, 2, 0, "127.0.0.1", store_port, 30.0)
+    executor._store = dist.TCPStore("127.0.0.1", store_port, None, True, wait_for_workers=False)
+    executor._ranks = {}
+    return executor
+
+
+def test_a_killed_rank_is_named_before_the_broken_connections_it_caused(monkeypatch) -> None:
+    """When rank 2 is killed, rank 3 (its tensor-parallel sibling) sees its connection reset and reports that; its
+    report can reach the store before host 1's watcher reports the kill. The leader waits for the host's word and
+    names the kill first (the race test_multi_node_server.py's kill test once lost)."""
+    executor = _leader_reading(_free_port())
+    report_failure(executor._store, "3", "pipeline rank 3 (stage 1, host 1): RuntimeError: Connection reset by peer")
+    checks: list[bool] = []
+    read = executor._hosts_reported
+
+    def host_reports_while_the_leader_waits() -> bool:
+        done = read()
+        if not checks:  # the host's watcher reports the kill after the leader's first look
+            report_failure(executor._store, "host1", "pipeline rank 2 (stage 1, host 1) was killed by signal 9")
+        checks.append(done)
+        return done
+
+    monkeypatch.setattr(executor, "_hosts_reported", host_reports_while_the_leader_waits)
+    reason = executor._settled(executor._failure())
+    assert checks[0] is False and checks[-1] is True  # it waited for host 1, and no longer
+    assert reason.startswith("pipeline rank 2 (stage 1, host 1) was killed by signal 9; pipeline rank 3"), reason
+
+    # A host that never reports (a rank that reported and hangs instead of exiting) costs the grace, then the
+    # rank's own report is the reason.
+    monkeypatch.setattr(pp_executor, "HOST_REPORT_GRACE_S", 0.2)
+    silent = _leader_reading(_free_port())
+    report_failure(silent._store, "2", "pipeline rank 2 (stage 1, host 1): ValueError: bad step")
+    assert silent._settled(silent._failure()) == "pipeline rank 2 (stage 1, host 1): ValueError: bad step"
 
 
 def _generate(llm: LLM) -> list[tuple[int, ...]]:
