@@ -17,46 +17,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import string
 import subprocess
 import tempfile
 from pathlib import Path
 
 from hpi_runtime.cpu_features import cpu_flags
 
-# One function per kind; the accumulator type, its initialiser, the operands, the instruction and the final sum are
-# substituted per kind.
-_KERNEL = """
-__attribute__((noinline)) double run_NAME(long iters) {
-  TYPE a[12];
-  for (int i = 0; i < 12; ++i) a[i] = INIT(i + 1);
-  TYPE_X x = X, y = Y;
+# The timed function; each kind fills in the accumulator type, its initialiser, the operands, the instruction and
+# the final sum.
+_KERNEL = string.Template("""
+__attribute__((noinline)) double run(long iters) {
+  $acc a[12];
+  for (int i = 0; i < 12; ++i) a[i] = $init(i + 1);
+  $operand x = $x, y = $y;
   for (long n = 0; n < iters; ++n) {
     __asm__ volatile("" : "+v"(x), "+v"(y));
 #pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) a[i] = OP(a[i], x, y);
+    for (int i = 0; i < 12; ++i) a[i] = $op(a[i], x, y);
   }
   double sink = 0;
-  for (int i = 0; i < 12; ++i) sink += SUM(a[i]);
+  for (int i = 0; i < 12; ++i) sink += $sum(a[i]);
   return sink;
 }
-"""
+""")
 KINDS = {  # name: (required cpu flags, compiler flags, multiply-adds per instruction, substitutions)
     "vpdpbusd": (("avx512_vnni",), "-mavx512f -mavx512vnni", 64, {
-        "TYPE": "__m512i", "INIT": "_mm512_set1_epi32", "TYPE_X": "__m512i", "X": "_mm512_set1_epi32(0x01010101)",
-        "Y": "_mm512_set1_epi32(0x02020202)", "OP": "_mm512_dpbusd_epi32", "SUM": "_mm512_reduce_add_epi32"}),
+        "acc": "__m512i", "init": "_mm512_set1_epi32", "operand": "__m512i", "x": "_mm512_set1_epi32(0x01010101)",
+        "y": "_mm512_set1_epi32(0x02020202)", "op": "_mm512_dpbusd_epi32", "sum": "_mm512_reduce_add_epi32"}),
     "vdpbf16ps": (("avx512_bf16",), "-mavx512f -mavx512bf16", 32, {
-        "TYPE": "__m512", "INIT": "_mm512_set1_ps", "TYPE_X": "__m512bh",
-        "X": "(__m512bh)_mm512_set1_epi32(0x3f803f80)", "Y": "(__m512bh)_mm512_setzero_si512()",
-        "OP": "_mm512_dpbf16_ps", "SUM": "_mm512_reduce_add_ps"}),
+        "acc": "__m512", "init": "_mm512_set1_ps", "operand": "__m512bh",
+        "x": "(__m512bh)_mm512_set1_epi32(0x3f803f80)", "y": "(__m512bh)_mm512_setzero_si512()",
+        "op": "_mm512_dpbf16_ps", "sum": "_mm512_reduce_add_ps"}),
     "vfmadd231ps zmm": (("avx512f",), "-mavx512f", 16, {
-        "TYPE": "__m512", "INIT": "_mm512_set1_ps", "TYPE_X": "__m512", "X": "_mm512_set1_ps(1.0f)",
-        "Y": "_mm512_setzero_ps()", "OP": "_mm512_fmadd_ps", "SUM": "_mm512_reduce_add_ps"}),
+        "acc": "__m512", "init": "_mm512_set1_ps", "operand": "__m512", "x": "_mm512_set1_ps(1.0f)",
+        "y": "_mm512_setzero_ps()", "op": "_mm512_fmadd_ps", "sum": "_mm512_reduce_add_ps"}),
     "vfmadd231ps ymm": (("avx2", "fma"), "-mavx2 -mfma", 8, {
-        "TYPE": "__m256", "INIT": "_mm256_set1_ps", "TYPE_X": "__m256", "X": "_mm256_set1_ps(1.0f)",
-        "Y": "_mm256_setzero_ps()", "OP": "_mm256_fmadd_ps", "SUM": "hsum256"}),
+        "acc": "__m256", "init": "_mm256_set1_ps", "operand": "__m256", "x": "_mm256_set1_ps(1.0f)",
+        "y": "_mm256_setzero_ps()", "op": "_mm256_fmadd_ps", "sum": "hsum256"}),
 }
 _MAIN = """
 #include <immintrin.h>
+#include <stdlib.h>
 #include <omp.h>
 #include <stdio.h>
 #include <time.h>
@@ -66,7 +68,7 @@ static inline float hsum256(__m256 v) {
   _mm256_storeu_ps(f, v);
   return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
 }
-KERNELS
+KERNEL
 int main(int argc, char** argv) {
   const long iters = 20000000L;
   const int threads = atoi(argv[1]);
@@ -74,7 +76,7 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < 3; ++rep) {
     const double t0 = now();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
-    sink += CALL(iters);
+    sink += run(iters);
     const double dt = now() - t0;
     if (dt < best) best = dt;
   }
@@ -84,22 +86,13 @@ int main(int argc, char** argv) {
 """
 
 
-def _kind_source(name: str, subs: dict[str, str]) -> str:
-    body = _KERNEL.replace("NAME", name)
-    for key in ("TYPE_X", "TYPE", "INIT", "X", "Y", "OP", "SUM"):  # TYPE_X before TYPE
-        body = body.replace(key, subs[key])
-    return body
-
-
 def measure(name: str, threads: int, build_dir: Path) -> float:
     """Seconds for 20M iterations of 12 instructions on each of `threads` threads (best of 3)."""
     _, cflags, _, subs = KINDS[name]
     ident = name.replace(" ", "_")
-    source = _MAIN.replace("KERNELS", _kind_source(ident, subs)).replace("CALL", f"run_{ident}")
-    source = "#include <stdlib.h>\n" + source
     c_file, binary = build_dir / f"{ident}.c", build_dir / ident
     if not binary.exists():
-        c_file.write_text(source)
+        c_file.write_text(_MAIN.replace("KERNEL", _KERNEL.substitute(subs)))
         subprocess.run(["cc", "-O2", "-fopenmp", *cflags.split(), str(c_file), "-o", str(binary)], check=True)
     out = subprocess.run([str(binary), str(threads)], check=True, capture_output=True, text=True).stdout
     return float(out.split()[0])

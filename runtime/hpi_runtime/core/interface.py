@@ -151,6 +151,16 @@ class ExecutorDeadError(RuntimeError):
     and exits so that its supervisor restarts it."""
 
 
+KILLED_BY_SIGNAL = "was killed by signal"  # a worker's cause of death; its peers' broken connections follow from it
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a worker process ended, from its multiprocessing exit code (negative: the signal that killed it)."""
+    if exitcode is not None and exitcode < 0:
+        return f"{KILLED_BY_SIGNAL} {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
 class ModelExecutor(Protocol):
     """What the engine needs from whatever runs the model: one process, or one worker per TP rank."""
 

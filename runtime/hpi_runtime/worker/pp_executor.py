@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 
 from hpi_contracts.pipeline_split import split_disagreement
-from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.core.interface import (
+    KILLED_BY_SIGNAL,
+    ExecutorDeadError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    describe_exit,
+)
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.pp_layout import GroupLayout, resolve_layout
 from hpi_runtime.worker.pp_link import SHUTDOWN, STEP_TIMEOUT, recv_message, send_message
@@ -164,10 +170,8 @@ class PipelineExecutor:
         """Why the group cannot go on, or None: a local rank that exited, a failure reported in the store."""
         for m, process in self._ranks.items():
             if not process.is_alive():
-                code = process.exitcode
-                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                reported = self._reported_failures()
-                return reported or f"pipeline rank {m} (pid {process.pid}, on the leader) {how}"
+                how = describe_exit(process.exitcode)
+                return self._reported_failures() or f"pipeline rank {m} (pid {process.pid}, on the leader) {how}"
         return self._reported_failures()
 
     def _reported_failures(self) -> str | None:
@@ -179,8 +183,7 @@ class PipelineExecutor:
             messages = [self._store.get(f"failed/{w}").decode() for w in whos if self._store.check([f"failed/{w}"])]
         except Exception as exc:  # the store lives in this process: this is not expected
             return f"the leader's store failed: {exc}"
-        # A rank killed by a signal is the cause; its siblings' broken connections are what it caused.
-        messages.sort(key=lambda message: "killed by signal" not in message)
+        messages.sort(key=lambda message: KILLED_BY_SIGNAL not in message)  # the cause before what it caused
         return "; ".join(messages) or None
 
     def _beat(self, node: int) -> int:

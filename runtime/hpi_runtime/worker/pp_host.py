@@ -18,6 +18,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import wait
 
+from hpi_runtime.core.interface import describe_exit
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.pp_executor import heartbeat_key
 from hpi_runtime.worker.pp_layout import GroupLayout, bind_interface_towards
@@ -97,8 +98,8 @@ def _watch(store, layout: GroupLayout, ranks: dict, state: dict, stop: threading
             return 0
         for m, code in exited.items():
             if code != 0:
-                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                message = f"pipeline rank {m} (stage {layout.stage_of(m)}, host {layout.node_rank}) {how}"
+                where = f"stage {layout.stage_of(m)}, host {layout.node_rank}"
+                message = f"pipeline rank {m} ({where}) {describe_exit(code)}"
                 logger.error("%s; stopping this host", message)
                 report_failure(store, f"host{layout.node_rank}", message)
                 return 1

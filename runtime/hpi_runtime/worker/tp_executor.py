@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput
+from hpi_runtime.core.interface import ExecutorDeadError, ModelRunnerOutput, SchedulerOutput, describe_exit
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.tp_worker import OK, READY, SHUTDOWN, SLEEP_PREFIX, WAKE_UP, WorkerSpec, run_worker
 
@@ -53,8 +53,7 @@ class _Worker:
         code = self.process.exitcode
         if code is None:
             return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) closed its pipe"
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) {how}"
+        return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) {describe_exit(code)}"
 
 
 class MultiprocExecutor:
