@@ -8,9 +8,11 @@ requests spread evenly over the 8 adapter names (the base run sends the same req
 Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
 merged model, all 8 up at once, each given concurrency / 8 clients and an eighth of the requests. Memory: the
 resident set of each server and its engine-core process, summed.
+The slots' bound (phase base_bound): the base model alone at the LoRA server's running batch, concurrency x
+max_loras / num_adapters clients (a request runs only with its adapter in a slot).
 Also: the decode step time of 16 and 32 requests whose requests use 0, 1, 2 or 4 distinct adapters
-(in-process), the compiled LoRA step (C++ kernel) and the eager one with torch ops against the compiled base
-model, the engines taking turns step by step.
+(in-process), the LoRA step (C++ kernel; decode steps in the C++ DecodeStack, as the base model's) and the eager
+one with torch ops against the base model, the engines taking turns step by step.
 
     .venv/bin/python -m bench.bench_lora
     .venv/bin/python -m bench.bench_lora --num-requests 64 --output-len 32 --out bench/results/tmp/lora.json
@@ -186,8 +188,8 @@ def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> d
 def step_times(plan: LoRAPlan, base_dir: Path, adapters: list[Path]) -> dict:
     """Decode step time (ms: median and best of `num_timed_steps`) of `batch` requests over k distinct adapters,
     per engine, the engines taking turns step by step (so a load that changes during the run weighs on all
-    alike): the compiled base model; the compiled LoRA step (the C++ kernel); the eager LoRA step with torch ops
-    (per-adapter groups or one-hot: the form before the kernel)."""
+    alike): the base model; the LoRA step (the C++ kernel; both decode in the C++ DecodeStack); the eager LoRA
+    step with torch ops (per-adapter groups or one-hot: the form before the kernel)."""
     from hpi_runtime.llm import LLM
     from hpi_runtime.lora.request import LoRARequest
     from hpi_runtime.sampling_params import SamplingParams
@@ -245,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-cpu-loras", type=int, help="the LoRA server's --max-cpu-loras (default: the server's)")
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
     parser.add_argument("--phases", nargs="+",
-                        help="run only these phases (base, base_eager, lora, lora_cpu_all, merged, step_ms)")
+                        help="run only these phases (base, base_bound, base_eager, lora, lora_cpu_all, merged, "
+                             "step_ms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
     parser.add_argument("--rounds", type=int, default=1, help="run the phases in turn this many times")
@@ -276,9 +279,14 @@ def main(argv: list[str] | None = None) -> None:
                   "--lora-modules", *modules)  # fmt: skip
     if plan.max_cpu_loras is not None:
         lora_flags += ("--max-cpu-loras", str(plan.max_cpu_loras))
+    bound_clients = max(1, plan.concurrency * plan.max_loras // plan.num_adapters)
     phases = {
         "base": ("base model alone", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv), logs / "base.log", requests, plan.concurrency)),
+        # The slots' bound: a request runs only with its adapter in a slot, so with requests spread evenly the LoRA
+        # server runs concurrency x max_loras / num_adapters of them at a time; the base model at that many clients.
+        "base_bound": (f"base model alone, {bound_clients} clients", lambda: serve_and_load(
+            hpi_command(plan.num_threads, *kv), logs / "base_bound.log", requests, bound_clients)),
         "base_eager": ("base model, eager step", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv, "--enforce-eager"), logs / "base_eager.log", requests,
             plan.concurrency)),
@@ -318,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {round_index}: output tok/s base {base_tps:.1f}, {key} {lora_tps:.1f} "
                       f"({lora_tps / base_tps:.2f}x base); mean running batch {running[0]:.1f} vs "
                       f"{running[1]:.1f}")  # fmt: skip
+                if f"base_bound{suffix}" in results:
+                    bound_tps = results[f"base_bound{suffix}"]["output_tokens_per_s"]
+                    print(f"  the slots' bound (base at {bound_clients} clients): {bound_tps:.1f} tok/s, "
+                          f"{bound_tps / base_tps:.2f}x base; {key} at {lora_tps / bound_tps:.2f}x the bound")
     if "merged" in results:
         merged_tps = results["merged"]["output_tokens_per_s"]
         print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "

@@ -1,7 +1,8 @@
 """The C++ batched LoRA (hpi_kernels.cpu.lora_add) against the plain-PyTorch reference in float64: tokens of
 several slots interleaved with base tokens (slot -1), slots with more tokens than one tile and none at all, sizes
 that are no multiple of the vector width (the scalar tails), fp32 and bf16, a prefill large enough to split over
-threads; the in-place op writes only the adapted rows; and bad inputs refused."""
+threads; a fused projection's parts (q, k, v), whose Bt blocks alone are read; the in-place op writes only the
+adapted rows; and bad inputs refused."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ def extension() -> str:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features"),
-                         [(1, 1, 16, 64, 96), (13, 3, 48, 576, 960), (37, 4, 8, 70, 33),
+@pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features", "part_cols"),
+                         [(1, 1, 16, 64, 96, None), (13, 3, 48, 576, 960, [0, 576, 768, 960]),
+                          (37, 4, 8, 70, 33, None), (9, 2, 6, 40, 77, [0, 13, 13, 77]),  # tails; an empty part
                           # 512 tokens, 341 on slot 0: 43 tiles, more than one thread's share (kMinWorkPerThread)
-                          (512, 3, 32, 256, 1024)])  # fmt: skip
-def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, width, in_features,
-                                       out_features) -> None:  # fmt: skip
-    """Either shrink for bf16 (widened to fp32 FMAs, or vdpbf16ps where the CPU has it), fp32's FMAs."""
+                          (512, 3, 32, 256, 1024, [0, 512, 1024])])  # fmt: skip
+def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, width, in_features, out_features,
+                                       part_cols) -> None:  # fmt: skip
+    """Either shrink for bf16 (widened to fp32 FMAs, or vdpbf16ps where the CPU has it), fp32's FMAs. Bt is
+    random outside its parts' blocks too: the reference leaves that out, so the kernel must not read it."""
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
     a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(dtype)
@@ -31,8 +34,8 @@ def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, w
     out = torch.randn(tokens, out_features, generator=g).to(dtype)
     # Slot 0 gets most tokens (several tiles), the last slot none; every third token is the base model's.
     token_slots = torch.tensor([-1 if t % 3 == 2 else (0 if t % 2 else t % max(slots - 1, 1)) for t in range(tokens)])
-    got = lora_add(x, a, bt, token_slots, out)
-    want = lora_add_ref(x.double(), a.double(), bt.double(), token_slots, out.double())
+    got = lora_add(x, a, bt, token_slots, out, part_cols)
+    want = lora_add_ref(x.double(), a.double(), bt.double(), token_slots, out.double(), part_cols)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     torch.testing.assert_close(got.double(), want, **tolerance)
     base = token_slots < 0
@@ -47,11 +50,11 @@ def test_in_place_op_writes_only_the_adapted_rows() -> None:
     slots = torch.tensor([1, -1, 0, -1])
     want = lora_add_ref(x, a, bt, slots, out)
     before = out.clone()
-    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, slots)
+    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, slots, [0, 24])
     torch.testing.assert_close(out, want)
     assert torch.equal(out[[1, 3]], before[[1, 3]]) and not torch.equal(out[[0, 2]], before[[0, 2]])
     untouched = out.clone()
-    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, torch.full((4,), -1))  # no adapter: nothing written
+    torch.ops.hpi_kernels.lora_add_(out, x, a, bt, torch.full((4,), -1), [0, 24])  # no adapter: nothing written
     assert torch.equal(out, untouched)
 
 
@@ -64,4 +67,8 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="share one dtype"):
         lora_add(x, a.double(), bt, torch.tensor([0, 1]), out)
     with pytest.raises(ValueError, match="contiguous"):
-        torch.ops.hpi_kernels.lora_add_(torch.randn(6, 2).t(), x, a, bt, torch.tensor([0, 1]))
+        torch.ops.hpi_kernels.lora_add_(torch.randn(6, 2).t(), x, a, bt, torch.tensor([0, 1]), [0, 6])
+    with pytest.raises(ValueError, match="part_cols"):  # 3 parts do not split W = 4 rows
+        lora_add(x, a, bt, torch.tensor([0, 1]), out, [0, 2, 4, 6])
+    with pytest.raises(ValueError, match="part_cols"):  # columns must end at N
+        lora_add(x, a, bt, torch.tensor([0, 1]), out, [0, 3, 5])

@@ -13,7 +13,8 @@
 // unit-offset norms, GELU gates and second RoPE table for sliding-window layers, sliding windows, soft-capped
 // attention and partial rotation. The element-wise ops round where the eager model rounds (RMSNorm's
 // output before the weight scales it, SiLU's before the multiply, each residual sum), so the result is the
-// eager model's up to the order of RMSNorm's sum of squares.
+// eager model's up to the order of RMSNorm's sum of squares. A linear with LoRA adapter slots adds each token's
+// delta through hpi_kernels::lora_add_, as the model's LoRA hook does.
 
 #include "cpu_vec.h"
 
@@ -55,8 +56,27 @@ struct Linear {
   int64_t kind = kUnpacked, out_features = 0, group_size = 0;
   at::Tensor weight, scales;  // scales: int8's per-channel scales, int4's (scale, zero) pairs; else undefined
   std::optional<at::Tensor> bias;
+  // LoRA (runtime/hpi_runtime/lora/layers.py): the projection's adapter slots, A [S, W, in] and B transposed
+  // [S, W, out], which slot loads rewrite in place, and its parts' output columns; undefined without adapters.
+  at::Tensor lora_a, lora_bt;
+  std::vector<int64_t> lora_part_cols;
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  // y = x W^T (+ bias), plus each row's LoRA delta by its adapter slot (lora_slots: [rows] int64, -1 for the base
+  // model; undefined or empty: no adapter in the step), as the model's linear and its LoRA hook compute it.
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& lora_slots) const {
+    at::Tensor y = base(x);
+    if (lora_a.defined() && lora_slots.defined() && lora_slots.numel() > 0) {
+      using LoRAOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, c10::IntArrayRef);
+      static const auto lora_add = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::lora_add_", "")
+                                       .typed<LoRAOp>();
+      y = y.contiguous();
+      lora_add.call(y, x.contiguous(), lora_a, lora_bt, lora_slots, lora_part_cols);
+    }
+    return y;
+  }
+
+  at::Tensor base(const at::Tensor& x) const {
     using Op3 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
     using Op4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                            const std::optional<at::Tensor>&);
@@ -237,6 +257,20 @@ class DecodeStack : public torch::CustomClassHolder {
     pending_.push_back(std::move(linear));
   }
 
+  // LoRA adapter slots for the linear added last (lora/layers.py's LoRAProjection): A [S, W, in], B transposed
+  // [S, W, out] (held, not copied: slot loads write them in place), and its parts' output columns from 0 to out.
+  void set_lora(at::Tensor a, at::Tensor bt, std::vector<int64_t> part_cols) {
+    TORCH_CHECK_VALUE(!pending_.empty(), "DecodeStack: set_lora follows the add_linear of its linear");
+    Linear& linear = pending_.back();
+    TORCH_CHECK_VALUE(a.dim() == 3 && bt.dim() == 3 && a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
+                          bt.size(2) == linear.out_features && a.is_contiguous() && bt.is_contiguous(),
+                      "DecodeStack: LoRA slots must be contiguous A [S, W, in] and B transposed [S, W, ",
+                      linear.out_features, "], got ", a.sizes(), " ", bt.sizes());
+    linear.lora_a = std::move(a);
+    linear.lora_bt = std::move(bt);
+    linear.lora_part_cols = std::move(part_cols);
+  }
+
   // A layer over the four linears added since the last one, with its input and post-attention norms' weights and
   // its KV cache. The set_* methods below add what some families have to the layer added last.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache, double scale,
@@ -313,9 +347,10 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden [num_tokens, hidden] (the embeddings, or the previous stage's output) through every layer; the
-  // attention inputs are the step's, as the model's attention op takes them. Returns a new tensor.
+  // attention inputs are the step's, as the model's attention op takes them; lora_slots: each token's LoRA adapter
+  // slot ([num_tokens] int64, -1: the base model), or an empty tensor for none. Returns a new tensor.
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
-                     at::Tensor query_start_loc, at::Tensor context_lens) {
+                     at::Tensor query_start_loc, at::Tensor context_lens, at::Tensor lora_slots) {
     TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers added");
     const int64_t n = layers_[0].input_norm.size(0);
     TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) == n && hidden.device().is_cpu(),
@@ -333,11 +368,15 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < cos_.size(0), "DecodeStack: position ", p[i], " is past the RoPE table's ",
                         cos_.size(0));
     }
+    TORCH_CHECK_VALUE(lora_slots.numel() == 0 || (lora_slots.dim() == 1 && lora_slots.size(0) == hidden.size(0) &&
+                                                   lora_slots.scalar_type() == at::kLong),
+                      "DecodeStack: lora_slots must be an int64 [num_tokens] vector or empty");
     at::Tensor x = hidden.contiguous().clone();
+    const at::Tensor slots = lora_slots.contiguous();
     if (x.scalar_type() == at::kBFloat16) {
-      run<c10::BFloat16>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens);
+      run<c10::BFloat16>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens, slots);
     } else {
-      run<float>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens);
+      run<float>(x, pos, slot_mapping, block_tables, query_start_loc, context_lens, slots);
     }
     return x;
   }
@@ -371,7 +410,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   template <typename T>
   void run(at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-           const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
+           const at::Tensor& query_start_loc, const at::Tensor& context_lens, const at::Tensor& lora_slots) {
     using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, double, int64_t, double);
@@ -389,7 +428,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     eps, unit_offset_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      at::Tensor qkv = layer.qkv(normed);
+      at::Tensor qkv = layer.qkv(normed, lora_slots);
       TORCH_CHECK(qkv.is_contiguous(), "DecodeStack: qkv projection returned a strided tensor");
       if (layer.q_norm.defined()) head_norms<T>(qkv.mutable_data_ptr<T>(), rows, qkv.size(1), layer, eps);
       const at::Tensor& cos = layer.sliding_rope ? sliding_cos_ : cos_;
@@ -402,17 +441,17 @@ class DecodeStack : public torch::CustomClassHolder {
       const at::Tensor attended =
           attention.call(q, k, v, layer.k_cache, layer.v_cache, slot_mapping, block_tables, query_start_loc,
                          context_lens, layer.scale, layer.sliding_window, layer.logit_softcap);
-      const at::Tensor o = layer.o(attended.view({rows, q_size})).contiguous();
+      const at::Tensor o = layer.o(attended.view({rows, q_size}), lora_slots).contiguous();
       const bool sandwich = layer.pre_ff_norm.defined();
       if (sandwich) norm_rows(o.mutable_data_ptr<T>(), layer.post_norm.const_data_ptr<T>(), rows, n, eps, unit_offset_);
       const at::Tensor& mlp_norm = sandwich ? layer.pre_ff_norm : layer.post_norm;
       add_and_norm<T>(h, o.const_data_ptr<T>(), mlp_norm.const_data_ptr<T>(), normed.mutable_data_ptr<T>(), rows, n,
                       eps, unit_offset_);
-      const at::Tensor gate_up = layer.gate_up(normed).contiguous();
+      const at::Tensor gate_up = layer.gate_up(normed, lora_slots).contiguous();
       const int64_t inner = gate_up.size(1) / 2;
       at::Tensor act = at::empty({rows, inner}, x.options());
       gated_activation<T>(gate_up.const_data_ptr<T>(), act.mutable_data_ptr<T>(), rows, inner, activation_);
-      const at::Tensor down = layer.down(act).contiguous();
+      const at::Tensor down = layer.down(act, lora_slots).contiguous();
       if (sandwich) {
         norm_rows(down.mutable_data_ptr<T>(), layer.post_ff_norm.const_data_ptr<T>(), rows, n, eps, unit_offset_);
       }
@@ -442,6 +481,7 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_linear", &DecodeStack::add_linear)
+      .def("set_lora", &DecodeStack::set_lora)
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_head_norms", &DecodeStack::set_head_norms)
       .def("set_sandwich_norms", &DecodeStack::set_sandwich_norms)

@@ -6,8 +6,10 @@
 // reads them per token and was 15-40x slower, docs/lora.md).
 //
 // Shapes: x [T, K]; a [S, W, K] (slot s's A, W = parts x max_rank, zero-padded); bt [S, W, N] (slot s's B
-// transposed: W rows of N outputs, so the expand is W AXPYs over contiguous outputs, no horizontal sums);
-// slots [T] int64; out [T, N], contiguous. float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
+// transposed: W rows of N outputs, so the expand is AXPYs over contiguous outputs, no horizontal sums); slots [T]
+// int64; out [T, N], contiguous; part_cols: a fused projection's parts (q, k, v; gate, up), each with its own
+// W / parts rows of A and Bt and its own columns of out: Bt is block-diagonal, and only its blocks are read (a
+// third of qkv's Bt, half of gate_up's; reading the zeros too cost a quarter of the kernel's time). float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
 // registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
 // measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead.
 
@@ -171,18 +173,21 @@ inline void prefetch_chunk(const T* p) {
   for (size_t b = 0; b < kChunk * sizeof(T); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
 }
 
-// The expand: out[rows[r]] += sum_w h[r][w] * Bt[s][w], fp32 sums over out's own values, rounded once.
+// The expand of one part: out[rows[r]][j] += sum_w h[r][w] * bt[w][j] for its Wp rows of Bt and its columns j <
+// cols (bt, out and h already offset to the part's first row, column and rank), fp32 sums over out's own values,
+// rounded once. Row strides: N of bt and out, W of h.
 template <typename T, int n>
-void expand(const T* bt, T* out, const int64_t* rows, int64_t W, int64_t N, const float* h) {
-  const int64_t n_main = N / kChunk * kChunk;
+void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp, int64_t cols, int64_t N, int64_t W,
+            const float* h) {
+  const int64_t n_main = cols / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
     Vec lo[n], hi[n];
 #pragma GCC unroll 8
     for (int r = 0; r < n; ++r) load_chunk(out + rows[r] * N + j, lo[r], hi[r]);
-    for (int64_t w = 0; w < W; ++w) {
+    for (int64_t w = 0; w < Wp; ++w) {
       Vec blo, bhi;
-      // W rows of Bt are read side by side, a chunk of each: more streams than the hardware prefetcher follows
-      // (qkv: 48), so each row's chunk kExpandAhead steps on is asked for here.
+      // Wp rows of Bt are read side by side, a chunk of each: more streams than the hardware prefetcher follows,
+      // so each row's chunk kExpandAhead steps on is asked for here.
       if (j + kExpandAhead * kChunk < n_main) prefetch_chunk(bt + w * N + j + kExpandAhead * kChunk);
       load_chunk(bt + w * N + j, blo, bhi);
 #pragma GCC unroll 8
@@ -196,21 +201,29 @@ void expand(const T* bt, T* out, const int64_t* rows, int64_t W, int64_t N, cons
     for (int r = 0; r < n; ++r) store_chunk(out + rows[r] * N + j, lo[r], hi[r]);
   }
   for (int r = 0; r < n; ++r) {
-    for (int64_t j = n_main; j < N; ++j) {
+    for (int64_t j = n_main; j < cols; ++j) {
       float sum = static_cast<float>(out[rows[r] * N + j]);
-      for (int64_t w = 0; w < W; ++w) sum += h[r * W + w] * static_cast<float>(bt[w * N + j]);
+      for (int64_t w = 0; w < Wp; ++w) sum += h[r * W + w] * static_cast<float>(bt[w * N + j]);
       out[rows[r] * N + j] = static_cast<T>(sum);
     }
   }
 }
 
-// One tile: tokens rows[0:n] (all of slot s). h[r][w] = A[s][w] . x[rows[r]]; then
-// out[rows[r]] += sum_w h[r][w] * Bt[s][w].
+// A projection's parts (one for a plain projection; q, k, v or gate, up for a fused one): part p owns rows
+// [p * W / count, (p + 1) * W / count) of A and Bt and the output columns [cols[p], cols[p + 1]); Bt's entries
+// outside its parts' blocks are not read.
+struct Parts {
+  const int64_t* cols;  // count + 1 column offsets, from 0 to N
+  int64_t count;
+};
+
+// One tile: tokens rows[0:n] (all of slot s). h[r][w] = A[s][w] . x[rows[r]]; then, part by part,
+// out[rows[r]][part's columns] += sum_{w of the part} h[r][w] * Bt[s][w][part's columns].
 // n is a template argument so that the accumulators stay in registers. xf: room for n rows of K floats. dp: the
 // shrink with vdpbf16ps (bf16 only).
 template <typename T, int n>
 void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
-          int64_t N, float* h, float* xf, bool dp) {
+          int64_t N, Parts parts, float* h, float* xf, bool dp) {
   constexpr int WB = n <= 4 ? 4 : 2;  // WB rows of A per pass: n * WB accumulators + WB A vectors + x's
   bool shrunk = false;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -224,7 +237,11 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
   }
 #endif
   if (!shrunk) shrink_widened<T, n, WB>(x, a, rows, K, W, h, xf);
-  expand<T, n>(bt, out, rows, W, N, h);
+  const int64_t Wp = W / parts.count;
+  for (int64_t p = 0; p < parts.count; ++p) {
+    const int64_t c0 = parts.cols[p], cols = parts.cols[p + 1] - c0;
+    expand<T, n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
+  }
 }
 
 // Below this many multiply-adds per thread (~15 us) tiles run on the calling thread: an OpenMP region costs
@@ -235,7 +252,7 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 19;
 // out[t] += B[s] (A[s] x[t]) in place: out is the projection's output, which nothing else holds yet, so the
 // compiled step (Inductor reinplaces the functionalized call) and eager runs alike write it without a copy.
 void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-               const at::Tensor& slots) {
+               const at::Tensor& slots, at::IntArrayRef part_cols) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() == 2 && x.device().is_cpu(),
                     "lora_add takes float32 or bfloat16 CPU x [T, K], got ", dtype, " ", x.sizes());
@@ -250,7 +267,13 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
                     "lora_add: slots must be int64 [T], got ", slots.scalar_type(), " ", slots.sizes());
   TORCH_CHECK_VALUE(a.scalar_type() == dtype && bt.scalar_type() == dtype && out.scalar_type() == dtype,
                     "lora_add: x, a, bt and out must share one dtype");
-  const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = bt.size(2);
+  const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = out.size(1);
+  const auto count = static_cast<int64_t>(part_cols.size()) - 1;
+  TORCH_CHECK_VALUE(count >= 1 && W % count == 0 && part_cols.front() == 0 && part_cols.back() == N &&
+                        std::is_sorted(part_cols.begin(), part_cols.end()),
+                    "lora_add: part_cols must rise from 0 to N = ", N, " in parts that split W = ", W,
+                    " evenly, got ", part_cols);
+  const Parts parts{part_cols.data(), count};
   // Tokens by slot, then tiles of up to kTile tokens of one slot; no token with a slot: nothing to do.
   const at::Tensor sc = slots.contiguous();
   std::vector<std::vector<int64_t>> by_slot(static_cast<size_t>(S));
@@ -268,7 +291,7 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous();
   int64_t adapted = 0;
   for (const auto& rows : by_slot) adapted += static_cast<int64_t>(rows.size());
-  const int64_t tile_work = adapted / static_cast<int64_t>(tiles.size()) * W * (K + N);  // the mean tile's
+  const int64_t tile_work = adapted / static_cast<int64_t>(tiles.size()) * (W * K + W / count * N);  // mean tile
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, tile_work));
   // bf16: the shrink takes the bf16 tile the packed linears measured at start (hpi_packed::dp_tile), settled here,
   // outside the parallel region.
@@ -290,14 +313,14 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
         const int64_t* r = rows.data() + first;
         static_assert(kTile == 8, "one case per tile size");
         switch (n) {
-          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp); break;
-          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, h.data(), xf.data(), dp);
+          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp); break;
+          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp);
         }
       }
     });
@@ -309,12 +332,13 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   }
 }
 
-void lora_add_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+void lora_add_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   at::IntArrayRef) {}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots) -> ()");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, int[] part_cols) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {

@@ -151,12 +151,14 @@ class LoRAProjection:
         # as [out, S, W] by the other forms: B of slot s is b[:, s].
         self.bt = like.new_zeros(num_slots, self.width, shape.out_features)
         self.b = self.bt.permute(2, 0, 1)
+        # The C++ kernel reads only each part's block of Bt: part p's rank rows, its columns of the output.
+        self.part_cols = [p.out_offset for p in shape.parts] + [shape.out_features]
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         x = args[0]  # [num_tokens, in]
         if batch.mode == "cpu":  # in place: the projection's output is a fresh tensor only this hook holds
-            torch.ops.hpi_kernels.lora_add_(output, x, self.a, self.bt, batch.token_slots)
+            torch.ops.hpi_kernels.lora_add_(output, x, self.a, self.bt, batch.token_slots, self.part_cols)
             return output
         if batch.token_slots is not None:
             from hpi_kernels import lora_delta
@@ -261,14 +263,17 @@ class LoRAModel:
         like = model.model.norm.weight.new_zeros(0)
         self.batch = LoRABatch(num_slots, like, delta_mode(like.device))
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
+        self.by_module: dict[nn.Module, LoRAProjection] = {}  # the adapted linear -> its slots (cpu_decode.py)
         self.host: dict[int, Future[HostAdapter]] = {}  # lora_int_id -> its host-memory copy
         self._unreported: set[int] = set()  # prefetched ids not yet named by take_ready
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-prefetch")
         for index, layer in enumerate(model.model.layers):
             for path, shape in _projection_shapes(config, index, tp).items():
                 projection = LoRAProjection(shape, num_slots, max_rank, self.batch)
-                layer.get_submodule(path).register_forward_hook(projection)
+                module = layer.get_submodule(path)
+                module.register_forward_hook(projection)
                 self.projections[(index, path)] = projection
+                self.by_module[module] = projection
 
     @property
     def num_bytes(self) -> int:

@@ -11,9 +11,10 @@ round where the eager ones round).
 It takes the steps it was measured faster on: decode-only steps (every request one new token, no drafts); the
 rest (prefill chunks, speculative verification) run the compiled graph. A model takes it when every layer is the
 shared decoder's block (models/decoder.py: DecoderAttention, with Qwen3's q/k norms or without; GatedMLP with SiLU
-or GELU gates; Gemma's sandwich norms and second RoPE or not) on one tensor-parallel rank, without LoRA adapters
-or image inputs, its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its
-attention on the C++ kernel; `unsupported_reason` says why not otherwise.
+or GELU gates; Gemma's sandwich norms and second RoPE or not) on one tensor-parallel rank, without image inputs,
+its linears in a form the C++ ops run (packed panels, int8/int4 panels, or plain float) and its attention on the
+C++ kernel; `unsupported_reason` says why not otherwise. With LoRA adapters the stack holds each adapted linear's
+slots (lora/layers.py, the C++ kernel's form) and adds each token's delta by the step's slots, as the hooks do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime.attention.op import PagedAttentionInputs
+from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP
 from hpi_runtime.models.layers import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from hpi_runtime.models.linear import LinearBase
@@ -83,9 +85,9 @@ def unsupported_reason(model: DecoderForCausalLM, dtype: torch.dtype, uses_cpu_k
     return None
 
 
-def build_stack(model: DecoderForCausalLM) -> torch.ScriptObject:
+def build_stack(model: DecoderForCausalLM, lora: LoRAModel | None = None) -> torch.ScriptObject:
     """A DecodeStack over this stage's layers (unsupported_reason must have said None), with the final norm on
-    the last stage."""
+    the last stage and `lora`'s adapter slots on the linears it adapts."""
     decoder, config = model.model, model.config
     first_layer = next(layer for layer, _ in decoder._own)
     first, first_mlp = first_layer.self_attn, first_layer.mlp
@@ -100,6 +102,8 @@ def build_stack(model: DecoderForCausalLM) -> torch.ScriptObject:
         attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
             stack.add_linear(*_linear_args(linear))
+            if lora is not None and (slots := lora.by_module.get(linear)) is not None:
+                stack.set_lora(slots.a, slots.bt, slots.part_cols)
         attn = attention.attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache,
                         attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0)  # fmt: skip
@@ -118,13 +122,13 @@ class CpuDecodeStack:
     """The model's decode steps of up to `max_rows` tokens through a DecodeStack; `build` (re)registers the
     current weights and KV caches (at start-up, and after a wake), `release` drops them (before a sleep)."""
 
-    def __init__(self, model: DecoderForCausalLM, max_rows: int) -> None:
-        self.model, self.max_rows = model, max_rows
+    def __init__(self, model: DecoderForCausalLM, max_rows: int, lora: LoRAModel | None = None) -> None:
+        self.model, self.max_rows, self.lora = model, max_rows, lora
         self._stack: torch.ScriptObject | None = None
         self.steps = 0  # steps run here
 
     def build(self) -> None:
-        self._stack = build_stack(self.model)
+        self._stack = build_stack(self.model, self.lora)
 
     def release(self) -> None:
         self._stack = None
@@ -144,5 +148,7 @@ class CpuDecodeStack:
         """As the model's forward (models/decoder.py DecoderModel.forward) for a step `takes` accepted."""
         self.steps += 1
         hidden = self.model.model.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        # The step's adapter slots (set by the runner before the forward; "cpu" mode: always a tensor).
+        lora_slots = _NONE if self.lora is None else self.lora.batch.token_slots
         return self._stack.forward(hidden, positions, metadata.slot_mapping, metadata.block_tables,
-                                   metadata.query_start_loc, metadata.context_lens)  # fmt: skip
+                                   metadata.query_start_loc, metadata.context_lens, lora_slots)  # fmt: skip

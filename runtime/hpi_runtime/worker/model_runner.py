@@ -363,12 +363,12 @@ class ModelRunner:
         probe = torch.empty(1, 1, self.model.config.head_dim, dtype=self.model.model.norm.weight.dtype)
         uses_kernel = getattr(self.backend, "uses_cpu_kernel", lambda q: False)(probe)
         reason = unsupported_reason(self.model, probe.dtype, uses_kernel)
-        if reason is None and self.lora is not None:
-            reason = "LoRA adapters (their deltas run per linear)"
+        if reason is None and self.lora is not None and self.lora.batch.mode != "cpu":
+            reason = "LoRA without the C++ CPU kernels"
         if reason is not None:
             logger.info("running decode steps through the model's own ops: %s", reason)
             return
-        self.cpu_decode = CpuDecodeStack(self.model, max_rows)
+        self.cpu_decode = CpuDecodeStack(self.model, max_rows, self.lora)
         self.capture_graphs()
         logger.info("decode steps of up to %d tokens run as one C++ call for the %d layers", max_rows,
                     len(self.model.model._own))  # fmt: skip

@@ -1,7 +1,8 @@
 """The compiled model step with LoRA: one graph, compiled at start-up, serves every mix of adapters (the
-per-slot token rows are unbacked graph inputs), and its greedy tokens and logprobs equal transformers + peft
-for each adapter in a batch that mixes three adapters and the base model, with adapters swapped through fewer
-slots than adapters after the graph was compiled."""
+per-slot token rows are unbacked graph inputs), and with the decode steps in the C++ DecodeStack (each adapted
+linear's delta added there), the greedy tokens and logprobs equal transformers + peft for each adapter in a batch
+that mixes three adapters and the base model, with adapters swapped through fewer slots than adapters after the
+graph was compiled."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_one_graph_serves_every_adapter_mix(tiny_model_dir, adapters, monkeypatc
     before = counters["stats"]["unique_graphs"]
     with LLM(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
              max_num_seqs=8) as llm:  # fmt: skip
-        assert llm.engine.executor.runner.is_compiled
+        runner = llm.engine.executor.runner
+        assert runner.is_compiled and runner.cpu_decode is not None
         graphs = counters["stats"]["unique_graphs"]
         assert graphs - before == 1
         loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
@@ -39,6 +41,7 @@ def test_one_graph_serves_every_adapter_mix(tiny_model_dir, adapters, monkeypatc
             outputs = llm.generate(prompt_ids, params, lora_request=[loras[n] if n else None for _, n in cases])
             single = llm.generate(prompt_ids[:1], params, lora_request=loras["attn"])  # one adapter, one token
         assert counters["stats"]["unique_graphs"] == graphs
+        assert runner.cpu_decode.steps >= MAX_TOKENS - 1  # the decode steps ran in the stack (prefills: the graph)
     references = {name: reference_model(tiny_model_dir, adapters[name] if name else None) for name in (*loras, None)}
     for (prompt, name), ids, output in zip(cases, prompt_ids, outputs, strict=True):
         tokens, logprobs = greedy(references[name], ids, MAX_TOKENS)

@@ -1,6 +1,6 @@
 """The CPU DecodeStack (worker/cpu_decode.py, kernels' decode_stack.cpp): decode steps through it give the eager
 model's tokens and hidden states for every linear kind (packed fp32/bf16, unpacked, int8, int4), with biases, a
-sliding window and a soft-cap; steps it does not take (prefill chunks) and models it cannot run go through the
+sliding window and a soft-cap, and LoRA adapters' deltas by each token's slot; steps it does not take (prefill chunks) and models it cannot run go through the
 model's own ops; bad inputs are ValueErrors; a sleep drops it and a wake rebuilds it over the new caches."""
 
 from __future__ import annotations
@@ -8,17 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from hpi_kernels.cpu import cpu_kernels_available
 from hpi_runtime.attention.op import PagedAttentionInputs, PagedAttentionOpBackend
 from hpi_runtime.config import CacheConfig
+from hpi_runtime.lora.layers import LoRAModel
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.cpu_layout import pack_cpu_weights
 from hpi_runtime.models.loader import load_model
 from hpi_runtime.quantization.quantize import QuantizationConfig, quantize_model
-from hpi_runtime.worker.cpu_decode import CpuDecodeStack, build_stack, unsupported_reason
+from hpi_runtime.worker.cpu_decode import CpuDecodeStack, _linear_args, build_stack, unsupported_reason
 from hpi_runtime.worker.executor import ExecutorConfig, LocalExecutor
 from hpi_runtime.worker.model_runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 
@@ -27,6 +29,7 @@ from .test_compiled_model import BF16_NEAR_TIE_NATS, _assert_same_up_to_near_tie
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels did not build here")
 
 NUM_BLOCKS, BLOCK_SIZE = 96, 8
+NO_LORA = torch.empty(0, dtype=torch.long)  # DecodeStack.forward's lora_slots for a step without adapters
 
 
 def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack: bool = True,
@@ -179,18 +182,27 @@ def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
     ids, positions, slots, tables, starts, lens = _decode_inputs(2, 9, generator)
     hidden = model.model.embed(ids)
     with pytest.raises(ValueError, match="past the RoPE table"):
-        stack.forward(hidden, torch.tensor([3, 10_000]), slots, tables, starts, lens)
+        stack.forward(hidden, torch.tensor([3, 10_000]), slots, tables, starts, lens, NO_LORA)
     with pytest.raises(ValueError, match="hidden must be"):
-        stack.forward(hidden[:, :10], positions, slots, tables, starts, lens)
+        stack.forward(hidden[:, :10], positions, slots, tables, starts, lens, NO_LORA)
     with pytest.raises(ValueError, match="dtype"):
-        stack.forward(hidden.bfloat16(), positions, slots, tables, starts, lens)
+        stack.forward(hidden.bfloat16(), positions, slots, tables, starts, lens, NO_LORA)
     with pytest.raises(ValueError, match="outside the cache"):
-        stack.forward(hidden, positions, slots + 10**9, tables, starts, lens)
+        stack.forward(hidden, positions, slots + 10**9, tables, starts, lens, NO_LORA)
+    with pytest.raises(ValueError, match="lora_slots must be"):
+        stack.forward(hidden, positions, slots, tables, starts, lens, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="four linears"):
         build_stack(model).add_layer(*([model.model.norm.weight] * 2), model.attention_layers()[0].k_cache,
                                      model.attention_layers()[0].v_cache, 1.0, 0, 0.0)  # fmt: skip
     with pytest.raises(ValueError, match="q_norm must be"):
         stack.set_head_norms(torch.ones(7), torch.ones(7))
+    fresh = build_stack(model)
+    with pytest.raises(ValueError, match="set_lora follows"):
+        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8])
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    fresh.add_linear(*_linear_args(qkv))
+    with pytest.raises(ValueError, match="LoRA slots must be"):  # B's outputs are not the linear's
+        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8])
 
 
 def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_model_dir: Path) -> None:
@@ -209,3 +221,54 @@ def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_m
     steps = runner.cpu_decode.steps
     assert _generate(runner, [5, 9], 6) == before
     assert runner.cpu_decode.steps > steps
+
+
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [(torch.float32, "none"), (torch.float32, "int8"), (torch.float32, "int4-a8"),
+                          (torch.bfloat16, "none")], ids=["fp32", "int8", "int4-a8", "bf16"])  # fmt: skip
+def test_lora_deltas_in_the_stack_are_the_hooks(tiny_model_dir: Path, dtype: torch.dtype, quantization: str) -> None:
+    """LoRA slots registered with the stack: each token's delta by its slot (-1: none), over float, int8 and W4A8
+    base linears, as the model's hooks add it in their torch-ops form (the reference, not the C++ kernel)."""
+    model, _ = _model(tiny_model_dir, dtype, quantization)
+    lora = LoRAModel(model, num_slots=3, max_rank=4, tp=model.model.tp)
+    generator = torch.Generator().manual_seed(1)
+    for projection in lora.projections.values():
+        for slot in range(3):
+            a_slot, bt_slot = projection.host_zeros()
+            for part in projection.parts:
+                a = torch.randn(4, projection.a.shape[2], generator=generator) * 0.2
+                b = torch.randn(part.rows.size, 4, generator=generator) * 0.2
+                projection.lay_out_part(a_slot, bt_slot, part.name, a, b, scaling=0.5)
+            projection.copy_in(slot, a_slot, bt_slot)
+    num_reqs = 6
+    ids, positions, slots, tables, starts, lens = _decode_inputs(num_reqs, 13, generator)
+    token_slots = np.array([0, -1, 2, 0, 1, -1], dtype=np.int64)
+    metadata = PagedAttentionInputs(slots, tables, starts, lens)
+    caches = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=generator))
+        v.copy_(torch.randn(v.shape, generator=generator))
+    saved = [(k.clone(), v.clone()) for k, v in caches]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        lora.batch.mode = "torch"
+        lora.batch.set_step(token_slots, cpu, num_reqs)
+        expected = model(ids, positions, metadata)
+        for (k, v), (k0, v0) in zip(caches, saved, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        lora.batch.mode = "cpu"
+        lora.batch.set_step(token_slots, cpu, num_reqs)
+        stack = CpuDecodeStack(model, 64, lora)
+        stack.build()
+        got = stack(ids, positions, metadata)
+        for (k, v), (k0, v0) in zip(caches, saved, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        lora.batch.set_step(None, cpu, num_reqs)  # no adapter in the step
+        without = stack(ids, positions, metadata)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(got, expected, **tolerance)
+    base = torch.from_numpy(token_slots < 0)
+    torch.testing.assert_close(without[base], got[base], atol=0, rtol=0)  # base-model rows: no delta
+    assert (without[~base] - got[~base]).abs().amax() > 0.1  # the adapted rows' deltas are really there
