@@ -1,7 +1,8 @@
 """The CPU DecodeStack (worker/cpu_decode.py, kernels' decode_stack.cpp): decode steps through it give the eager
 model's tokens and hidden states for every linear kind (packed fp32/bf16, unpacked, int8, int4), with biases, a
-sliding window and a soft-cap, and LoRA adapters' deltas by each token's slot; steps it does not take (prefill chunks) and models it cannot run go through the
-model's own ops; bad inputs are ValueErrors; a sleep drops it and a wake rebuilds it over the new caches."""
+sliding window and a soft-cap, and LoRA adapters' deltas by each token's slot; steps it does not take (prefill
+chunks) and models it cannot run go through the model's own ops; bad inputs are ValueErrors; a sleep drops it and
+a wake rebuilds it over the new caches."""
 
 from __future__ import annotations
 
