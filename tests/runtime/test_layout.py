@@ -44,6 +44,7 @@ RUNTIME_LAYERS = (
      # LoRA adapters as the model sees them (their checks, registry and slot weights), and a draft model's config:
      # lora.request and lora.slot_table, the names and slot decisions the scheduler passes down, stay plain data.
      "hpi_runtime.lora.peft_dir", "hpi_runtime.lora.registry", "hpi_runtime.lora.layers",
+     "hpi_runtime.lora.layout_cache",
      "hpi_runtime.spec_decode.draft_config"),
     ("hpi_runtime.worker", "hpi_runtime.spec_decode.draft_model"),  # model runner, executors; the draft runs there
     ("hpi_runtime.core",),  # scheduler, KV cache manager, engine core and its process

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from hpi_runtime.lora.layout_cache import LayoutCache, directory_key
 from hpi_runtime.lora.peft_dir import ADAPTER_KEY, WEIGHTS_FILE, AdapterSpec, part_shapes, read_adapter
 from hpi_runtime.lora.request import LoRARequest
 from hpi_runtime.lora.slot_table import BASE_SLOT, LoRAUpdates
@@ -246,6 +247,7 @@ class HostAdapter:
     B transposed [W, out] in the activation dtype, scaled and zero-padded to max_rank (a slot load is a copy)."""
 
     projections: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    source: tuple | None = None  # its directory's layout_cache.directory_key, when it could be taken
 
 
 class LoRAModel:
@@ -254,7 +256,8 @@ class LoRAModel:
     Host memory holds each adapter as a future of its HostAdapter: a prefetch (LoRAUpdates.prefetches) reads,
     checks and lays it out in a background thread while the steps go on; `take_ready` names those finished,
     for the scheduler (ModelRunnerOutput.lora_ready). A slot load of an adapter host memory lacks reads it on
-    the step's thread, which the scheduler allows only into an otherwise empty batch."""
+    the step's thread, which the scheduler allows only into an otherwise empty batch. An adapter host memory drops
+    is written to local disk as laid out (layout_cache.py), so reading it again is one file read."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, tp: TensorParallel) -> None:
         config: ModelConfig = model.config
@@ -267,6 +270,8 @@ class LoRAModel:
         self.host: dict[int, Future[HostAdapter]] = {}  # lora_int_id -> its host-memory copy
         self._unreported: set[int] = set()  # prefetched ids not yet named by take_ready
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-prefetch")
+        self._layouts = LayoutCache()  # adapters host memory dropped, as laid out: a re-read is one file read
+        self._writes: dict[tuple, Future[None]] = {}  # directory key -> its layout's write, queued on the reader
         for index, layer in enumerate(model.model.layers):
             for path, shape in _projection_shapes(config, index, tp).items():
                 projection = LoRAProjection(shape, num_slots, max_rank, self.batch)
@@ -284,8 +289,13 @@ class LoRAModel:
         """The step's adapter moves (slot_table.py): drop host copies, start the background reads, then fill
         slots. ValueError for an adapter that no longer fits (a failed read fails the step that loads it)."""
         for lora_id in updates.host_evictions:
-            self.host.pop(lora_id, None)
+            evicted = self.host.pop(lora_id, None)
             self._unreported.discard(lora_id)
+            if evicted is not None and evicted.done() and evicted.exception() is None:
+                adapter = evicted.result()
+                if adapter.source is not None:  # its layout to local disk, in the background: a re-read is a copy
+                    write = self._reader.submit(self._layouts.put, adapter.source, adapter.projections)
+                    self._writes[adapter.source] = write
         for lora in updates.prefetches:
             self.host[lora.lora_int_id] = self._reader.submit(self.read, lora)
             self._unreported.add(lora.lora_int_id)
@@ -310,7 +320,13 @@ class LoRAModel:
         return done
 
     def read(self, lora: LoRARequest) -> HostAdapter:
-        """Read and check `lora`'s directory and lay its tensors out as the slots hold them."""
+        """Read and check `lora`'s directory and lay its tensors out as the slots hold them; an unchanged directory
+        evicted from host memory before comes back from the layout cache (layout_cache.py)."""
+        source = directory_key(lora.lora_path)
+        if source is not None and (write := self._writes.pop(source, None)) is not None:
+            write.exception()  # a read on the step's thread waits for it (the reader's own ran it already: FIFO)
+        if source is not None and (cached := self._layouts.get(source)) is not None:
+            return HostAdapter(cached, source)
         spec = read_adapter(lora.lora_path, self.config, self.max_rank)
         laid_out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         tensors = read_adapter_tensors(spec)
@@ -323,7 +339,7 @@ class LoRAModel:
             sizes = [part_shapes(self.config, target.layer)[p][0] for p in target.parts]
             for part, b_part in zip(target.parts, b.split(sizes), strict=True):
                 projection.lay_out_part(*laid_out[key], part, a, b_part, spec.scaling)
-        return HostAdapter(laid_out)
+        return HostAdapter(laid_out, source)
 
     def _fill(self, slot: int, adapter: HostAdapter) -> None:
         for key, projection in self.projections.items():
@@ -335,3 +351,4 @@ class LoRAModel:
 
     def shutdown(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
+        self._layouts.close()
