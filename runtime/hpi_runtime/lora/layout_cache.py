@@ -11,7 +11,8 @@ drops it (in the background: an engine whose adapters fit in host memory writes 
 same directory is that file read back, viewed as the same tensors: a few milliseconds, outside the interpreter.
 An entry is keyed by the directory's path and its two files' sizes and modification times, so an adapter changed
 on disk is read and checked afresh; a directory that fails its checks is never cached. Disk use: one host copy's
-bytes per adapter evicted (the memory --max-cpu-loras bounds is the resident copies', not these).
+bytes per adapter evicted, at most DEFAULT_MAX_BYTES (the least recently used file removed first; the memory
+--max-cpu-loras bounds is the resident copies', not these).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -54,29 +56,39 @@ def directory_key(path: str) -> tuple | None:
         return None
 
 
-class LayoutCache:
-    """Named groups of host tensors by directory key, one file per key; safe to use from several threads."""
+DEFAULT_MAX_BYTES = 4 << 30  # files kept at most (least recently used removed first): an ephemeral-storage bound
 
-    def __init__(self) -> None:
+
+class LayoutCache:
+    """Named groups of host tensors by directory key, one file per key, at most `max_bytes` of files (the least
+    recently used removed first); safe to use from several threads."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._dir: Path | None = None
         self._next = 0  # the next file's number
-        # key -> (file, [(name, [(shape, dtype) per tensor])])
-        self._entries: dict[tuple, tuple[Path, list[tuple[Hashable, list[tuple[torch.Size, torch.dtype]]]]]] = {}
+        self._bytes = 0  # of the files kept
+        # key -> (file, its bytes, [(name, [(shape, dtype) per tensor])]), least recently used first
+        self._entries: OrderedDict[tuple, tuple[Path, int, list[tuple[Hashable, list[tuple[torch.Size, torch.dtype]]]]]]
+        self._entries = OrderedDict()
 
     def get(self, key: tuple) -> Tensors | None:
         """The tensors stored under `key`, read back from their file (new tensors), or None."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
         if entry is None:
             return None
-        path, layout = entry
+        path, _, layout = entry
         try:
             flat = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
-        except OSError as exc:  # the directory was cleaned under us: read the adapter afresh
-            logger.warning("LoRA layout cache: %s unreadable (%s); reading the adapter again", path, exc)
+        except OSError as exc:  # removed under us (by put's bound, or from outside): read the adapter afresh
+            logger.info("LoRA layout cache: %s unreadable (%s); reading the adapter again", path, exc)
             with self._lock:
-                self._entries.pop(key, None)
+                if self._entries.get(key, (None,))[0] == path:
+                    self._bytes -= self._entries.pop(key)[1]
             return None
         tensors: Tensors = {}
         offset = 0
@@ -91,16 +103,31 @@ class LayoutCache:
         return tensors
 
     def put(self, key: tuple, tensors: Tensors) -> None:
-        """Store `tensors` under `key` (a failed write only leaves them uncached)."""
+        """Store `tensors` under `key` (a failed write only leaves them uncached; one larger than max_bytes is not
+        stored)."""
+        size = 0
+        for group in tensors.values():
+            for tensor in group:
+                size = _aligned(size) + tensor.numel() * tensor.element_size()
         with self._lock:
-            if key in self._entries:
+            if key in self._entries or size > self.max_bytes:
                 return
-            if self._dir is None:
-                self._dir = Path(tempfile.mkdtemp(prefix="hpi-lora-layouts-"))
-                # Removed when the cache is collected or the process exits without close() (not on SIGKILL).
-                self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
+            try:
+                if self._dir is None:
+                    self._dir = Path(tempfile.mkdtemp(prefix="hpi-lora-layouts-"))
+                    # Removed when the cache is collected or the process exits without close() (not on SIGKILL).
+                    self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
+            except OSError as exc:
+                logger.warning("LoRA layout cache: no temporary directory (%s); evicted adapters are read from "
+                               "their directories again", exc)  # fmt: skip
+                return
             path = self._dir / f"{self._next}.bin"
             self._next += 1
+            while self._entries and self._bytes + size > self.max_bytes:
+                old_path, old_size, _ = self._entries.popitem(last=False)[1]
+                old_path.unlink(missing_ok=True)
+                self._bytes -= old_size
+            self._bytes += size  # reserved while it is written
         try:
             with open(path, "wb") as file:
                 written = 0
@@ -114,13 +141,15 @@ class LayoutCache:
             logger.warning("LoRA layout cache: cannot write %s (%s); evicted adapters are read from their "
                            "directories again", path, exc)  # fmt: skip
             path.unlink(missing_ok=True)
+            with self._lock:
+                self._bytes -= size
             return
         layout = [(name, [(t.shape, t.dtype) for t in group]) for name, group in tensors.items()]
         with self._lock:
-            self._entries[key] = (path, layout)
+            self._entries[key] = (path, size, layout)
 
     def close(self) -> None:
         with self._lock:
             if self._dir is not None:
                 self._cleanup()
-            self._dir, self._entries = None, {}
+            self._dir, self._entries, self._bytes = None, OrderedDict(), 0

@@ -1,6 +1,7 @@
 """The layout cache (lora/layout_cache.py): tensors round-trip through their file; an adapter that host memory
 dropped is written there and read back from it, without its directory being read or checked again, with the same
-tokens as transformers + peft; an adapter changed on disk is read afresh; shutdown removes the files."""
+tokens as transformers + peft; an adapter changed on disk is read afresh; the files stay within their bound;
+shutdown removes them."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def test_tensors_round_trip_through_their_file(tmp_path) -> None:
     assert directory_key(str(tmp_path / "missing")) is None
     cache.close()
     assert not directory.exists() and cache.get(key) is None
+
+
+def test_the_files_stay_within_their_bound_least_recently_used_first(tmp_path) -> None:
+    keys = [("adapter", i) for i in range(4)]
+    one = {"x": (torch.ones(64, 64),)}  # 16 KiB
+    cache = LayoutCache(max_bytes=40 << 10)  # two of them
+    cache.put(keys[0], one)
+    cache.put(keys[1], one)
+    assert cache.get(keys[0]) is not None  # keys[0] used last: keys[1] goes first
+    cache.put(keys[2], one)
+    assert cache.get(keys[1]) is None and cache.get(keys[0]) is not None and cache.get(keys[2]) is not None
+    assert len(list(cache._dir.iterdir())) == 2
+    cache.put(keys[3], {"x": (torch.ones(128, 128),)})  # 64 KiB: larger than the bound, not stored
+    assert cache.get(keys[3]) is None and cache.get(keys[0]) is not None
+    cache.close()
 
 
 def test_an_evicted_adapter_is_read_back_from_its_layout(tiny_model_dir, adapters, tmp_path, monkeypatch) -> None:
