@@ -110,6 +110,23 @@ def rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
+def process_counters(pid: int) -> dict[str, float]:
+    """The server's and its engine core's minor page faults and user / system CPU seconds so far, summed (an
+    allocator that hands memory back to the system and faults it in again shows up in faults and system time)."""
+    totals = {"minor_faults": 0.0, "user_s": 0.0, "system_s": 0.0}
+    process = psutil.Process(pid)
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            times = p.cpu_times()
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            continue
+        totals["minor_faults"] += float(fields[7])  # field 10 of proc(5): minflt
+        totals["user_s"] += times.user
+        totals["system_s"] += times.system
+    return totals
+
+
 class BatchSampler:
     """Polls the server's running and waiting request counts (vllm:num_requests_running / _waiting) every
     `interval_s` while the load runs: how full the running batch was over time."""
@@ -146,9 +163,12 @@ class BatchSampler:
 
 def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
     with ServerProcess(command, log) as server:
+        before = process_counters(server.process.pid)
         with BatchSampler(server) as sampler:
             run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency)))
+        after = process_counters(server.process.pid)
         summary = summarize(run)
+        summary["during_load"] = {key: round(after[key] - before[key], 2) for key in after}
         summary["batch"] = sampler.summary()
         text = server.metrics_text()
         summary["rss_bytes"] = rss_bytes(server.process.pid)

@@ -34,8 +34,11 @@ the executor) it does not speculate.
 With LoRA (`config.max_loras`), a batch runs at most max_loras distinct adapters (lora/slot_table.py pins each
 running request's adapter in a device slot). A waiting request whose adapter would exceed that is passed over,
 and the requests behind it may still be admitted when their adapter is already running (or they use the base
-model), except for one running adapter chosen to drain (the one whose running requests end soonest): it takes no
-new request until the passed-over one is admitted, so its slot frees in finite time and nobody starves. A
+model). Most often a running adapter's requests all end soon and free its slot. If none has by the time the
+first passed-over request has waited twice as many steps as the soonest-ending adapter's requests still need (at
+most LORA_DRAIN_MAX_WAIT_STEPS), that adapter is drained: it takes no new request until the passed-over one is
+admitted, so its slot frees in finite time and nobody starves. Draining at once, the rule before, kept the batch
+smaller and the waits longer (bench/results/lora.md, run 15): the drained adapter's own new requests wait too. A
 request whose adapter is neither in a slot nor read into host memory waits too, while its adapter is read in
 the background (lora/slot_table.py, prefetch), unless nothing runs: a read from disk never holds up a batch.
 
@@ -68,6 +71,11 @@ from hpi_runtime.lora.slot_table import LoRASlotTable
 from hpi_runtime.spec_decode.policy import SpeculationPolicy, next_num_draft_tokens
 from hpi_runtime.spec_decode.proposer import make_proposer
 from hpi_runtime.structured.compiler import grammar_bitmask
+
+# A request kept waiting for an adapter slot: one running adapter drains once it has waited this many times the
+# steps that adapter's requests still need, or LORA_DRAIN_MAX_WAIT_STEPS (whichever is fewer).
+LORA_DRAIN_PATIENCE = 2
+LORA_DRAIN_MAX_WAIT_STEPS = 256
 
 
 class Scheduler:
@@ -106,6 +114,8 @@ class Scheduler:
         self.spec_policy = SpeculationPolicy(spec.disable_by_batch_size) if spec is not None else None
         self.lora = LoRASlotTable(config.max_loras, config.max_cpu_loras) if config.max_loras else None
         self._draining_lora: int | None = None  # the running adapter that admits nothing while one waits
+        self._lora_blocked: tuple[str, int] | None = None  # the first request kept waiting for a slot, since when
+        self._num_schedules = 0
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size) if config.encoder_cache_size else None
         self._encoder_budget = 0  # embedding rows the vision encoder may still compute this step
         self._encoder_inputs: dict[str, tuple[int, ...]] = {}  # this step's: request id -> image indices to encode
@@ -122,6 +132,7 @@ class Scheduler:
         waiting.insert(i, request)
 
     def schedule(self) -> SchedulerOutput:
+        self._num_schedules += 1
         self.kv.begin_step()
         self._encoder_budget, self._encoder_inputs = self.config.max_num_encoder_input_tokens, {}
         self._encoding = set()  # hashes of the images the executor encodes this step
@@ -190,7 +201,7 @@ class Scheduler:
             scheduled.append((request, num_new, []))
             budget -= num_new
         if not passed_over:
-            self._draining_lora = None
+            self._draining_lora, self._lora_blocked = None, None
         return self._make_output(scheduled)
 
     def _pop_victim(self, first: int) -> Request:
@@ -207,23 +218,29 @@ class Scheduler:
         lora = request.lora_request
         if not self.lora.can_admit(lora):
             if not passed_over and self._draining_lora not in self.lora.users:
-                self._draining_lora = self._drain_victim()  # the first one kept waiting: free a slot for it
+                self._draining_lora = self._drain_for(request)  # the first one kept waiting: free a slot for it
             return False
         return not (passed_over and lora is not None and lora.lora_int_id == self._draining_lora)
 
-    def _drain_victim(self) -> int:
-        """The running adapter to drain for a waiting one: the one whose running requests end soonest (the most
-        tokens any of them may still generate; ties: fewer requests, then id). Its slot frees after the fewest
-        steps, and until then its clients' new requests wait with the waiting adapter's, so a shorter drain
-        keeps the batch fuller (the fewest requests, the rule before, may drain one long request for hundreds of
-        steps while a nearly finished adapter would have freed its slot in a few)."""
+    def _drain_for(self, request: Request) -> int | None:
+        """The running adapter to drain for `request`, the first one kept waiting for a slot: the one whose running
+        requests end soonest (the most tokens any of them may still generate; ties: fewer requests, then id),
+        once `request` has waited LORA_DRAIN_PATIENCE times as many steps as that (None until then). Its slot
+        frees after the fewest steps, and until then its clients' new requests wait with the waiting adapter's,
+        so a shorter drain keeps the batch fuller (the fewest requests, the rule before, may drain one long
+        request for hundreds of steps while a nearly finished adapter would have freed its slot in a few)."""
+        if self._lora_blocked is None or self._lora_blocked[0] != request.request_id:
+            self._lora_blocked = (request.request_id, self._num_schedules)
         steps_left: dict[int, int] = {}
-        for request in self.running:
-            if request.lora_request is not None:
-                lora_id = request.lora_request.lora_int_id
-                left = request.max_tokens - len(request.output_token_ids)
+        for running in self.running:
+            if running.lora_request is not None:
+                lora_id = running.lora_request.lora_int_id
+                left = running.max_tokens - len(running.output_token_ids)
                 steps_left[lora_id] = max(steps_left.get(lora_id, 0), left)
-        return min(self.lora.users, key=lambda i: (steps_left.get(i, 0), self.lora.users[i], i))
+        victim = min(self.lora.users, key=lambda i: (steps_left.get(i, 0), self.lora.users[i], i))
+        waited = self._num_schedules - self._lora_blocked[1]
+        patience = min(LORA_DRAIN_PATIENCE * steps_left.get(victim, 0), LORA_DRAIN_MAX_WAIT_STEPS)
+        return victim if waited >= patience else None
 
     def _prefetch_waiting_adapters(self) -> None:
         """Have host memory read the adapters the waiting requests need and lacks, in queue order, as soon as
