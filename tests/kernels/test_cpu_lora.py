@@ -21,12 +21,15 @@ def extension() -> str:
 @pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features", "part_cols"),
                          [(1, 1, 16, 64, 96, None), (13, 3, 48, 576, 960, [0, 576, 768, 960]),
                           (37, 4, 8, 70, 33, None), (9, 2, 6, 40, 77, [0, 13, 13, 77]),  # tails; an empty part
+                          (11, 2, 5, 64, 80, None),  # an odd rank: bf16's paired expand has a half pair
+                          (6, 2, 260, 32, 64, [0, 32, 64]),  # 130 ranks a part: above the paired expand's 128
                           # 512 tokens, 341 on slot 0: 43 tiles, more than one thread's share (kMinWorkPerThread)
                           (512, 3, 32, 256, 1024, [0, 512, 1024])])  # fmt: skip
 def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, width, in_features, out_features,
                                        part_cols) -> None:  # fmt: skip
-    """Either shrink for bf16 (widened to fp32 FMAs, or vdpbf16ps where the CPU has it), fp32's FMAs. Bt is
-    random outside its parts' blocks too: the reference leaves that out, so the kernel must not read it."""
+    """Either bf16 tile (widened to fp32 FMAs, or vdpbf16ps for the shrink and the expand where the CPU has it),
+    fp32's FMAs. Bt is random outside its parts' blocks too: the reference leaves that out, so the kernel must not
+    read it."""
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
     a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(dtype)

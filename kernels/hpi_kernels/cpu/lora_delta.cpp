@@ -11,7 +11,9 @@
 // W / parts rows of A and Bt and its own columns of out: Bt is block-diagonal, and only its blocks are read (a
 // third of qkv's Bt, half of gate_up's; reading the zeros too cost a quarter of the kernel's time). float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
 // registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
-// measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead.
+// measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead,
+// and the expand multiplies pairs of ranks: the shrunk tokens rounded to bf16, as a bf16 model's lora_A output is
+// (13% less time than the widened expand at a 374-token prefill, bench/results/lora.md run 15).
 
 #include "packed_linear.h"
 
@@ -209,6 +211,72 @@ void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp, int64_t cols, 
   }
 }
 
+constexpr int64_t kMaxDpPairs = 64;  // expand_dp's ranks per part, at most twice this (above: the widened expand)
+
+#if defined(CPU_CAPABILITY_AVX512)
+// expand with vdpbf16ps for bf16 (where the shrink takes it too): the tile's shrunk tokens rounded to bf16 (as a
+// bf16 model computes B (A x): peft's lora_A output is bf16), paired along the rank, and each pair of Bt rows
+// interleaved per column in registers, so one instruction does two ranks' multiply-adds for 16 columns where the
+// widened FMAs did one. out's chunks keep load_chunk's even / odd order: the even columns' pairs are each 32-bit
+// lane's low halves of the two rows, the odd ones' their high halves. fp32 sums over out's own values, rounded once.
+template <int n>
+__attribute__((target("avx512bf16"))) void expand_dp(const c10::BFloat16* bt, c10::BFloat16* out,
+                                                     const int64_t* rows, int64_t Wp, int64_t cols, int64_t N,
+                                                     int64_t W, const float* h) {
+  const int64_t pairs = (Wp + 1) / 2;
+  uint32_t hp[n][kMaxDpPairs];  // (bf16 h[r][2q], bf16 h[r][2q + 1]) in one 32-bit word: low, high
+  float hr[n][2 * kMaxDpPairs];  // the same values as floats, for the scalar tail
+  for (int r = 0; r < n; ++r) {
+    for (int64_t w = 0; w < 2 * pairs; ++w) {
+      const c10::BFloat16 v(w < Wp ? h[r * W + w] : 0.f);
+      hr[r][w] = static_cast<float>(v);
+      const uint32_t bits = v.x;
+      hp[r][w / 2] = w % 2 ? (hp[r][w / 2] | bits << 16) : bits;
+    }
+  }
+  const __m512i low = _mm512_set1_epi32(0xffff), high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const int64_t n_main = cols / kChunk * kChunk;
+  for (int64_t j = 0; j < n_main; j += kChunk) {
+    Vec lo[n], hi[n];
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) load_chunk(out + rows[r] * N + j, lo[r], hi[r]);
+    __m512 even[n], odd[n];
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) {
+      even[r] = lo[r];
+      odd[r] = hi[r];
+    }
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t w = 2 * q;
+      if (j + kExpandAhead * kChunk < n_main) {
+        prefetch_chunk(bt + w * N + j + kExpandAhead * kChunk);
+        if (w + 1 < Wp) prefetch_chunk(bt + (w + 1) * N + j + kExpandAhead * kChunk);
+      }
+      const __m512i b0 = _mm512_loadu_si512(bt + w * N + j);
+      const __m512i b1 = w + 1 < Wp ? _mm512_loadu_si512(bt + (w + 1) * N + j) : _mm512_setzero_si512();
+      // Per 32-bit lane i: row w's and row w + 1's column 2i (even), and their column 2i + 1 (odd).
+      const __m512bh be = (__m512bh)_mm512_or_si512(_mm512_and_si512(b0, low), _mm512_slli_epi32(b1, 16));
+      const __m512bh bo = (__m512bh)_mm512_or_si512(_mm512_srli_epi32(b0, 16), _mm512_and_si512(b1, high));
+#pragma GCC unroll 8
+      for (int r = 0; r < n; ++r) {
+        const __m512bh hv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(hp[r][q]));
+        even[r] = _mm512_dpbf16_ps(even[r], be, hv);
+        odd[r] = _mm512_dpbf16_ps(odd[r], bo, hv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) store_chunk(out + rows[r] * N + j, Vec(even[r]), Vec(odd[r]));
+  }
+  for (int r = 0; r < n; ++r) {
+    for (int64_t j = n_main; j < cols; ++j) {
+      float sum = static_cast<float>(out[rows[r] * N + j]);
+      for (int64_t w = 0; w < Wp; ++w) sum += hr[r][w] * static_cast<float>(bt[w * N + j]);
+      out[rows[r] * N + j] = static_cast<c10::BFloat16>(sum);
+    }
+  }
+}
+#endif
+
 // A projection's parts (one for a plain projection; q, k, v or gate, up for a fused one): part p owns rows
 // [p * W / count, (p + 1) * W / count) of A and Bt and the output columns [cols[p], cols[p + 1]); Bt's entries
 // outside its parts' blocks are not read.
@@ -240,6 +308,14 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
   const int64_t Wp = W / parts.count;
   for (int64_t p = 0; p < parts.count; ++p) {
     const int64_t c0 = parts.cols[p], cols = parts.cols[p + 1] - c0;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (dp && Wp <= 2 * kMaxDpPairs) {
+        expand_dp<n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
+        continue;
+      }
+    }
+#endif
     expand<T, n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
   }
 }
