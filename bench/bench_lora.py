@@ -110,20 +110,24 @@ def rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
-def process_counters(pid: int) -> dict[str, float]:
-    """The server's and its engine core's minor page faults and user / system CPU seconds so far, summed (an
-    allocator that hands memory back to the system and faults it in again shows up in faults and system time)."""
-    totals = {"minor_faults": 0.0, "user_s": 0.0, "system_s": 0.0}
-    process = psutil.Process(pid)
-    for p in [process, *process.children(recursive=True)]:
-        try:
-            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            times = p.cpu_times()
-        except (psutil.NoSuchProcess, FileNotFoundError):
-            continue
-        totals["minor_faults"] += float(fields[7])  # field 10 of proc(5): minflt
-        totals["user_s"] += times.user
-        totals["system_s"] += times.system
+def process_counters(pid: int) -> dict[str, dict[str, float]]:
+    """Minor page faults and user / system CPU seconds so far of the server process, of its children (the engine
+    core), and of this process (the load generator's clients): where the machine's cores go (an allocator that
+    hands memory back to the system and faults it in again shows up in faults and system time)."""
+    server = psutil.Process(pid)
+    roles = {"server": [server], "engine_core": server.children(recursive=True), "load_generator": [psutil.Process()]}
+    totals = {}
+    for role, processes in roles.items():
+        totals[role] = {"minor_faults": 0.0, "user_s": 0.0, "system_s": 0.0}
+        for p in processes:
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                times = p.cpu_times()
+            except (psutil.NoSuchProcess, FileNotFoundError):
+                continue
+            totals[role]["minor_faults"] += float(fields[7])  # field 10 of proc(5): minflt
+            totals[role]["user_s"] += times.user
+            totals[role]["system_s"] += times.system
     return totals
 
 
@@ -168,7 +172,8 @@ def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
             run = asyncio.run(run_load(requests, LoadConfig(server.base_url, SERVED_MODEL_NAME, concurrency)))
         after = process_counters(server.process.pid)
         summary = summarize(run)
-        summary["during_load"] = {key: round(after[key] - before[key], 2) for key in after}
+        summary["during_load"] = {role: {key: round(after[role][key] - before[role][key], 2) for key in after[role]}
+                                  for role in after}  # fmt: skip
         summary["batch"] = sampler.summary()
         text = server.metrics_text()
         summary["rss_bytes"] = rss_bytes(server.process.pid)
