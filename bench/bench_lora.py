@@ -355,11 +355,17 @@ def main(argv: list[str] | None = None) -> None:
                     bound_tps = results[f"base_bound{suffix}"]["output_tokens_per_s"]
                     print(f"  the slots' bound (base at {bound_clients} clients): {bound_tps:.1f} tok/s, "
                           f"{bound_tps / base_tps:.2f}x base; {key} at {lora_tps / bound_tps:.2f}x the bound")
+    for key in ("lora", "lora_cpu_all"):
+        ratios = [results[f"{key}{suffix}"]["output_tokens_per_s"] / results[f"base{suffix}"]["output_tokens_per_s"]
+                  for suffix in ("", *(f"@{r}" for r in range(2, args.rounds + 1)))
+                  if f"{key}{suffix}" in results and f"base{suffix}" in results]  # fmt: skip
+        if len(ratios) > 1:  # one round's ratio mostly says which phase the machine's drift hit
+            print(f"{key} / base over {len(ratios)} rounds: median {statistics.median(ratios):.2f}, "
+                  f"{min(ratios):.2f}-{max(ratios):.2f}")
     if "merged" in results:
         merged_tps = results["merged"]["output_tokens_per_s"]
         print(f"8 merged engines: {merged_tps:.1f} tok/s, {results['merged']['rss_bytes'] / 2**30:.2f} GiB "
               f"vs LoRA server {results['lora']['rss_bytes'] / 2**30:.2f} GiB")  # fmt: skip
-
 
 
 if __name__ == "__main__":
