@@ -48,7 +48,9 @@ class ModeledExecutor:
     num_kv_blocks: int
     block_size: int
     model: StepModel
+    read_steps: int = 1  # a prefetched adapter is reported read this many steps after it was asked for
     num_host_kv_blocks: int = 0
+    reads: list[tuple[int, int]] = field(default_factory=list)  # (step it is reported in, lora_int_id)
     states: dict[str, list[int]] = field(default_factory=dict)  # request id -> [known tokens, computed tokens]
     steps: list[tuple[int, int]] = field(default_factory=list)  # (decode rows, prefill tokens) per step
 
@@ -70,8 +72,11 @@ class ModeledExecutor:
                 state[0] += 1
                 state[1] = state[0] - 1
         self.steps.append((decode_rows, prefill_tokens))
-        return ModelRunnerOutput(sampled_token_ids=sampled,
-                                 lora_ready=tuple(lora.lora_int_id for lora in so.lora_updates.prefetches))
+        step = len(self.steps)
+        self.reads += [(step + self.read_steps - 1, lora.lora_int_id) for lora in so.lora_updates.prefetches]
+        ready = tuple(lora_id for at, lora_id in self.reads if at <= step)
+        self.reads = [(at, lora_id) for at, lora_id in self.reads if at > step]
+        return ModelRunnerOutput(sampled_token_ids=sampled, lora_ready=ready)
 
     def stage_busy_s(self) -> tuple[float, ...]:
         return ()
@@ -90,10 +95,13 @@ class ModeledExecutor:
 
 
 def replay(patience: int, *, num_requests: int = 160, concurrency: int = 32, num_adapters: int = 8, max_loras: int = 4,
-           prompt_len: int = 64, output_len: int = 32, model: StepModel = StepModel()) -> dict:  # fmt: skip
-    """One closed-loop run with LORA_DRAIN_PATIENCE = `patience` (0: drain at once; huge: never)."""
-    config = EngineConfig(block_size=16, max_model_len=2048, max_loras=max_loras, max_cpu_loras=max_loras)
-    executor = ModeledExecutor(4096, config.block_size, model)
+           prompt_len: int = 64, output_len: int = 32, model: StepModel = StepModel(), max_cpu_loras: int | None = None,
+           read_steps: int = 1) -> dict:  # fmt: skip
+    """One closed-loop run with LORA_DRAIN_PATIENCE = `patience` (0: drain at once; huge: never); host memory
+    keeps `max_cpu_loras` adapters (default: max_loras, as the server), a read takes `read_steps` steps."""
+    config = EngineConfig(block_size=16, max_model_len=2048, max_loras=max_loras,
+                          max_cpu_loras=max_cpu_loras or max_loras)  # fmt: skip
+    executor = ModeledExecutor(4096, config.block_size, model, read_steps)
     engine = LLMEngine(config, executor, None, frozenset())
     loras = [LoRARequest(f"adapter{i}", i + 1, f"/adapters/adapter{i}") for i in range(num_adapters)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -118,7 +126,8 @@ def replay(patience: int, *, num_requests: int = 160, concurrency: int = 32, num
     decode = [rows for rows, prefill in executor.steps if rows and not prefill]
     time_s = sum(model.step_ms(rows, prefill) for rows, prefill in executor.steps) / 1e3
     waits = sorted(first - sent_at for sent_at, first in step_of.values())
-    return {"patience": patience, "steps": len(executor.steps), "decode_only_steps": len(decode),
+    return {"patience": patience, "max_cpu_loras": config.max_cpu_loras, "read_steps": read_steps,
+            "steps": len(executor.steps), "decode_only_steps": len(decode),
             "mean_decode_rows": round(statistics.fmean(decode), 2),
             "prefill_steps": sum(1 for _, prefill in executor.steps if prefill),
             "mean_rows": round(statistics.fmean(rows + (prefill > 0) for rows, prefill in executor.steps), 2),
@@ -132,9 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--patience", type=int, nargs="+", default=[0, 2, 10**9])
     parser.add_argument("--num-requests", type=int, default=160)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-cpu-loras", type=int, nargs="+", default=[4])
+    parser.add_argument("--read-steps", type=int, default=1)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    results = [replay(p, num_requests=args.num_requests, output_len=args.output_len) for p in args.patience]
+    results = [replay(p, num_requests=args.num_requests, output_len=args.output_len, max_cpu_loras=cpu,
+                      read_steps=args.read_steps)
+               for cpu in args.max_cpu_loras for p in args.patience]  # fmt: skip
     for result in results:
         print(json.dumps(result))
     if args.out:
