@@ -119,16 +119,35 @@ def forced_prefill_gemm(request):
     prefill_gemm(previous)
 
 
-@pytest.fixture(params=["widen", "dpbf16"])
-def forced_bf16_tile(request):
-    """Each packed bf16 tile forced (the machine's own choice is measured at start), so both run wherever the CPU
-    has them: dpbf16 needs AVX512-BF16 and the AVX512 build; the choice is restored after the test."""
+def _force_bf16_tile(tile: str):
     from hpi_kernels.cpu import bf16_tile
 
     previous = bf16_tile()
     try:
-        assert bf16_tile(request.param) == request.param
+        assert bf16_tile(tile) == tile
     except ValueError as e:
-        pytest.skip(f"{request.param}: {e}")
+        pytest.skip(f"{tile}: {e}")
+    return previous
+
+
+@pytest.fixture(params=["widen", "dpbf16"])
+def forced_bf16_tile(request):
+    """Each vector bf16 tile forced (the machine's own choice is measured at start), so both run wherever the CPU
+    has them: dpbf16 needs AVX512-BF16 and the AVX512 build; the choice is restored after the test. The int8/int4
+    tiles and the LoRA kernel follow it."""
+    from hpi_kernels.cpu import bf16_tile
+
+    previous = _force_bf16_tile(request.param)
+    yield request.param
+    bf16_tile(previous)
+
+
+@pytest.fixture(params=["widen", "dpbf16", "amx"])
+def forced_packed_bf16_tile(request):
+    """forced_bf16_tile plus the packed bf16 linear's AMX tile, which needs a CPU with AMX-BF16 (no emulation
+    exists: elsewhere that case is skipped, and the two vector tiles still run)."""
+    from hpi_kernels.cpu import bf16_tile
+
+    previous = _force_bf16_tile(request.param)
     yield request.param
     bf16_tile(previous)

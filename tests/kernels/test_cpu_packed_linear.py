@@ -4,7 +4,9 @@ weight.
 Row counts cover each path of the kernel: one register tile (1-12 rows), several tiles (13-320, in one or
 two chunks of rows), and the prefill path that unpacks the weight for MKL (over 320; bf16 widened to fp32; a
 weight too large to unpack stays on the packed kernel). Shapes cover a last panel that is partly padding and
-in_features that are no multiple of the vector width (and, in bf16, odd: a last pair half padding).
+in_features that are no multiple of the vector width (and, in bf16, odd: a last pair half padding). bf16 runs
+each tile: widen, dpbf16 (AVX512-BF16) and amx (AMX-BF16: rows in blocks of 16, a last partial block padded, chunks
+of 256 rows; in_features that are no multiple of 32 take the vector tile there).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def _bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 257, 320, 321, 700])
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001)])
-def test_bf16_matches_the_fp32_sum_rounded_once(forced_bf16_tile: str, rows: int, out_features: int,
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001), (40, 1536)])
+def test_bf16_matches_the_fp32_sum_rounded_once(forced_packed_bf16_tile: str, rows: int, out_features: int,
                                                 in_features: int) -> None:  # fmt: skip
     weight = _weight(out_features, in_features).bfloat16()
     bias = torch.randn(out_features).bfloat16()
@@ -160,7 +162,7 @@ def test_bf16_matches_the_fp32_sum_rounded_once(forced_bf16_tile: str, rows: int
 
 
 @pytest.mark.parametrize("rows", [1, 13, 321])
-def test_bf16_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, rows: int) -> None:
+def test_bf16_logits_are_the_fp32_sums_unrounded(forced_packed_bf16_tile: str, rows: int) -> None:
     """packed_logits (an LM head): the same fp32 sums as packed_linear, not rounded to bf16."""
     weight, x = _weight(200, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
     packed = pack_linear_weight(weight)
@@ -174,7 +176,7 @@ def test_bf16_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, rows: in
     torch.library.opcheck(torch.ops.hpi_kernels.packed_logits.default, (x, packed, 200))
 
 
-def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel(forced_bf16_tile: str) -> None:
+def test_bf16_weight_too_large_to_unpack_stays_on_the_packed_kernel(forced_packed_bf16_tile: str) -> None:
     weight, x = _weight(4097, 4100).bfloat16(), torch.randn(321, 4100).bfloat16()
     assert weight.numel() > 2**24
     torch.testing.assert_close(packed_linear(x, pack_linear_weight(weight), 4097), _bf16_reference(x, weight),
@@ -206,7 +208,7 @@ def test_bf16_prefill_matches_with_either_gemm(forced_prefill_gemm: str, rows: i
     assert prefill_gemm() == forced_prefill_gemm
 
 
-def test_the_tiles_differ_in_summation_order_only(forced_bf16_tile: str) -> None:
+def test_the_tiles_differ_in_summation_order_only(forced_packed_bf16_tile: str) -> None:
     """Each tile's fp32 sums (the logits, unrounded) against fp64, and the two tiles against each other where both
     run: products are exact in both, so only the order of the fp32 additions differs."""
     weight, x = _weight(200, 576).bfloat16(), torch.randn(7, 576).bfloat16()
@@ -214,20 +216,20 @@ def test_the_tiles_differ_in_summation_order_only(forced_bf16_tile: str) -> None
     logits = packed_logits(x, packed, 200)
     exact = F.linear(x.double(), weight.double())
     torch.testing.assert_close(logits.double(), exact, atol=1e-4, rtol=1e-5)
-    assert bf16_tile() == forced_bf16_tile
-    other = "dpbf16" if forced_bf16_tile == "widen" else "widen"
-    try:
-        bf16_tile(other)
-    except ValueError:
-        return  # this CPU runs only one of them
-    torch.testing.assert_close(packed_logits(x, packed, 200), logits, atol=1e-4, rtol=1e-5)
-    bf16_tile(forced_bf16_tile)
+    assert bf16_tile() == forced_packed_bf16_tile
+    for other in {"widen", "dpbf16", "amx"} - {forced_packed_bf16_tile}:
+        try:
+            bf16_tile(other)
+        except ValueError:
+            continue  # this CPU lacks it
+        torch.testing.assert_close(packed_logits(x, packed, 200), logits, atol=1e-4, rtol=1e-5)
+    bf16_tile(forced_packed_bf16_tile)
 
 
 def test_bf16_tile_choice_is_checked() -> None:
-    assert bf16_tile() in ("widen", "dpbf16")
-    with pytest.raises(ValueError, match="auto, widen or dpbf16"):
-        bf16_tile("amx")
+    assert bf16_tile() in ("widen", "dpbf16", "amx")
+    with pytest.raises(ValueError, match="auto, widen, dpbf16 or amx"):
+        bf16_tile("fp8")
 
 
 def test_prefill_gemm_choice_is_checked() -> None:
@@ -236,7 +238,7 @@ def test_prefill_gemm_choice_is_checked() -> None:
         prefill_gemm("fp16")
 
 
-def test_bf16_rows_do_not_depend_on_the_batch(forced_bf16_tile: str) -> None:
+def test_bf16_rows_do_not_depend_on_the_batch(forced_packed_bf16_tile: str) -> None:
     """Up to the prefill path, each bf16 row alone, in a slice or among 300 rows (two chunks of rows) sums in
     the same order."""
     weight, x = _weight(96, 576).bfloat16(), torch.randn(300, 576).bfloat16()

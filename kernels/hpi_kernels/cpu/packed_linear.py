@@ -5,10 +5,11 @@ out_features: fp32 [panels, in_features, PANEL], bf16 [panels, ceil(in_features 
 PANEL = 32 columns with AVX512, 16 with AVX2. `packed_linear` is `F.linear` over it.
 
 Up to a few hundred rows the kernel streams each panel once while it computes. fp32: 1.3-1.8x MKL's sgemm
-at 8-64 rows here, as fast at one row. bf16: one of two tiles, whichever `bf16_tile` measured faster on this CPU
-at start: "widen" widens the weight's pairs to fp32 in registers for fp32 FMAs, so it runs at fp32's FMA rate
-over half the bytes (1.8-2.3x fp32 at 1-8 rows, even at 32-64, 2x torch's bf16 GEMM where the CPU has no AMX);
-"dpbf16" (CPUs with AVX512-BF16) multiplies the pairs as they are with vdpbf16ps, half the instructions per k.
+at 8-64 rows here, as fast at one row. bf16: one of three tiles, whichever `bf16_tile` measured faster on this CPU
+at start (the third, "amx", on CPUs with AMX-BF16: packed_linear_amx.cpp): "widen" widens the weight's pairs
+to fp32 in registers for fp32 FMAs, so it runs at fp32's FMA rate over half the bytes (1.8-2.3x fp32 at 1-8
+rows, even at 32-64, 2x torch's bf16 GEMM where the CPU has no AMX); "dpbf16" (CPUs with AVX512-BF16) multiplies
+the pairs as they are with vdpbf16ps, half the instructions per k.
 Both sum in fp32. Prefill-sized inputs go to MKL's sgemm over the weight unpacked into a
 per-thread fp32 scratch buffer (bf16 x and weight widened, rounded once), or, for bf16 x where `prefill_gemm`
 found it faster on this CPU (AVX512-BF16 or AMX), to torch's bf16 GEMM over a bf16 copy. A row's result does not
@@ -65,10 +66,12 @@ def prefill_gemm(choice: str = "") -> str:
 
 def bf16_tile(choice: str = "") -> str:
     """The tile the packed bf16 GEMMs (up to prefill size, and the LM head's logits) run: "widen" (the pairs
-    widened to fp32 for FMAs) or "dpbf16" (vdpbf16ps on the pairs; AVX512-BF16 CPUs only). "" returns the current
-    choice, measured on this CPU at first use (one request's decode and a batch's on a weight streamed from
-    memory) unless HPI_CPU_BF16_TILE=widen|dpbf16 set it; "auto" measures again; "widen" / "dpbf16" force one
-    (tests run each the CPU has). ValueError for another name, or "dpbf16" on a CPU without AVX512-BF16."""
+    widened to fp32 for FMAs), "dpbf16" (vdpbf16ps on the pairs; AVX512-BF16 CPUs only) or "amx" (AMX tiles over
+    the panels as they are, packed_linear_amx.cpp; AMX-BF16 CPUs only, weights whose in_features are a multiple of
+    32; the int8/int4 tiles then take widen or dpbf16, whichever measured faster). "" returns the current choice,
+    measured on this CPU at first use (one request's decode and a batch's on a weight streamed from memory) unless
+    HPI_CPU_BF16_TILE=widen|dpbf16|amx set it; "auto" measures again; a name forces that tile (tests run each the
+    CPU has). ValueError for another name, or a tile this CPU lacks."""
     load_extension()
     return torch.ops.hpi_kernels.bf16_tile(choice)
 

@@ -1,11 +1,13 @@
 // bf16 linear layers over prepacked weights. The weight stays bf16 in memory, packed as pairs (packed_linear.h),
-// and one of two tiles multiplies it (tile_choice: measured on this CPU at the first call):
+// and one of three tiles multiplies it (tile_choice: measured on this CPU at the first call):
 // - "widen": each pair widened to fp32 in registers (a shift and a mask per 16 pairs) for fp32 FMAs, half of
 //   fp32's bytes at fp32's FMA peak. The only tile where the CPU lacks AVX512-BF16 (there bf16 is emulated), and
 //   the faster one where vdpbf16ps issues at half the FMA rate (an Intel machine measured it so).
 // - "dpbf16" (AVX512 build, CPUs with AVX512-BF16): vdpbf16ps on the pairs as they are in memory and x's pair
 //   broadcast, two products exact and summed in fp32 per lane: half the instructions per k, and on AMD Zen 4
 //   vdpbf16ps issues at the FMA's rate with twice its multiply-adds. Sums differ from widen's in order only.
+// - "amx" (CPUs with AMX-BF16): AMX tiles over the same panels, packed_linear_amx.cpp; weights whose K is no
+//   multiple of 32 keep the faster of the two above, which the int8/int4 tiles and the LoRA shrink take too.
 //
 // The tile is packed_linear.cpp's: kMr rows x kNr columns of fp32 accumulators; per pair of k, kNrVecs loads
 // of the panel widened into 2 * kNrVecs vectors, 2 * kMr broadcasts of x (converted to fp32 once per call),
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -166,12 +169,29 @@ namespace {
 template <typename T>
 void unpack_bf16_to(const c10::BFloat16* packed, int64_t K, int64_t N, T* dst) {
   const int64_t pairs = (K + 1) / 2, n_panels = (N + kNr - 1) / kNr;
-  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
+  at::parallel_for(0, pairs, 8, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
       for (int64_t p = 0; p < n_panels; ++p) {
-        const c10::BFloat16* row = packed + ((p * pairs + k / 2) * kNr) * 2 + k % 2;
+        const c10::BFloat16* row = packed + ((p * pairs + q) * kNr) * 2;
         const int64_t ncols = std::min(kNr, N - p * kNr);
-        for (int64_t j = 0; j < ncols; ++j) dst[k * N + p * kNr + j] = static_cast<T>(row[2 * j]);
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (ncols == kNr && 2 * q + 1 < K) {  // a panel row's 32 pairs -> rows 2q and 2q + 1 of 32 columns
+            const __m512i lo = _mm512_loadu_si512(row), hi = _mm512_loadu_si512(row + kNr);
+            T* even = dst + 2 * q * N + p * kNr;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(even), _mm512_cvtepi32_epi16(lo));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + kVecSize), _mm512_cvtepi32_epi16(hi));
+            T* odd = even + N;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(odd), _mm512_cvtepi32_epi16(_mm512_srli_epi32(lo, 16)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(odd + kVecSize),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16)));
+            continue;
+          }
+        }
+#endif
+        for (int64_t k = 2 * q; k < std::min(K, 2 * q + 2); ++k) {
+          for (int64_t j = 0; j < ncols; ++j) dst[k * N + p * kNr + j] = static_cast<T>(row[2 * j + k % 2]);
+        }
       }
     }
   });
@@ -235,7 +255,10 @@ void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pack
 
 // Which tile the packed bf16 GEMMs run on this CPU: 0 not chosen yet, 1 widen, 2 dpbf16. One choice for every
 // row count, so that a row's result stays independent of the rows beside it (the tiles sum in different orders).
+// The int8/int4 tiles and the LoRA shrink follow it (dp_tile). g_amx: 0 not chosen yet, 1 no, 2 the packed bf16
+// GEMMs run AMX tiles instead (packed_linear_amx.cpp), at every row count too.
 std::atomic<int> g_tile{0};
+std::atomic<int> g_amx{0};
 
 bool dp_available() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -246,60 +269,102 @@ bool dp_available() {
 #endif
 }
 
-// The faster tile over one request's decode (1 row) and a batch's (16 rows) together, on a weight that streams
-// from memory (8 MiB, beyond L2, like a layer's): the best of 5 alternating blocks of 4 calls per tile and row
-// count, so that a load that comes and goes weighs on both alike.
-int measure_tile() {
-  if (!dp_available()) return 1;
+// One request's decode (1 row) and a batch's (16 rows) together, on a weight that streams from memory (8 MiB,
+// beyond L2, like a layer's): per candidate (gemm(x, rows, out)), the best of 5 alternating blocks of 4 calls per
+// row count, summed over the row counts, so that a load that comes and goes weighs on all alike. The index of the
+// fastest.
+template <typename Gemm>
+int fastest(const std::vector<Gemm>& candidates) {
   constexpr int64_t K = 1024, N = 4096;
   const at::Tensor packed = pack_bf16(at::randn({N, K}).to(at::kBFloat16));
-  double total[2] = {0, 0};
+  std::vector<double> total(candidates.size(), 0.0);
   for (const int64_t rows : {1, 16}) {
     const at::Tensor x = at::randn({rows, K}).to(at::kBFloat16);
     std::vector<c10::BFloat16> out(static_cast<size_t>(rows * N));
-    double best[2] = {1e30, 1e30};
+    std::vector<double> best(candidates.size(), 1e30);
     for (int block = 0; block < 6; ++block) {
-      for (int dp = 0; dp < 2; ++dp) {
+      for (size_t c = 0; c < candidates.size(); ++c) {
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < 4; ++i) {
-          gemm_bf16_to(x.const_data_ptr<c10::BFloat16>(), K, packed.const_data_ptr<c10::BFloat16>(), nullptr, rows,
-                       K, N, out.data(), dp == 1);
+          candidates[c](x.const_data_ptr<c10::BFloat16>(), K, packed.const_data_ptr<c10::BFloat16>(), rows, N,
+                        out.data());
         }
         const auto elapsed = std::chrono::steady_clock::now() - start;
-        if (block > 0) best[dp] = std::min(best[dp], std::chrono::duration<double, std::milli>(elapsed).count());
+        if (block > 0) best[c] = std::min(best[c], std::chrono::duration<double, std::milli>(elapsed).count());
       }
     }
-    total[0] += best[0];
-    total[1] += best[1];
+    for (size_t c = 0; c < candidates.size(); ++c) total[c] += best[c];
   }
-  return total[1] < total[0] ? 2 : 1;
+  return static_cast<int>(std::min_element(total.begin(), total.end()) - total.begin());
 }
 
-int parse_tile(const std::string& choice) {
-  TORCH_CHECK_VALUE(choice == "auto" || choice == "widen" || choice == "dpbf16",
-                    "bf16 GEMM tile must be auto, widen or dpbf16, got '", choice, "'");
+using Gemm = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*);
+
+void widen_gemm(const c10::BFloat16* a, int64_t K, const c10::BFloat16* packed, int64_t rows, int64_t N,
+                c10::BFloat16* out) {
+  gemm_bf16_to(a, K, packed, nullptr, rows, K, N, out, false);
+}
+
+void dp_gemm(const c10::BFloat16* a, int64_t K, const c10::BFloat16* packed, int64_t rows, int64_t N,
+             c10::BFloat16* out) {
+  gemm_bf16_to(a, K, packed, nullptr, rows, K, N, out, true);
+}
+
+void amx_gemm(const c10::BFloat16* a, int64_t K, const c10::BFloat16* packed, int64_t rows, int64_t N,
+              c10::BFloat16* out) {
+  gemm_bf16_amx(a, K, packed, nullptr, rows, K, N, out);
+}
+
+int measure_tile() { return dp_available() ? 1 + fastest(std::vector<Gemm>{widen_gemm, dp_gemm}) : 1; }
+
+// AMX against the vector tile measure_tile chose.
+int measure_amx() {
+  if (!amx_available()) return 1;
+  const Gemm vector_tile = g_tile.load() == 2 ? dp_gemm : widen_gemm;
+  return fastest(std::vector<Gemm>{vector_tile, amx_gemm}) == 1 ? 2 : 1;
+}
+
+// A choice: {tile (0: measure), amx (0: measure)}.
+std::pair<int, int> parse_tile(const std::string& choice) {
+  TORCH_CHECK_VALUE(choice == "auto" || choice == "widen" || choice == "dpbf16" || choice == "amx",
+                    "bf16 GEMM tile must be auto, widen, dpbf16 or amx, got '", choice, "'");
   TORCH_CHECK_VALUE(choice != "dpbf16" || dp_available(),
                     "the dpbf16 tile needs a CPU with AVX512-BF16 and the AVX512 build of the kernels");
-  return choice == "widen" ? 1 : choice == "dpbf16" ? 2 : 0;
+  TORCH_CHECK_VALUE(choice != "amx" || amx_available(),
+                    "the amx tile needs a CPU with AMX-BF16 (granted by the kernel) and the AVX512 build of the kernels");
+  if (choice == "widen") return {1, 1};
+  if (choice == "dpbf16") return {2, 1};
+  return {0, choice == "amx" ? 2 : 0};
 }
 
-// choice "": the current tile (measured now if not chosen yet, unless HPI_CPU_BF16_TILE=widen|dpbf16 says);
-// "auto" measures again; "widen" / "dpbf16" force one.
+void choose(const std::pair<int, int>& choice) {
+  const bool keep_tile = choice.second == 2 && g_tile.load() != 0;  // forcing amx keeps a vector tile measured before
+  g_tile.store(choice.first != 0 ? choice.first : keep_tile ? g_tile.load() : measure_tile());
+  g_amx.store(choice.second != 0 ? choice.second : measure_amx());
+}
+
+// choice "": the current tile (measured now if not chosen yet, unless HPI_CPU_BF16_TILE=widen|dpbf16|amx says);
+// "auto" measures again; "widen" / "dpbf16" / "amx" force one (with amx, the int8/int4 tiles' widen or dpbf16 is
+// still measured).
 std::string tile_choice(const std::string& choice) {
   if (!choice.empty()) {
-    const int value = parse_tile(choice);
-    g_tile.store(value != 0 ? value : measure_tile());
-  } else if (g_tile.load() == 0) {
+    choose(parse_tile(choice));
+  } else if (g_tile.load() == 0 || g_amx.load() == 0) {
     const char* env = std::getenv("HPI_CPU_BF16_TILE");
-    const int value = env != nullptr && *env != '\0' ? parse_tile(env) : 0;
-    g_tile.store(value != 0 ? value : measure_tile());
+    choose(parse_tile(env != nullptr && *env != '\0' ? env : "auto"));
   }
-  return g_tile.load() == 2 ? "dpbf16" : "widen";
+  return g_amx.load() == 2 ? "amx" : g_tile.load() == 2 ? "dpbf16" : "widen";
 }
 
 bool use_dp(int64_t K) { return K % 2 == 0 && dp_tile(); }
 
 }  // namespace
+
+bool amx_tile(int64_t K) {
+  if (!amx_fits(K)) return false;
+  if (g_amx.load() == 0) tile_choice("");
+  return g_amx.load() == 2;
+}
 
 bool dp_tile() {
   if (!dp_available()) return false;
@@ -309,11 +374,13 @@ bool dp_tile() {
 
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
+  if (amx_tile(K)) return gemm_bf16_amx(a, lda, packed, bias, M, K, N, out);
   gemm_bf16_to(a, lda, packed, bias, M, K, N, out, use_dp(K));
 }
 
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, float* out) {
+  if (amx_tile(K)) return gemm_bf16_amx(a, lda, packed, bias, M, K, N, out);
   gemm_bf16_to(a, lda, packed, bias, M, K, N, out, use_dp(K));
 }
 

@@ -6,8 +6,9 @@ w = (q - 8) * scale + zero. They are repacked once into column panels of PANEL o
 with AVX2), as the fp32 and bf16 packed linears are, so that each panel streams once per step while the
 kernel widens it in registers and sums in fp32: fp32 FMAs, or, for bf16 activations on CPUs with
 AVX512-BF16 where `bf16_tile` chose "dpbf16" (measured at start, as for the packed bf16 linear;
-HPI_CPU_BF16_TILE=widen|dpbf16 overrides), vdpbf16ps over pairs of k (products exact either way). int4 scales
-and zeros are kept as bf16 pairs (the runtime fits the codes against bf16 scales on CPU,
+HPI_CPU_BF16_TILE=widen|dpbf16 overrides; where it chose "amx", whichever of those two measured faster),
+vdpbf16ps over pairs of k (products exact either way). int4 scales and zeros are kept as bf16 pairs (the runtime
+fits the codes against bf16 scales on CPU,
 hpi_runtime.quantization.linear.op_dtype): a scale given in fp32 is rounded to bf16 here. Prefill-sized inputs
 (over 320 rows) go to MKL's sgemm over the weight dequantized into an fp32 scratch copy, or for bf16 x, where
 `prefill_gemm` chose it on this CPU, to torch's bf16 GEMM over a bf16 copy (the dequantized weight rounded to

@@ -1,9 +1,11 @@
 """How the float weights of a loaded CPU model are laid out for its GEMMs: packed into column panels for
 hpi_kernels' C++ packed_linear where the CPU kernels build; else fp32 column-major for MKL's sgemm.
 
-Both run once, after loading and quantization (executor.LocalExecutor). bf16 weights are packed too, except
-on CPUs with AMX, whose tiles torch's own bf16 GEMMs (oneDNN) use; fp16 weights stay as loaded; quantized
-layers keep their own packed formats.
+Both run once, after loading and quantization (executor.LocalExecutor). bf16 weights are packed too; on CPUs
+with AMX the packed GEMMs run AMX tiles over the panels as they are (hpi_kernels' "amx" tile, 2-3x torch's own
+bf16 GEMM at 16-128 rows, which reorders the weight for its tiles on every call), unless the start-up measurement
+or HPI_CPU_BF16_TILE chose a vector tile there, in which case bf16 weights stay as loaded for oneDNN. fp16
+weights stay as loaded; quantized layers keep their own packed formats.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ logger = logging.getLogger(__name__)
 
 def choose_bf16_gemms(dtype: torch.dtype) -> dict[str, str] | None:
     """Settle, at start-up, how this CPU runs the GEMMs of bf16 models and log it: the packed tile of decode-sized
-    GEMMs and LM heads (hpi_kernels' bf16_tile: widen to fp32 or vdpbf16ps; HPI_CPU_BF16_TILE overrides) and the
-    prefill-sized GEMMs (prefill_gemm: torch's bf16 GEMM or MKL's fp32 sgemm; HPI_CPU_PREFILL_GEMM overrides),
-    each whichever a short measurement finds faster. None where they do not apply (another dtype, no C++ kernels)."""
+    GEMMs and LM heads (hpi_kernels' bf16_tile: widen to fp32, vdpbf16ps or AMX tiles; HPI_CPU_BF16_TILE
+    overrides) and the prefill-sized GEMMs (prefill_gemm: torch's bf16 GEMM or MKL's fp32 sgemm;
+    HPI_CPU_PREFILL_GEMM overrides), each whichever a short measurement finds faster. None where they do not apply
+    (another dtype, no C++ kernels)."""
     if dtype != torch.bfloat16 or not cpu_kernels_available():
         return None
     chosen = {"tile": bf16_tile(), "prefill": prefill_gemm()}
     logger.info("bf16 GEMMs on this CPU (measured at start): the %s tile up to prefill size (HPI_CPU_BF16_TILE="
-                "widen|dpbf16 overrides), prefill in %s (HPI_CPU_PREFILL_GEMM=bf16|fp32 overrides)", chosen["tile"],
+                "widen|dpbf16|amx overrides), prefill in %s (HPI_CPU_PREFILL_GEMM=bf16|fp32 overrides)", chosen["tile"],
                 chosen["prefill"])  # fmt: skip
     return chosen
 
@@ -41,10 +44,13 @@ def _is_float32_cpu(weight: torch.Tensor) -> bool:
 
 
 def _packs(weight: torch.Tensor) -> bool:
-    """Whether pack_cpu_weights packs this weight (given the C++ kernels): fp32, or bf16 without AMX."""
+    """Whether pack_cpu_weights packs this weight (given the C++ kernels): fp32, or bf16 without AMX or where the
+    packed GEMMs run AMX tiles (bf16_tile "amx")."""
     if weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and not cpu_features.has_amx())
+    if weight.dtype == torch.bfloat16 and cpu_features.has_amx():
+        return cpu_kernels_available() and bf16_tile() == "amx"
+    return weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def _unpacked_linears(model: nn.Module, keep: Callable[[torch.Tensor], bool]) -> list[LinearBase]:
@@ -56,7 +62,7 @@ def _unpacked_linears(model: nn.Module, keep: Callable[[torch.Tensor], bool]) ->
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Replace the fp32 (and, without AMX, bf16) CPU weights of the linear layers and the LM head (with an
+    """Replace the fp32 and bf16 (see _packs) CPU weights of the linear layers and the LM head (with an
     embedding that shares it) by hpi_kernels' packed column panels; returns how many matrices were packed, 0
     where the C++ kernels do not build (use_sgemm_layout is the fallback then).
 
@@ -65,7 +71,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
     ran 1.5x faster than MKL over column-major weights, and its LM head 1.3x; one row as fast; prefill-sized
     inputs go to MKL (bench/results/hot_path.md, fourth pass). bf16 panels are widened to fp32 in registers:
     without AMX, torch's bf16 GEMMs run at half fp32's speed, and these at fp32's over half the bytes
-    (fifth pass). A tied embedding then looks tokens up in the panels (packed_weight_rows).
+    (fifth pass); with AMX, the panels feed AMX tiles (bench/results/amx.md). A tied embedding then looks tokens
+    up in the panels (packed_weight_rows).
     """
     linears = _unpacked_linears(model, _packs)
     heads = [m for m in model.modules() if isinstance(m, LMHead) and not m.packed and _packs(m.weight)]

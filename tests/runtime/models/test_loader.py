@@ -191,15 +191,29 @@ def test_pack_cpu_weights_packs_fp32_linears_and_the_lm_head(sharded_dir: Path, 
     assert pack_cpu_weights(int8) == 1  # the float LM head only: quantized layers keep their own format
 
 
-def test_pack_cpu_weights_packs_bf16_without_amx(sharded_dir: Path, monkeypatch) -> None:
+def test_pack_cpu_weights_packs_bf16_unless_onednn_runs_them(sharded_dir: Path, monkeypatch) -> None:
     """bf16 weights pack too (the checkpoint's values rounded to bf16, read back exactly from the pairs), and
     the model's outputs agree with oneDNN's bf16 GEMMs over the unpacked weights; on a CPU with AMX (flags
-    substituted: this machine may have none) they stay as loaded, for oneDNN's AMX GEMMs."""
+    substituted: this machine may have none) they stay as loaded, for oneDNN's AMX GEMMs, unless the packed
+    linear's AMX tile was chosen (which needs a real AMX CPU: that half runs only there)."""
+    from hpi_kernels.cpu import bf16_tile
+
     reference = _reference(sharded_dir)
     tokens = [3, 17, 5, 9, 40, 2, 11]
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
-    amx = _load(sharded_dir, torch.bfloat16)
-    assert pack_cpu_weights(amx) == 0
+    previous = bf16_tile()
+    try:
+        bf16_tile("widen")
+        amx = _load(sharded_dir, torch.bfloat16)
+        assert pack_cpu_weights(amx) == 0
+        try:
+            bf16_tile("amx")
+        except ValueError:
+            pass  # no AMX on this machine
+        else:
+            assert pack_cpu_weights(_load(sharded_dir, torch.bfloat16)) == 9
+    finally:
+        bf16_tile(previous)
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     model = _load(sharded_dir, torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
