@@ -119,7 +119,8 @@ def forced_prefill_gemm(request):
     prefill_gemm(previous)
 
 
-def _force_bf16_tile(tile: str):
+def _forced_bf16_tile(tile: str):
+    """The tile forced for one test (skipped where this CPU lacks it), the machine's choice restored after it."""
     from hpi_kernels.cpu import bf16_tile
 
     previous = bf16_tile()
@@ -127,27 +128,19 @@ def _force_bf16_tile(tile: str):
         assert bf16_tile(tile) == tile
     except ValueError as e:
         pytest.skip(f"{tile}: {e}")
-    return previous
+    yield tile
+    bf16_tile(previous)
 
 
 @pytest.fixture(params=["widen", "dpbf16"])
 def forced_bf16_tile(request):
     """Each vector bf16 tile forced (the machine's own choice is measured at start), so both run wherever the CPU
-    has them: dpbf16 needs AVX512-BF16 and the AVX512 build; the choice is restored after the test. The int8/int4
-    tiles and the LoRA kernel follow it."""
-    from hpi_kernels.cpu import bf16_tile
-
-    previous = _force_bf16_tile(request.param)
-    yield request.param
-    bf16_tile(previous)
+    has them: dpbf16 needs AVX512-BF16 and the AVX512 build. The int8/int4 tiles and the LoRA kernel follow it."""
+    yield from _forced_bf16_tile(request.param)
 
 
 @pytest.fixture(params=["widen", "dpbf16", "amx"])
 def forced_packed_bf16_tile(request):
     """forced_bf16_tile plus the packed bf16 linear's AMX tile, which needs a CPU with AMX-BF16 (no emulation
     exists: elsewhere that case is skipped, and the two vector tiles still run)."""
-    from hpi_kernels.cpu import bf16_tile
-
-    previous = _force_bf16_tile(request.param)
-    yield request.param
-    bf16_tile(previous)
+    yield from _forced_bf16_tile(request.param)

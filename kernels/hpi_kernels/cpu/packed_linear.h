@@ -63,7 +63,7 @@ bool bf16_prefill_gemm();
 // tiles that widen to fp32: measured at the first call where the CPU has AVX512-BF16 (bf16_tile op), false else.
 bool dp_tile();
 // Whether the packed bf16 GEMMs of a weight of in_features K run AMX tiles (packed_linear_amx.cpp), at every
-// row count: measured at the first call where the CPU has AMX-BF16 (bf16_tile op), false else.
+// row count up to prefill size: measured at the first call where the CPU has AMX-BF16 (bf16_tile op), false else.
 bool amx_tile(int64_t K);
 // out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (or nullptr), accumulated
 // in fp32 and rounded to bf16 once.
@@ -72,8 +72,8 @@ void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed,
 // The same, the fp32 sums stored unrounded (an LM head's logits: packed_logits).
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, float* out);
-// AMX tiles over the same packed weight (packed_linear_amx.cpp): whether this CPU has AMX-BF16, the build is AVX512's
-// and Linux granted the process the tile state;
+// AMX tiles over the same packed weight (packed_linear_amx.cpp): whether this CPU has AMX-BF16, the build is
+// AVX512's and Linux granted the process the tile state;
 bool amx_available();
 // whether a weight of in_features K takes them (whole tiles of k: K a multiple of 32, and amx_available);
 bool amx_fits(int64_t K);

@@ -5,7 +5,7 @@
 // row is 16 columns' pairs of one k pair (64 bytes), a panel row holds 32 columns' (128 bytes), so 16 pairs of k of
 // a panel are two B tiles loaded with a 128-byte stride, without repacking. Per panel and block of 32 rows of x:
 // four fp32 C tiles (two blocks of 16 rows x the panel's two halves), and per 32 k two A tiles (x's rows as they
-// are, bf16) and two B tiles for four tdpbf16ps. A last block of fewer than 16 rows reads a zero-padded copy. The
+// are, bf16) and two B tiles for four tdpbf16ps. A last block of fewer than 16 rows reads a copy in a whole tile. The
 // sums are fp32 per C tile; the bias joins them and they are rounded to bf16 once (or returned unrounded for
 // logits). A row's result depends on its own x only, so it does not change with the rows beside it.
 //
@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -104,16 +106,18 @@ inline void store_rows(const float* lo, const float* hi, int64_t rows, const c10
   }
 }
 
-// Panels [p0, p1) of out [M, N] = a [M, K] @ packed (+ bias). `blocks`: per block of 16 rows, its A rows and their
-// stride in bytes (the last one maybe a padded copy).
+using RowBlock = std::pair<const c10::BFloat16*, int64_t>;  // 16 rows of x: the first, and the row stride in bytes
+
+// Panels [p0, p1) of out [M, N] = a [M, K] @ packed (+ bias), x in `num_blocks` blocks of 16 rows (the last one
+// maybe a copy in a whole tile).
 template <typename Out>
-__attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const std::vector<std::pair<const c10::BFloat16*, int64_t>>& blocks,
+__attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blocks, int64_t num_blocks,
                                                              const c10::BFloat16* packed, const c10::BFloat16* bias,
                                                              int64_t M, int64_t pairs, int64_t N, Out* out, int64_t p0,
                                                              int64_t p1) {
   load_tile_config();
   alignas(64) float sums[4][kTileRows * kVecSize];
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size()), k_steps = pairs / kTilePairs;
+  const int64_t k_steps = pairs / kTilePairs;
   for (int64_t p = p0; p < p1; ++p) {
     const auto* panel = reinterpret_cast<const char*>(packed + p * pairs * kNr * 2);
     const int64_t ncols = std::min(kNr, N - p * kNr);
@@ -173,7 +177,7 @@ void gemm_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, 
   // (a C row depends on its own A row only, and those rows' sums are never stored). Reused: a one-row decode step
   // makes ~120 such copies.
   static thread_local std::vector<c10::BFloat16> tail;
-  std::vector<std::pair<const c10::BFloat16*, int64_t>> blocks;
+  std::vector<RowBlock> blocks;
   for (int64_t b = 0; b < whole; ++b) blocks.emplace_back(a + b * kTileRows * lda, lda * 2);
   if (const int64_t rest = M - whole * kTileRows; rest > 0) {
     if (tail.size() < static_cast<size_t>(kTileRows * K)) tail.resize(static_cast<size_t>(kTileRows * K));
@@ -181,13 +185,11 @@ void gemm_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, 
     blocks.emplace_back(tail.data(), K * 2);
   }
   // Chunks of kMc rows (x's chunk stays in L2 while the panels stream past), the panels split between threads.
-  const int64_t blocks_per_chunk = kMc / kTileRows;
-  for (size_t b0 = 0; b0 < blocks.size(); b0 += blocks_per_chunk) {
-    const std::vector<std::pair<const c10::BFloat16*, int64_t>> chunk(
-        blocks.begin() + b0, blocks.begin() + std::min(blocks.size(), b0 + blocks_per_chunk));
-    const int64_t m0 = static_cast<int64_t>(b0) * kTileRows;
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size()), blocks_per_chunk = kMc / kTileRows;
+  for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_chunk) {
+    const int64_t count = std::min(blocks_per_chunk, num_blocks - b0), m0 = b0 * kTileRows;
     at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
-      panels_amx<Out>(chunk, packed, bias, M - m0, pairs, N, out + m0 * N, p0, p1);
+      panels_amx<Out>(blocks.data() + b0, count, packed, bias, M - m0, pairs, N, out + m0 * N, p0, p1);
     });
   }
 }

@@ -29,8 +29,8 @@
 #include <cstring>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace hpi_packed {
@@ -256,7 +256,7 @@ void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pack
 // Which tile the packed bf16 GEMMs run on this CPU: 0 not chosen yet, 1 widen, 2 dpbf16. One choice for every
 // row count, so that a row's result stays independent of the rows beside it (the tiles sum in different orders).
 // The int8/int4 tiles and the LoRA shrink follow it (dp_tile). g_amx: 0 not chosen yet, 1 no, 2 the packed bf16
-// GEMMs run AMX tiles instead (packed_linear_amx.cpp), at every row count too.
+// GEMMs run AMX tiles instead (packed_linear_amx.cpp), at every row count up to prefill size too.
 std::atomic<int> g_tile{0};
 std::atomic<int> g_amx{0};
 
@@ -331,7 +331,7 @@ std::pair<int, int> parse_tile(const std::string& choice) {
   TORCH_CHECK_VALUE(choice != "dpbf16" || dp_available(),
                     "the dpbf16 tile needs a CPU with AVX512-BF16 and the AVX512 build of the kernels");
   TORCH_CHECK_VALUE(choice != "amx" || amx_available(),
-                    "the amx tile needs a CPU with AMX-BF16 (granted by the kernel) and the AVX512 build of the kernels");
+                    "the amx tile needs a CPU with AMX-BF16 (granted by Linux) and the AVX512 build of the kernels");
   if (choice == "widen") return {1, 1};
   if (choice == "dpbf16") return {2, 1};
   return {0, choice == "amx" ? 2 : 0};

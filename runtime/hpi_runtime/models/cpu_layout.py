@@ -2,7 +2,7 @@
 hpi_kernels' C++ packed_linear where the CPU kernels build; else fp32 column-major for MKL's sgemm.
 
 Both run once, after loading and quantization (executor.LocalExecutor). bf16 weights are packed too; on CPUs
-with AMX the packed GEMMs run AMX tiles over the panels as they are (hpi_kernels' "amx" tile, 2-3x torch's own
+with AMX the packed GEMMs run AMX tiles over the panels as they are (hpi_kernels' "amx" tile, 1.4-2.2x torch's own
 bf16 GEMM at 16-128 rows, which reorders the weight for its tiles on every call), unless the start-up measurement
 or HPI_CPU_BF16_TILE chose a vector tile there, in which case bf16 weights stay as loaded for oneDNN. fp16
 weights stay as loaded; quantized layers keep their own packed formats.
