@@ -3,9 +3,10 @@ dequantized weight (hpi_kernels.quant's formats), summed in fp64.
 
 Row counts cover each path: one register tile, several tiles (and, for int4, tiles of the per-group folded
 sums), two chunks of rows, and the prefill path that dequantizes the weight for MKL (over 320 rows). Shapes
-cover a last panel that is partly padding. fp32 and bf16 activations: bf16 runs the vdpbf16ps tiles on CPUs with
-AVX512-BF16 and the fp32 tiles (over x widened, as fp32 x runs) elsewhere; the AVX2 and generic builds run this
-file again in child processes.
+cover a last panel that is partly padding. fp32 and bf16 activations: bf16 runs each tile the CPU has, forced in
+turn (forced_packed_bf16_tile): the fp32 tiles over x widened (as fp32 x runs), the vdpbf16ps tiles (AVX512-BF16)
+and the AMX tiles over each panel dequantized to bf16 (AMX-BF16; one or two blocks of 16 rows dequantize a step
+at a time, more blocks a whole panel). The AVX2 and generic builds run this file again in child processes.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 ROWS = [1, 3, 4, 5, 12, 13, 40, 257, 321]
 SHAPES = [(96, 64), (50, 128), (17, 576)]
+# in_features 40 is no whole AMX tile of k: under the amx tile it takes the vector tile.
+INT8_SHAPES = [*SHAPES, (24, 40)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_matches_the_fp64_reference(forced_bf16_tile: str, out_features: int, in_features: int,
+@pytest.mark.parametrize(("out_features", "in_features"), INT8_SHAPES)
+def test_int8_matches_the_fp64_reference(forced_packed_bf16_tile: str, out_features: int, in_features: int,
                                          dtype: torch.dtype) -> None:  # fmt: skip
     (qweight, scales), dequantized = _int8(out_features, in_features)
     packed, packed_scales = pack_int8_weight(qweight, scales)
@@ -83,7 +86,7 @@ def test_int8_matches_the_fp64_reference(forced_bf16_tile: str, out_features: in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, out_features: int, in_features: int,
+def test_int8_logits_are_the_fp32_sums_unrounded(forced_packed_bf16_tile: str, out_features: int, in_features: int,
                                                  dtype: torch.dtype) -> None:  # fmt: skip
     """An int8 LM head's logits: fp32 out for bf16 x too, within fp32's tolerance of the fp64 reference (one
     bf16 rounding of the output would miss it), and the rows an embedding tied to it looks up."""
@@ -100,16 +103,20 @@ def test_int8_logits_are_the_fp32_sums_unrounded(forced_bf16_tile: str, out_feat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int4_matches_the_fp64_reference(forced_bf16_tile: str, out_features: int, in_features: int,
+def test_int4_matches_the_fp64_reference(forced_packed_bf16_tile: str, out_features: int, in_features: int,
                                          group_size: int, dtype: torch.dtype) -> None:  # fmt: skip
+    """The AMX tile (bf16 x) multiplies the dequantized weight rounded to bf16, as the prefill path's bf16 GEMM
+    does: its reference is over that weight."""
     (qweight, scales, zeros), dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(qweight, scales, zeros, group_size)
     bias = torch.randn(out_features).to(dtype)
+    amx = forced_packed_bf16_tile == "amx" and dtype == torch.bfloat16 and in_features % 32 == 0
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
-        _check(int4_linear(x, packed, scales_zeros, group_size, out_features), _reference(x, dequantized, None))
+        weight = dequantized.bfloat16().double() if amx and rows <= 320 else dequantized
+        _check(int4_linear(x, packed, scales_zeros, group_size, out_features), _reference(x, weight, None))
         _check(int4_linear(x, packed, scales_zeros, group_size, out_features, bias),
-               _reference(x, dequantized, bias))  # fmt: skip
+               _reference(x, weight, bias))  # fmt: skip
 
 
 def _int8_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +233,7 @@ def test_any_leading_shape_strided_rows_and_no_rows() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_rows_result_does_not_depend_on_the_batch(forced_bf16_tile: str, dtype: torch.dtype) -> None:
+def test_a_rows_result_does_not_depend_on_the_batch(forced_packed_bf16_tile: str, dtype: torch.dtype) -> None:
     """Below the prefill path each row sums in the same order whatever the other rows: a request's greedy
     tokens do not change with what it is batched with."""
     x = torch.randn(64, 128).to(dtype)

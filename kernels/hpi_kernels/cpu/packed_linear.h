@@ -82,5 +82,15 @@ void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pac
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, float* out);
+// The int8 and int4 panels of packed_linear_quant.cpp on the same tiles, each panel dequantized into a bf16 panel
+// first (amx_fits(K) required; bias fp32 [N] or nullptr): int8 [panels, K, kNr] codes with per-column scales
+// [panels * kNr] fp32,
+void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
+                   int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
+void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
+                   int64_t M, int64_t K, int64_t N, float* out);
+// and int4 [panels, K / 8, kNr] words with [panels, K / group_size, kNr] (scale, zero) bf16 pairs.
+void gemm_int4_amx(const c10::BFloat16* a, int64_t lda, const int32_t* packed, const int32_t* scales_zeros,
+                   int64_t group_size, const float* bias, int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 
 }  // namespace hpi_packed

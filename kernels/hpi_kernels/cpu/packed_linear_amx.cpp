@@ -13,6 +13,15 @@
 // at 1-64 rows that reorder is most of the time (the linears of SmolLM2-135M: 16.6 ms at one row and 19.0 at 32
 // with it, 6.8 and 10.1 here, 7.6 and 21.4 with the widen tile; bench/results/amx.md).
 //
+// The int8 and int4 panels (packed_linear_quant.cpp) run the same tiles, each panel dequantized into bf16 pairs of
+// this layout in a thread-local scratch, one k step ahead of the tiles and once per call whatever the rows. int8
+// codes become bf16 exactly and the channel scale multiplies the fp32 sums, so int8 differs from its vector tiles by
+// summation order only; int4's (q - 8) * scale + zero is rounded to bf16 (to nearest even), as the prefill path's
+// dequantized copy for oneDNN is. The weight streams at 1 or 0.5 bytes per value; the widening is the vector tiles'
+// own, which they pay once per 12 (int8) or 4 (int4) rows. At one row the vector tiles stay ~1.5x faster, from 8
+// rows on the AMX tiles are (bench/results/quantization.md); one tile family serves every row count, so a row's
+// result does not depend on its batch.
+//
 // Linux gives a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads
 // the tile configuration before its tiles and releases them after, since oneDNN on the same threads loads its own.
 
@@ -45,6 +54,7 @@ static_assert(kNr == 32, "a panel is two AMX B tiles of 16 columns");
 constexpr int64_t kTileRows = 16;    // rows of x per A tile (and of the C tiles)
 constexpr int64_t kTilePairs = 16;   // pairs of k per tile: an A tile row is 32 bf16, 64 bytes
 constexpr int64_t kPanelRowBytes = kNr * 2 * 2;  // a panel's row of pairs: the B tiles' stride
+constexpr int64_t kStepBytes = kTilePairs * kPanelRowBytes;  // a panel's pairs of one k step: two B tiles
 
 struct alignas(64) TileConfig {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t palette_id;
@@ -58,7 +68,9 @@ bool request_amx() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
   const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-  if (!tile || !bf16) return false;
+  unsigned eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;  // AVX512-BF16 (every AMX CPU has it): int4's rounding
+  const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1) != 0 && ((eax1 >> 5) & 1u);
+  if (!tile || !bf16 || !avx512_bf16) return false;
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
@@ -74,18 +86,32 @@ __attribute__((target("amx-tile"))) void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// c[r, 0:ncols] = Out(sums[r] + bias) for r < rows; sums [rows x kNr] fp32 (the panel's two C tiles side by side).
-template <typename Out>
-inline void store_rows(const float* lo, const float* hi, int64_t rows, const c10::BFloat16* bias, Out* c,
-                       int64_t ldc, int64_t ncols) {
+// The panel's bias, widened: bf16 (the packed bf16 linear's, as x) or fp32 (the quantized linears'), ncols of kNr.
+inline std::tuple<Vec, Vec> load_bias(const c10::BFloat16* bias, int64_t ncols) {
   using BVec = at::vec::Vectorized<c10::BFloat16>;
-  Vec bias_lo(0.f), bias_hi(0.f);
-  if (bias != nullptr) {
-    std::tie(bias_lo, bias_hi) =
-        at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
+  return at::vec::convert_bfloat16_float(ncols == kNr ? BVec::loadu(bias) : BVec::loadu(bias, ncols));
+}
+
+inline std::tuple<Vec, Vec> load_bias(const float* bias, int64_t ncols) {
+  if (ncols == kNr) return {Vec::loadu(bias), Vec::loadu(bias + kVecSize)};
+  return {Vec::loadu(bias, std::min<int64_t>(ncols, kVecSize)),
+          ncols > kVecSize ? Vec::loadu(bias + kVecSize, ncols - kVecSize) : Vec(0.f)};
+}
+
+// c[r, 0:ncols] = Out(sums[r] * scale + bias) for r < rows; sums [rows x kNr] fp32 (the panel's two C tiles side by
+// side), scale the panel's kNr column factors (int8's channel scales, padded to whole panels) or nullptr for none.
+template <typename Out, typename Bias>
+inline void store_rows(const float* lo, const float* hi, int64_t rows, const float* scale, const Bias* bias, Out* c,
+                       int64_t ldc, int64_t ncols) {
+  Vec bias_lo(0.f), bias_hi(0.f), scale_lo(1.f), scale_hi(1.f);
+  if (bias != nullptr) std::tie(bias_lo, bias_hi) = load_bias(bias, ncols);
+  if (scale != nullptr) {
+    scale_lo = Vec::loadu(scale);
+    scale_hi = Vec::loadu(scale + kVecSize);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const Vec s_lo = Vec::loadu(lo + r * kVecSize) + bias_lo, s_hi = Vec::loadu(hi + r * kVecSize) + bias_hi;
+    const Vec s_lo = at::vec::fmadd(Vec::loadu(lo + r * kVecSize), scale_lo, bias_lo);
+    const Vec s_hi = at::vec::fmadd(Vec::loadu(hi + r * kVecSize), scale_hi, bias_hi);
     Out* row = c + r * ldc;
     if constexpr (std::is_same_v<Out, float>) {
       if (ncols == kNr) {
@@ -108,35 +134,140 @@ inline void store_rows(const float* lo, const float* hi, int64_t rows, const c10
 
 using RowBlock = std::pair<const c10::BFloat16*, int64_t>;  // 16 rows of x: the first, and the row stride in bytes
 
-// Panels [p0, p1) of out [M, N] = a [M, K] @ packed (+ bias), x in `num_blocks` blocks of 16 rows (the last one
-// maybe a copy in a whole tile).
-template <typename Out>
+// Where the tiles read a panel's bf16 pairs, per k step of kTilePairs pairs (kStepBytes): panel(p) gives panel p's
+// first, and fill(p, s, step) writes step s at `step` before the tiles of the first block of rows read it (a no-op
+// for the packed bf16 weight, whose panels are already pairs). The quantized panels are dequantized into the
+// thread's scratch step by step: step s + 1 right after the tiles of step s are loaded (the loads, older than its
+// stores, need not wait for them), so that the widening overlaps the products of step s. With more than two blocks
+// of rows the steps fill a whole panel, which the later blocks read from L2; with one or two (decode steps), two
+// alternating steps that stay in L1.
+struct Bf16Source {
+  static constexpr bool kDequantizes = false;
+  const c10::BFloat16* packed;
+  int64_t panel_size;  // elements
+  const c10::BFloat16* panel(int64_t p) const { return packed + p * panel_size; }
+  void fill(int64_t, int64_t, char*) const {}
+};
+
+// The thread's scratch panel of K / 2 pairs x kNr columns x 2 bf16.
+c10::BFloat16* scratch_panel(int64_t K) {
+  static thread_local std::vector<c10::BFloat16> panel;
+  if (panel.size() < static_cast<size_t>(K * kNr)) panel.resize(static_cast<size_t>(K * kNr));
+  return panel.data();
+}
+
+// int8 [panels, K, kNr] codes: codes k and k + 1 of 16 columns widened to fp32 (exact), the fp32's high halves
+// (their bf16, exact for integers of 8 bits) interleaved into pairs by a shift and a 16-bit blend. The channel
+// scales multiply the sums (Panels::scales).
+struct Int8Source {
+  static constexpr bool kDequantizes = true;
+  const int8_t* packed;
+  int64_t K;
+  c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
+  void fill(int64_t p, int64_t s, char* step) const {
+    const int8_t* codes = packed + p * K * kNr;
+    auto* dst = reinterpret_cast<c10::BFloat16*>(step) - 2 * kTilePairs * s * kNr;  // indexed by k
+    for (int64_t k = 2 * kTilePairs * s; k < 2 * kTilePairs * (s + 1); k += 2) {
+      for (int64_t v = 0; v < kNr / kVecSize; ++v) {
+        const auto* even = reinterpret_cast<const __m128i*>(codes + k * kNr + v * kVecSize);
+        const auto* odd = reinterpret_cast<const __m128i*>(codes + (k + 1) * kNr + v * kVecSize);
+        const __m512i w_even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(even))));
+        const __m512i w_odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(odd))));
+        _mm512_storeu_si512(dst + (k * kNr + v * kVecSize * 2),
+                            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd));
+      }
+    }
+  }
+};
+
+// int4 (Int4Words of packed_linear_quant.cpp: [panels, K / 8, kNr] words, a word's 16-bit halves holding 4 codes
+// of even and of odd k, and [panels, K / group_size, kNr] (scale, zero) bf16 pairs): (q - 8) * scale + zero, vpermw
+// looking up q - 8 of a word's low nibbles as bf16 pairs, each pair's halves widened to fp32 for the group's FMAs,
+// and vcvtne2ps2bf16 rounding them (to nearest even) back into pairs, reordered by one vpermw.
+struct Int4Source {
+  static constexpr bool kDequantizes = true;
+  const int32_t* packed;
+  const int32_t* scales_zeros;
+  int64_t group_size, K;
+  c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
+  __attribute__((target("avx512bf16"))) void fill(int64_t p, int64_t s, char* step) const {
+    alignas(64) static const uint16_t kCodes[32] = {  // bf16 of q - 8 by the low 5 bits (the table repeats)
+        0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000,
+        0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040,
+        0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+    alignas(64) static const uint16_t kInterleave[32] = {  // [16 even | 16 odd] -> 16 (even, odd) pairs
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i codes = _mm512_load_si512(kCodes), interleave = _mm512_load_si512(kInterleave);
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    const int32_t* words = packed + p * (K / 8) * kNr;
+    const int32_t* pairs = scales_zeros + p * (K / group_size) * kNr;
+    auto* dst = reinterpret_cast<c10::BFloat16*>(step) - 2 * kTilePairs * s * kNr;  // indexed by pairs of k
+    for (int64_t k8 = kTilePairs / 4 * s; k8 < kTilePairs / 4 * (s + 1); ++k8) {
+      const int64_t g = 8 * k8 / group_size;
+      for (int64_t v = 0; v < kNr / kVecSize; ++v) {
+        const __m512i lanes = _mm512_loadu_si512(pairs + g * kNr + v * kVecSize);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(lanes, high));
+        __m512i word = _mm512_loadu_si512(words + k8 * kNr + v * kVecSize);
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_permutexvar_epi16(word, codes);
+          word = _mm512_srli_epi16(word, 4);
+          const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale, zero);
+          const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale, zero);
+          const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even | odd]
+          _mm512_storeu_si512(dst + ((4 * k8 + i) * kNr + v * kVecSize) * 2,
+                              _mm512_permutexvar_epi16(interleave, rounded));
+        }
+      }
+    }
+  }
+};
+
+// A GEMM's weight: its panels' source, scales (kNr column factors per panel: int8's channel scales) or nullptr,
+// and bias [N] or nullptr.
+template <typename Source, typename Bias>
+struct Panels {
+  Source source;
+  const float* scales;
+  const Bias* bias;
+};
+
+// Panels [p0, p1) of out [M, N] = a [M, K] @ the panels, x in `num_blocks` blocks of 16 rows (the last one maybe a
+// copy in a whole tile).
+template <typename Out, typename Source, typename Bias>
 __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blocks, int64_t num_blocks,
-                                                             const c10::BFloat16* packed, const c10::BFloat16* bias,
-                                                             int64_t M, int64_t pairs, int64_t N, Out* out, int64_t p0,
-                                                             int64_t p1) {
+                                                             const Panels<Source, Bias>& w, int64_t M, int64_t pairs,
+                                                             int64_t N, Out* out, int64_t p0, int64_t p1) {
   load_tile_config();
   alignas(64) float sums[4][kTileRows * kVecSize];
   const int64_t k_steps = pairs / kTilePairs;
+  // Step s of the panel: where the tiles read it; a ring of two steps in the scratch for one or two blocks of rows.
+  const bool ring = Source::kDequantizes && num_blocks <= 2;
   for (int64_t p = p0; p < p1; ++p) {
-    const auto* panel = reinterpret_cast<const char*>(packed + p * pairs * kNr * 2);
+    char* panel = const_cast<char*>(reinterpret_cast<const char*>(w.source.panel(p)));
+    auto step = [&](int64_t s) { return panel + (ring ? s % 2 : s) * kStepBytes; };
     const int64_t ncols = std::min(kNr, N - p * kNr);
+    const float* scale = w.scales != nullptr ? w.scales + p * kNr : nullptr;
+    const Bias* bias = w.bias != nullptr ? w.bias + p * kNr : nullptr;
     for (int64_t b = 0; b < num_blocks; b += 2) {
-      const bool two = b + 1 < num_blocks;
+      const bool two = b + 1 < num_blocks, fill = Source::kDequantizes && b == 0;
       const char* a0 = reinterpret_cast<const char*>(blocks[b].first);
       const char* a1 = two ? reinterpret_cast<const char*>(blocks[b + 1].first) : nullptr;
       const int64_t lda0 = blocks[b].second, lda1 = two ? blocks[b + 1].second : 0;
+      if (fill) w.source.fill(p, 0, step(0));
       _tile_zero(0);
       _tile_zero(1);
       if (two) {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t s = 0; s < k_steps; ++s) {
-          const char* w = panel + s * kTilePairs * kPanelRowBytes;
-          _tile_loadd(6, w, kPanelRowBytes);
-          _tile_loadd(7, w + 64, kPanelRowBytes);
+          const char* wk = step(s);
+          _tile_loadd(6, wk, kPanelRowBytes);
+          _tile_loadd(7, wk + 64, kPanelRowBytes);
           _tile_loadd(4, a0 + s * 64, lda0);
           _tile_loadd(5, a1 + s * 64, lda1);
+          if (fill && s + 1 < k_steps) w.source.fill(p, s + 1, step(s + 1));
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(2, 5, 6);
@@ -146,21 +277,21 @@ __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blo
         _tile_stored(3, sums[3], kVecSize * 4);
       } else {
         for (int64_t s = 0; s < k_steps; ++s) {
-          const char* w = panel + s * kTilePairs * kPanelRowBytes;
-          _tile_loadd(6, w, kPanelRowBytes);
-          _tile_loadd(7, w + 64, kPanelRowBytes);
+          const char* wk = step(s);
+          _tile_loadd(6, wk, kPanelRowBytes);
+          _tile_loadd(7, wk + 64, kPanelRowBytes);
           _tile_loadd(4, a0 + s * 64, lda0);
+          if (fill && s + 1 < k_steps) w.source.fill(p, s + 1, step(s + 1));
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
         }
       }
       _tile_stored(0, sums[0], kVecSize * 4);
       _tile_stored(1, sums[1], kVecSize * 4);
-      const c10::BFloat16* panel_bias = bias != nullptr ? bias + p * kNr : nullptr;
       const int64_t m = b * kTileRows;
-      store_rows(sums[0], sums[1], std::min(kTileRows, M - m), panel_bias, out + m * N + p * kNr, N, ncols);
+      store_rows(sums[0], sums[1], std::min(kTileRows, M - m), scale, bias, out + m * N + p * kNr, N, ncols);
       if (two) {
-        store_rows(sums[2], sums[3], std::min(kTileRows, M - m - kTileRows), panel_bias,
+        store_rows(sums[2], sums[3], std::min(kTileRows, M - m - kTileRows), scale, bias,
                    out + (m + kTileRows) * N + p * kNr, N, ncols);
       }
     }
@@ -168,9 +299,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blo
   _tile_release();
 }
 
-template <typename Out>
-void gemm_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias, int64_t M,
-              int64_t K, int64_t N, Out* out) {
+template <typename Out, typename Source, typename Bias>
+void gemm_amx(const c10::BFloat16* a, int64_t lda, const Panels<Source, Bias>& w, int64_t M, int64_t K, int64_t N,
+              Out* out) {
   TORCH_CHECK(amx_fits(K), "the AMX tile needs in_features a multiple of 32 and a CPU with AMX, got ", K);
   const int64_t pairs = K / 2, n_panels = (N + kNr - 1) / kNr, whole = M / kTileRows;
   // The last rows, fewer than 16, copied into a whole A tile: the rows past them hold zeros or an earlier call's x
@@ -189,7 +320,7 @@ void gemm_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, 
   for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_chunk) {
     const int64_t count = std::min(blocks_per_chunk, num_blocks - b0), m0 = b0 * kTileRows;
     at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
-      panels_amx<Out>(blocks.data() + b0, count, packed, bias, M - m0, pairs, N, out + m0 * N, p0, p1);
+      panels_amx<Out>(blocks.data() + b0, count, w, M - m0, pairs, N, out + m0 * N, p0, p1);
     });
   }
 }
@@ -205,12 +336,27 @@ bool amx_fits(int64_t K) { return K % (2 * kTilePairs) == 0 && amx_available(); 
 
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
-  gemm_amx(a, lda, packed, bias, M, K, N, out);
+  gemm_amx(a, lda, Panels<Bf16Source, c10::BFloat16>{{packed, K * kNr}, nullptr, bias}, M, K, N, out);
 }
 
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, float* out) {
-  gemm_amx(a, lda, packed, bias, M, K, N, out);
+  gemm_amx(a, lda, Panels<Bf16Source, c10::BFloat16>{{packed, K * kNr}, nullptr, bias}, M, K, N, out);
+}
+
+void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
+                   int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
+  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K}, scales, bias}, M, K, N, out);
+}
+
+void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
+                   int64_t M, int64_t K, int64_t N, float* out) {
+  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K}, scales, bias}, M, K, N, out);
+}
+
+void gemm_int4_amx(const c10::BFloat16* a, int64_t lda, const int32_t* packed, const int32_t* scales_zeros,
+                   int64_t group_size, const float* bias, int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
+  gemm_amx(a, lda, Panels<Int4Source, float>{{packed, scales_zeros, group_size, K}, nullptr, bias}, M, K, N, out);
 }
 
 #else  // AVX2 and generic builds: no AMX
@@ -226,6 +372,21 @@ void gemm_bf16_amx(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c1
 
 void gemm_bf16_amx(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t,
                    int64_t, float*) {
+  TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
+}
+
+void gemm_int8_amx(const c10::BFloat16*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, int64_t,
+                   c10::BFloat16*) {
+  TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
+}
+
+void gemm_int8_amx(const c10::BFloat16*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, int64_t,
+                   float*) {
+  TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
+}
+
+void gemm_int4_amx(const c10::BFloat16*, int64_t, const int32_t*, const int32_t*, int64_t, const float*, int64_t,
+                   int64_t, int64_t, c10::BFloat16*) {
   TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
 }
 

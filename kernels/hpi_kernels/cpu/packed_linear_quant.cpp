@@ -23,6 +23,9 @@
 // - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
 //   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw in the AVX2 build, plain loops elsewhere),
 //   at every row count.
+// - On CPUs with AMX, where the packed bf16 linear runs AMX tiles (amx_tile), int8_linear / int8_logits and
+//   int4_linear with bf16 x run them too up to prefill size (packed_linear_amx.cpp): each panel dequantized to bf16
+//   pairs, int8 exactly (its scales multiply the sums), int4's (q - 8) * scale + zero rounded to bf16.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
 // plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only, the
@@ -890,6 +893,16 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
     return p.out;
   }
   const int64_t panel_bytes = p.K * kNr;
+  if (p.a.scalar_type() == at::kBFloat16 && amx_tile(p.K)) {  // where the bf16 linear runs AMX tiles
+    const auto* x = p.a.const_data_ptr<c10::BFloat16>();
+    const float* bias32 = p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr;
+    if (fp32_out) {
+      gemm_int8_amx(x, p.a.stride(0), codes, scale, bias32, p.M, p.K, p.N, p.out.data_ptr<float>());
+    } else {
+      gemm_int8_amx(x, p.a.stride(0), codes, scale, bias32, p.M, p.K, p.N, p.out.data_ptr<c10::BFloat16>());
+    }
+    return p.out;
+  }
 #if defined(CPU_CAPABILITY_AVX512)
   if (p.a.scalar_type() == at::kBFloat16 && p.K % 2 == 0 && dp_tile()) {
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
@@ -1006,6 +1019,12 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
         }
       });
     });
+    return p.out;
+  }
+  if (!int8_x && p.a.scalar_type() == at::kBFloat16 && amx_tile(K)) {  // where the bf16 linear runs AMX tiles
+    gemm_int4_amx(p.a.const_data_ptr<c10::BFloat16>(), p.a.stride(0), codes, sz, group_size,
+                  p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr, p.M, K, p.N,
+                  p.out.data_ptr<c10::BFloat16>());
     return p.out;
   }
   const auto* panels = reinterpret_cast<const uint8_t*>(codes);

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_kernels.cpu import int4_a8_linear, prefill_gemm
+from hpi_kernels.cpu import bf16_tile, int4_a8_linear, prefill_gemm
 from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.linear import LinearBase
@@ -47,8 +47,11 @@ def test_quantized_linear_matches_dequantize_then_matmul(config, dtype) -> None:
         x = torch.randn(num_tokens, 128, generator=generator).to(dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (num_tokens, 40)
-        # bf16 prefill over the bf16 GEMM (where this CPU chose it) reads the dequantized weight rounded to bf16
-        bf16_gemm = layer.cpu_panels and dtype == torch.bfloat16 and num_tokens > 320 and prefill_gemm() == "bf16"
+        # bf16 x reads the dequantized weight rounded to bf16 in a prefill over the bf16 GEMM (where this CPU chose
+        # it) and, for int4, on the AMX tiles (where this CPU chose them; int8's codes stay exact there)
+        bf16_panels = layer.cpu_panels and dtype == torch.bfloat16
+        amx_int4 = config.method == "int4" and bf16_tile() == "amx"
+        bf16_gemm = bf16_panels and (prefill_gemm() == "bf16" if num_tokens > 320 else amx_int4)
         expected = _reference(x, qw, bias, compute_dtype, torch.bfloat16 if bf16_gemm else torch.float32)
         # The only differences: the output's rounding to its dtype and summation order.
         torch.testing.assert_close(out.float(), expected, **_OUT_TOLERANCE[dtype])
