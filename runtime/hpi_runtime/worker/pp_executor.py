@@ -265,10 +265,11 @@ class PipelineExecutor:
                 return
 
     def _settled(self, reason: str) -> str:
-        """A rank's own report may be a symptom: when a sibling on its host is killed, the rank sees its peer's
-        connection reset and reports that, and the host's watcher reports the kill a moment later. Wait (at most
-        HOST_REPORT_GRACE_S) until every worker host with a failed rank has reported too, then give the reasons
-        with the kills first."""
+        """A rank's own report may be a symptom: when a rank is killed, its peers see their connections to it
+        reset and report that, and the killed rank's host reports the kill a moment later. Wait (at most
+        HOST_REPORT_GRACE_S) until every worker host with a failed rank has reported too and, when a rank on the
+        leader's host failed, until some worker host has (a broken link to any of them looks the same), then give
+        the reasons with the kills first."""
         deadline = time.monotonic() + HOST_REPORT_GRACE_S
         while not self._hosts_reported() and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
@@ -277,8 +278,9 @@ class PipelineExecutor:
     def _hosts_reported(self) -> bool:
         try:
             failed = [m for m in range(self.layout.num_model_ranks) if self._store.check([f"failed/{m}"])]
-            hosts = {self.layout.node_of(m) for m in failed} - {0}
-            return all(self._store.check([f"failed/host{n}"]) for n in hosts)
+            hosts = {self.layout.node_of(m) for m in failed}
+            reported = {n for n in range(1, self.layout.nnodes) if self._store.check([f"failed/host{n}"])}
+            return hosts - {0} <= reported and (0 not in hosts or self.layout.nnodes == 1 or bool(reported))
         except Exception:  # the store lives in this process: nothing to wait for if it fails
             return True
 

@@ -142,6 +142,17 @@ def test_a_killed_rank_is_named_before_the_broken_connections_it_caused(monkeypa
     assert checks[0] is False and checks[-1] is True  # it waited for host 1, and no longer
     assert reason.startswith("pipeline rank 2 (stage 1, host 1) was killed by signal 9; pipeline rank 3"), reason
 
+    # A rank on the leader's host sees its link to the killed rank's host close: it waits for a worker host's word
+    # too (the race test_multi_node_server.py's kill test lost under load, rank 0 reporting first).
+    leader_side = _leader_reading(_free_port())
+    report_failure(leader_side._store, "0", "pipeline rank 0 (stage 0, host 0): RuntimeError: Connection closed by "
+                   "peer [10.246.146.2]:21663")  # fmt: skip
+    assert leader_side._hosts_reported() is False
+    report_failure(leader_side._store, "host1", "pipeline rank 2 (stage 1, host 1) was killed by signal 9")
+    assert leader_side._hosts_reported() is True
+    assert leader_side._failure().startswith("pipeline rank 2 (stage 1, host 1) was killed by signal 9; pipeline "
+                                             "rank 0")  # fmt: skip
+
     # A host that never reports (a rank that reported and hangs instead of exiting) costs the grace, then the
     # rank's own report is the reason.
     monkeypatch.setattr(pp_executor, "HOST_REPORT_GRACE_S", 0.2)
