@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,29 @@ from hpi_runtime.outputs import RequestOutput, RequestOutputKind
 from hpi_runtime.sampling_params import SamplingParams
 
 Message = dict[str, str]
+# Text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+def _items(value: object) -> list | None:
+    """The elements of a list, tuple, array or tensor; None for text, a dict or a scalar."""
+    if isinstance(value, (str, bytes, dict)):
+        return None
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        return None
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer (numpy's and torch's too, through __index__), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 class LLM:
@@ -67,20 +91,44 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids) and return the final outputs in prompt order.
+        """Generate for every prompt and return the final outputs in prompt order. A prompt is text, token ids, or
+        as in vLLM {"prompt": text} or {"prompt_token_ids": ids}; one prompt or a list of them.
         `priority`: one per prompt, lower is admitted first (as vLLM's); None: all 0, first come first served.
-        `lora_request`: the adapter for every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        # With special tokens, as the server and vLLM's LLM.generate do: Llama 2/3 prompts need their BOS.
-        token_ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+        `lora_request`: the adapter for every prompt, or one per prompt (None: the base model).
+        ValueError, before anything runs, for a prompt of another kind or a token id outside the vocabulary."""
+        items = _items(prompts)
+        if items is None or (items and _is_token_id(items[0])):  # one prompt: text, a dict, token ids
+            items = [prompts]
+        token_ids = [self._prompt_ids(p, i) for i, p in enumerate(items)]
         return self._run(token_ids, sampling_params, priority, lora_request)
+
+    def _prompt_ids(self, prompt: Prompt, index: int) -> list[int]:
+        """One prompt's token ids, checked against the vocabulary."""
+        if isinstance(prompt, dict):
+            known = {"prompt", "prompt_token_ids"} & set(prompt)
+            if len(known) != 1 or set(prompt) - known:
+                raise ValueError(f"prompt {index}: a dict prompt takes one key, 'prompt' (text) or 'prompt_token_ids' "
+                                 f"(token ids), got {sorted(prompt)}")  # fmt: skip
+            prompt = prompt[known.pop()]
+        if isinstance(prompt, str):
+            # With special tokens, as the server and vLLM's LLM.generate do: Llama 2/3 prompts need their BOS.
+            return list(self.tokenizer(prompt).input_ids)
+        tokens = _items(prompt)
+        if tokens is None or not all(_is_token_id(t) for t in tokens):
+            raise ValueError(f"prompt {index}: expected text or a list of token ids (integers), got "
+                             f"{type(prompt).__name__} {str(prompt)[:80]}")  # fmt: skip
+        ids = [operator.index(t) for t in tokens]
+        vocab_size = self.bundle.resolved.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt {index}: token id {bad} is outside the vocabulary of {vocab_size}")
+        return ids
 
     def chat(
         self,

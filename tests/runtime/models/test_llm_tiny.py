@@ -156,6 +156,30 @@ def test_text_prompts_chat_and_default_params(tiny_llm: LLM) -> None:
         tiny_llm.generate([[5, 6]], [params, params])
 
 
+def test_vllm_prompt_forms_and_bad_prompts(tiny_llm: LLM) -> None:
+    """vLLM's prompt forms give what text and token ids give; a prompt of another kind or a token id outside the
+    vocabulary is a ValueError before anything runs (it once reached the engine step and failed there)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = tiny_llm.tokenizer("Hello world").input_ids
+    expected = tiny_llm.generate(["Hello world"], params)[0].output_token_ids
+    forms = [{"prompt": "Hello world"}, {"prompt_token_ids": ids}, ids, torch.tensor(ids).tolist()]
+    assert [o.output_token_ids for o in tiny_llm.generate(forms, params)] == [expected] * 4
+    assert tiny_llm.generate({"prompt_token_ids": ids}, params)[0].output_token_ids == expected  # one prompt
+    assert tiny_llm.generate(ids, params)[0].output_token_ids == expected
+    assert tiny_llm.generate([torch.tensor(ids)], params)[0].output_token_ids == expected  # __index__ ints
+    assert tiny_llm.generate(torch.tensor(ids), params)[0].output_token_ids == expected
+    vocab = len(tiny_llm.tokenizer)
+    bad = [([{"prompt_token_ids": ids, "prompt": "x"}], "one key"), ([{"text": "x"}], "one key"),
+           ([[1, "2"]], "list of token ids"), ([[1.5]], "list of token ids"), ([[True]], "list of token ids"),
+           ([ids, [3, -1]], "prompt 1: token id -1 is outside"), ([[vocab + 5]], f"token id {vocab + 5} is outside"),
+           ([42.0], "expected text"), ([torch.tensor([[1, 2]])], "list of token ids")]  # fmt: skip
+    for prompts, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tiny_llm.generate(prompts, params)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    assert tiny_llm.generate(["Hello world"], params)[0].output_token_ids == expected
+
+
 def _small_llm(model_dir: Path, **options) -> LLM:
     return LLM(model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20, **options)
 
