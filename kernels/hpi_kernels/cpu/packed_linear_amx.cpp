@@ -18,9 +18,10 @@
 // codes become bf16 exactly and the channel scale multiplies the fp32 sums, so int8 differs from its vector tiles by
 // summation order only; int4's (q - 8) * scale + zero is rounded to bf16 (to nearest even), as the prefill path's
 // dequantized copy for oneDNN is. The weight streams at 1 or 0.5 bytes per value; the widening is the vector tiles'
-// own, which they pay once per 12 (int8) or 4 (int4) rows. At one row the vector tiles stay ~1.5x faster, from 8
-// rows on the AMX tiles are (bench/results/quantization.md); one tile family serves every row count, so a row's
-// result does not depend on its batch.
+// own, which they pay once per 12 (int8) or 4 (int4) rows. At one row the vector tiles stay faster (the served
+// int8 model: 0.83-0.87x their tok/s at one client), from 8 rows on the AMX tiles are (1.7-1.8x at 32 clients;
+// bench/results/quantization.md); one tile family serves every row count, so a row's result does not depend on
+// its batch.
 //
 // Linux gives a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads
 // the tile configuration before its tiles and releases them after, since oneDNN on the same threads loads its own.
@@ -55,6 +56,12 @@ constexpr int64_t kTileRows = 16;    // rows of x per A tile (and of the C tiles
 constexpr int64_t kTilePairs = 16;   // pairs of k per tile: an A tile row is 32 bf16, 64 bytes
 constexpr int64_t kPanelRowBytes = kNr * 2 * 2;  // a panel's row of pairs: the B tiles' stride
 constexpr int64_t kStepBytes = kTilePairs * kPanelRowBytes;  // a panel's pairs of one k step: two B tiles
+// A quantized panel's fill prefetches the same lines of the panel this many ahead into L2, as it reads its own, and
+// (int8) its own rows this many ahead into L1: the hardware prefetchers alone left one-row calls waiting on memory
+// (int8, the 120 linears of the embedded model, 1 row: 70 us a call without, 54 with the L2 prefetch, 43-50 with
+// both; 2 panels ahead measured better than 1 or 4. The vector tile: 32-40).
+constexpr int64_t kPanelsAhead = 2;
+constexpr int64_t kRowsAhead = 64;
 
 struct alignas(64) TileConfig {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t palette_id;
@@ -162,12 +169,15 @@ c10::BFloat16* scratch_panel(int64_t K) {
 struct Int8Source {
   static constexpr bool kDequantizes = true;
   const int8_t* packed;
-  int64_t K;
+  int64_t K, panels;
   c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
   void fill(int64_t p, int64_t s, char* step) const {
     const int8_t* codes = packed + p * K * kNr;
+    const int8_t* ahead = p + kPanelsAhead < panels ? codes + kPanelsAhead * K * kNr : nullptr;
     auto* dst = reinterpret_cast<c10::BFloat16*>(step) - 2 * kTilePairs * s * kNr;  // indexed by k
     for (int64_t k = 2 * kTilePairs * s; k < 2 * kTilePairs * (s + 1); k += 2) {
+      if (ahead != nullptr) __builtin_prefetch(ahead + k * kNr, 0, 2);  // a pair of rows: one line
+      __builtin_prefetch(codes + (k + kRowsAhead) * kNr, 0, 3);  // past the panel's end: harmless, never faults
       for (int64_t v = 0; v < kNr / kVecSize; ++v) {
         const auto* even = reinterpret_cast<const __m128i*>(codes + k * kNr + v * kVecSize);
         const auto* odd = reinterpret_cast<const __m128i*>(codes + (k + 1) * kNr + v * kVecSize);
@@ -188,7 +198,7 @@ struct Int4Source {
   static constexpr bool kDequantizes = true;
   const int32_t* packed;
   const int32_t* scales_zeros;
-  int64_t group_size, K;
+  int64_t group_size, K, panels;
   c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
   __attribute__((target("avx512bf16"))) void fill(int64_t p, int64_t s, char* step) const {
     alignas(64) static const uint16_t kCodes[32] = {  // bf16 of q - 8 by the low 5 bits (the table repeats)
@@ -201,9 +211,14 @@ struct Int4Source {
     const __m512i codes = _mm512_load_si512(kCodes), interleave = _mm512_load_si512(kInterleave);
     const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     const int32_t* words = packed + p * (K / 8) * kNr;
+    const int32_t* ahead = p + kPanelsAhead < panels ? words + kPanelsAhead * (K / 8) * kNr : nullptr;
     const int32_t* pairs = scales_zeros + p * (K / group_size) * kNr;
     auto* dst = reinterpret_cast<c10::BFloat16*>(step) - 2 * kTilePairs * s * kNr;  // indexed by pairs of k
     for (int64_t k8 = kTilePairs / 4 * s; k8 < kTilePairs / 4 * (s + 1); ++k8) {
+      if (ahead != nullptr) {  // a row of words: two lines
+        __builtin_prefetch(ahead + k8 * kNr, 0, 2);
+        __builtin_prefetch(ahead + k8 * kNr + kVecSize, 0, 2);
+      }
       const int64_t g = 8 * k8 / group_size;
       for (int64_t v = 0; v < kNr / kVecSize; ++v) {
         const __m512i lanes = _mm512_loadu_si512(pairs + g * kNr + v * kVecSize);
@@ -346,17 +361,18 @@ void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pac
 
 void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
-  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K}, scales, bias}, M, K, N, out);
+  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K, (N + kNr - 1) / kNr}, scales, bias}, M, K, N, out);
 }
 
 void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
                    int64_t M, int64_t K, int64_t N, float* out) {
-  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K}, scales, bias}, M, K, N, out);
+  gemm_amx(a, lda, Panels<Int8Source, float>{{packed, K, (N + kNr - 1) / kNr}, scales, bias}, M, K, N, out);
 }
 
 void gemm_int4_amx(const c10::BFloat16* a, int64_t lda, const int32_t* packed, const int32_t* scales_zeros,
                    int64_t group_size, const float* bias, int64_t M, int64_t K, int64_t N, c10::BFloat16* out) {
-  gemm_amx(a, lda, Panels<Int4Source, float>{{packed, scales_zeros, group_size, K}, nullptr, bias}, M, K, N, out);
+  const Int4Source source{packed, scales_zeros, group_size, K, (N + kNr - 1) / kNr};
+  gemm_amx(a, lda, Panels<Int4Source, float>{source, nullptr, bias}, M, K, N, out);
 }
 
 #else  // AVX2 and generic builds: no AMX
