@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace hpi_packed {
 
 using Vec = at::vec::Vectorized<float>;
@@ -47,6 +51,28 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* panel, const T
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// What the int8/int4 vdpbf16ps tiles (packed_linear_quant.cpp) and the AMX tiles' dequantization
+// (packed_linear_amx.cpp) share. 16 columns' int8 codes at k (`even`) and k + 1 (`odd`) as bf16 pairs, one 32-bit
+// lane per column: widened to fp32 (exact), the fp32's high halves (their bf16, exact for integers of 8 bits)
+// interleaved by a shift and a 16-bit blend.
+inline __m512i int8_bf16_pairs(const int8_t* even, const int8_t* odd) {
+  const __m512i w_even = _mm512_castps_si512(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(even)))));
+  const __m512i w_odd = _mm512_castps_si512(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(odd)))));
+  return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd);
+}
+
+// bf16 of int4's q - 8, for vpermw, which reads the low 5 bits of each 16-bit lane: the nibble, and one bit of the
+// next (the table repeats).
+alignas(64) inline constexpr uint16_t kInt4Bf16Codes[32] = {
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,  // -8 .. -1
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,  // 0 .. 7
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+#endif
+
 // bf16 panels: [panels, ceil(K / 2), kNr, 2], the pair (k, k + 1) of each column adjacent: one int32 lane
 // per column, widened to two fp32 lanes by a shift and a mask (packed_linear_bf16.cpp).
 at::Tensor pack_bf16(const at::Tensor& weight);  // [N, K] bfloat16, any strides
@@ -64,6 +90,7 @@ bool bf16_prefill_gemm();
 bool dp_tile();
 // Whether the packed bf16 GEMMs of a weight of in_features K run AMX tiles (packed_linear_amx.cpp), at every
 // row count up to prefill size: measured at the first call where the CPU has AMX-BF16 (bf16_tile op), false else.
+// The int8/int4 linears with bf16 x follow it.
 bool amx_tile(int64_t K);
 // out [M, N] (contiguous) = a [M, K] (row stride lda) @ the packed weight, + bias [N] (or nullptr), accumulated
 // in fp32 and rounded to bf16 once.
@@ -82,9 +109,9 @@ void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pac
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, float* out);
-// The int8 and int4 panels of packed_linear_quant.cpp on the same tiles, each panel dequantized into a bf16 panel
-// first (amx_fits(K) required; bias fp32 [N] or nullptr): int8 [panels, K, kNr] codes with per-column scales
-// [panels * kNr] fp32,
+// The int8 and int4 panels of packed_linear_quant.cpp on the same tiles, each panel dequantized into bf16 pairs a
+// k step ahead of them (amx_fits(K) required; bias fp32 [N] or nullptr): int8 [panels, K, kNr] codes with
+// per-column scales [panels * kNr] fp32,
 void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,

@@ -163,9 +163,8 @@ c10::BFloat16* scratch_panel(int64_t K) {
   return panel.data();
 }
 
-// int8 [panels, K, kNr] codes: codes k and k + 1 of 16 columns widened to fp32 (exact), the fp32's high halves
-// (their bf16, exact for integers of 8 bits) interleaved into pairs by a shift and a 16-bit blend. The channel
-// scales multiply the sums (Panels::scales).
+// int8 [panels, K, kNr] codes: codes k and k + 1 of 16 columns as bf16 pairs (int8_bf16_pairs, exact). The
+// channel scales multiply the sums (Panels::scales).
 struct Int8Source {
   static constexpr bool kDequantizes = true;
   const int8_t* packed;
@@ -179,12 +178,8 @@ struct Int8Source {
       if (ahead != nullptr) __builtin_prefetch(ahead + k * kNr, 0, 2);  // a pair of rows: one line
       __builtin_prefetch(codes + (k + kRowsAhead) * kNr, 0, 3);  // past the panel's end: harmless, never faults
       for (int64_t v = 0; v < kNr / kVecSize; ++v) {
-        const auto* even = reinterpret_cast<const __m128i*>(codes + k * kNr + v * kVecSize);
-        const auto* odd = reinterpret_cast<const __m128i*>(codes + (k + 1) * kNr + v * kVecSize);
-        const __m512i w_even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(even))));
-        const __m512i w_odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(odd))));
         _mm512_storeu_si512(dst + (k * kNr + v * kVecSize * 2),
-                            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd));
+                            int8_bf16_pairs(codes + k * kNr + v * kVecSize, codes + (k + 1) * kNr + v * kVecSize));
       }
     }
   }
@@ -201,14 +196,10 @@ struct Int4Source {
   int64_t group_size, K, panels;
   c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
   __attribute__((target("avx512bf16"))) void fill(int64_t p, int64_t s, char* step) const {
-    alignas(64) static const uint16_t kCodes[32] = {  // bf16 of q - 8 by the low 5 bits (the table repeats)
-        0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000,
-        0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040,
-        0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
     alignas(64) static const uint16_t kInterleave[32] = {  // [16 even | 16 odd] -> 16 (even, odd) pairs
         0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i codes = _mm512_load_si512(kCodes), interleave = _mm512_load_si512(kInterleave);
+    const __m512i codes = _mm512_load_si512(kInt4Bf16Codes), interleave = _mm512_load_si512(kInterleave);
     const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     const int32_t* words = packed + p * (K / 8) * kNr;
     const int32_t* ahead = p + kPanelsAhead < panels ? words + kPanelsAhead * (K / 8) * kNr : nullptr;

@@ -305,8 +305,7 @@ void tile_int4(const TileArgs& t, const int32_t* b, const int32_t* scales_zeros,
 // Taken where the packed bf16 linear's tile is (dp_tile: measured at start, HPI_CPU_BF16_TILE overrides): whether
 // vdpbf16ps beats widening to fp32 is the CPU's, whatever the weight's format.
 
-// int8 with bf16 x, likewise: codes k and k + 1 of 16 columns widened to fp32 (an integer of 8 bits is exact in
-// bf16, so the fp32's high half is its bf16) and interleaved into pairs by a shift and a 16-bit blend.
+// int8 with bf16 x, likewise: codes k and k + 1 of 16 columns as bf16 pairs (int8_bf16_pairs, exact).
 template <int R>
 __attribute__((target("avx512bf16"))) void tile_int8_dp(const TileArgs& t, const c10::BFloat16* x, int64_t ldx,
                                                         const int8_t* b, const int8_t* next, int64_t phase,
@@ -322,11 +321,7 @@ __attribute__((target("avx512bf16"))) void tile_int8_dp(const TileArgs& t, const
   for (int64_t k = 0; k < t.K; k += 2) {
     __m512bh w[kNrVecs];
     for (int v = 0; v < kNrVecs; ++v) {
-      const auto* even = reinterpret_cast<const __m128i*>(b + k * kNr + v * kVecSize);
-      const auto* odd = reinterpret_cast<const __m128i*>(b + (k + 1) * kNr + v * kVecSize);
-      const __m512i w_even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(even))));
-      const __m512i w_odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(odd))));
-      w[v] = (__m512bh)_mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w_even, 16), w_odd);
+      w[v] = (__m512bh)int8_bf16_pairs(b + k * kNr + v * kVecSize, b + (k + 1) * kNr + v * kVecSize);
     }
     prefetch_line<kNr>(bytes, next_bytes, k, countdown, step);
     prefetch_line<kNr>(bytes, next_bytes, k + 1, countdown, step);
@@ -354,13 +349,7 @@ __attribute__((target("avx512bf16"))) void tile_int4_dp(const TileArgs& t, const
   const int64_t groups = t.K / group_size;
   const auto* bytes = reinterpret_cast<const uint8_t*>(b);
   const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
-  // vpermw reads the low 5 bits of each 16-bit lane: the nibble, and one bit of the next (the table repeats).
-  alignas(64) static const uint16_t kCodes[32] = {
-      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,  // -8 .. -1
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,  // 0 .. 7
-      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
-  const __m512i codes_table = _mm512_load_si512(kCodes);
+  const __m512i codes_table = _mm512_load_si512(kInt4Bf16Codes);
   __m512 acc[R][kNrVecs];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kNrVecs; ++v) acc[r][v] = _mm512_setzero_ps();
