@@ -20,10 +20,11 @@ PARTS = {
     "kernels": "bench.gpu.kernels",
     "serve": "bench.gpu.serve",
     "kv_tier": "bench.gpu.kv_tier",
+    "profile": "bench.gpu.profile",
 }
 
 
-NEEDS_MODELS = ("step", "serve")  # they measure the weights part's checkpoints
+NEEDS_MODELS = ("step", "serve")  # they measure the weights part's checkpoints (profile builds its own on a GPU)
 
 
 def _part(name: str):
@@ -55,7 +56,7 @@ def main() -> int:
     models = {shape: args.models / shape for shape in ("embedded", "1b")}  # the weights part says why 1b is not built
     if args.part != "weights":  # later parts get the checkpoints that exist
         models = {shape: path for shape, path in models.items() if (path / "config.json").is_file()}
-    ctx = PartContext(args.out, args.dry_run, device, models, args.kit, args.budget)
+    ctx = PartContext(args.out, args.dry_run, device, models, args.models, args.kit, args.budget)
     record = run_part(args.part, _part(args.part), ctx)
     print(record.summary_line(), flush=True)
     return 1 if record.status == "failed" else 0

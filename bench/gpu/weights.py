@@ -26,8 +26,16 @@ ONE_B_SHAPE = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
     head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0,
 )
-SHAPES = {"embedded": EMBEDDED_SHAPE, "1b": ONE_B_SHAPE}
-VOCAB_SIZE = 49152
+# Llama-3.1-8B-Instruct's config.json (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336, untied
+# 128,256-token vocabulary, rope theta 500000; its llama3 rope scaling changes no timing): 8,030,261,248 parameters,
+# the fleet optimizer's headline model (bench/fleet_sim/pools.py). The profile part builds it, no other: ids past
+# the shared tokenizer's 49,152 decode to nothing, which `hpi profile` (token ids in, step times out) never reads.
+EIGHT_B_SHAPE = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+)
+SHAPES = {"embedded": EMBEDDED_SHAPE, "1b": ONE_B_SHAPE, "8b": EIGHT_B_SHAPE}
+VOCAB_SIZE = 49152  # SmolLM2's, every shape's but the 8B's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -35,7 +43,7 @@ def build_random_model(
     shape: str, out_dir: Path, tokenizer_dir: Path, device: torch.device, dtype: torch.dtype = torch.bfloat16,
     seed: int = 0, num_layers: int | None = None,
 ) -> Path:
-    """Write a random-weight Llama checkpoint of `shape` ("embedded" or "1b"; `num_layers` of its layers when
+    """Write a random-weight Llama checkpoint of `shape` (a key of SHAPES; `num_layers` of its layers when
     given) to `out_dir` (kept when it is already complete) and return it. Weights are drawn on `device` (seconds
     for 1B on a GPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,12 +55,12 @@ def build_random_model(
     missing = [name for name in TOKENIZER_FILES[:2] if not (tokenizer_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{tokenizer_dir} lacks {', '.join(missing)} (make gpu-kit puts them in the kit)")
-    fields = dict(SHAPES[shape])
+    fields = {"vocab_size": VOCAB_SIZE, **SHAPES[shape]}
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
     rope_theta = fields.pop("rope_theta")
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **fields,
     )
     torch.manual_seed(seed)
@@ -74,11 +82,12 @@ def build_random_model(
 
 def parameter_count(shape: str, num_layers: int | None = None) -> int:
     """Parameters of `shape` (tied embeddings counted once), for the report."""
-    s = {**SHAPES[shape], **({} if num_layers is None else {"num_hidden_layers": num_layers})}
+    s = {"vocab_size": VOCAB_SIZE, **SHAPES[shape], **({} if num_layers is None else {"num_hidden_layers": num_layers})}
     q = s["num_attention_heads"] * s["head_dim"]
     kv = s["num_key_value_heads"] * s["head_dim"]
     layer = s["hidden_size"] * (2 * q + 2 * kv) + 3 * s["hidden_size"] * s["intermediate_size"] + 2 * s["hidden_size"]
-    return s["num_hidden_layers"] * layer + VOCAB_SIZE * s["hidden_size"] + s["hidden_size"]
+    embeddings = s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
+    return s["num_hidden_layers"] * layer + embeddings + s["hidden_size"]
 
 
 def tokenizer_dir(kit_dir: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
-PARTS = ("env", "weights", "tests", "step", "kernels", "serve", "kv_tier")
+PARTS = ("env", "weights", "tests", "step", "kernels", "serve", "kv_tier", "profile")
 # What the device tool brings back from $OUT: at most 8 files, named in letters, digits, '.', '_' and '-'.
 MAX_FILES = 8
 
@@ -57,6 +57,9 @@ def test_dry_run_runs_every_part_fits_the_device_tool_and_reruns_one_part(tmp_pa
         assert measured["output_tok_s"] > 0 and measured["ttft_p50_ms"] > 0 and measured["itl_p50_ms"] > 0
         assert served["transformers"]["batches"][clients]["output_tok_s"] > 0
         assert served["ratios"][clients]["hpi_over_tf"] > 0
+    assert "8b" in records["profile"]["skipped"]  # the dry run profiles the 2-layer embedded shape instead
+    profile = records["profile"]["results"]["profile"]  # `hpi profile`'s own JSON, through its command line
+    assert profile["itlAlphaMs"] > 0 and [b for b, _ in profile["decodePoints"]] == [1, 2]
     assert records["tests"]["results"]["counts"].get("skipped", 0) > 0
     assert not records["tests"]["results"]["failures"]
     summary = (out / "summary.md").read_text()

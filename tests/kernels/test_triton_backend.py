@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ CHAT_PROMPTS = [
 
 
 @pytest.mark.gpu
-def test_embedded_model_on_cuda_with_triton_matches_the_cpu_reference() -> None:
+def test_embedded_model_on_cuda_with_triton_matches_the_cpu_reference(embedded_model_dir: Path) -> None:
     """Greedy tokens of the embedded model: CUDA + triton backend == CPU + torch backend (fp32 both)."""
     from hpi_runtime.llm import LLM
     from hpi_runtime.sampling_params import SamplingParams
@@ -79,8 +81,8 @@ def test_embedded_model_on_cuda_with_triton_matches_the_cpu_reference() -> None:
         "max_model_len": 512,
         "kv_cache_memory_bytes": 64 * 2**20,
     }
-    cpu = LLM(device="cpu", attention_backend="torch", **options).chat(prompts, params)
-    gpu = LLM(device="cuda", attention_backend="triton", **options).chat(prompts, params)
+    cpu = LLM(embedded_model_dir, device="cpu", attention_backend="torch", **options).chat(prompts, params)
+    gpu = LLM(embedded_model_dir, device="cuda", attention_backend="triton", **options).chat(prompts, params)
     assert [o.output_token_ids for o in gpu] == [o.output_token_ids for o in cpu]
     assert "Paris" in gpu[0].text
 
@@ -98,7 +100,7 @@ WIDE_MARGIN_PROMPTS = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_embedded_model_on_cuda_in_16_bit_matches_transformers(dtype: str) -> None:
+def test_embedded_model_on_cuda_in_16_bit_matches_transformers(dtype: str, embedded_model_dir: Path) -> None:
     """bf16 / fp16 on CUDA with the triton backend: the answer names Paris, and the first greedy tokens equal
     transformers' greedy generate in the same dtype on the same GPU. Only the first few: 16-bit rounding
     differs between the two implementations, so later near-ties may go either way."""
@@ -109,6 +111,7 @@ def test_embedded_model_on_cuda_in_16_bit_matches_transformers(dtype: str) -> No
 
     num_compared = 8
     llm = LLM(
+        embedded_model_dir,
         device="cuda",
         dtype=dtype,
         attention_backend="triton",
