@@ -6,10 +6,11 @@
 - Paged prefill attention of one causal prompt of 512 to 8k tokens, against the same two.
 - Weight-only int8 (per channel) and int4 (group-wise) matmul against bf16 `torch.matmul` (cuBLAS) on the 1B
   model's fused GEMMs (qkv, o, gate_up, down) at M = 1, 16, 128 and 1024 rows; max error vs the dequantized
-  reference.
+  reference. These are timed in a CUDA graph with a weight copy per call (bench/bench_quant_matmul_gpu.py's
+  graph_ms): GPU time, no weight read from the L2; launched one by one they measured the Python launcher.
 
-Times are CUDA-event means (part.time_ms) after warm-up, so each kernel's first-call JIT compile stays out of them
-(but inside the part's budget). Dry run (CPU): toy sizes in fp32; the references and SDPA run (shapes and launch
+Attention times are CUDA-event means (part.time_ms) after warm-up, so each kernel's first-call JIT compile stays out
+of them (but inside the part's budget). Dry run (CPU): toy sizes in fp32; the references and SDPA run (shapes and launch
 arguments checked), the Triton kernels only when TRITON_INTERPRET=1 (as the test suite sets it), for their error
 alone; every Triton timing is listed as skipped.
 """
@@ -25,6 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from bench.bench_quant_matmul_gpu import graph_ms as rotated_graph_ms
+from bench.bench_quant_matmul_gpu import l2_missing_copies
 from bench.gpu.part import PartContext, time_ms
 from bench.gpu.shared import PAST_DEADLINE, failure_note, failure_record
 from bench.gpu.weights import ONE_B_SHAPE
@@ -171,25 +174,40 @@ def _run_triton(
 def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadline: float) -> dict:
     """Per M: torch.matmul ms (cuBLAS, bf16 on the GPU), the int8 and int4 kernels' ms, speed-ups and errors vs the
     dequantized references ("rows", by M), and the Ms the deadline cut ("rows_cut")."""
+    import hpi_kernels
     from hpi_kernels.quant import quantize_int4, quantize_int8
     from hpi_kernels.reference import int4_weight_only_matmul_ref, int8_weight_only_matmul_ref
 
     weight = torch.randn(n, k, device=device, dtype=plan.dtype) * k**-0.5
     q8, s8 = quantize_int8(weight)
     p4, s4, z4 = quantize_int4(weight, plan.group_size)
+    # Timed on CUDA in a graph, each call on the next copy of its weight (as a model's layers are) so none is read
+    # from the L2: GPU time, as a decode step under CUDA graphs pays it.
+    copies = {"bf16": [(weight.clone(),) for _ in range(l2_missing_copies(weight.numel() * weight.element_size()))],
+              "int8": [(q8.clone(), s8) for _ in range(l2_missing_copies(q8.numel()))],
+              "int4": [(p4.clone(), s4, z4) for _ in range(l2_missing_copies(p4.numel()))]}  # fmt: skip
+    kernels = {"int8": lambda x, w: hpi_kernels.int8_weight_only_matmul(x, *w),
+               "int4": lambda x, w: hpi_kernels.int4_weight_only_matmul(x, *w, plan.group_size)}  # fmt: skip
     rows, cut = {}, []
     for m in plan.matmul_rows:
         if time.perf_counter() > deadline:
             cut.append(m)
             continue
         x = torch.randn(m, k, device=device, dtype=plan.dtype)
-        row = {"torch_matmul_ms": _timed(device, lambda x=x: torch.matmul(x, weight.T), plan.iters)}
+        row = {}
+        if plan.time_triton:
+            bf16_calls = [(x, *w) for w in copies["bf16"]]
+            row["torch_matmul_ms"] = rotated_graph_ms(lambda x, w: torch.matmul(x, w.T), bf16_calls)
+        else:  # a dry run: the CPU's matmul, launch by launch
+            row["torch_matmul_ms"] = _timed(device, lambda x=x: torch.matmul(x, weight.T), plan.iters)
         variants = {"int8": ("int8_weight_only_matmul", (x, q8, s8), int8_weight_only_matmul_ref(x, q8, s8)),
                     "int4": ("int4_weight_only_matmul", (x, p4, s4, z4, plan.group_size),
                              int4_weight_only_matmul_ref(x, p4, s4, z4, plan.group_size))}  # fmt: skip
         for label, (name, args, expected) in variants.items():
             assert expected.shape == (m, n)
-            measured = _run_triton(plan, device, name, args, {}, expected)
+            measured = _run_triton(replace(plan, time_triton=False), device, name, args, {}, expected)
+            if plan.time_triton:
+                measured["triton_ms"] = rotated_graph_ms(kernels[label], [(x, w) for w in copies[label]])
             scale = expected.float().abs().max().item() or 1.0
             row.update({f"{label}_{key}": value for key, value in measured.items()})
             if "max_abs_err" in measured:

@@ -29,6 +29,7 @@ class PartContext:
     # "embedded", "1b" -> random-weight checkpoint dirs (weights.py); the weights part builds them, later parts get
     # only those that exist.
     models: Mapping[str, Path] = field(default_factory=dict)
+    models_root: Path = Path("/tmp/hpi-gpu-models")  # --models: where a part builds a checkpoint of its own (profile)
     kit_dir: Path = Path(".gpu_kit")  # the kit folder that travelled with the checkout (kit.py)
     budget_s: float = 60.0  # the part's share of the script's time (gpu_check.sh); a part sizes its loops to it
 
@@ -108,3 +109,31 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     for _ in range(iters):
         fn()
     return 1000 * (time.perf_counter() - begin) / iters
+
+
+def graph_ms(calls: list[Callable[[], object]], replays: int = 3) -> float:
+    """GPU milliseconds per call of `calls` (each a closure; a weight per call, say, so that none is read from the
+    L2), captured once into a CUDA graph and replayed: the best of `replays`. What a decode step under CUDA graphs
+    pays; timing launch by launch instead measures the Python launcher whenever a kernel is shorter (a first run of
+    the quantized matmuls here read ~70 us for every small one, whatever its tiles)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: JIT compiles, cuBLAS workspaces
+        for fn in calls[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / len(calls))
+    return best

@@ -43,14 +43,25 @@ CONFIGS = [
         {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32"},
         {"BLOCK_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 64, "SOFTCAP": True, "UPCAST": False}, 4,
     ),
+    # Decode tiles writing split-K partials, prefill-sized tiles writing the output; the prefill path's passes.
+    (
+        "quant_matmul", "_int8_matmul_kernel", {"weight_ptr": "*i8", "out_ptr": "*fp32"},
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PARTIAL": True, "UPCAST": False}, 4,
+    ),
     (
         "quant_matmul", "_int8_matmul_kernel", {"weight_ptr": "*i8"},
-        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "UPCAST": False}, 4,
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "PARTIAL": False, "UPCAST": False}, 4,
+    ),
+    (
+        "quant_matmul", "_int4_matmul_kernel", {"packed_ptr": "*u8", "out_ptr": "*fp32"},
+        {"GROUP_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PARTIAL": True, "UPCAST": False}, 4,
     ),
     (
         "quant_matmul", "_int4_matmul_kernel", {"packed_ptr": "*u8"},
-        {"GROUP_SIZE": 32, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "UPCAST": False}, 4,
+        {"GROUP_SIZE": 32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "PARTIAL": False, "UPCAST": False}, 4,
     ),
+    ("quant_matmul", "_dequant_int8_kernel", {"weight_ptr": "*i8"}, {"BLOCK_N": 32, "BLOCK_K": 256}, 4),
+    ("quant_matmul", "_dequant_int4_kernel", {"packed_ptr": "*u8"}, {"GROUP_SIZE": 32, "BLOCK": 2048}, 4),
     (
         "fused_moe", "_fused_moe_kernel",
         {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"},

@@ -6,18 +6,26 @@ import pytest
 import torch
 
 from hpi_kernels import int4_weight_only_matmul, int8_weight_only_matmul
-from hpi_kernels.quant import quantize_int4, quantize_int8
+from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from hpi_kernels.quant_matmul import (
+    DEQUANT_MIN_ROWS,
+    MatmulConfig,
+    default_config,
+    dequantized_int4,
+    dequantized_int8,
+)
 from hpi_kernels.reference import int4_weight_only_matmul_ref, int8_weight_only_matmul_ref
 
 N, K = 40, 256  # N not a multiple of the N tile: masked edge columns
 
 SHAPES = [
-    # (M, dtype, non_contiguous): M=1 and 5 take the decode tiles, 70 the prefill tiles.
+    # (M, dtype, non_contiguous): M=1 to 70 take the kernels' tiles, 130 the dequantized copy and torch.matmul.
     pytest.param(1, torch.float32, False, id="m1-fp32"),
     pytest.param(5, torch.float16, True, id="m5-fp16-noncontig"),
     pytest.param(70, torch.float16, False, id="m70-fp16"),
     pytest.param(20, torch.float32, True, id="m20-fp32-noncontig"),
     pytest.param(3, torch.bfloat16, False, id="m3-bf16"),  # upcast after load in the interpreter
+    pytest.param(DEQUANT_MIN_ROWS, torch.float32, True, id="dequant-rows-fp32-noncontig"),
 ]
 
 
@@ -64,6 +72,53 @@ def test_int4_matmul_with_fp32_scales_and_group_64(device) -> None:
     x = torch.randn(3, K, dtype=torch.float16, device=device)
     expected = int4_weight_only_matmul_ref(x, packed, scales, zeros, 64)
     torch.testing.assert_close(int4_weight_only_matmul(x, packed, scales, zeros, 64), expected, **_tol(x.dtype))
+
+
+# Tiles the defaults may not pick here, each with the K split: K tiles spanning several int4 groups, a last K tile
+# half outside K (K = 96), a split whose programs get no K at all (4 tiles over 3 programs) and one that does not
+# divide the tiles, and the K split at prefill-sized rows.
+CONFIGS = [
+    pytest.param(MatmulConfig(16, 32, 64, split_k=3), 256, 1, id="split3-k256"),
+    pytest.param(MatmulConfig(16, 64, 128, split_k=2), 96, 5, id="split2-k96-tail"),
+    pytest.param(MatmulConfig(32, 32, 64, split_k=5, num_stages=2), 256, 20, id="split5-empty-programs"),
+    pytest.param(MatmulConfig(64, 32, 32, split_k=4), 256, 70, id="split4-m70"),
+]
+
+
+@pytest.mark.parametrize("config,k,m", CONFIGS)
+def test_int8_and_int4_matmul_with_any_tiles_and_split_k(device, config, k, m) -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(N, k).to(device)
+    x = torch.randn(m, k).to(device)
+    q8, s8 = quantize_int8(weight)
+    out8 = int8_weight_only_matmul(x, q8, s8, config=config)
+    torch.testing.assert_close(out8, int8_weight_only_matmul_ref(x, q8, s8), **_tol(x.dtype))
+    packed, scales, zeros = quantize_int4(weight, 32)
+    out4 = int4_weight_only_matmul(x, packed, scales, zeros, 32, config=config)
+    torch.testing.assert_close(out4, int4_weight_only_matmul_ref(x, packed, scales, zeros, 32), **_tol(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_dequantized_copies_equal_the_reference_rounded_to_the_dtype(device, dtype, group_size) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(N, K).to(device)
+    # Exact in fp32; in bf16 within one rounding step (Triton's interpreter rounds toward zero, a GPU to nearest).
+    tol = {"atol": 0.0, "rtol": 0.0} if dtype == torch.float32 else {"atol": 0.0, "rtol": 2**-7}
+    q8, s8 = quantize_int8(weight)
+    torch.testing.assert_close(dequantized_int8(q8, s8, dtype), dequantize_int8(q8, s8).to(dtype), **tol)
+    packed, scales, zeros = quantize_int4(weight, group_size)
+    expected = dequantize_int4(packed, scales, zeros, group_size).to(dtype)
+    torch.testing.assert_close(dequantized_int4(packed, scales, zeros, group_size, dtype), expected, **tol)
+
+
+def test_default_tiles_split_k_for_decode_and_not_for_few_k_tiles() -> None:
+    # An 8B model's o projection at one row: 64 column tiles would leave most of a GPU's SMs idle.
+    decode = default_config(1, 4096, 4096, "int8", torch.bfloat16)
+    assert decode.split_k > 1 and decode.block_m == 16
+    assert 4096 // (decode.block_k * decode.split_k) >= 4  # every program still streams several K tiles
+    assert default_config(1, 40, 256, "int8", torch.bfloat16).split_k == 1
+    assert default_config(DEQUANT_MIN_ROWS - 1, 4096, 4096, "int4", torch.float32).block_k == 64
 
 
 @pytest.mark.parametrize(
