@@ -3,9 +3,11 @@ reads for an H200 pool (spec.placement.pools[].performance), measured instead of
 
 The part writes random bf16 weights in Llama-3.1-8B-Instruct's exact shape (weights.EIGHT_B_SHAPE: 8.03B
 parameters, 16 GB; drawn on the GPU, saved once under the models folder) and runs the real command line,
-`python -m hpi_runtime.cli profile`, on them: the decode step time at batch 1 to 256 (fitted as ITL = alpha +
-beta x batch), the prefill throughput at 512 and 2048 prompt tokens, and the sequences a 32 GiB KV cache holds at
-1024 tokens each. Its JSON goes into the record as it is; bench/fleet_sim compares it with the roofline estimate
+`python -m hpi_runtime.cli profile`, on them: the decode step time at batch 1 to 256 with 1,024 tokens of context
+per sequence (fitted as ITL = alpha + beta x batch), the prefill throughput at 512 and 2048 prompt tokens, and
+the sequences a 36 GiB KV cache holds at 1,024 tokens each (capped at 256). The first run (2026-12-04) timed
+decode at 26 tokens of context, as `hpi profile` then did. Its JSON goes into the record as it is;
+bench/fleet_sim/pools.py (MEASURED_H200) takes it from there, beside the roofline estimate
 (hpi_operator.fleet.assumed), which this machine's Python cannot import (no kopf here).
 
 Dry run (CPU): the embedded shape cut to 2 layers (the weights part's checkpoint), fp32, eager, batch 1 and 2 and
@@ -36,10 +38,10 @@ class ProfilePlan:
     prompt_lengths: tuple[int, ...] = (512, 2048)
     context_tokens: int = 1024
     steps: int = 16
-    # 32 GiB is 262,144 tokens of the 8B's KV (128 KiB a token): 256 sequences of 1024; the default (85% of the free
-    # memory) would only raise maxNumSeqs past the largest timed batch.
+    # 36 GiB is 294,912 tokens of the 8B's KV (128 KiB a token): the largest batch, 256 sequences of 1,024 tokens of
+    # context (decode is timed at it), with room; the default (85% of the free memory) would only raise maxNumSeqs.
     engine_args: tuple[str, ...] = ("--device", "cuda", "--dtype", "bfloat16", "--max-num-seqs", "256",
-                                    "--max-model-len", "4096", "--kv-cache-memory", "32GiB")  # fmt: skip
+                                    "--max-model-len", "4096", "--kv-cache-memory", "36GiB")  # fmt: skip
 
 
 def plan_for(ctx: PartContext) -> ProfilePlan:

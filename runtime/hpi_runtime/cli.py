@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(profile.add_argument_group(section), specs)
     measured = profile.add_argument_group("profile")
     measured.add_argument("--context-tokens", type=int, default=1024,
-                          help="prompt + output tokens per sequence the KV capacity is counted at")
+                          help="tokens of context per sequence: decode steps are timed with this much KV per "
+                          "sequence, and the KV capacity is counted at it")  # fmt: skip
     measured.add_argument("--batch-sizes", type=_int_list, default=list(DEFAULT_BATCH_SIZES),
                           help="comma-separated decode batch sizes to time (each <= --max-num-seqs)")
     measured.add_argument("--prompt-lengths", type=_int_list, default=list(DEFAULT_PROMPT_LENGTHS),

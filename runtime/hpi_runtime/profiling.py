@@ -2,8 +2,12 @@
 optimizer reads (spec.placement.pools[].performance):
 
 - the decode step time against the batch size, fitted as ITL = alpha + beta x batch (least squares over the
-  measured points, which are kept): each batch is `b` requests with short prompts, timed over `steps` decode
-  steps after their prefill;
+  measured points, which are kept): each batch is `b` requests whose prompts fill `context_tokens` of context,
+  timed over `steps` decode steps after their prefill. Each step reads every sequence's KV cache, which at a
+  thousand tokens is much of a GPU's per-sequence cost (an 8B model on an H200 reads 128 MiB per sequence per
+  step at 1,024 tokens, about 47 us; at 30 tokens the per-sequence cost measured 30 us of compute and sampling
+  alone), so beta is measured at the context it will serve. Batches whose context the KV cache cannot hold are
+  not timed, and listed (`decodeBatchesSkipped`);
 - the prefill throughput (tokens per second) of one request per prompt length, timed from admission to its
   first token after one untimed prefill of that length; the figure kept is the highest over the lengths;
 - the most sequences the KV cache holds at `context_tokens` each (whole blocks), capped by max_num_seqs.
@@ -28,7 +32,7 @@ if TYPE_CHECKING:  # the engine (and torch) only when measuring: `hpi profile --
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_PROMPT_LENGTHS = (128, 512)
-DECODE_PROMPT_TOKENS = 16  # short prompts: the decode points measure the step, not the prefill
+MIN_DECODE_PROMPT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class ProfileResult:
     decode_points: tuple[tuple[int, float], ...]  # (batch, ms per step)
     prefill_points: tuple[tuple[int, float], ...]  # (prompt tokens, tokens per second)
     context_tokens: int
+    decode_batches_skipped: tuple[int, ...] = ()  # batches the KV cache cannot hold at context_tokens
 
     def as_json(self, extra: dict[str, object] | None = None) -> dict[str, object]:
         """spec.placement.pools[].performance's four fields first (paste them into the spec), then the points."""
@@ -51,6 +56,7 @@ class ProfileResult:
             "contextTokens": self.context_tokens,
             "decodePoints": [[b, round(ms, 4)] for b, ms in self.decode_points],
             "prefillPoints": [[n, round(tps, 1)] for n, tps in self.prefill_points],
+            **({"decodeBatchesSkipped": list(self.decode_batches_skipped)} if self.decode_batches_skipped else {}),
             **(extra or {}),
         }
 
@@ -96,12 +102,13 @@ def _prompt(length: int, vocab_size: int, salt: int) -> list[int]:
     return [(7 + salt * 131 + i * 17) % (vocab_size - 1) + 1 for i in range(length)]
 
 
-def _decode_step_ms(bundle: EngineBundle, batch: int, steps: int, vocab_size: int, salt: int) -> float:
+def _decode_step_ms(bundle: EngineBundle, batch: int, steps: int, prompt_tokens: int, vocab_size: int,
+                    salt: int) -> float:  # fmt: skip
     engine = bundle.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
     ids = [f"profile-decode-{salt}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
-        engine.add_request(request_id, _prompt(DECODE_PROMPT_TOKENS, vocab_size, salt * 1000 + i), params)
+        engine.add_request(request_id, _prompt(prompt_tokens, vocab_size, salt * 1000 + i), params)
     first_tokens: set[str] = set()
     while len(first_tokens) < batch:  # every request prefilled and sampled once: from here on, pure decode
         first_tokens |= {o.request_id for o in engine.step() if o.output_token_ids}
@@ -144,16 +151,21 @@ def measure(
     if too_long:
         raise ValueError(f"prompt lengths must lie in 1..max_model_len-1 ({config.max_model_len - 1}); got {too_long}")
     vocab_size = bundle.resolved.vocab_size
-    _decode_step_ms(bundle, 1, 2, vocab_size, salt=99)  # warm-up: compilation and first-touch allocations
-    decode = tuple((b, _decode_step_ms(bundle, b, steps, vocab_size, salt=b)) for b in sorted(set(batch_sizes)))
+    footprint = bundle.footprint
+    max_seqs = kv_bound_num_seqs(footprint.num_kv_blocks, footprint.block_size, context_tokens, config.max_num_seqs)
+    # The timed steps run at about context_tokens of context: the prompt fills it, less the steps still to come.
+    prompt_tokens = max(MIN_DECODE_PROMPT_TOKENS, min(context_tokens, config.max_model_len) - steps - 3)
+    timed = sorted(b for b in set(batch_sizes) if b <= max_seqs) or [1]
+    skipped = tuple(sorted(b for b in set(batch_sizes) if b not in timed))
+    _decode_step_ms(bundle, 1, 2, prompt_tokens, vocab_size, salt=99)  # warm-up: compiles, first-touch allocations
+    decode = tuple((b, _decode_step_ms(bundle, b, steps, prompt_tokens, vocab_size, salt=b)) for b in timed)
     lengths = sorted(set(prompt_lengths))
     for n in lengths:  # untimed: a new prompt length may compile the step for its shape
         _prefill_tokens_per_s(bundle, n, vocab_size, salt=20_000 + n)
     prefill = tuple((n, _prefill_tokens_per_s(bundle, n, vocab_size, salt=n)) for n in lengths)
     alpha, beta = fit_itl(decode)
-    footprint = bundle.footprint
-    max_seqs = kv_bound_num_seqs(footprint.num_kv_blocks, footprint.block_size, context_tokens, config.max_num_seqs)
-    return ProfileResult(alpha, beta, max(tps for _, tps in prefill), max_seqs, decode, prefill, context_tokens)
+    return ProfileResult(alpha, beta, max(tps for _, tps in prefill), max_seqs, decode, prefill, context_tokens,
+                         skipped)  # fmt: skip
 
 
 def machine() -> dict[str, object]:

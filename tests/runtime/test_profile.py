@@ -58,6 +58,19 @@ def test_measure_times_each_batch_and_prompt_and_leaves_the_engine_idle(tiny_mod
         assert bundle.engine.get_stats().kv_cache_usage == 0  # every block the measurement took is back
         with pytest.raises(ValueError, match="max_num_seqs"):
             measure(bundle, context_tokens=48, batch_sizes=[16], prompt_lengths=[8])
+        block_bytes = bundle.footprint.kv_cache_bytes // bundle.footprint.num_kv_blocks
+    finally:
+        bundle.engine.shutdown()
+    # A KV cache of 8 blocks holds two sequences of 48 tokens (3 blocks each): batch 4 is not timed, and says so.
+    bundle = create_engine(EngineArgs.from_options(model=str(tiny_model_dir), dtype="float32", enforce_eager=True,
+                                                   max_model_len=64, max_num_seqs=8,
+                                                   kv_cache_memory_bytes=8 * block_bytes))  # fmt: skip
+    try:
+        assert bundle.footprint.num_kv_blocks == 8
+        result = measure(bundle, context_tokens=48, batch_sizes=[1, 2, 4], prompt_lengths=[8], steps=2)
+        assert [b for b, _ in result.decode_points] == [1, 2] and result.decode_batches_skipped == (4,)
+        assert result.max_num_seqs == 2 and result.as_json()["decodeBatchesSkipped"] == [4]
+        assert bundle.engine.get_stats().kv_cache_usage == 0
         with pytest.raises(ValueError, match="max_model_len"):
             measure(bundle, context_tokens=48, batch_sizes=[1], prompt_lengths=[64])
     finally:
