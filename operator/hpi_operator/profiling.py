@@ -98,6 +98,10 @@ def cache_key(spec: InferenceSpec, profile: Profile, pool: Pool) -> str:
                    # Only when set: the keys of profiles measured before the field existed stay valid.
                    **({"kvCacheDtype": engine.kv_cache_dtype} if engine.kv_cache_dtype != "auto" else {})},
         "node": node_kind(pool),
+        # How it was measured: decode steps at CONTEXT_TOKENS of context. Figures cached before `hpi profile` timed
+        # decode at the serving context (it used 26 tokens, which left the KV reads out of beta) have other keys,
+        # so an upgraded operator measures every pool again instead of trusting them.
+        "method": {"decodeContextTokens": CONTEXT_TOKENS},
     }  # fmt: skip
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 
 from hpi_contracts.pool_profile import PoolProfile
+from hpi_operator import profiling
 from hpi_operator.fleet.offers import pool_offers
 from hpi_operator.fleet.performance import Demand, PoolPerformance
 from hpi_operator.nodes import group_pools, node_info
@@ -61,6 +62,11 @@ def test_the_cache_key_changes_with_model_engine_and_node_kind_only() -> None:
     assert node_kind(pool) == "gpu NVIDIA-L4 46068MiB" and cache_key(plan.spec, gpu.profile, pool) != key
     cpu = pools_of(plan)["cpu-amd64-bf16"].pool
     assert node_kind(cpu) == "cpu amd64 amx m7i.8xlarge"
+    # The measurement's method is part of the key: figures from before decode was timed at the serving context
+    # (or at another context) are not reused.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profiling, "CONTEXT_TOKENS", 2048)
+        assert cache_key(plan.spec, gpu.profile, gpu.pool) != key
 
 
 def test_the_profiling_job_is_the_pools_pod_running_hpi_profile() -> None:
