@@ -77,6 +77,8 @@ def main() -> None:
                         help="scaleDownStabilizationSeconds (default: the operator's: 300 s, the optimizer's "
                              "lead time)")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
+    parser.add_argument("--h200", choices=("assumed", "measured"), default="assumed",
+                        help="headline: the H200 pool's figures (the roofline estimate, or the 2026-12-04 run)")
     parser.add_argument("--levels", default=",".join(f"{f:g}" for f in scenarios.BOUND_LEVELS),
                         help="bound: fractions of the peak rate to measure")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
@@ -86,18 +88,18 @@ def main() -> None:
     day_s = scenarios.DURATION_S
     if args.scenario in ("headline", "scale"):
         scale = args.scale or 1.0
-        tag = "" if scale == 1.0 else f"@{scale:g}"
+        tag = ("" if scale == 1.0 else f"@{scale:g}") + ("" if args.h200 == "assumed" else "-h200measured")
         down = args.scale_down_window
         if args.control == "kv":
             result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting,
-                                                 args.min_replicas, down)  # fmt: skip
+                                                 args.min_replicas, down, args.h200)  # fmt: skip
             waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
             floor = "" if args.min_replicas == 1 else f"-min{args.min_replicas}"
             name = f"headline-kv-{args.target:g}{waiting}{floor}{'' if down is None else f'-down{down:g}'}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
             result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead,
-                                                 args.control == "oracle", down)  # fmt: skip
+                                                 args.control == "oracle", down, args.h200)  # fmt: skip
             name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
                     f"{'' if args.lead is None else f'-lead{args.lead:g}'}"
                     f"{'' if down is None else f'-down{down:g}'}{tag}")  # fmt: skip
@@ -110,6 +112,7 @@ def main() -> None:
             "utilization": None if args.control == "kv" else args.utilization or scenarios.DEFAULT_UTILIZATION,
             "lead_s": None if args.control == "kv" else args.lead,  # None: the operator's default (start + 2 polls)
             "scale_down_s": args.scale_down_window,  # None: the operator's default (300 s; optimizer: the lead)
+            "h200": args.h200,
         }
         record(name, result, args.seed, extra, day_s, args.runs)
     elif args.scenario == "sweep":

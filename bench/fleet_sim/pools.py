@@ -6,9 +6,11 @@ vocabulary 128256, 8,030,261,248 parameters, bf16 (KV: 2 x 32 x 8 x 128 x 2 byte
 
 Profiles are built with the operator's own memory arithmetic (hpi_operator.sizing) and each GPU pool's speed is
 the operator's roofline estimate (hpi_operator.fleet.assumed: NVIDIA datasheet bandwidth and dense bf16 FLOPs
-at the efficiencies stated there): `source: assumed`, never measured. The L4 pool is pinned to int8 weights
-(spec.placement lets a platform team pin a profile): in bf16 the 16 GB of weights leave 4 GB of its 24 GB for
-KV and a 90 ms decode step at batch 1, which no 100 ms ITL target survives.
+at the efficiencies stated there): `source: assumed`. With `h200="measured"` the H200 pool takes its measurement
+instead (MEASURED_H200: `hpi profile` on an H200, bench/results/gpu/2026-12-04-h200), plus the estimate's KV
+reads for the context beyond the 26 tokens that run timed decode at: `source: measured`. The L4 pool is pinned
+to int8 weights (spec.placement lets a platform team pin a profile): in bf16 the 16 GB of weights leave 4 GB of
+its 24 GB for KV and a 90 ms decode step at batch 1, which no 100 ms ITL target survives.
 
 CPU: scaled from a measurement, not measured. bench/results/profiles.md measured the embedded SmolLM2-135M
 (134.5M parameters, bf16) on this machine's 2 vCPUs (AMD EPYC, AVX512-BF16, no AMX): ITL 19.4 + 2.22 x b ms,
@@ -66,14 +68,35 @@ class SimPool:
     max_replicas: int
     cold_start_s: float
     cpu_performance: PoolPerformance | None = None  # fixed figures (a spec override); None: GPU roofline
+    measured_gpu: dict | None = None  # a GPU measurement (MEASURED_H200); None: the roofline estimate alone
 
     def performance_at(self, context_tokens: float) -> PoolPerformance:
-        """What the optimizer reads at a mean context: the operator's estimate for GPUs, the override for CPUs."""
+        """What the optimizer reads at a mean context: the operator's estimate (or a measurement) for GPUs, the
+        override for CPUs."""
         if self.cpu_performance is not None:
             return self.cpu_performance
-        perf = assumed_performance(self.choice.pool.gpu_product, self.choice.profile, LLAMA_31_8B, context_tokens)
-        assert perf is not None  # GPU pools here all have published figures
+        perf = gpu_performance(self.choice.pool.gpu_product, self.choice.profile, context_tokens, self.measured_gpu)
         return replace(perf, max_num_seqs=min(perf.max_num_seqs, self.engine.max_num_seqs))
+
+
+# bench/results/gpu/2026-12-04-h200: `hpi profile` of random bf16 weights in Llama-3.1-8B's exact shape on one H200,
+# decode timed at batch 1-256 with 16-token prompts (26 tokens of context on average over the timed steps).
+MEASURED_H200 = {"alpha_s": 0.0067948, "beta_s": 0.0000302, "prefill_tokens_per_s": 30326.0, "context_tokens": 26}
+
+
+def gpu_performance(product: str, profile: Profile, context_tokens: float, measured: dict | None) -> PoolPerformance:
+    """The roofline estimate at `context_tokens`; with a measurement, its alpha and prefill, and its beta plus the
+    estimate's KV reads for the context beyond the one it was measured at (the measurement's decode steps read
+    26 tokens of KV per sequence; at the workload's 1,260 each step reads 48x more, which the estimate prices at
+    0.6 of the datasheet bandwidth): `source: measured`."""
+    perf = assumed_performance(product, profile, LLAMA_31_8B, context_tokens)
+    assert perf is not None  # GPU pools here all have published figures
+    if measured is None:
+        return perf
+    at_measured = assumed_performance(product, profile, LLAMA_31_8B, measured["context_tokens"])
+    beta = measured["beta_s"] + perf.itl_beta_s - at_measured.itl_beta_s
+    return PoolPerformance(measured["alpha_s"], beta, measured["prefill_tokens_per_s"], perf.max_num_seqs,
+                           source="measured")  # fmt: skip
 
 
 def _gpu_profile(memory_bytes: int, quantization: str) -> Profile:
@@ -87,17 +110,16 @@ def _gpu_profile(memory_bytes: int, quantization: str) -> Profile:
 
 def gpu_pool(name: str, product: str, memory_gib: float, quantization: str, *, price: float, max_replicas: int,
              cold_start_s: float, max_num_seqs: int, max_num_batched_tokens: int,
-             context_tokens: float) -> SimPool:  # fmt: skip
+             context_tokens: float, measured: dict | None = None) -> SimPool:  # fmt: skip
     profile = _gpu_profile(int(memory_gib * GIB), quantization)
     node_pool = NodePool(name=name, device="cuda", node_names=(f"{name}-node",), gpu_product=product,
                          gpu_memory_mib=int(memory_gib * 1024), gpus_per_node=(max_replicas,),
                          gpu_bf16=True)  # fmt: skip
     choice = PoolChoice(node_pool, profile, "fleet-sim", capacity=max_replicas)
-    perf = assumed_performance(product, profile, LLAMA_31_8B, context_tokens)
-    assert perf is not None
+    perf = gpu_performance(product, profile, context_tokens, measured)
     kv_tokens = profile.kv_cache_bytes // kv_bytes_per_token(LLAMA_31_8B, "bf16")
     engine = EngineShape(perf, kv_tokens, max_num_seqs, max_num_batched_tokens)
-    return SimPool(name, choice, engine, price, max_replicas, cold_start_s)
+    return SimPool(name, choice, engine, price, max_replicas, cold_start_s, measured_gpu=measured)
 
 
 def cpu_performance(max_num_seqs: int) -> PoolPerformance:
@@ -129,8 +151,12 @@ def cpu_pool(name: str, *, price: float, max_replicas: int, cold_start_s: float,
     return SimPool(name, choice, engine, price, max_replicas, cold_start_s, cpu_performance=perf)
 
 
-def headline_pools(context_tokens: float, h200_max: int = 8, l4_max: int = 400, cpu_max: int = 100) -> list[SimPool]:
-    """The mixed fleet: a few H200s (one node's worth is what a team gets), many L4s, CPU nodes."""
+def headline_pools(context_tokens: float, h200_max: int = 8, l4_max: int = 400, cpu_max: int = 100,
+                   h200: str = "assumed") -> list[SimPool]:  # fmt: skip
+    """The mixed fleet: a few H200s (one node's worth is what a team gets), many L4s, CPU nodes. `h200`:
+    "assumed" (the roofline estimate) or "measured" (MEASURED_H200, plus the estimate's KV reads)."""
+    if h200 not in ("assumed", "measured"):
+        raise ValueError(f"h200 must be 'assumed' or 'measured', got {h200!r}")
     return [
         gpu_pool(
             "h200-bf16",
@@ -143,6 +169,7 @@ def headline_pools(context_tokens: float, h200_max: int = 8, l4_max: int = 400, 
             max_num_seqs=512,
             max_num_batched_tokens=8192,
             context_tokens=context_tokens,
+            measured=MEASURED_H200 if h200 == "measured" else None,
         ),
         gpu_pool(
             "l4-int8",

@@ -47,10 +47,10 @@ def _context() -> float:
     return prompt + output / 2
 
 
-def pools_at(scale: float) -> list[SimPool]:
+def pools_at(scale: float, h200: str = "assumed") -> list[SimPool]:
     return headline_pools(_context(), h200_max=max(1, round(POOL_SIZES["h200"] * scale)),
                           l4_max=max(1, round(POOL_SIZES["l4"] * scale)),
-                          cpu_max=max(1, round(POOL_SIZES["cpu"] * scale)))  # fmt: skip
+                          cpu_max=max(1, round(POOL_SIZES["cpu"] * scale)), h200=h200)  # fmt: skip
 
 
 def day(seed: int, scale: float = 1.0) -> list[Request]:
@@ -96,10 +96,11 @@ def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial
 
 def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
                        lead_s: float | None = None, oracle: bool = False,
-                       scale_down_s: float | None = None) -> RunResult:  # fmt: skip
+                       scale_down_s: float | None = None, h200: str = "assumed") -> RunResult:  # fmt: skip
     """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls); `oracle`: plan
-    for the day's true peak rate one lead time ahead instead of the forecast (oracle.py)."""
-    pools = pools_at(scale)
+    for the day's true peak rate one lead time ahead instead of the forecast (oracle.py); `h200`: its figures
+    (pools.headline_pools)."""
+    pools = pools_at(scale, h200)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
     requests = day(seed, scale)
     name = "oracle" if oracle else "gpu-only" if gpu_only else "optimizer"
@@ -110,11 +111,12 @@ def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, ut
 
 
 def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None,
-                      min_replicas: int = 1, scale_down_s: float | None = None) -> RunResult:  # fmt: skip
+                      min_replicas: int = 1, scale_down_s: float | None = None,
+                      h200: str = "assumed") -> RunResult:  # fmt: skip
     """`target_waiting`: the autoscaler's targetWaitingRequests per pod (None: its default, where any queued
     request asks for one more replica); `min_replicas`: its floor (minReplicas), the knob a platform team turns
     when a reactive autoscaler loses the morning ramp."""
-    pools = pools_at(scale)
+    pools = pools_at(scale, h200)
     settings = _settings(target, pools, target_waiting, min_replicas, scale_down_s)
     control = KvControl(pools, settings, name=f"kv-baseline@{target:g}")
     total = max(min_replicas, sum(_start_plan(pools, scale).values()))
