@@ -6,7 +6,8 @@ machine (one server at a time), with the CPU's ISA recorded. llama-server runs w
 machine's cores as threads.
 
     .venv/bin/python -m bench.llamacpp_build                    # once: builds llama-server and the GGUFs
-    .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2   # writes bench/results/quant_llamacpp.{json,md}
+    .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2   # writes bench/results/quant_llamacpp.json
+    HPI_LLAMA_CPP_BUILD=build-no-amx .venv/bin/python -m bench.bench_quant_llamacpp ...  # the build without AMX
     .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2 --weights int4 --hpi-kv-cache-dtype fp8 \
         --llama-cache-type q8_0 --out /tmp/q.json                # each side's one-byte KV cache
 """
@@ -21,7 +22,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.llamacpp_build import QUANT_TYPES, server_command
+from bench.llamacpp_build import QUANT_TYPES, build_variant, server_command
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
 from bench.report import machine_description
 from bench.systems import SERVED_MODEL_NAME, ServerCommand, ServerProcess, hpi_command
@@ -144,6 +145,7 @@ def main() -> None:
     results = run(plan, RESULTS / "logs" / "quant_llamacpp")
     rows = table(results, plan)
     machine["load_average_at_end"] = list(os.getloadavg())
+    machine["llama_cpp_build"] = build_variant()  # bench/llamacpp_build.py: "build", or "build-no-amx"
     args.out.write_text(json.dumps({"machine": machine, "plan": plan.__dict__, "quant_types": QUANT_TYPES,
                                     "table": rows, "runs": results}, indent=1, default=str) + "\n")  # fmt: skip
     print("| hpi weights | GGUF | clients | hpi tok/s | llama-server tok/s | hpi / llama.cpp | hpi / unquantized |")

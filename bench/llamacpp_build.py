@@ -14,6 +14,7 @@ once; a failed step says which and leaves its log there.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tarfile
@@ -29,8 +30,23 @@ def root() -> Path:
     return cache_dir() / "llama.cpp"
 
 
+# The build the benchmarks run: "build" (GGML_NATIVE: every instruction this CPU reports), or "build-no-amx" (the
+# same without AMX tiles, `--no-amx`): on the 2026-12-04 Xeon, ggml's AMX kernels for Q8_0 / Q4_0 died of SIGILL
+# at their first `tilezero` (no tile config loaded on the thread running them), so its quantized GGUFs served
+# nothing there; without AMX they run its AVX512-VNNI kernels.
+BUILD_ENV = "HPI_LLAMA_CPP_BUILD"
+BUILDS = {"build": (), "build-no-amx": ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")}
+
+
+def build_variant() -> str:
+    variant = os.environ.get(BUILD_ENV, "build")
+    if variant not in BUILDS:
+        raise ValueError(f"{BUILD_ENV} must be one of {sorted(BUILDS)}, got {variant!r}")
+    return variant
+
+
 def server_binary() -> Path:
-    return root() / "build" / "bin" / "llama-server"
+    return root() / build_variant() / "bin" / "llama-server"
 
 
 def gguf_path(quant_type: str) -> Path:
@@ -85,10 +101,12 @@ def source_tree(version: str, log: Path) -> Path:
 def build(src: Path, log: Path, jobs: int) -> None:
     if server_binary().is_file() and (server_binary().parent / "llama-quantize").is_file():
         return
-    build_dir = root() / "build"
+    build_dir = root() / build_variant()
+    flags = " ".join(BUILDS[build_variant()])
     _run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
           "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], log)  # fmt: skip
+          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+          *([f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if flags else [])], log)  # fmt: skip
     _run(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama-quantize", "-j", str(jobs)], log)
 
 
@@ -113,7 +131,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python sdist to take from")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--no-amx", action="store_true",
+                        help=f"build without AMX tiles into {root().name}/build-no-amx (benchmarks pick it with "
+                        f"{BUILD_ENV}=build-no-amx)")  # fmt: skip
     args = parser.parse_args()
+    if args.no_amx:
+        os.environ[BUILD_ENV] = "build-no-amx"
     from hpi_runtime.embedded import ensure_embedded_model
 
     root().mkdir(parents=True, exist_ok=True)

@@ -182,10 +182,12 @@ def quant_matmul(plan: KernelPlan, n: int, k: int, device: torch.device, deadlin
     q8, s8 = quantize_int8(weight)
     p4, s4, z4 = quantize_int4(weight, plan.group_size)
     # Timed on CUDA in a graph, each call on the next copy of its weight (as a model's layers are) so none is read
-    # from the L2: GPU time, as a decode step under CUDA graphs pays it.
-    copies = {"bf16": [(weight.clone(),) for _ in range(l2_missing_copies(weight.numel() * weight.element_size()))],
-              "int8": [(q8.clone(), s8) for _ in range(l2_missing_copies(q8.numel()))],
-              "int4": [(p4.clone(), s4, z4) for _ in range(l2_missing_copies(p4.numel()))]}  # fmt: skip
+    # from the L2: GPU time, as a decode step under CUDA graphs pays it. A dry run times nothing of Triton's.
+    copies = {}
+    if plan.time_triton:
+        copies = {"bf16": [(weight.clone(),) for _ in range(l2_missing_copies(weight.numel() * weight.element_size()))],
+                  "int8": [(q8.clone(), s8) for _ in range(l2_missing_copies(q8.numel()))],
+                  "int4": [(p4.clone(), s4, z4) for _ in range(l2_missing_copies(p4.numel()))]}  # fmt: skip
     kernels = {"int8": lambda x, w: hpi_kernels.int8_weight_only_matmul(x, *w),
                "int4": lambda x, w: hpi_kernels.int4_weight_only_matmul(x, *w, plan.group_size)}  # fmt: skip
     rows, cut = {}, []
