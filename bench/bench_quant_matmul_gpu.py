@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -57,9 +58,7 @@ def variants(module) -> dict:
 
         def unsplit(kind: str):
             def fn(x, w):
-                config = qm.default_config(x.shape[0], w[0].shape[0], x.shape[1], kind, x.dtype)
-                config = qm.MatmulConfig(config.block_m, config.block_n, config.block_k, 1, config.num_warps,
-                                         config.num_stages)  # fmt: skip
+                config = replace(qm.default_config(x.shape[0], w[0].shape[0], x.shape[1], x.dtype), split_k=1)
                 if kind == "int8":
                     return qm.int8_weight_only_matmul(x, *w, config=config)
                 return qm.int4_weight_only_matmul(x, *w, GROUP_SIZE, config=config)

@@ -48,8 +48,8 @@ DEQUANT_MIN_ROWS = 192
 _TARGET_PROGRAMS = 264
 
 
-def default_config(m: int, n: int, k: int, kind: str, dtype: torch.dtype) -> MatmulConfig:
-    """The tiles for an [m, k] x [k, n] product (kind "int8" or "int4"), rows below DEQUANT_MIN_ROWS."""
+def default_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tiles for an [m, k] x [k, n] product in `dtype` (int8 and int4 alike), rows below DEQUANT_MIN_ROWS."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     # fp32 tiles are twice the bytes: a 128-wide K tile would overflow shared memory on pre-Hopper GPUs.
     block_n, block_k = 64, (64 if dtype == torch.float32 else 128)
@@ -229,7 +229,7 @@ def _launch(kernel, x: torch.Tensor, n: int, config: MatmulConfig, *args, **cons
     else:
         out = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     kernel[grid](
-        x, *args, out, m, n, x.shape[1], *x.stride(), *args_strides(args), out.stride(-2), out.stride(-1),
+        x, *args, out, m, n, x.shape[1], *x.stride(), *_args_strides(args), out.stride(-2), out.stride(-1),
         **constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, PARTIAL=config.split_k > 1, UPCAST=interpreting() or x.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -237,7 +237,7 @@ def _launch(kernel, x: torch.Tensor, n: int, config: MatmulConfig, *args, **cons
     return out if config.split_k == 1 else out.sum(dim=0).to(x.dtype)
 
 
-def args_strides(args: tuple[torch.Tensor, ...]) -> list[int]:
+def _args_strides(args: tuple[torch.Tensor, ...]) -> list[int]:
     """The strides a kernel takes after x's: every 2-D operand's (N-major weights, group-wise scales and zeros)."""
     return [stride for t in args if t.dim() == 2 for stride in t.stride()]
 
@@ -285,8 +285,8 @@ def int8_weight_only_matmul(
     scales = scales.contiguous()
     if config is None and m >= DEQUANT_MIN_ROWS:
         return x @ dequantized_int8(weight, scales, x.dtype).T
-    config = config or default_config(m, n, k, "int8", x.dtype)
-    # The scales are 1-D: args_strides skips them, and the kernel takes the weight's two strides.
+    config = config or default_config(m, n, k, x.dtype)
+    # The scales are 1-D: _args_strides skips them, and the kernel takes the weight's two strides.
     return _launch(_int8_matmul_kernel, x, n, config, weight, scales)
 
 
@@ -316,5 +316,5 @@ def int4_weight_only_matmul(
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None and m >= DEQUANT_MIN_ROWS:
         return x @ dequantized_int4(packed, scales, zeros, group_size, x.dtype).T
-    config = config or default_config(m, n, k, "int4", x.dtype)
+    config = config or default_config(m, n, k, x.dtype)
     return _launch(_int4_matmul_kernel, x, n, config, packed, scales, zeros, GROUP_SIZE=group_size)

@@ -114,11 +114,11 @@ def test_dequantized_copies_equal_the_reference_rounded_to_the_dtype(device, dty
 
 def test_default_tiles_split_k_for_decode_and_not_for_few_k_tiles() -> None:
     # An 8B model's o projection at one row: 64 column tiles would leave most of a GPU's SMs idle.
-    decode = default_config(1, 4096, 4096, "int8", torch.bfloat16)
+    decode = default_config(1, 4096, 4096, torch.bfloat16)
     assert decode.split_k > 1 and decode.block_m == 16
     assert 4096 // (decode.block_k * decode.split_k) >= 4  # every program still streams several K tiles
-    assert default_config(1, 40, 256, "int8", torch.bfloat16).split_k == 1
-    assert default_config(DEQUANT_MIN_ROWS - 1, 4096, 4096, "int4", torch.float32).block_k == 64
+    assert default_config(1, 40, 256, torch.bfloat16).split_k == 1
+    assert default_config(DEQUANT_MIN_ROWS - 1, 4096, 4096, torch.float32).block_k == 64
 
 
 @pytest.mark.parametrize(
