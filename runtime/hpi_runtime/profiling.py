@@ -77,8 +77,10 @@ def compact_json(payload: dict[str, object], limit_bytes: int = TERMINATION_MESS
 
 
 def fit_itl(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha, beta) of step = alpha + beta x batch by least squares; both clamped at 0 (a step never gets
-    faster with more sequences, and never takes less than nothing)."""
+    """(alpha, beta) of step = alpha + beta x batch by least squares with both >= 0 (a step never gets faster
+    with more sequences, and never takes less than nothing). Where the free fit's intercept is negative (noise
+    on few points), the slope is refitted through the origin rather than the intercept zeroed under the free
+    slope, which would put the line below every point."""
     if not points:
         raise ValueError("need at least one (batch, step) point")
     if len(points) == 1 or len({b for b, _ in points}) == 1:
@@ -87,8 +89,12 @@ def fit_itl(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     mean_b = sum(b for b, _ in points) / n
     mean_t = sum(t for _, t in points) / n
     var = sum((b - mean_b) ** 2 for b, _ in points)
-    beta = max(sum((b - mean_b) * (t - mean_t) for b, t in points) / var, 0.0)
-    return max(mean_t - beta * mean_b, 0.0), beta
+    beta = sum((b - mean_b) * (t - mean_t) for b, t in points) / var
+    if beta <= 0:
+        return max(mean_t, 0.0), 0.0
+    if mean_t - beta * mean_b < 0:
+        return 0.0, max(sum(b * t for b, t in points) / sum(b * b for b, _ in points), 0.0)
+    return mean_t - beta * mean_b, beta
 
 
 def kv_bound_num_seqs(num_kv_blocks: int, block_size: int, context_tokens: int, max_num_seqs: int) -> int:

@@ -59,7 +59,9 @@ def test_dry_run_runs_every_part_fits_the_device_tool_and_reruns_one_part(tmp_pa
         assert served["ratios"][clients]["hpi_over_tf"] > 0
     assert "8b" in records["profile"]["skipped"]  # the dry run profiles the 2-layer embedded shape instead
     profile = records["profile"]["results"]["profile"]  # `hpi profile`'s own JSON, through its command line
-    assert profile["itlAlphaMs"] > 0 and [b for b, _ in profile["decodePoints"]] == [1, 2]
+    # Two noisy points on a loaded CI machine can fit a zero intercept: the line, not alpha alone, must be positive.
+    assert profile["itlAlphaMs"] >= 0 and profile["itlBetaMs"] >= 0
+    assert profile["itlAlphaMs"] + profile["itlBetaMs"] > 0 and [b for b, _ in profile["decodePoints"]] == [1, 2]
     assert records["tests"]["results"]["counts"].get("skipped", 0) > 0
     assert not records["tests"]["results"]["failures"]
     summary = (out / "summary.md").read_text()

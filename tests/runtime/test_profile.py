@@ -18,10 +18,12 @@ from hpi_runtime.profiling import compact_json, fit_itl, kv_bound_num_seqs, meas
 PERFORMANCE_FIELDS = ("itlAlphaMs", "itlBetaMs", "prefillTokensPerSecond", "maxNumSeqs")
 
 
-def test_the_itl_line_is_a_least_squares_fit_clamped_at_zero() -> None:
+def test_the_itl_line_is_a_least_squares_fit_with_no_negative_term() -> None:
     assert fit_itl([(1, 12.0), (2, 14.0), (4, 18.0), (8, 26.0)]) == pytest.approx((10.0, 2.0))
     assert fit_itl([(4, 9.0)]) == (9.0, 0.0)  # one batch size: a flat line
-    assert fit_itl([(1, 10.0), (8, 9.0)])[1] == 0.0  # noise that slopes down is no speed-up
+    assert fit_itl([(1, 10.0), (8, 9.0)]) == (9.5, 0.0)  # noise that slopes down is no speed-up: a flat mean
+    # A free intercept below zero (-2): the slope through the origin (1 x 1 + 2 x 4) / (1 + 4), not the free 3.
+    assert fit_itl([(1, 1.0), (2, 4.0)]) == pytest.approx((0.0, 1.8))
     with pytest.raises(ValueError):
         fit_itl([])
 
