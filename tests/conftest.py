@@ -10,6 +10,14 @@ from urllib.parse import urlparse
 
 import pytest
 
+# Under pytest-xdist every worker is a torch process whose OpenMP pool would take every core: N workers on N cores
+# then run N x N threads, and OpenMP's spinning barriers stall on the oversubscribed cores (a 3 s test took 112 s
+# beside another worker; the whole suite on 2 cores 800 s against 526 s without). Each worker, and the servers and
+# children it starts, gets its share of the cores; the C++ kernels' own tests still split their work over two
+# threads (tests/kernels/conftest.py).
+if (_workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(_workers)))
+
 
 def _cuda_available() -> bool:
     if importlib.util.find_spec("torch") is None:

@@ -16,6 +16,19 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def cpu_kernel_threads(request: pytest.FixtureRequest):
+    """The C++ CPU kernels split their work over OpenMP threads (panels, rows, heads, a scratch buffer per thread):
+    their tests run with at least two threads, even in a pytest-xdist worker given one core (tests/conftest.py)."""
+    if not request.path.name.startswith("test_cpu_"):
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(2, previous))
+    yield
+    torch.set_num_threads(previous)
+
+
 @dataclass(frozen=True)
 class PagedCache:
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
