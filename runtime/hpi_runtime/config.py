@@ -62,8 +62,10 @@ class LoadConfig:
     int4_activations: str = option(
         "auto", "int4 only, CPU: int8 quantizes each activation row to int8 per group of k for the int4 linears "
         "(W4A8, as llama.cpp's Q4_0 x Q8_0 dot products: exact integer sums, more multiply-adds per "
-        "instruction); float keeps the activations as they are; auto = int8 where the kernels have integer dot "
-        "products for it (AVX512-VNNI, AVX2), else float", choices=("auto", "int8", "float"))  # fmt: skip
+        "instruction) at every batch size; float keeps the activations as they are; auto = int8 where the kernels "
+        "have integer dot products for it (AVX512-VNNI, AVX2), up to the batch size where it measures faster than "
+        "the float tiles on this CPU at start-up (HPI_CPU_INT4_A8_MAX_ROWS overrides), else float",
+        choices=("auto", "int8", "float"))  # fmt: skip
     # Off by default: its error lands directly on the logits (and, tied, on the embeddings).
     quantize_lm_head: bool = option(
         False, "also quantize the LM head: an untied head like the other linears, a head tied to the embeddings "

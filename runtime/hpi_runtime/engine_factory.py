@@ -179,7 +179,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     compile_root = compile_cache.requested_dir(load.compile_cache_dir)
     # Before resolve_dtype: it may build the C++ kernels.
     platform_dir = compile_cache.use_for_kernels(compile_root, device) if compile_root else None
-    quantization = resolve_int4_activations(quantization, device)  # "auto" may build the C++ kernels too
+    dtype = resolve_dtype(load.dtype, device, model_config.torch_dtype)
+    quantization = resolve_int4_activations(quantization, device, dtype)  # "auto" may build and time the C++ kernels
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -192,7 +193,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
                                                  tensor_parallel_size, engine_config.kv_sliding_window)  # fmt: skip
     executor_config = ExecutorConfig(
         model_config=model_config.for_max_model_len(max_model_len),  # LongRoPE picks its factors
-        dtype=resolve_dtype(load.dtype, device, model_config.torch_dtype),
+        dtype=dtype,
         device=device,
         max_model_len=max_model_len,
         cache=args.cache,

@@ -11,12 +11,15 @@ at a time, more blocks a whole panel). The AVX2 and generic builds run this file
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hpi_kernels.cpu import (
     int4_a8_linear,
+    int4_a8_max_rows,
     int4_a8_tile,
     int4_linear,
     int8_linear,
@@ -27,6 +30,7 @@ from hpi_kernels.cpu import (
     pack_int8_weight,
     prefill_gemm,
 )
+from hpi_kernels.cpu.quant_linear import A8_ROW_LADDER
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 FP32 = {"atol": 1e-4, "rtol": 1e-5}  # fp32 sums of up to 576 products against fp64
@@ -181,6 +185,55 @@ def test_int4_a8_quantizes_each_group_apart() -> None:
     assert torch.equal(int4_a8_linear(torch.zeros(3, 128), packed, scales_zeros, 32, 64, bias), bias.expand(3, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_a8_up_to_max_rows_then_the_float_tiles(dtype: torch.dtype) -> None:
+    """max_rows: inputs of at most that many rows (leading dimensions flattened) are W4A8's, bit for bit; larger
+    ones int4_linear's; 0 is never W4A8, -1 always."""
+    quantized, _ = _int4(96, 128, 32)
+    packed, scales_zeros = pack_int4_weight(*quantized, 32)
+    bias = torch.randn(96).to(dtype)
+
+    def op(x: torch.Tensor, max_rows: int) -> torch.Tensor:
+        return int4_a8_linear(x, packed, scales_zeros, 32, 96, bias, max_rows)
+
+    a8 = functools.partial(op, max_rows=-1)
+    plain = functools.partial(int4_linear, packed=packed, scales_zeros=scales_zeros, group_size=32, out_features=96,
+                              bias=bias)  # fmt: skip
+    for rows in (1, 3, 4, 5, 16, 400):
+        x = torch.randn(rows, 128).to(dtype)
+        assert not torch.equal(a8(x), plain(x))  # the two paths differ, so the equalities below tell them apart
+        assert torch.equal(op(x, 4), a8(x) if rows <= 4 else plain(x)), rows
+        assert torch.equal(op(x, 0), plain(x))
+    batched = torch.randn(2, 3, 128).to(dtype)  # 6 rows
+    assert torch.equal(op(batched, 5), plain(batched)) and torch.equal(op(batched, 6), a8(batched))
+    with pytest.raises(ValueError, match="max_rows must be -1"):
+        op(batched, -2)
+
+
+def test_int4_a8_max_rows_is_measured_once_or_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement returns -1, 0 or a count it timed, the same on a second call (cached per dtype); the
+    environment variable replaces it, and a bad value is a ValueError."""
+    monkeypatch.delenv("HPI_CPU_INT4_A8_MAX_ROWS", raising=False)
+    int4_a8_max_rows.cache_clear()
+    try:
+        measured = int4_a8_max_rows(torch.bfloat16)
+        assert measured in (-1, 0, *A8_ROW_LADDER[:-1])
+        assert int4_a8_max_rows(torch.bfloat16) == measured
+        with pytest.raises(ValueError, match="measures float32 or bfloat16"):
+            int4_a8_max_rows(torch.float16)
+        for value in (12, -1, 0):
+            int4_a8_max_rows.cache_clear()
+            monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", str(value))
+            assert int4_a8_max_rows(torch.float32) == value
+        for bad in ("many", "-2"):
+            int4_a8_max_rows.cache_clear()
+            monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", bad)
+            with pytest.raises(ValueError, match="HPI_CPU_INT4_A8_MAX_ROWS must be -1"):
+                int4_a8_max_rows(torch.float32)
+    finally:
+        int4_a8_max_rows.cache_clear()  # the next caller measures again, without the variable
+
+
 def test_int4_a8_tile_names_this_cpus_path() -> None:
     capability = torch.backends.cpu.get_cpu_capability()  # the build in use (the child runs force AVX2, DEFAULT)
     flags = open("/proc/cpuinfo").read()
@@ -301,3 +354,4 @@ def test_op_schemas_and_fake_kernels() -> None:
     a8_op = torch.ops.hpi_kernels.int4_a8_linear.default
     torch.library.opcheck(a8_op, (torch.randn(5, 96), packed4, scales_zeros, 32, 64, torch.randn(64)))
     torch.library.opcheck(a8_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None))
+    torch.library.opcheck(a8_op, (torch.randn(2, 3, 96).bfloat16(), packed4, scales_zeros, 32, 64, None, 4))

@@ -20,6 +20,7 @@ from hpi_kernels.cpu.packed_linear import (
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 from hpi_kernels.cpu.quant_linear import (
     int4_a8_linear,
+    int4_a8_max_rows,
     int4_a8_tile,
     int4_linear,
     int8_linear,
@@ -36,6 +37,7 @@ __all__ = [
     "cpu_capability",
     "cpu_kernels_available",
     "int4_a8_linear",
+    "int4_a8_max_rows",
     "int4_a8_tile",
     "int4_linear",
     "int8_linear",

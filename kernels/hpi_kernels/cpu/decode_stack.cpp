@@ -54,6 +54,7 @@ enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3, kI
 
 struct Linear {
   int64_t kind = kUnpacked, out_features = 0, group_size = 0;
+  int64_t a8_max_rows = -1;  // kInt4A8: W4A8 up to this many rows, the float tiles above (-1: at any count)
   at::Tensor weight, scales;  // scales: int8's per-channel scales, int4's (scale, zero) pairs; else undefined
   std::optional<at::Tensor> bias;
   // LoRA (runtime/hpi_runtime/lora/layers.py): the projection's adapter slots, A [S, W, in] and B transposed
@@ -82,6 +83,8 @@ struct Linear {
                            const std::optional<at::Tensor>&);
     using Op5 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                            const std::optional<at::Tensor>&);
+    using OpA8 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                            const std::optional<at::Tensor>&, int64_t);
     static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::packed_linear", "")
                                    .typed<Op3>();
     static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int8_linear", "")
@@ -89,12 +92,12 @@ struct Linear {
     static const auto int4 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_linear", "")
                                  .typed<Op5>();
     static const auto int4_a8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_a8_linear", "")
-                                    .typed<Op5>();
+                                    .typed<OpA8>();
     switch (kind) {
       case kPacked: return packed.call(x, weight, out_features, bias);
       case kInt8: return int8.call(x, weight, scales, out_features, bias);
       case kInt4: return int4.call(x, weight, scales, group_size, out_features, bias);
-      case kInt4A8: return int4_a8.call(x, weight, scales, group_size, out_features, bias);
+      case kInt4A8: return int4_a8.call(x, weight, scales, group_size, out_features, bias, a8_max_rows);
       default: return at::linear(x, weight, bias);
     }
   }
@@ -255,6 +258,14 @@ class DecodeStack : public torch::CustomClassHolder {
     linear.out_features = out_features;
     linear.group_size = group_size;
     pending_.push_back(std::move(linear));
+  }
+
+  // For the W4A8 linear (kInt4A8) added last: W4A8 up to max_rows rows, the float tiles above (-1: any count).
+  void set_a8_max_rows(int64_t max_rows) {
+    TORCH_CHECK_VALUE(!pending_.empty() && pending_.back().kind == kInt4A8,
+                      "DecodeStack: set_a8_max_rows follows the add_linear of a W4A8 linear");
+    TORCH_CHECK_VALUE(max_rows >= -1, "DecodeStack: max_rows must be -1 (any) or >= 0, got ", max_rows);
+    pending_.back().a8_max_rows = max_rows;
   }
 
   // LoRA adapter slots for the linear added last (lora/layers.py's LoRAProjection): A [S, W, in], B transposed
@@ -481,6 +492,7 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_linear", &DecodeStack::add_linear)
+      .def("set_a8_max_rows", &DecodeStack::set_a8_max_rows)
       .def("set_lora", &DecodeStack::set_lora)
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_head_norms", &DecodeStack::set_head_norms)

@@ -968,12 +968,13 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, c
   return {packed, scales_zeros};
 }
 
-// int8_x: W4A8 (x quantized to int8 per row and group) at every row count: its tile beat dequantize + GEMM at
-// 256-2048 rows too (1.14-1.45x oneDNN's bf16 GEMM, 2.5-3.4x MKL's sgemm over the int4 linears of the embedded
-// model), so a row's result is also the same in a long prefill as in a decode step.
+// a8_max_rows: W4A8 (x quantized to int8 per row and group) for inputs of at most that many rows (-1: any, 0:
+// none). On the AVX512-VNNI EPYC its tile beat dequantize + GEMM at 256-2048 rows too (1.14-1.45x oneDNN's bf16
+// GEMM, 2.5-3.4x MKL's sgemm over the int4 linears of the embedded model); with bf16 x where the AMX tiles run, the
+// float path wins from 16 rows (0.4-0.8x W4A8's time), so the runtime measures where to switch.
 at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_zeros, int64_t group_size, int64_t out_features,
-                            const std::optional<at::Tensor>& bias, bool int8_x) {
+                            const std::optional<at::Tensor>& bias, int64_t a8_max_rows) {
   check_panels(op, packed, at::kInt, out_features);
   const int64_t K = 8 * packed.size(1);
   TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, op, ": group_size ", group_size,
@@ -986,6 +987,7 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
                     kNr, ", 2] from pack_int4_weight, got ", scales_zeros.scalar_type(), " ", scales_zeros.sizes());
   const Problem p = problem(op, x, K, out_features, bias);
   if (p.M == 0) return p.out;
+  const bool int8_x = a8_max_rows < 0 || p.M <= a8_max_rows;  // W4A8 (x quantized to int8 per group) or float x
   const int32_t* codes = packed.const_data_ptr<int32_t>();
   const auto* sz = reinterpret_cast<const int32_t*>(scales_zeros.const_data_ptr<c10::BFloat16>());
   const int64_t groups = K / group_size, panel_words = K / 8 * kNr;
@@ -1079,12 +1081,16 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                        int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
-  return int4_linear_impl("int4_linear", x, packed, scales_zeros, group_size, out_features, bias, false);
+  return int4_linear_impl("int4_linear", x, packed, scales_zeros, group_size, out_features, bias, 0);
 }
 
+// W4A8 for inputs of at most max_rows rows (-1: any number); more rows take int4_linear's float tiles, which
+// measure faster there on some CPUs (AMX: the runtime's start-up measurement, int4_a8_max_rows in quant_linear.py).
 at::Tensor int4_a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                          int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
-  return int4_linear_impl("int4_a8_linear", x, packed, scales_zeros, group_size, out_features, bias, true);
+                          int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias,
+                          int64_t max_rows) {
+  TORCH_CHECK_VALUE(max_rows >= -1, "int4_a8_linear: max_rows must be -1 (any) or >= 0, got ", max_rows);
+  return int4_linear_impl("int4_a8_linear", x, packed, scales_zeros, group_size, out_features, bias, max_rows);
 }
 
 at::Tensor quant_linear_meta(const at::Tensor& x, int64_t out_features) {
@@ -1109,6 +1115,11 @@ at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return quant_linear_meta(x, out_features);
 }
 
+at::Tensor int4_a8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t,
+                               int64_t out_features, const std::optional<at::Tensor>&, int64_t) {
+  return quant_linear_meta(x, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
@@ -1121,7 +1132,7 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
       "Tensor? bias=None) -> Tensor");
   m.def(
       "int4_a8_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
-      "Tensor? bias=None) -> Tensor");
+      "Tensor? bias=None, int max_rows=-1) -> Tensor");
   m.def("int4_a8_tile() -> str", &int4_a8_tile);
 }
 
@@ -1138,5 +1149,5 @@ TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("int8_linear", &int8_linear_meta);
   m.impl("int8_logits", &int8_logits_meta);
   m.impl("int4_linear", &int4_linear_meta);
-  m.impl("int4_a8_linear", &int4_linear_meta);
+  m.impl("int4_a8_linear", &int4_a8_linear_meta);
 }

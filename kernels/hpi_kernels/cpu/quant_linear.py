@@ -17,6 +17,12 @@ bf16: perplexity +0.04% here).
 
 from __future__ import annotations
 
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+
 import torch
 
 from hpi_kernels.cpu._extension import load_extension
@@ -101,16 +107,76 @@ def int4_a8_linear(
     group_size: int,
     out_features: int,
     bias: torch.Tensor | None = None,  # [N], x's dtype
+    max_rows: int = -1,  # W4A8 for inputs of at most this many rows, int4_linear above; -1: any number
 ) -> torch.Tensor:  # [..., N], x's dtype
     """int4_linear with x quantized to int8 per row and group of k (W4A8, as llama.cpp's Q4_0 x Q8_0): each
     group's sum(x * (q - 8)) becomes x_scale * sum(code * (q - 8)) in exact integer arithmetic, x_scale = max|x| /
     127 over the group and codes = round(x / x_scale) (ties to even); the zero point multiplies the exact sum of x.
     Integer dot products run four products per lane and instruction (vpdpbusd) where `int4_a8_tile()` is "vnni",
-    vpmaddubsw + vpmaddwd where it is "avx2", plain loops elsewhere. At every row count: prefill-sized x too (the
-    tile beats int4_linear's dequantized GEMM there), so a row's result does not depend on the size of its batch
-    or prefill chunk."""
+    vpmaddubsw + vpmaddwd where it is "avx2", plain loops elsewhere. With max_rows -1 at every row count,
+    prefill-sized x too, so a row's result does not depend on the size of its batch or prefill chunk; where the
+    float tiles are faster for many rows (bf16 x on AMX tiles), `int4_a8_max_rows` measures where to switch."""
     load_extension()
-    return torch.ops.hpi_kernels.int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias)
+    return torch.ops.hpi_kernels.int4_a8_linear(x, packed, scales_zeros, group_size, out_features, bias, max_rows)
+
+
+# Row counts int4_a8_max_rows times, ascending: decode batches, then a prefill chunk's size.
+A8_ROW_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 384)
+_A8_SHAPE = (4096, 2048)  # [N, K] of each measured weight: 4 MiB of int4, two of them alternate (out of L2)
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@functools.cache
+def int4_a8_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` x for which W4A8 (int4_a8_linear) beats the float tiles (int4_linear) on this CPU,
+    measured once per process (int4_a8_linear's max_rows): -1 where it wins at every count of A8_ROW_LADDER up to a
+    prefill chunk's, 0 where it never wins. Each count times both in alternation on two weights (out of the
+    caches); the first count where the float tiles win at it and at the next ends the search, so one noisy
+    sample does not. HPI_CPU_INT4_A8_MAX_ROWS=<n> (or -1) sets it without measuring."""
+    forced = os.environ.get("HPI_CPU_INT4_A8_MAX_ROWS")
+    if forced is not None:
+        try:
+            value = int(forced)
+        except ValueError:
+            value = -2
+        if value < -1:
+            raise ValueError(f"HPI_CPU_INT4_A8_MAX_ROWS must be -1 (any) or a row count >= 0, got {forced!r}")
+        return value
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int4_a8_max_rows measures float32 or bfloat16 x, not {dtype}")
+    generator = torch.Generator().manual_seed(0)
+    n, k = _A8_SHAPE
+    weights = []
+    for _ in range(2):
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+        scales = torch.rand(n, k // 32, generator=generator) * 0.01 + 0.001
+        weights.append(pack_int4_weight(codes, scales, torch.zeros_like(scales), 32))
+    best, float_wins = 0, 0
+    for rows in A8_ROW_LADDER:
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+
+        def run(a8: bool, x: torch.Tensor = x) -> None:
+            for packed, scales_zeros in weights:
+                op = torch.ops.hpi_kernels.int4_a8_linear if a8 else torch.ops.hpi_kernels.int4_linear
+                op(x, packed, scales_zeros, 32, n)
+
+        run(True), run(False)  # warm: the scratch buffers, the first touch of the output
+        a8_s, float_s = [], []
+        for _ in range(5):  # alternating, so that a slow moment of the machine lands on both
+            a8_s.append(_seconds(lambda: run(True)))
+            float_s.append(_seconds(lambda: run(False)))
+        if statistics.median(a8_s) <= statistics.median(float_s):
+            best, float_wins = rows, 0
+        else:
+            float_wins += 1
+            if float_wins == 2:
+                return best
+    return -1 if best == A8_ROW_LADDER[-1] else best
 
 
 def int4_a8_tile() -> str:

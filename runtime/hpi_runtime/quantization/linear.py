@@ -4,7 +4,8 @@ CPU, fp32 or bf16 activations: hpi_kernels' packed tiles (`hpi_kernels.cpu.quant
 kernels build): the portable weight repacked once into column panels that stream once per step, widened to
 fp32 in registers, summed in fp32; activations are not rounded, except that int4 layers quantize them to int8
 per group of k (W4A8, `int4_a8_linear`) where `int4_activations` says so (by default where its tile has
-integer dot products: AVX512-VNNI or the AVX2 build; int4_int8_activations). Elsewhere on CPU (fp16 activations, or no
+integer dot products, AVX512-VNNI or the AVX2 build, up to the row count where it measures faster than the
+float tiles; int4_a8_rows). Elsewhere on CPU (fp16 activations, or no
 C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
 `aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
 `aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
@@ -20,7 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import cpu_kernels_available, int4_a8_tile, int8_weight_rows, pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu import (
+    cpu_kernels_available,
+    int4_a8_max_rows,
+    int4_a8_tile,
+    int8_weight_rows,
+    pack_int4_weight,
+    pack_int8_weight,
+)
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
 INTEGER_TILES = ("vnni", "avx2")  # hpi_kernels.int4_a8_tile() values with integer dot-product instructions
@@ -47,19 +55,25 @@ def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype
     return activation_dtype
 
 
-def int4_int8_activations(setting: str, device: torch.device | str) -> bool:
-    """Whether int4 layers quantize their activations to int8 (W4A8) for `int4_activations` = setting ("auto",
-    "int8", "float") on this device: only hpi_kernels' CPU panels have the W4A8 op; "auto" takes it where its
-    integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), where it measured faster than the
-    float tiles (docs/quantization.md, "W4A8"), not where it is plain loops. ValueError for "int8" on another
-    device."""
+def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype) -> int:
+    """Up to how many rows int4 layers quantize their `dtype` activations to int8 (W4A8) for `int4_activations` =
+    setting ("auto", "int8", "float") on this device: 0 (never: float x), -1 (at every row count) or a count.
+    Only hpi_kernels' CPU panels (fp32 and bf16 x) have the W4A8 op. "int8" takes it at every count; "auto" where
+    its integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), not where it is plain loops, and
+    up to the row count where it measures faster than the float tiles on this CPU (hpi_kernels'
+    int4_a8_max_rows: every count on the AVX512-VNNI EPYC, 12 rows with bf16 x on AMX tiles; docs/quantization.md,
+    "W4A8"). ValueError for "int8" on another device."""
     if torch.device(device).type != "cpu":
         if setting == "int8":
             raise ValueError(f"int4_activations int8 (W4A8) runs on CPU only, not {torch.device(device).type}")
-        return False
-    if setting == "auto":
-        return cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES
-    return setting == "int8"
+        return 0
+    if setting == "int8":
+        return -1
+    if setting != "auto" or dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    if not (cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES):
+        return 0
+    return int4_a8_max_rows(dtype)
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,8 @@ class QuantizedLinear(nn.Module):
         dtype: torch.dtype,  # activation dtype
         device: torch.device,
         input_perm: torch.Tensor | None = None,  # [K] int64: the weight's columns are x's in this order
-        int4_activations: str = "float",  # "auto" | "int8" | "float": see int4_int8_activations
+        int4_activations: str = "float",  # "auto" | "int8" | "float": see int4_a8_rows
+        a8_max_rows: int = -1,  # int4_activations "int8": W4A8 up to this many rows, float x above (-1: all)
     ) -> None:
         super().__init__()
         self.activation_dtype = dtype
@@ -140,9 +155,11 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.device_type = torch.device(device).type
         self.cpu_panels = uses_cpu_panels(weight, dtype, device)
-        # W4A8: int4 panels with x quantized to int8 per group (hpi_kernels' int4_a8_linear).
-        self.int8_activations = (self.cpu_panels and self.method == "int4"
-                                 and int4_int8_activations(int4_activations, device))  # fmt: skip
+        # W4A8: int4 panels with x quantized to int8 per group (hpi_kernels' int4_a8_linear) up to a8_max_rows rows.
+        a8_rows = int4_a8_rows(int4_activations, device, dtype) if self.cpu_panels and self.method == "int4" else 0
+        if a8_rows == -1 and int4_activations == "int8":
+            a8_rows = a8_max_rows
+        self.int8_activations, self.a8_max_rows = a8_rows != 0, a8_rows
 
         def frozen(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
@@ -177,7 +194,8 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method == "int4" else ""
         perm = ", input_perm" if self.input_perm is not None else ""
-        panels = (", hpi_kernels panels" + (", int8 activations" if self.int8_activations else "")
+        rows = "" if self.a8_max_rows == -1 else f" up to {self.a8_max_rows} rows"
+        panels = (", hpi_kernels panels" + (f", int8 activations{rows}" if self.int8_activations else "")
                   if self.cpu_panels else "")  # fmt: skip
         return f"{self.in_features}, {self.out_features}, {self.method}{group}{perm}, {self.device_type}{panels}"
 
@@ -218,9 +236,12 @@ class QuantizedLinear(nn.Module):
         x = rows.to(self.activation_dtype)
         if self.method == "int8":
             out = torch.ops.hpi_kernels.int8_linear(x, self.qweight, self.scales, self.out_features, self.bias)
+        elif self.int8_activations:
+            out = torch.ops.hpi_kernels.int4_a8_linear(x, self.qweight, self.scales_and_zeros, self.group_size,
+                                                       self.out_features, self.bias, self.a8_max_rows)  # fmt: skip
         else:
-            op = torch.ops.hpi_kernels.int4_a8_linear if self.int8_activations else torch.ops.hpi_kernels.int4_linear
-            out = op(x, self.qweight, self.scales_and_zeros, self.group_size, self.out_features, self.bias)
+            out = torch.ops.hpi_kernels.int4_linear(x, self.qweight, self.scales_and_zeros, self.group_size,
+                                                    self.out_features, self.bias)  # fmt: skip
         return out.to(rows.dtype)
 
     def _packed_forward(self, rows: torch.Tensor) -> torch.Tensor:

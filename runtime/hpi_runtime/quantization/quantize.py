@@ -31,7 +31,7 @@ from hpi_runtime.models.moe import FusedExperts
 from hpi_runtime.models.parallel import mlp_span, split_heads
 from hpi_runtime.quantization.checkpoint import read_checkpoint_quantization
 from hpi_runtime.quantization.int4_fit import fit_int4
-from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, int4_int8_activations, op_dtype
+from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, int4_a8_rows, op_dtype
 from hpi_runtime.quantization.policy import DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
@@ -52,7 +52,10 @@ class QuantizationConfig:
     quantize_lm_head: bool = False  # untied heads only; a tied head shares the (float) embedding
     int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales and zeros are chosen (int4_fit.py)
     int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at higher precision (quantization/policy.py)
-    int4_activations: str = "auto"  # "auto" | "int8" | "float": W4A8 on CPU panels (linear.int4_int8_activations)
+    int4_activations: str = "auto"  # "auto" | "int8" | "float": W4A8 on CPU panels (linear.int4_a8_rows)
+    # int4_activations "int8": W4A8 up to this many rows, float x above; -1 at every row count ("auto" resolves to
+    # the count measured on the device, linear.int4_a8_rows)
+    int4_a8_max_rows: int = -1
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -66,6 +69,8 @@ class QuantizationConfig:
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
                              f"got {self.int4_activations!r}")  # fmt: skip
+        if self.int4_a8_max_rows < -1:
+            raise ValueError(f"int4_a8_max_rows must be -1 (every row count) or >= 0; got {self.int4_a8_max_rows}")
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +81,9 @@ class QuantizationConfig:
         """The name the `hpi:quantization_info` metric and the start-up log give this quantization."""
         if self.method != "int4":
             return self.method
-        activations = "-a8" if self.int4_activations == "int8" else ""  # "auto" is resolved per device first
+        activations = ""  # "auto" is resolved per device first
+        if self.int4_activations == "int8":
+            activations = "-a8" if self.int4_a8_max_rows == -1 else f"-a8upto{self.int4_a8_max_rows}"
         return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{activations}"
 
 
@@ -232,18 +239,22 @@ def resolve_quantization(
                                 f"{checkpoint.scheme} (pre-quantized checkpoint, repacked at load)")  # fmt: skip
 
 
-def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device) -> ResolvedQuantization:
-    """At-load int4's `int4_activations` made concrete for the device ("auto" -> "int8" or "float",
-    linear.int4_int8_activations), so that the scheme label, the log and the compile cache key say whether the
-    int4 layers run W4A8. ValueError for "int8" on a GPU."""
+def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device,
+                             dtype: torch.dtype) -> ResolvedQuantization:  # fmt: skip
+    """At-load int4's `int4_activations` made concrete for the device and activation dtype ("auto" -> "int8" up to
+    the row count W4A8 measures faster to, or "float"; linear.int4_a8_rows), so that the scheme label, the log and
+    the compile cache key say where the int4 layers run W4A8. ValueError for "int8" on a GPU."""
     config = resolved.config
     if config.method != "int4":
         return resolved
-    activations = "int8" if int4_int8_activations(config.int4_activations, device) else "float"
-    config = dataclasses.replace(config, int4_activations=activations)
+    rows = int4_a8_rows(config.int4_activations, device, dtype)
+    if config.int4_activations == "int8":
+        rows = config.int4_a8_max_rows
+    config = dataclasses.replace(config, int4_activations="int8" if rows else "float", int4_a8_max_rows=rows or -1)
     detail = resolved.detail.replace(resolved.scheme, config.scheme, 1)
-    if activations == "int8":
-        detail += "; activations int8 per group of k for the int4 linears (W4A8)"
+    if rows:
+        upto = "" if rows == -1 else f" up to {rows} rows (the float tiles measured faster above)"
+        detail += f"; activations int8 per group of k for the int4 linears (W4A8){upto}"
     return dataclasses.replace(resolved, config=config, scheme=config.scheme, detail=detail)
 
 
@@ -261,7 +272,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device,
-                                    int4_activations=layer_config.int4_activations)  # fmt: skip
+                                    int4_activations=layer_config.int4_activations,
+                                    a8_max_rows=layer_config.int4_a8_max_rows)  # fmt: skip
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
         if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on

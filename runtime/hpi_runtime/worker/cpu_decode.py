@@ -102,6 +102,8 @@ def build_stack(model: DecoderForCausalLM, lora: LoRAModel | None = None) -> tor
         attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
             stack.add_linear(*_linear_args(linear))
+            if isinstance(linear, QuantizedLinear) and linear.int8_activations:
+                stack.set_a8_max_rows(linear.a8_max_rows)
             if lora is not None and (slots := lora.by_module.get(linear)) is not None:
                 stack.set_lora(slots.a, slots.bt, slots.part_cols)
         attn = attention.attn

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from hpi_kernels.cpu import int4_a8_tile
+from hpi_kernels.cpu import int4_a8_max_rows, int4_a8_tile
 from hpi_runtime.cli import build_parser
 from hpi_runtime.config import EngineArgs
 from hpi_runtime.engine_factory import create_engine, resolve_engine
 from hpi_runtime.llm import LLM
-from hpi_runtime.quantization.linear import QuantizedLinear, int4_int8_activations
+from hpi_runtime.quantization.linear import QuantizedLinear, int4_a8_rows
 from hpi_runtime.quantization.policy import _RULES, DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 from hpi_runtime.quantization.quantize import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -117,16 +118,35 @@ def test_policy_rules_pick_layers_by_position() -> None:
     assert describe_policy("mixed", 30) == "int8: qkv_proj of layers 0-29"
 
 
-def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path) -> None:
-    """auto is W4A8 exactly where its tile has integer dot products (not plain loops); the resolved choice is in
-    the scheme label (and so in the metric and the compile cache key) and reaches the int4 layers, not the int8
-    ones."""
+def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """auto is W4A8 exactly where its tile has integer dot products (not plain loops), up to the row count measured
+    (here set by HPI_CPU_INT4_A8_MAX_ROWS); the resolved choice is in the scheme label (and so in the metric and the
+    compile cache key) and reaches the int4 layers, not the int8 ones."""
     def scheme(**options) -> str:
         return resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), **options)).quantization_scheme
 
     base = f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
-    assert scheme(quantization="int4") == base + ("-a8" if int4_a8_tile() in ("vnni", "avx2") else "")
-    assert scheme(quantization="int4", int4_activations="int8") == base + "-a8"
+    integer_tile = int4_a8_tile() in ("vnni", "avx2")
+    try:
+        for rows, label in ((-1, "-a8"), (12, "-a8upto12"), (0, "")):
+            int4_a8_max_rows.cache_clear()
+            monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", str(rows))
+            assert scheme(quantization="int4") == base + (label if integer_tile else "")
+            assert scheme(quantization="int4", int4_activations="int8") == base + "-a8"  # every row count
+        monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", "2")
+        int4_a8_max_rows.cache_clear()
+        llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", kv_cache_memory_bytes=1 << 20,
+                  max_model_len=64)  # fmt: skip
+        if integer_tile:
+            assert "W4A8) up to 2 rows" in llm.bundle.resolved.quantization_detail
+            down_proj = llm.engine.executor.model.model.layers[0].mlp.down_proj
+            assert down_proj.a8_max_rows == 2 and "int8 activations up to 2 rows" in repr(down_proj)
+        outs = llm.generate(["hello world", "a b c"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert [len(out.output_token_ids) for out in outs] == [8, 8]
+        llm.shutdown()
+    finally:
+        int4_a8_max_rows.cache_clear()
     assert scheme(quantization="int4", int4_activations="float") == base
     assert scheme(quantization="int8", int4_activations="int8") == "int8"
     detail = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4",
@@ -140,7 +160,10 @@ def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Pa
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 8
     with pytest.raises(ValueError, match="runs on CPU only"):
-        int4_int8_activations("int8", "cuda")
-    assert not int4_int8_activations("auto", "cuda")
+        int4_a8_rows("int8", "cuda", torch.bfloat16)
+    assert int4_a8_rows("auto", "cuda", torch.bfloat16) == 0
+    assert int4_a8_rows("auto", "cpu", torch.float16) == 0  # fp16 x runs torch's ops, which have no W4A8
+    with pytest.raises(ValueError, match="int4_a8_max_rows must be -1"):
+        QuantizationConfig("int4", int4_a8_max_rows=-3)
     with pytest.raises(ValueError, match="int4_activations must be one of"):
         QuantizationConfig("int4", int4_activations="int4")

@@ -40,9 +40,12 @@ def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack
     # cpu_attention=False: the reference attention (gather + SDPA) instead of the C++ kernel.
     backend = PagedAttentionOpBackend(dtype, prefer_cpu_kernel=cpu_attention)
     model = load_model(config, dtype, cpu, backend)
-    # "int4" runs the float-activation int4 op, "int4-a8" W4A8 (int4_a8_linear), whatever this CPU's default.
+    # "int4" runs the float-activation int4 op, "int4-a8" W4A8 (int4_a8_linear), whatever this CPU's default;
+    # "int4-a8upto2" W4A8 up to 2 rows and the float tiles above (as "auto" where those measure faster).
     method, _, a8 = quantization.partition("-")
-    quantize_model(model, QuantizationConfig(method=method, int4_activations="int8" if a8 else "float"))
+    rows = int(a8.removeprefix("a8upto")) if a8.startswith("a8upto") else -1
+    quantize_model(model, QuantizationConfig(method=method, int4_activations="int8" if a8 else "float",
+                                             int4_a8_max_rows=rows))  # fmt: skip
     if pack:
         pack_cpu_weights(model)
     allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, kv_dtype or dtype), cpu)
@@ -64,6 +67,7 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("llama", {}, "int8", True),
         ("llama", {}, "int4", True),
         ("llama", {}, "int4-a8", True),  # W4A8: x quantized to int8 per group in the stack as in the model
+        ("llama", {}, "int4-a8upto2", True),  # and the float tiles for steps of 3-4 rows, in both
         ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1}, "none", True),  # q/k/v biases
         ("mistral", {"sliding_window": 6}, "none", True),
         ("phi3", {"partial_rotary_factor": 0.5}, "none", True),  # half of each head rotated
@@ -71,8 +75,8 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("gemma2", {}, "none", True),  # sandwich norms, GELU-tanh, soft-caps, alternating windows, unit offsets
         ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
-    ids=["packed", "unpacked", "int8", "int4", "int4-a8", "qwen2-bias", "mistral-window", "phi3-partial-rotary",
-         "qwen3-qk-norm", "gemma2", "gemma3-int4"],
+    ids=["packed", "unpacked", "int8", "int4", "int4-a8", "int4-a8-up-to-2-rows", "qwen2-bias", "mistral-window",
+         "phi3-partial-rotary", "qwen3-qk-norm", "gemma2", "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
