@@ -69,7 +69,8 @@ def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(out, expected, **(BF16 if out.dtype == torch.bfloat16 else FP32))
 
 
-ROWS = [1, 3, 4, 5, 12, 13, 40, 257, 321]
+ROWS = [1, 2, 3, 4, 5, 12, 13, 40, 257, 321]
+AMX_MIN_ROWS = 3  # kMinAmxRows in packed_linear_quant.cpp: fewer rows take the vector tiles on AMX CPUs too
 SHAPES = [(96, 64), (50, 128), (17, 576)]
 # in_features 40 is no whole AMX tile of k: under the amx tile it takes the vector tile.
 INT8_SHAPES = [*SHAPES, (24, 40)]
@@ -109,15 +110,15 @@ def test_int8_logits_are_the_fp32_sums_unrounded(forced_packed_bf16_tile: str, o
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_int4_matches_the_fp64_reference(forced_packed_bf16_tile: str, out_features: int, in_features: int,
                                          group_size: int, dtype: torch.dtype) -> None:  # fmt: skip
-    """The AMX tile (bf16 x) multiplies the dequantized weight rounded to bf16, as the prefill path's bf16 GEMM
-    does: its reference is over that weight."""
+    """The AMX tile (bf16 x, from 3 rows) multiplies the dequantized weight rounded to bf16, as the prefill path's
+    bf16 GEMM does: its reference is over that weight. One or two rows take the vector tiles, exact weights."""
     (qweight, scales, zeros), dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(qweight, scales, zeros, group_size)
     bias = torch.randn(out_features).to(dtype)
     amx = forced_packed_bf16_tile == "amx" and dtype == torch.bfloat16 and in_features % 32 == 0
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
-        weight = dequantized.bfloat16().double() if amx and rows <= 320 else dequantized
+        weight = dequantized.bfloat16().double() if amx and AMX_MIN_ROWS <= rows <= 320 else dequantized
         _check(int4_linear(x, packed, scales_zeros, group_size, out_features), _reference(x, weight, None))
         _check(int4_linear(x, packed, scales_zeros, group_size, out_features, bias),
                _reference(x, weight, bias))  # fmt: skip
@@ -288,15 +289,17 @@ def test_any_leading_shape_strided_rows_and_no_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_rows_result_does_not_depend_on_the_batch(forced_packed_bf16_tile: str, dtype: torch.dtype) -> None:
     """Below the prefill path each row sums in the same order whatever the other rows: a request's greedy
-    tokens do not change with what it is batched with."""
+    tokens do not change with what it is batched with. On AMX tiles from 3 rows up (fewer take the vector tiles,
+    int8's result then differing by summation order only), so there a row is computed beside two others."""
     x = torch.randn(64, 128).to(dtype)
+    others = x[:AMX_MIN_ROWS - 1] if forced_packed_bf16_tile == "amx" and dtype == torch.bfloat16 else x[:0]
     (qweight, scales), _ = _int8(96, 128)
     (q4, s4, z4), _ = _int4(96, 128, 32)
     ops = [lambda rows, p=pack_int8_weight(qweight, scales): int8_linear(rows, *p, 96),
            lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_linear(rows, p[0], p[1], 32, 96),
            lambda rows, p=pack_int4_weight(q4, s4, z4, 32): int4_a8_linear(rows, p[0], p[1], 32, 96)]  # fmt: skip
     for op in ops:
-        alone = torch.cat([op(x[i : i + 1]) for i in range(64)])
+        alone = torch.cat([op(torch.cat([x[i : i + 1], others]))[:1] for i in range(64)])
         assert torch.equal(op(x), alone)
         assert torch.equal(op(x[5:30]), alone[5:30])
     # W4A8 has no prefill path: a row in a 400-row prefill chunk is the row of a decode step.

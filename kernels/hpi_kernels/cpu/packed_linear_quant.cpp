@@ -22,10 +22,12 @@
 //
 // - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
 //   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw in the AVX2 build, plain loops elsewhere),
-//   at every row count.
+//   up to its max_rows (every row count by default).
 // - On CPUs with AMX, where the packed bf16 linear runs AMX tiles (amx_tile), int8_linear / int8_logits and
-//   int4_linear with bf16 x run them too up to prefill size (packed_linear_amx.cpp): each panel dequantized to bf16
-//   pairs, int8 exactly (its scales multiply the sums), int4's (q - 8) * scale + zero rounded to bf16.
+//   int4_linear with bf16 x run them too from kMinAmxRows rows up to prefill size (packed_linear_amx.cpp): each
+//   panel dequantized to bf16 pairs, int8 exactly (its scales multiply the sums), int4's (q - 8) * scale + zero
+//   rounded to bf16. One or two rows take the vector tiles, for which that dequantization costs more than the
+//   rows' products; int8's paths differ by summation order only.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
 // plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only, the
@@ -64,6 +66,9 @@ using namespace hpi_packed;
 using hpi_vec::load_float;
 using IVec = at::vec::Vectorized<int32_t>;
 static_assert(kNrVecs == 2, "a panel row is two vectors: int4's low and high nibbles of one run of bytes");
+// Fewer rows than this take the vector tiles where the AMX tiles would run: over the embedded model's int8 linears
+// (bf16 x, the AMX Xeon) the vector tile took 0.70x the AMX tiles' time at one row, 0.87x at two, 1.15x at four.
+constexpr int64_t kMinAmxRows = 3;
 constexpr int64_t kMaxTileRows = 320;           // more rows (prefill): dequantize and call at::mm,
 constexpr int64_t kMaxScratchFloats = 1 << 24;  // for weights of up to 64 MiB as fp32
 constexpr int64_t kLine = 64;                   // bytes per cache line
@@ -882,7 +887,7 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
     return p.out;
   }
   const int64_t panel_bytes = p.K * kNr;
-  if (p.a.scalar_type() == at::kBFloat16 && amx_tile(p.K)) {  // where the bf16 linear runs AMX tiles
+  if (p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(p.K)) {  // as the bf16 linear, from 3 rows
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
     const float* bias32 = p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr;
     if (fp32_out) {
@@ -1012,7 +1017,7 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
     });
     return p.out;
   }
-  if (!int8_x && p.a.scalar_type() == at::kBFloat16 && amx_tile(K)) {  // where the bf16 linear runs AMX tiles
+  if (!int8_x && p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(K)) {  // as for int8
     gemm_int4_amx(p.a.const_data_ptr<c10::BFloat16>(), p.a.stride(0), codes, sz, group_size,
                   p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr, p.M, K, p.N,
                   p.out.data_ptr<c10::BFloat16>());
