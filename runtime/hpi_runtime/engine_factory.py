@@ -180,7 +180,10 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     # Before resolve_dtype: it may build the C++ kernels.
     platform_dir = compile_cache.use_for_kernels(compile_root, device) if compile_root else None
     dtype = resolve_dtype(load.dtype, device, model_config.torch_dtype)
-    quantization = resolve_int4_activations(quantization, device, dtype)  # "auto" may build and time the C++ kernels
+    # "auto" may build and time the C++ kernels, on the shape of the model's gate/up projection where K allows.
+    gate_up = (2 * model_config.intermediate_size, model_config.hidden_size)
+    quantization = resolve_int4_activations(quantization, device, dtype,
+                                            gate_up if min(gate_up) > 0 and gate_up[1] % 32 == 0 else None)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

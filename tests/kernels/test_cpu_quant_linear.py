@@ -222,6 +222,9 @@ def test_int4_a8_max_rows_is_measured_once_or_set(monkeypatch: pytest.MonkeyPatc
         assert int4_a8_max_rows(torch.bfloat16) == measured
         with pytest.raises(ValueError, match="measures float32 or bfloat16"):
             int4_a8_max_rows(torch.float16)
+        assert int4_a8_max_rows(torch.bfloat16, (96, 64)) in (-1, 0, *A8_ROW_LADDER[:-1])  # a small shape, copied
+        with pytest.raises(ValueError, match="K a multiple of 32"):
+            int4_a8_max_rows(torch.bfloat16, (96, 48))
         for value in (12, -1, 0):
             int4_a8_max_rows.cache_clear()
             monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", str(value))

@@ -122,7 +122,9 @@ def int4_a8_linear(
 
 # Row counts int4_a8_max_rows times, ascending: decode batches, then a prefill chunk's size.
 A8_ROW_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 384)
-_A8_SHAPE = (4096, 2048)  # [N, K] of each measured weight: 4 MiB of int4, two of them alternate (out of L2)
+A8_DEFAULT_SHAPE = (4096, 2048)  # [N, K] measured when the caller names none
+_A8_MAX_WEIGHT = 8 << 20  # at most this many weights per measured copy (longer N is cut: the timing stays short)
+_A8_STREAM_BYTES = 8 << 20  # this many bytes of int4 copies in turn (2 to 64 copies), so that they stream from memory
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -132,12 +134,14 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 @functools.cache
-def int4_a8_max_rows(dtype: torch.dtype) -> int:
+def int4_a8_max_rows(dtype: torch.dtype, shape: tuple[int, int] = A8_DEFAULT_SHAPE) -> int:
     """The most rows of `dtype` x for which W4A8 (int4_a8_linear) beats the float tiles (int4_linear) on this CPU,
-    measured once per process (int4_a8_linear's max_rows): -1 where it wins at every count of A8_ROW_LADDER up to a
-    prefill chunk's, 0 where it never wins. Each count times both in alternation on two weights (out of the
-    caches); the first count where the float tiles win at it and at the next ends the search, so one noisy
-    sample does not. HPI_CPU_INT4_A8_MAX_ROWS=<n> (or -1) sets it without measuring."""
+    for a [N, K] = `shape` weight (the runtime passes its model's gate/up projection; K a multiple of 32), measured
+    once per process and shape (int4_a8_linear's max_rows): -1 where it wins at every count of A8_ROW_LADDER up to
+    a prefill chunk's, 0 where it never wins. Each count times both in alternation over copies of the weight that
+    together stream from memory (N cut to at most 8M weights a copy); the first count where the float tiles win at
+    it and at the next ends the search, so one noisy sample does not. HPI_CPU_INT4_A8_MAX_ROWS=<n> (or -1) sets it
+    without measuring."""
     forced = os.environ.get("HPI_CPU_INT4_A8_MAX_ROWS")
     if forced is not None:
         try:
@@ -149,10 +153,13 @@ def int4_a8_max_rows(dtype: torch.dtype) -> int:
         return value
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_a8_max_rows measures float32 or bfloat16 x, not {dtype}")
+    n, k = shape
+    if n < 1 or k < 32 or k % 32:
+        raise ValueError(f"int4_a8_max_rows needs a [N, K] shape with K a multiple of 32, got {shape}")
     generator = torch.Generator().manual_seed(0)
-    n, k = _A8_SHAPE
+    n = min(n, max(_A8_MAX_WEIGHT // k, 1))
     weights = []
-    for _ in range(2):
+    for _ in range(min(max(2, -(-_A8_STREAM_BYTES // (n * k // 2))), 64)):
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
         scales = torch.rand(n, k // 32, generator=generator) * 0.01 + 0.001
         weights.append(pack_int4_weight(codes, scales, torch.zeros_like(scales), 32))

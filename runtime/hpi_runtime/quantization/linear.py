@@ -55,9 +55,11 @@ def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype
     return activation_dtype
 
 
-def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype) -> int:
+def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype,
+                 shape: tuple[int, int] | None = None) -> int:  # fmt: skip
     """Up to how many rows int4 layers quantize their `dtype` activations to int8 (W4A8) for `int4_activations` =
-    setting ("auto", "int8", "float") on this device: 0 (never: float x), -1 (at every row count) or a count.
+    setting ("auto", "int8", "float") on this device: 0 (never: float x), -1 (at every row count) or a count,
+    measured on a weight of `shape` ([N, K]: the model's gate/up projection; None: hpi_kernels' default).
     Only hpi_kernels' CPU panels (fp32 and bf16 x) have the W4A8 op. "int8" takes it at every count; "auto" where
     its integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), not where it is plain loops, and
     up to the row count where it measures faster than the float tiles on this CPU (hpi_kernels'
@@ -73,7 +75,7 @@ def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype) -
         return 0
     if not (cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES):
         return 0
-    return int4_a8_max_rows(dtype)
+    return int4_a8_max_rows(dtype) if shape is None else int4_a8_max_rows(dtype, shape)
 
 
 @dataclass(frozen=True)

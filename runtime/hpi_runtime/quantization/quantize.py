@@ -239,15 +239,16 @@ def resolve_quantization(
                                 f"{checkpoint.scheme} (pre-quantized checkpoint, repacked at load)")  # fmt: skip
 
 
-def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device,
-                             dtype: torch.dtype) -> ResolvedQuantization:  # fmt: skip
+def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device, dtype: torch.dtype,
+                             shape: tuple[int, int] | None = None) -> ResolvedQuantization:  # fmt: skip
     """At-load int4's `int4_activations` made concrete for the device and activation dtype ("auto" -> "int8" up to
-    the row count W4A8 measures faster to, or "float"; linear.int4_a8_rows), so that the scheme label, the log and
-    the compile cache key say where the int4 layers run W4A8. ValueError for "int8" on a GPU."""
+    the row count W4A8 measures faster to on a weight of `shape`, the model's gate/up projection, or "float";
+    linear.int4_a8_rows), so that the scheme label, the log and the compile cache key say where the int4 layers run
+    W4A8. ValueError for "int8" on a GPU."""
     config = resolved.config
     if config.method != "int4":
         return resolved
-    rows = int4_a8_rows(config.int4_activations, device, dtype)
+    rows = int4_a8_rows(config.int4_activations, device, dtype, shape)
     if config.int4_activations == "int8":
         rows = config.int4_a8_max_rows
     config = dataclasses.replace(config, int4_activations="int8" if rows else "float", int4_a8_max_rows=rows or -1)
