@@ -157,6 +157,8 @@ class AutoscalingSpec:
     max_scale_step: int = crd_default("autoscaling.maxScaleStep")
     poll_interval_s: int = crd_default("autoscaling.pollIntervalSeconds")
     lead_time_s: int | None = None  # optimizer: plan this far ahead on a rise; None: the pools' start + 2 polls
+    # optimizer: the share of each replica's capacity within the SLO the plan fills (fleet/optimizer.py)
+    target_capacity_utilization: float = crd_default("autoscaling.targetCapacityUtilization")
     scale_to_zero: bool = crd_default("autoscaling.scaleToZero.enabled")
     scale_to_zero_idle_s: int = crd_default("autoscaling.scaleToZero.idleSeconds")
     # 0: to zero replicas; 1 or 2: the pods stay and sleep at that level (autoscaling/sleep.py)
@@ -529,6 +531,8 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         max_scale_step=int(_get(raw, "maxScaleStep", defaults.max_scale_step)),
         poll_interval_s=int(_get(raw, "pollIntervalSeconds", defaults.poll_interval_s)),
         lead_time_s=None if raw.get("leadTimeSeconds") is None else int(raw["leadTimeSeconds"]),
+        target_capacity_utilization=float(_get(raw, "targetCapacityUtilization",
+                                               defaults.target_capacity_utilization)),
         scale_to_zero=bool(_get(scale_to_zero, "enabled", defaults.scale_to_zero)),
         scale_to_zero_idle_s=int(_get(scale_to_zero, "idleSeconds", defaults.scale_to_zero_idle_s)),
         sleep_level=_get(scale_to_zero, "sleepLevel", defaults.sleep_level),
@@ -541,6 +545,8 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         raise SpecError("spec.autoscaling.minReplicas is 0 but spec.autoscaling.scaleToZero.enabled is false")
     if not 0.0 < spec.target_kv_utilization <= 1.0:
         raise SpecError("spec.autoscaling.targetKVUtilization must lie in (0, 1]")
+    if not 0.0 < spec.target_capacity_utilization <= 1.0:
+        raise SpecError("spec.autoscaling.targetCapacityUtilization must lie in (0, 1]")
     if isinstance(spec.sleep_level, bool) or spec.sleep_level not in (0, 1, 2):
         raise SpecError(f"spec.autoscaling.scaleToZero.sleepLevel must be 0, 1 or 2; got {spec.sleep_level!r}")
     if spec.sleep_level and spec.mode != "builtin":

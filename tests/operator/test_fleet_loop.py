@@ -18,7 +18,7 @@ import pytest
 from hpi_operator.autoscaling.decision import PodLoad
 from hpi_operator.autoscaling.fleet_loop import fleet_poll
 from hpi_operator.fleet.demand import read_demand
-from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
 from hpi_operator.fleet.performance import Demand, PoolPerformance, Slo
 from hpi_operator.fleet.stabilize import Window, stabilize_all
 from hpi_operator.handlers import OperatorConfig, build_registry
@@ -139,6 +139,30 @@ def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> N
     assert second.status["pools"][l4]["source"] == "override"
     assert second.status["slo"] == {"attainment": None, "ttftP90": None, "itlP90": None, "requests": 0,
                                     "window": 10.0}  # these loads carry no histograms  # fmt: skip
+
+
+def test_target_capacity_utilization_sets_the_plans_headroom() -> None:
+    """spec.autoscaling.targetCapacityUtilization is the share of each replica's SLO capacity the plan fills: its
+    default is the optimizer's, a lower one plans more replicas for the same demand, and one outside (0, 1] is a
+    spec error."""
+    assert parse_spec(optimized_cr()["spec"]).autoscaling.target_capacity_utilization == DEFAULT_UTILIZATION
+    demand = Demand(12.0, 500, 200)
+    for utilization in (0.5, 1.0):
+        body = optimized_cr(targetCapacityUtilization=utilization)
+        h200, l4 = pool_names(body)
+        plan = make_plan(body, NODES)
+        current = dict(plan.replicas_by_pool)
+        first = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, current, 1000.0)
+        status = {"autoscaling": {"optimizer": first.status}}
+        second = fleet_poll(plan, [load("p0", 120, 60_000, 24_000)], status, current, 1010.0)
+        offers = [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]
+        assert second.replicas == dict(optimize(demand, Slo(1.0, 0.1), offers, utilization).replicas)
+        if utilization == 0.5:
+            headroom = sum(second.replicas.values())
+    assert headroom > sum(second.replicas.values())  # half the capacity planned: more replicas than at full use
+    for bad in (0.0, 1.5):
+        with pytest.raises(SpecError, match="targetCapacityUtilization"):
+            parse_spec(optimized_cr(targetCapacityUtilization=bad)["spec"])
 
 
 def test_a_rising_demand_is_planned_one_lead_time_ahead_and_the_trend_is_kept_in_status() -> None:

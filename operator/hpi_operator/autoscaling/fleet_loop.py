@@ -98,7 +98,7 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     planned = reading.demand
     if trend is not None:
         planned = replace(planned, request_rate=planned_rate(trend, planned.request_rate, lead.seconds))
-    fleet = optimize(planned, spec.slo, offered.offers)
+    fleet = optimize(planned, spec.slo, offered.offers, spec.autoscaling.target_capacity_utilization)
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     settings = spec.autoscaling
     _floor_total(recommended, settings.min_replicas, offered.bounds, fleet, offered.offers)

@@ -22,7 +22,10 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .performance import Demand, PoolPerformance, ReplicaCapacity, Slo, replica_capacity
 
-DEFAULT_UTILIZATION = 0.85  # plan for this fraction of each replica's capacity: headroom for bursts
+# Plan for this fraction of each replica's capacity: headroom for bursts. The default of the CRD's
+# spec.autoscaling.targetCapacityUtilization, which the operator passes (tests/operator/test_fleet_loop.py holds
+# the two equal).
+DEFAULT_UTILIZATION = 0.85
 
 
 @dataclass(frozen=True)
