@@ -71,7 +71,36 @@ def summarize(results: Sequence[RequestResult], num_unserved: int, slo: Slo | No
     }
     if slo is not None:
         summary["slo_attainment"] = sum(1 for r in results if within(r, slo)) / total if total else None
+        summary["misses_by_pool"] = _misses_by_pool(results, slo)
     return summary
+
+
+def _misses_by_pool(results: Sequence[RequestResult], slo: Slo) -> dict[str, dict[str, float | int | None]]:
+    """Per pool, the requests that missed the SLO by TTFT only, by mean ITL only and by both; the median prompt of
+    those that missed TTFT and the median output of those that missed ITL, each beside the pool's own: which target
+    a control's misses come from, where, and for which requests."""
+    misses: dict[str, dict[str, list[int] | int]] = {}
+    for r in results:
+        late, slow = r.ttft_s > slo.ttft_p90_s, r.mean_itl_s > slo.itl_p90_s
+        pool = misses.setdefault(r.pool, {"ttft": 0, "itl": 0, "both": 0, "prompts": [], "late_prompts": [],
+                                          "outputs": [], "slow_outputs": []})  # fmt: skip
+        pool["prompts"].append(r.prompt_tokens)  # type: ignore[union-attr]
+        pool["outputs"].append(r.output_tokens)  # type: ignore[union-attr]
+        if late:
+            pool["late_prompts"].append(r.prompt_tokens)  # type: ignore[union-attr]
+        if slow:
+            pool["slow_outputs"].append(r.output_tokens)  # type: ignore[union-attr]
+        key = "both" if late and slow else "ttft" if late else "itl" if slow else None
+        if key is not None:
+            pool[key] += 1  # type: ignore[operator]
+
+    def median(values: object) -> float | None:
+        return percentiles(values, (50,))["p50"]  # type: ignore[arg-type]
+
+    return {name: {"ttft": m["ttft"], "itl": m["itl"], "both": m["both"],
+                   "prompt_p50": median(m["prompts"]), "late_prompt_p50": median(m["late_prompts"]),
+                   "output_p50": median(m["outputs"]), "slow_output_p50": median(m["slow_outputs"])}
+            for name, m in sorted(misses.items())}  # fmt: skip
 
 
 def _ms(values: dict[str, float | None]) -> dict[str, float | None]:

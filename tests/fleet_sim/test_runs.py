@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fleet_sim.engine import RunConfig, Simulation
+from fleet_sim.metrics import RequestResult, summarize
 from fleet_sim.pools import headline_pools
 from fleet_sim.replay import backend, replay
 from fleet_sim.routing import SimRouter
@@ -62,3 +63,23 @@ def test_replay_spreads_a_request_list_over_two_backends():
     assert summary["num_requests"] == 40 and summary["num_errors"] == 0
     assert {r["backend"] for r in summary["per_request"]} == {"backend-0", "backend-1"}
     assert summary["output_tokens_per_s"] > 0 and summary["ttft_ms"]["p50"] > 0
+
+
+def test_misses_are_counted_by_pool_and_target():
+    """The summary says which target each pool's misses broke (TTFT, mean ITL or both) and how long the prompts
+    that came late were, against the pool's own."""
+    slo = Slo(ttft_p90_s=1.0, itl_p90_s=0.1)
+    results = [
+        RequestResult(0, 0.0, 100, 11, 0.5, 1.5, "a", 0),  # within: ITL (1.5 - 0.5) / 10 = 0.1
+        RequestResult(1, 0.0, 4000, 11, 1.5, 2.5, "a", 0),  # late
+        RequestResult(2, 0.0, 300, 11, 0.5, 3.5, "b", 0),  # slow: ITL 0.3
+        RequestResult(3, 0.0, 5000, 11, 2.0, 5.0, "b", 0),  # both
+    ]
+    summary = summarize(results, 0, slo, 1.0, 10.0)
+    assert summary["slo_attainment"] == 0.25
+    assert summary["misses_by_pool"] == {
+        "a": {"ttft": 1, "itl": 0, "both": 0, "prompt_p50": 2050.0, "late_prompt_p50": 4000.0, "output_p50": 11.0,
+              "slow_output_p50": None},
+        "b": {"ttft": 0, "itl": 1, "both": 1, "prompt_p50": 2650.0, "late_prompt_p50": 5000.0, "output_p50": 11.0,
+              "slow_output_p50": 11.0},
+    }
