@@ -37,6 +37,11 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 # (e2e - TTFT) / (output tokens - 1). The per-token ITL histogram weighs long answers more; SLO attainment
 # ("mean ITL within the target") counts requests, so the operator reads this one.
 REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+# Per finished request: its prompt and generated token counts (vLLM's 1-2-5 buckets): the demand's length
+# distributions, which means alone do not give (a short answer's mean ITL weighs the prefills landing while it
+# decodes far more than a long one's; bench/results/fleet.md).
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 # LoRA (vLLM's info gauge: one series whose labels name the adapters with running / waiting requests, comma-
 # separated, and max_lora; its value is the time it was set: vLLM leaves earlier states on the page, so readers
 # take the newest sample, as the Gateway API inference extension's LoRA affinity and the router do) and the

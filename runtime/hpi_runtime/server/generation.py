@@ -118,7 +118,8 @@ async def check_structured(fields: SamplingFields) -> None:
 
 
 class _Timer:
-    def __init__(self) -> None:
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
@@ -143,7 +144,8 @@ class _Timer:
 
     def timing(self) -> RequestTiming:
         first = None if self.first is None else self.first - self.start
-        return RequestTiming(first, tuple(self.gaps), time.monotonic() - self.start, self.queue_s, self.num_tokens)
+        return RequestTiming(first, tuple(self.gaps), time.monotonic() - self.start, self.queue_s, self.num_tokens,
+                             self.num_prompt_tokens)  # fmt: skip
 
 
 async def stream_choices(
@@ -153,7 +155,7 @@ async def stream_choices(
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
-        timer = _Timer()
+        timer = _Timer(len(choice.prompt_token_ids))
         finish = FINISH_ABORT
         accepted = True
         try:

@@ -24,6 +24,8 @@ LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's token-count buckets (its build_1_2_5_buckets), here up to a million tokens whatever the model's length.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))[:-2]
 
 
 class ServingMetrics:
@@ -65,6 +67,10 @@ class ServingMetrics:
                               buckets=LATENCY_BUCKETS_S, registry=reg)
         self._queue = Histogram(names.REQUEST_QUEUE_TIME, "Time spent waiting before scheduling.",
                                 labels, buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._request_prompt = Histogram(names.REQUEST_PROMPT_TOKENS, "Prompt tokens of each finished request.",
+                                         labels, buckets=TOKEN_BUCKETS, registry=reg)  # fmt: skip
+        self._request_generation = Histogram(names.REQUEST_GENERATION_TOKENS, "Generated tokens of each finished "
+                                             "request.", labels, buckets=TOKEN_BUCKETS, registry=reg)  # fmt: skip
         self._weight_bytes = Gauge("hpi:model_weight_bytes", "Bytes of model weights on the device.", labels,
                                    registry=reg)
         self._kv_bytes = Gauge("hpi:kv_cache_bytes", "Bytes reserved for the paged KV cache.", labels,
@@ -144,7 +150,8 @@ class ServingMetrics:
                 counter.labels(model_name, value)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
-        for histogram in (self._ttft, self._itl, self._tpot, self._e2e, self._queue):
+        for histogram in (self._ttft, self._itl, self._tpot, self._e2e, self._queue, self._request_prompt,
+                          self._request_generation):
             histogram.labels(model_name)  # empty buckets from the start, so queries over them never go missing
         for gauge in (self._running, self._waiting, self._kv_usage):
             gauge.labels(model_name).set(0)
@@ -282,6 +289,8 @@ class ServingMetrics:
             self._tpot.labels(model).observe(tpot)
         if timing.queue_s is not None:
             self._queue.labels(model).observe(timing.queue_s)
+        self._request_prompt.labels(model).observe(timing.num_prompt_tokens)
+        self._request_generation.labels(model).observe(timing.num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -294,6 +303,7 @@ class RequestTiming:
     e2e_s: float
     queue_s: float | None
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
 
     @property
     def time_per_output_token_s(self) -> float | None:

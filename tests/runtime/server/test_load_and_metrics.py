@@ -20,7 +20,8 @@ VLLM_CONTRACT = [
     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
     "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-    "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
 ]
 
 
@@ -73,17 +74,24 @@ def test_metrics_export_the_contract_before_any_request(busy_server) -> None:
 
 
 def test_a_finished_request_observes_its_mean_time_per_output_token_once(busy_server) -> None:
+    """Also its prompt and generated token counts, once each (vllm:request_prompt_tokens, _generation_tokens)."""
     tpot, e2e, ttft = ("vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
                        "vllm:time_to_first_token_seconds")  # fmt: skip
+    prompt, generation = "vllm:request_prompt_tokens", "vllm:request_generation_tokens"
     before = wait_for_idle(busy_server)
+    prompt_tokens = 0
     for max_tokens in (6, 1):  # one token has no gap to average: no sample for the second request
         body = {"model": "tiny-llama", "prompt": "one two three", "max_tokens": max_tokens, "ignore_eos": True}
         status, answer = post_json(busy_server.base_url, "/v1/completions", body)
         assert status == 200 and answer["usage"]["completion_tokens"] == max_tokens, answer
+        prompt_tokens += answer["usage"]["prompt_tokens"]
     after = wait_for_idle(busy_server)
     grew = {name: after[name] - before[name] for name in (f"{tpot}_count", f"{tpot}_sum", f"{e2e}_sum", f"{ttft}_sum",
-                                                          f"{e2e}_count")}  # fmt: skip
+                                                          f"{e2e}_count", f"{prompt}_count", f"{prompt}_sum",
+                                                          f"{generation}_count", f"{generation}_sum")}  # fmt: skip
     assert grew[f"{tpot}_count"] == 1 and grew[f"{e2e}_count"] == 2
+    assert (grew[f"{prompt}_count"], grew[f"{prompt}_sum"]) == (2, prompt_tokens)
+    assert (grew[f"{generation}_count"], grew[f"{generation}_sum"]) == (2, 7)
     # (e2e - TTFT) / 5 for the six-token request: at most the time both requests spent after their first token.
     assert 0 < grew[f"{tpot}_sum"] * 5 <= grew[f"{e2e}_sum"] - grew[f"{ttft}_sum"] + 1e-6
 
