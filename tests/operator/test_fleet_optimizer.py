@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpi_operator.fleet.optimizer import PoolOffer, optimize
+from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
 from hpi_operator.fleet.performance import Demand, PoolPerformance, Slo, replica_capacity
 
 SLO = Slo(ttft_p90_s=1.0, itl_p90_s=0.1)
@@ -39,21 +39,21 @@ def test_the_cheapest_pool_per_request_that_meets_the_slo_wins() -> None:
     assert 10.0 / rate(BIG) > 0.5 / rate(SMALL)  # small is cheaper per request/s here
     plan = optimize(DEMAND, SLO, offers)
     assert plan.feasible and plan.replicas["big"] == 0
-    assert plan.replicas["small"] == -(-DEMAND.request_rate / 0.85 // rate(SMALL))
+    assert plan.replicas["small"] == -(-DEMAND.request_rate / DEFAULT_UTILIZATION // rate(SMALL))
     # Priced the other way round, the big pool wins.
     flipped = optimize(DEMAND, SLO, [PoolOffer("big", BIG, 1.0, 10), PoolOffer("small", SMALL, 5.0, 50)])
-    assert flipped.replicas == {"big": -(-DEMAND.request_rate / 0.85 // rate(BIG)), "small": 0}
+    assert flipped.replicas == {"big": -(-DEMAND.request_rate / DEFAULT_UTILIZATION // rate(BIG)), "small": 0}
 
 
 def test_a_full_pool_spills_to_the_next_cheapest() -> None:
     """The same hardware at two prices (a reserved pool and an on-demand one): the cheap one fills first."""
-    needed = int(-(-DEMAND.request_rate / 0.85 // rate(SMALL)))
+    needed = int(-(-DEMAND.request_rate / DEFAULT_UTILIZATION // rate(SMALL)))
     assert needed > 3
     offers = [PoolOffer("on-demand", SMALL, cost_per_hour=0.7, max_replicas=20),
               PoolOffer("reserved", SMALL, cost_per_hour=0.5, max_replicas=3)]  # fmt: skip
     plan = optimize(DEMAND, SLO, offers)
     assert plan.feasible and plan.replicas == {"reserved": 3, "on-demand": needed - 3}
-    assert plan.capacity_rps * 0.85 >= DEMAND.request_rate
+    assert plan.capacity_rps * DEFAULT_UTILIZATION >= DEMAND.request_rate
 
 
 def test_a_pool_too_slow_for_the_slo_is_not_used_while_fast_ones_suffice() -> None:
@@ -75,7 +75,7 @@ def test_infeasible_plans_say_why_and_do_their_best() -> None:
 
 def test_slow_pools_take_only_what_the_fast_ones_cannot_carry_at_full_use() -> None:
     per_replica = optimize(DEMAND, SLO, [PoolOffer("small", SMALL, 0.5, 1)]).capacities["small"].request_rate
-    # Two small replicas carry the demand at full use but not with the planned headroom (0.85).
+    # Two small replicas carry the demand at full use but not with the planned headroom (DEFAULT_UTILIZATION).
     demand = Demand(1.9 * per_replica, DEMAND.mean_prompt_tokens, DEMAND.mean_output_tokens)
     plan = optimize(demand, SLO, [PoolOffer("small", SMALL, 0.5, 2), PoolOffer("cpu", CPU, 0.1, 5)])
     assert not plan.feasible and plan.replicas == {"small": 2, "cpu": 0}
@@ -83,7 +83,8 @@ def test_slow_pools_take_only_what_the_fast_ones_cannot_carry_at_full_use() -> N
     spilled = optimize(more, SLO, [PoolOffer("small", SMALL, 0.5, 2), PoolOffer("cpu", CPU, 0.1, 50)])
     cpu_rate = spilled.capacities["cpu"].request_rate
     assert spilled.replicas["small"] == 2
-    assert spilled.replicas["cpu"] == math.ceil(0.5 * per_replica / 0.85 / cpu_rate - 1e-9)  # the overflow alone
+    overflow = 0.5 * per_replica / DEFAULT_UTILIZATION  # the overflow alone goes to the slow pool
+    assert spilled.replicas["cpu"] == math.ceil(overflow / cpu_rate - 1e-9)
 
 
 def test_zero_demand_keeps_each_pools_minimum() -> None:
@@ -128,14 +129,14 @@ def test_plans_are_within_bounds_and_as_cheap_as_exhaustive_search(raw: list, de
     for pool in pools:
         assert pool.min_replicas <= plan.replicas[pool.name] <= pool.max_replicas
     if plan.feasible:
-        assert plan.capacity_rps + 1e-6 >= demand.request_rate / 0.85
+        assert plan.capacity_rps + 1e-6 >= demand.request_rate / DEFAULT_UTILIZATION
     # Exhaustive search over every replica vector: no cheaper one covers the demand within the SLO.
     caps = {p.name: replica_capacity(p.performance, demand, SLO) for p in pools}
     cheapest = None
     for counts in itertools.product(*(range(p.min_replicas, p.max_replicas + 1) for p in pools)):
         paired = list(zip(pools, counts, strict=True))
         covered = sum(caps[p.name].request_rate * n for p, n in paired if caps[p.name].meets_slo)
-        if covered + 1e-9 >= demand.request_rate / 0.85:
+        if covered + 1e-9 >= demand.request_rate / DEFAULT_UTILIZATION:
             cost = sum(p.cost_per_hour * n for p, n in paired)
             cheapest = cost if cheapest is None else min(cheapest, cost)
     assert plan.feasible == (cheapest is not None)
@@ -151,4 +152,4 @@ def test_more_demand_never_costs_less(raw: list, demand: Demand, more: float) ->
     low, high = optimize(demand, SLO, pools), optimize(higher, SLO, pools)
     if low.feasible and high.feasible:
         assert high.cost_per_hour + 1e-6 >= low.cost_per_hour
-        assert high.capacity_rps + 1e-6 >= higher.request_rate / 0.85
+        assert high.capacity_rps + 1e-6 >= higher.request_rate / DEFAULT_UTILIZATION
