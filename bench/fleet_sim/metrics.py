@@ -79,28 +79,24 @@ def _misses_by_pool(results: Sequence[RequestResult], slo: Slo) -> dict[str, dic
     """Per pool, the requests that missed the SLO by TTFT only, by mean ITL only and by both; the median prompt of
     those that missed TTFT and the median output of those that missed ITL, each beside the pool's own: which target
     a control's misses come from, where, and for which requests."""
-    misses: dict[str, dict[str, list[int] | int]] = {}
+    by_pool: dict[str, list[RequestResult]] = {}
     for r in results:
-        late, slow = r.ttft_s > slo.ttft_p90_s, r.mean_itl_s > slo.itl_p90_s
-        pool = misses.setdefault(r.pool, {"ttft": 0, "itl": 0, "both": 0, "prompts": [], "late_prompts": [],
-                                          "outputs": [], "slow_outputs": []})  # fmt: skip
-        pool["prompts"].append(r.prompt_tokens)  # type: ignore[union-attr]
-        pool["outputs"].append(r.output_tokens)  # type: ignore[union-attr]
-        if late:
-            pool["late_prompts"].append(r.prompt_tokens)  # type: ignore[union-attr]
-        if slow:
-            pool["slow_outputs"].append(r.output_tokens)  # type: ignore[union-attr]
-        key = "both" if late and slow else "ttft" if late else "itl" if slow else None
-        if key is not None:
-            pool[key] += 1  # type: ignore[operator]
+        by_pool.setdefault(r.pool, []).append(r)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name, pool in sorted(by_pool.items()):
+        late = [r for r in pool if r.ttft_s > slo.ttft_p90_s]
+        slow = [r for r in pool if r.mean_itl_s > slo.itl_p90_s]
+        both = sum(1 for r in late if r.mean_itl_s > slo.itl_p90_s)
+        out[name] = {"ttft": len(late) - both, "itl": len(slow) - both, "both": both,
+                     "prompt_p50": _median([r.prompt_tokens for r in pool]),
+                     "late_prompt_p50": _median([r.prompt_tokens for r in late]),
+                     "output_p50": _median([r.output_tokens for r in pool]),
+                     "slow_output_p50": _median([r.output_tokens for r in slow])}  # fmt: skip
+    return out
 
-    def median(values: object) -> float | None:
-        return percentiles(values, (50,))["p50"]  # type: ignore[arg-type]
 
-    return {name: {"ttft": m["ttft"], "itl": m["itl"], "both": m["both"],
-                   "prompt_p50": median(m["prompts"]), "late_prompt_p50": median(m["late_prompts"]),
-                   "output_p50": median(m["outputs"]), "slow_output_p50": median(m["slow_outputs"])}
-            for name, m in sorted(misses.items())}  # fmt: skip
+def _median(values: Sequence[int]) -> float | None:
+    return percentiles(values, (50,))["p50"]
 
 
 def _ms(values: dict[str, float | None]) -> dict[str, float | None]:

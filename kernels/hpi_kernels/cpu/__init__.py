@@ -19,6 +19,7 @@ from hpi_kernels.cpu.packed_linear import (
 )
 from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
 from hpi_kernels.cpu.quant_linear import (
+    A8_DEFAULT_SHAPE,
     int4_a8_linear,
     int4_a8_max_rows,
     int4_a8_tile,
@@ -31,6 +32,7 @@ from hpi_kernels.cpu.quant_linear import (
 )
 
 __all__ = [
+    "A8_DEFAULT_SHAPE",
     "CpuKernelBuildError",
     "bf16_tile",
     "cached_paged_attention_cpu",

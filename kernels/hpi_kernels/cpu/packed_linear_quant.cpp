@@ -887,7 +887,7 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
     return p.out;
   }
   const int64_t panel_bytes = p.K * kNr;
-  if (p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(p.K)) {  // as the bf16 linear, from 3 rows
+  if (p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(p.K)) {  // AMX where bf16 runs it
     const auto* x = p.a.const_data_ptr<c10::BFloat16>();
     const float* bias32 = p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr;
     if (fp32_out) {
@@ -1017,7 +1017,7 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
     });
     return p.out;
   }
-  if (!int8_x && p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(K)) {  // as for int8
+  if (!int8_x && p.a.scalar_type() == at::kBFloat16 && p.M >= kMinAmxRows && amx_tile(K)) {  // as int8's
     gemm_int4_amx(p.a.const_data_ptr<c10::BFloat16>(), p.a.stride(0), codes, sz, group_size,
                   p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr, p.M, K, p.N,
                   p.out.data_ptr<c10::BFloat16>());

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpi_kernels.cpu import (
+    A8_DEFAULT_SHAPE,
     cpu_kernels_available,
     int4_a8_max_rows,
     int4_a8_tile,
@@ -63,7 +64,7 @@ def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype,
     Only hpi_kernels' CPU panels (fp32 and bf16 x) have the W4A8 op. "int8" takes it at every count; "auto" where
     its integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), not where it is plain loops, and
     up to the row count where it measures faster than the float tiles on this CPU (hpi_kernels'
-    int4_a8_max_rows: every count on the AVX512-VNNI EPYC, 12 rows with bf16 x on AMX tiles; docs/quantization.md,
+    int4_a8_max_rows: every count on the AVX512-VNNI EPYC, 12-16 rows with bf16 x on AMX tiles; docs/quantization.md,
     "W4A8"). ValueError for "int8" on another device."""
     if torch.device(device).type != "cpu":
         if setting == "int8":
@@ -75,7 +76,7 @@ def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype,
         return 0
     if not (cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES):
         return 0
-    return int4_a8_max_rows(dtype) if shape is None else int4_a8_max_rows(dtype, shape)
+    return int4_a8_max_rows(dtype, shape or A8_DEFAULT_SHAPE)  # one cache entry per shape, named or not
 
 
 @dataclass(frozen=True)
