@@ -8,6 +8,8 @@ machine's cores as threads.
     .venv/bin/python -m bench.llamacpp_build                    # once: builds llama-server and the GGUFs
     .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2   # writes bench/results/quant_llamacpp.json
     HPI_LLAMA_CPP_BUILD=build-no-amx .venv/bin/python -m bench.bench_quant_llamacpp ...  # the build without AMX
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 HPI_LLAMA_CPP_BUILD=build-avx2 \
+        .venv/bin/python -m bench.bench_quant_llamacpp --hpi-dtype float32 ...  # both sides' AVX2 code paths
     .venv/bin/python -m bench.bench_quant_llamacpp --rounds 2 --weights int4 --hpi-kv-cache-dtype fp8 \
         --llama-cache-type q8_0 --out /tmp/q.json                # each side's one-byte KV cache
 """
@@ -134,18 +136,20 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=Plan.output_len)
     parser.add_argument("--out", type=Path, default=RESULTS / "quant_llamacpp.json")
     parser.add_argument("--weights", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--hpi-dtype", default=Plan.hpi_dtype, help="hpi's --dtype (float32: an AVX2-only CPU's)")
     parser.add_argument("--hpi-kv-cache-dtype", default=Plan.hpi_kv_cache_dtype, help="hpi's --kv-cache-dtype")
     parser.add_argument("--llama-cache-type", default=Plan.llama_cache_type, choices=("f16", "q8_0", "q4_0"),
                         help="llama-server's -ctk/-ctv (with its flash attention when quantized)")
     args = parser.parse_args()
     plan = Plan(concurrencies=tuple(args.concurrency), rounds=args.rounds, output_len=args.output_len,
+                hpi_dtype=args.hpi_dtype,
                 hpi_kv_cache_dtype=args.hpi_kv_cache_dtype, llama_cache_type=args.llama_cache_type,
                 weights=tuple(args.weights))  # fmt: skip
     machine = machine_description()
     results = run(plan, RESULTS / "logs" / "quant_llamacpp")
     rows = table(results, plan)
     machine["load_average_at_end"] = list(os.getloadavg())
-    machine["llama_cpp_build"] = build_variant()  # bench/llamacpp_build.py: "build", or "build-no-amx"
+    machine["llama_cpp_build"] = build_variant()  # bench/llamacpp_build.py: "build", "build-no-amx", "build-avx2"
     args.out.write_text(json.dumps({"machine": machine, "plan": plan.__dict__, "quant_types": QUANT_TYPES,
                                     "table": rows, "runs": results}, indent=1, default=str) + "\n")  # fmt: skip
     print("| hpi weights | GGUF | clients | hpi tok/s | llama-server tok/s | hpi / llama.cpp | hpi / unquantized |")

@@ -30,12 +30,20 @@ def root() -> Path:
     return cache_dir() / "llama.cpp"
 
 
-# The build the benchmarks run: "build" (GGML_NATIVE: every instruction this CPU reports), or "build-no-amx" (the
-# same without AMX tiles, `--no-amx`): on the 2026-12-04 Xeon, ggml's AMX kernels for Q8_0 / Q4_0 died of SIGILL
-# at their first `tilezero` (no tile config loaded on the thread running them), so its quantized GGUFs served
-# nothing there; without AMX they run its AVX512-VNNI kernels.
+# The build the benchmarks run, and its CMake options: "build" (GGML_NATIVE: every instruction this CPU reports);
+# "build-no-amx" (the same without AMX tiles): on the 2026-12-04 Xeon, ggml's AMX kernels for Q8_0 / Q4_0 died of
+# SIGILL at their first `tilezero` (no tile config loaded on the thread running them), so its quantized GGUFs served
+# nothing there; without AMX they run its AVX512-VNNI kernels; "build-avx2" (AVX2 + FMA + F16C + BMI2, no AVX512,
+# no AMX: llama.cpp's build for an AVX2-only CPU, side by side with hpi's AVX2 build, `ATEN_CPU_CAPABILITY=avx2`,
+# on a CPU that has more).
 BUILD_ENV = "HPI_LLAMA_CPP_BUILD"
-BUILDS = {"build": (), "build-no-amx": ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")}
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILDS = {
+    "build": ("-DGGML_NATIVE=ON",),
+    "build-no-amx": ("-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"),
+    "build-avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                   "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"),
+}
 
 
 def build_variant() -> str:
@@ -102,11 +110,9 @@ def build(src: Path, log: Path, jobs: int) -> None:
     if server_binary().is_file() and (server_binary().parent / "llama-quantize").is_file():
         return
     build_dir = root() / build_variant()
-    flags = " ".join(BUILDS[build_variant()])
     _run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-          *([f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if flags else [])], log)  # fmt: skip
+          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+          "-DLLAMA_BUILD_SERVER=ON", *BUILDS[build_variant()]], log)  # fmt: skip
     _run(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama-quantize", "-j", str(jobs)], log)
 
 
@@ -131,12 +137,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python sdist to take from")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--no-amx", action="store_true",
-                        help=f"build without AMX tiles into {root().name}/build-no-amx (benchmarks pick it with "
-                        f"{BUILD_ENV}=build-no-amx)")  # fmt: skip
+    parser.add_argument("--variant", choices=sorted(BUILDS), default=None,
+                        help=f"which build to make (default: ${BUILD_ENV}, else build); benchmarks pick one with "
+                        f"{BUILD_ENV}=<variant>")  # fmt: skip
     args = parser.parse_args()
-    if args.no_amx:
-        os.environ[BUILD_ENV] = "build-no-amx"
+    if args.variant:
+        os.environ[BUILD_ENV] = args.variant
     from hpi_runtime.embedded import ensure_embedded_model
 
     root().mkdir(parents=True, exist_ok=True)

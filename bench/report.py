@@ -16,6 +16,9 @@ from pathlib import Path
 SYSTEM_STYLE = {"hpi": ("tab:blue", "o"), "llama.cpp": ("tab:orange", "s"), "transformers": ("tab:green", "^")}
 
 
+ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
 def machine_description(llama_python: Path | None = None) -> dict:
     import torch
     import transformers
@@ -38,6 +41,10 @@ def machine_description(llama_python: Path | None = None) -> dict:
         "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
                       if f in flags],  # fmt: skip
         "memory_gib": round(mem_kib / 2**20, 1),
+        # An instruction set lowered for this run (torch's and hpi_kernels' dispatch, MKL's, oneDNN's): the code
+        # paths of a smaller CPU measured on this one.
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMIT_VARS if k in os.environ},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),
         "python": platform.python_version(),
