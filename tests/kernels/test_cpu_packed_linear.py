@@ -113,10 +113,8 @@ def test_bad_arguments_raise_value_error() -> None:
         packed_linear(torch.randn(2, 47), packed, 64)
     with pytest.raises(ValueError, match="float32 or bfloat16 CPU x"):
         packed_linear(torch.randn(2, 48, dtype=torch.float16), packed, 64)
-    with pytest.raises(ValueError, match="of a weight of x's dtype"):  # bf16 x, fp32 panels
+    with pytest.raises(ValueError, match="x is BFloat16, the weight Float"):  # bf16 x, fp32 panels
         packed_linear(torch.randn(2, 48, dtype=torch.bfloat16), packed, 64)
-    with pytest.raises(ValueError, match="of a weight of x's dtype"):  # fp32 x, bf16 panels
-        packed_linear(torch.randn(2, 48), pack_linear_weight(weight.bfloat16()), 64)
     with pytest.raises(ValueError, match="does not fit a packed weight"):
         packed_linear(torch.randn(2, 48), packed, 65 + packed.shape[2])
     with pytest.raises(ValueError, match="from pack_linear_weight"):
@@ -127,6 +125,26 @@ def test_bad_arguments_raise_value_error() -> None:
         packed_linear(torch.randn(2, 48).bfloat16(), pack_linear_weight(weight.bfloat16()), 64, torch.randn(64))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 320, 321, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 41), (17, 600), (200, 1001)])
+def test_fp32_x_over_bf16_panels_computes_what_fp32_panels_do(rows: int, out_features: int, in_features: int) -> None:
+    """An fp32 model whose weights are bf16 values keeps them packed as bf16 (half the bytes): the widen tile
+    multiplies the same values and sums them in the same k order as the fp32 tile, and prefill-sized x unpacks
+    them to the same fp32 matrix for MKL, so every path gives the fp32 panels' result bit for bit."""
+    weight = _weight(out_features, in_features).bfloat16()
+    bias, x = torch.randn(out_features), torch.randn(rows, in_features)
+    as_bf16, as_fp32 = pack_linear_weight(weight), pack_linear_weight(weight.float())
+    assert as_bf16.dtype == torch.bfloat16 and as_bf16.element_size() * as_bf16.numel() < as_fp32.numel() * 4
+    for b in (None, bias):
+        out = packed_linear(x, as_bf16, out_features, b)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, packed_linear(x, as_fp32, out_features, b))
+        torch.testing.assert_close(out, F.linear(x, weight.float(), b), **TOLERANCE)
+    assert torch.equal(packed_logits(x, as_bf16, out_features), packed_logits(x, as_fp32, out_features))
+    strided = torch.randn(rows, in_features + 3)[:, :in_features]  # rows of x a stride apart, not contiguous
+    assert torch.equal(packed_linear(strided, as_bf16, out_features), packed_linear(strided, as_fp32, out_features))
+
+
 def test_op_schema_and_fake_kernel() -> None:
     # The fake kernel is what lets torch.compile keep the op opaque, with a symbolic row count.
     packed, op = pack_linear_weight(_weight(64, 48)), torch.ops.hpi_kernels.packed_linear.default
@@ -135,6 +153,7 @@ def test_op_schema_and_fake_kernel() -> None:
     bf16 = pack_linear_weight(_weight(64, 47).bfloat16())
     torch.library.opcheck(op, (torch.randn(5, 47, dtype=torch.bfloat16), bf16, 64, None))
     torch.library.opcheck(op, (torch.randn(2, 3, 47, dtype=torch.bfloat16), bf16, 64, torch.randn(64).bfloat16()))
+    torch.library.opcheck(op, (torch.randn(2, 3, 47), bf16, 64, torch.randn(64)))  # fp32 x over bf16 panels
 
 
 # bf16: the kernel sums in fp32 and rounds once, so it agrees with the fp32 sum over the same bf16 values,

@@ -105,15 +105,17 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// The packed weight's in_features (K), after checking it against out_features and x's dtype.
+// The packed weight's in_features (K), after checking it against out_features and x's dtype: the weight's own, or
+// bf16 panels under fp32 x (an fp32 model's weights that are bf16 values, kept at half the bytes).
 int64_t check_packed(const at::Tensor& packed, int64_t out_features, at::ScalarType dtype) {
-  const bool bf16 = dtype == at::kBFloat16;
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
   const int64_t dims = bf16 ? 4 : 3;
   TORCH_CHECK_VALUE(packed.dim() == dims && packed.size(2) == kNr && (!bf16 || packed.size(3) == 2) &&
-                        packed.scalar_type() == dtype && packed.is_contiguous() && packed.device().is_cpu(),
-                    "packed weight must be a contiguous ", dtype, " CPU tensor [panels, ",
-                    bf16 ? "in_features / 2, " : "in_features, ", kNr, bf16 ? ", 2" : "",
-                    "] from pack_linear_weight (of a weight of x's dtype), got ", packed.scalar_type(), " ",
+                        (packed.scalar_type() == dtype || (bf16 && dtype == at::kFloat)) && packed.is_contiguous() &&
+                        packed.device().is_cpu(),
+                    "packed weight must be a contiguous CPU tensor from pack_linear_weight: float32 [panels, "
+                    "in_features, ", kNr, "] under float32 x, or bfloat16 [panels, in_features / 2, ", kNr,
+                    ", 2] under bfloat16 or float32 x; x is ", dtype, ", the weight ", packed.scalar_type(), " ",
                     packed.sizes());
   TORCH_CHECK_VALUE(out_features > (packed.size(0) - 1) * kNr && out_features <= packed.size(0) * kNr,
                     "out_features ", out_features, " does not fit a packed weight of ", packed.size(0),
@@ -183,8 +185,9 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
                     "packed_linear takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ",
                     x.sizes(), " on ", x.device());
   const int64_t packed_k = check_packed(packed, out_features, x.scalar_type()), K = x.size(-1), N = out_features;
-  TORCH_CHECK_VALUE(K == packed_k || (bf16 && K == packed_k - 1), "packed_linear: x has ", K,
-                    " features, the packed weight ", bf16 ? "holds pairs of " : "", packed_k);
+  const bool bf16_weight = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(K == packed_k || (bf16_weight && K == packed_k - 1), "packed_linear: x has ", K,
+                    " features, the packed weight ", bf16_weight ? "holds pairs of " : "", packed_k);
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type()),
                     "packed_linear's bias must be ", x.scalar_type(), " [", N, "], got ", bias->scalar_type(), " ",
@@ -225,9 +228,12 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
     }
     return out;
   }
-  if (prefill) {
+  if (prefill) {  // fp32 x: MKL's sgemm over the weight unpacked to fp32 (bf16 panels widened)
     at::Tensor out2d = out.view({M, N});
     at::mm_out(out2d, a, unpacked_weight(packed, K, N));
+  } else if (M > 0 && bf16_weight) {
+    gemm_bf16_weight(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(), M, K, N,
+                     out.data_ptr<float>());
   } else if (M > 0) {
     packed_gemm(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<float>(), M, K, N,
                 out.data_ptr<float>());

@@ -99,6 +99,11 @@ void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed,
 // The same, the fp32 sums stored unrounded (an LM head's logits: packed_logits).
 void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                int64_t M, int64_t K, int64_t N, float* out);
+// out [M, N] (contiguous, fp32) = fp32 a [M, K] (row stride lda) @ the packed bf16 weight, fp32 sums: an fp32
+// model whose weights are bf16 values (a bf16 checkpoint) keeps them packed as bf16, half of fp32's bytes; the
+// widen tile computes exactly what fp32 panels of the same values do (the same products, summed in k order).
+void gemm_bf16_weight(const float* a, int64_t lda, const c10::BFloat16* packed, int64_t M, int64_t K, int64_t N,
+                      float* out);
 // AMX tiles over the same packed weight (packed_linear_amx.cpp): whether this CPU has AMX-BF16, the build is
 // AVX512's and Linux granted the process the tile state;
 bool amx_available();

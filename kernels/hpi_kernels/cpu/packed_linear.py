@@ -14,6 +14,9 @@ Both sum in fp32. Prefill-sized inputs go to MKL's sgemm over the weight unpacke
 per-thread fp32 scratch buffer (bf16 x and weight widened, rounded once), or, for bf16 x where `prefill_gemm`
 found it faster on this CPU (AVX512-BF16 or AMX), to torch's bf16 GEMM over a bf16 copy. A row's result does not
 depend on the other rows below that size.
+
+fp32 x also runs over bf16 panels (an fp32 model whose weights are bf16 values: the runtime packs a bf16
+checkpoint's weights so, at half the bytes): the widen tile, whose fp32 sums are the fp32 panels' bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(
     x: torch.Tensor,  # [..., in_features] float32 or bfloat16
-    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype
+    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype (or bf16 under fp32 x)
     out_features: int,
     bias: torch.Tensor | None = None,  # [out_features], x's dtype
 ) -> torch.Tensor:  # [..., out_features]
@@ -45,7 +48,7 @@ def packed_linear(
 
 def packed_logits(
     x: torch.Tensor,  # [..., in_features] float32 or bfloat16
-    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype
+    packed: torch.Tensor,  # from pack_linear_weight, of x's dtype (or bf16 under fp32 x)
     out_features: int,
 ) -> torch.Tensor:  # [..., out_features] float32
     """An LM head's logits, x @ weight.T with the kernel's fp32 sums returned unrounded for bf16 x too

@@ -209,21 +209,28 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, c10::BFloat1
 
 namespace {
 
-template <typename Out>
-void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
-                  int64_t M, int64_t K, int64_t N, Out* out, bool dp) {
-  const int64_t pairs = (K + 1) / 2, lda32 = 2 * pairs, n_panels = (N + kNr - 1) / kNr;
-  float* a32 = nullptr;  // x in fp32, rows padded with a zero to even K (the widen tile's)
-  if (!dp) {
+// In: x's dtype, bf16 (a bf16 model) or fp32 (an fp32 model whose weights are bf16 values, packed as bf16 at half
+// the bytes: the widen tile only).
+template <typename In, typename Out>
+void gemm_bf16_to(const In* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias, int64_t M,
+                  int64_t K, int64_t N, Out* out, bool dp) {
+  const int64_t pairs = (K + 1) / 2, n_panels = (N + kNr - 1) / kNr;
+  int64_t lda32 = 2 * pairs;
+  const float* a32 = nullptr;  // x in fp32, rows padded with a zero to even K (the widen tile's)
+  if constexpr (std::is_same_v<In, float>) {
+    if (K % 2 == 0) a32 = a, lda32 = lda;  // fp32 x as it is
+  }
+  if (!dp && a32 == nullptr) {
     static thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<size_t>(M * lda32)) scratch.resize(M * lda32);
-    a32 = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
+    float* widened = scratch.data();  // a pointer: inside parallel_for, `scratch` would name each worker's own
     at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {  // a prefill's x is megabytes: every thread widens
       for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t k = 0; k < K; ++k) a32[m * lda32 + k] = static_cast<float>(a[m * lda + k]);
-        if (K % 2 != 0) a32[m * lda32 + K] = 0.f;
+        for (int64_t k = 0; k < K; ++k) widened[m * lda32 + k] = static_cast<float>(a[m * lda + k]);
+        if (K % 2 != 0) widened[m * lda32 + K] = 0.f;
       }
     });
+    a32 = widened;
   }
   const auto* packed32 = reinterpret_cast<const int32_t*>(packed);  // a pair per int32
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
@@ -238,10 +245,12 @@ void gemm_bf16_to(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pack
           const int64_t m = m0 + t * kMrBf16, rows = std::min<int64_t>(kMrBf16, m0 + mc - m);
           with_rows<kMrBf16>(rows, [&](auto height) {
 #if defined(CPU_CAPABILITY_AVX512)
-            if (dp) {
-              tile_dp<decltype(height)::value, Out>(a + m * lda, lda, panel, pairs, panel_bias, out + m * N + p * kNr,
-                                                    N, ncols, next, t, tiles);
-              return;
+            if constexpr (std::is_same_v<In, c10::BFloat16>) {
+              if (dp) {
+                tile_dp<decltype(height)::value, Out>(a + m * lda, lda, panel, pairs, panel_bias,
+                                                      out + m * N + p * kNr, N, ncols, next, t, tiles);
+                return;
+              }
             }
 #endif
             tile<decltype(height)::value, Out>(a32 + m * lda32, lda32, panel, pairs, panel_bias,
@@ -382,6 +391,11 @@ void gemm_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed,
                int64_t M, int64_t K, int64_t N, float* out) {
   if (amx_tile(K)) return gemm_bf16_amx(a, lda, packed, bias, M, K, N, out);
   gemm_bf16_to(a, lda, packed, bias, M, K, N, out, use_dp(K));
+}
+
+void gemm_bf16_weight(const float* a, int64_t lda, const c10::BFloat16* packed, int64_t M, int64_t K, int64_t N,
+                      float* out) {
+  gemm_bf16_to(a, lda, packed, static_cast<const c10::BFloat16*>(nullptr), M, K, N, out, false);
 }
 
 }  // namespace hpi_packed

@@ -53,6 +53,17 @@ def _packs(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16)
 
 
+def _panel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The matrix pack_cpu_weights packs for `weight`: an fp32 weight whose every value is a bf16 value (the
+    checkpoint was bf16, as most are, and the model runs in fp32: dtype "auto" on CPUs without fast bf16) goes
+    in as bf16, half the bytes, which the packed op multiplies with fp32 x bit for bit as fp32 panels would
+    (hpi_kernels' widen tile: the same products summed in the same order; prefill widens it back for MKL)."""
+    if weight.dtype != torch.float32:
+        return weight
+    as_bf16 = weight.to(torch.bfloat16)
+    return as_bf16 if torch.equal(as_bf16.float(), weight) else weight
+
+
 def _unpacked_linears(model: nn.Module, keep: Callable[[torch.Tensor], bool]) -> list[LinearBase]:
     return [
         module
@@ -69,7 +80,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
     The packed weight is no [out, in] matrix any more: loaders and quantization cannot read it, so this runs
     after both. Each panel streams once per step while the kernel computes: a 32-row decode step's linears
     ran 1.5x faster than MKL over column-major weights, and its LM head 1.3x; one row as fast; prefill-sized
-    inputs go to MKL (bench/results/hot_path.md, fourth pass). bf16 panels are widened to fp32 in registers:
+    inputs go to MKL (bench/results/hot_path.md, fourth pass). fp32 weights that hold bf16 values are packed as
+    bf16 (_panel_weight): same results, half the bytes. bf16 panels are widened to fp32 in registers:
     without AMX, torch's bf16 GEMMs run at half fp32's speed, and these at fp32's over half the bytes
     (fifth pass); with AMX, the panels feed AMX tiles (bench/results/amx.md). A tied embedding then looks tokens
     up in the panels (packed_weight_rows).
@@ -80,15 +92,16 @@ def pack_cpu_weights(model: nn.Module) -> int:
         return 0
     for module in linears:
         out_features = module.weight.shape[0]
-        module.weight = nn.Parameter(pack_linear_weight(module.weight.detach()), requires_grad=False)
+        module.weight = nn.Parameter(pack_linear_weight(_panel_weight(module.weight.detach())), requires_grad=False)
         module.packed_out_features = out_features
     embeddings = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
     for head in heads:
         tied = [e for e in embeddings if e.weight is head.weight]
-        head.weight = nn.Parameter(pack_linear_weight(head.weight.detach()), requires_grad=False)
+        dtype = head.weight.dtype
+        head.weight = nn.Parameter(pack_linear_weight(_panel_weight(head.weight.detach())), requires_grad=False)
         head.packed = True
         for embedding in tied:
-            embedding.weight, embedding.packed = head.weight, True
+            embedding.weight, embedding.packed, embedding.rows_dtype = head.weight, True, dtype
     return len(linears) + len(heads)
 
 

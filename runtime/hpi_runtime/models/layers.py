@@ -76,13 +76,16 @@ class VocabEmbedding(nn.Module):
         # that a compiled step holds no tensor constant)
         self.scale = None if scale is None else float(torch.tensor(scale, dtype=self.weight.dtype, device="cpu"))
         self.packed = False  # cpu_layout.pack_cpu_weights: the matrix is a tied LM head's packed panels
+        self.rows_dtype: torch.dtype | None = None  # ... and the model's dtype, which bf16 panels' rows widen to
         # quantize_model: the tied LM head, quantized (an int8 QuantizedLMHead), whose rows the tokens look up
         self.rows_from: nn.Module | None = None
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.rows_from is not None:
             return self.rows_from.weight_rows(ids)
-        return packed_weight_rows(self.weight, ids, self.hidden_size) if self.packed else F.embedding(ids, self.weight)
+        if self.packed:
+            return packed_weight_rows(self.weight, ids, self.hidden_size).to(self.rows_dtype)
+        return F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         load_vocab_rows(param, loaded, self.vocab_span, self.vocab_size)

@@ -191,6 +191,41 @@ def test_pack_cpu_weights_packs_fp32_linears_and_the_lm_head(sharded_dir: Path, 
     assert pack_cpu_weights(int8) == 1  # the float LM head only: quantized layers keep their own format
 
 
+def test_an_fp32_model_keeps_a_bf16_checkpoints_weights_in_bf16_panels(tiny_model_factory, monkeypatch) -> None:
+    """An fp32 model from a bf16 checkpoint (dtype "auto" on a CPU without fast bf16) holds only bf16 values, so
+    pack_cpu_weights packs them as bf16 panels, half the bytes, and the model computes exactly what fp32 panels
+    give (the widen tile: the same products in the same order); the tied embedding reads its rows from those
+    panels widened back to fp32. Weights with values bf16 cannot hold keep fp32 panels."""
+    model_dir = tiny_model_factory("llama", dtype="bfloat16")  # tied embeddings
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    unpacked = _load(model_dir)
+    reference = perplexity(unpacked, TorchAttentionBackend(torch.float32), tokens)
+    half = _load(model_dir)
+    assert pack_cpu_weights(half) == 9  # 2 layers x (qkv, o, gate_up, down) + the LM head
+    linears = [m for m in half.modules() if isinstance(m, LinearBase)]
+    assert {m.weight.dtype for m in linears} == {half.lm_head.weight.dtype} == {torch.bfloat16}
+    embed = half.model.embed_tokens
+    assert embed.packed and embed.weight is half.lm_head.weight
+    ids = torch.tensor([[0, 5, 63], [7, 7, 1]])
+    assert torch.equal(embed(ids), unpacked.model.embed_tokens(ids))  # fp32 rows, the checkpoint's values
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_layout, "_panel_weight", lambda weight: weight)  # fp32 panels, as before
+        full = _load(model_dir)
+        pack_cpu_weights(full)
+    assert full.lm_head.weight.dtype == torch.float32
+    bytes_ = [sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, LinearBase))
+              for model in (half, full)]  # fmt: skip
+    assert bytes_[0] * 2 == bytes_[1]
+    packed = perplexity(half, TorchAttentionBackend(torch.float32), tokens)
+    assert packed == perplexity(full, TorchAttentionBackend(torch.float32), tokens)
+    assert packed == pytest.approx(reference, rel=1e-5)
+    with torch.no_grad():  # one value off a bf16 one: that weight stays fp32
+        unpacked.model.layers[0].mlp.down_proj.weight[0, 0] += 2**-20
+    pack_cpu_weights(unpacked)
+    assert unpacked.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert unpacked.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
 def test_pack_cpu_weights_packs_bf16_unless_onednn_runs_them(sharded_dir: Path, monkeypatch) -> None:
     """bf16 weights pack too (the checkpoint's values rounded to bf16, read back exactly from the pairs), and
     the model's outputs agree with oneDNN's bf16 GEMMs over the unpacked weights; on a CPU with AMX (flags

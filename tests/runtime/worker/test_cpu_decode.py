@@ -64,6 +64,7 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
     [
         ("llama", {}, "none", True),
         ("llama", {}, "none", False),  # weights left unpacked: at::linear
+        ("llama", {"dtype": "bfloat16"}, "none", True),  # a bf16 checkpoint in fp32: bf16 panels, fp32 x
         ("llama", {}, "int8", True),
         ("llama", {}, "int4", True),
         ("llama", {}, "int4-a8", True),  # W4A8: x quantized to int8 per group in the stack as in the model
@@ -75,8 +76,8 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("gemma2", {}, "none", True),  # sandwich norms, GELU-tanh, soft-caps, alternating windows, unit offsets
         ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
-    ids=["packed", "unpacked", "int8", "int4", "int4-a8", "int4-a8-up-to-2-rows", "qwen2-bias", "mistral-window",
-         "phi3-partial-rotary", "qwen3-qk-norm", "gemma2", "gemma3-int4"],
+    ids=["packed", "unpacked", "bf16-checkpoint", "int8", "int4", "int4-a8", "int4-a8-up-to-2-rows", "qwen2-bias",
+         "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm", "gemma2", "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
