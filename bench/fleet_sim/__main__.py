@@ -55,8 +55,8 @@ def record_level(name: str, found, seed: int, out: Path) -> None:
                "replicas": found.replicas, "cost_per_hour": round(found.cost_per_hour, 4),
                "slo_attainment": round(found.attainment, 4), "probes": found.probes, "machine": machine(),
                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-    (out / "bound").mkdir(parents=True, exist_ok=True)
-    (out / "bound" / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
     print(f"{name}: {found.rate_rps:.1f} req/s -> {found.replicas} (x{found.multiplier:.3f} at full use), "
           f"${found.cost_per_hour:.2f}/h, attainment {found.attainment:.4f}, {found.probes} probes", flush=True)
 
@@ -79,27 +79,32 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=None, help="fraction of the headline's demand and pools")
     parser.add_argument("--h200", choices=("assumed", "measured"), default="assumed",
                         help="headline: the H200 pool's figures (the roofline estimate, or the 2026-12-04 run)")
+    parser.add_argument("--day-hours", type=float, default=scenarios.DURATION_S / 3600,
+                        help="headline: the day's length in simulated hours (compressed into one by default)")
     parser.add_argument("--levels", default=",".join(f"{f:g}" for f in scenarios.BOUND_LEVELS),
                         help="bound: fractions of the peak rate to measure")
     parser.add_argument("--targets", default=",".join(f"{t:g}" for t in scenarios.SWEEP_TARGETS))
     parser.add_argument("--baseline", default=None, help="report: the full-scale KV run to compare against")
     parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="where run JSON files go (report reads them)")
     args = parser.parse_args()
-    day_s = scenarios.DURATION_S
+    day_s = args.day_hours * 3600
+    if day_s <= 0:
+        parser.error("--day-hours must be > 0")
     if args.scenario in ("headline", "scale"):
         scale = args.scale or 1.0
         tag = ("" if scale == 1.0 else f"@{scale:g}") + ("" if args.h200 == "assumed" else "-h200measured")
+        tag += "" if day_s == scenarios.DURATION_S else f"-day{args.day_hours:g}h"
         down = args.scale_down_window
         if args.control == "kv":
             result = scenarios.headline_baseline(args.seed, args.target, scale, args.target_waiting,
-                                                 args.min_replicas, down, args.h200)  # fmt: skip
+                                                 args.min_replicas, down, args.h200, day_s)  # fmt: skip
             waiting = "" if args.target_waiting is None else f"-w{args.target_waiting}"
             floor = "" if args.min_replicas == 1 else f"-min{args.min_replicas}"
             name = f"headline-kv-{args.target:g}{waiting}{floor}{'' if down is None else f'-down{down:g}'}{tag}"
         else:
             util = args.utilization or scenarios.DEFAULT_UTILIZATION
             result = scenarios.headline_optimizer(args.seed, scale, args.control == "gpu-only", util, args.lead,
-                                                 args.control == "oracle", down, args.h200)  # fmt: skip
+                                                 args.control == "oracle", down, args.h200, day_s)  # fmt: skip
             name = (f"headline-{args.control}{'' if args.utilization is None else f'-u{util:g}'}"
                     f"{'' if args.lead is None else f'-lead{args.lead:g}'}"
                     f"{'' if down is None else f'-down{down:g}'}{tag}")  # fmt: skip
@@ -113,6 +118,7 @@ def main() -> None:
             "lead_s": None if args.control == "kv" else args.lead,  # None: the operator's default (start + 2 polls)
             "scale_down_s": args.scale_down_window,  # None: the operator's default (300 s; optimizer: the lead)
             "h200": args.h200,
+            "day_s": day_s,
         }
         record(name, result, args.seed, extra, day_s, args.runs)
     elif args.scenario == "sweep":
@@ -132,8 +138,9 @@ def main() -> None:
                    scenarios.ROUTING_DURATION_S, args.runs)  # fmt: skip
     elif args.scenario == "bound":
         for fraction in (float(f) for f in args.levels.split(",")):
-            found = scenarios.bound_level(args.seed, fraction)
-            record_level(f"bound-{fraction:g}", found, args.seed, args.runs)
+            found = scenarios.bound_level(args.seed, fraction, args.h200)
+            tag = "" if args.h200 == "assumed" else "-h200measured"
+            record_level(f"bound-{fraction:g}{tag}", found, args.seed, args.runs / f"bound{tag}")
     else:
         write_report(args.runs, args.baseline)
 

@@ -53,8 +53,10 @@ def pools_at(scale: float, h200: str = "assumed") -> list[SimPool]:
                           cpu_max=max(1, round(POOL_SIZES["cpu"] * scale)), h200=h200)  # fmt: skip
 
 
-def day(seed: int, scale: float = 1.0) -> list[Request]:
-    arrivals = Arrivals("diurnal", PEAK_RPS * scale, DURATION_S, trough_fraction=TROUGH_FRACTION)
+def day(seed: int, scale: float = 1.0, day_s: float = DURATION_S) -> list[Request]:
+    """The headline's diurnal day, compressed into `day_s` (one hour by default: the ramps then run 24x faster than
+    a real day's, which weighs every control's lead time and scale-down window 24x more against its cost)."""
+    arrivals = Arrivals("diurnal", PEAK_RPS * scale, day_s, trough_fraction=TROUGH_FRACTION)
     return generate(arrivals, AZURE_CONV_2023, seed)
 
 
@@ -88,31 +90,32 @@ def _start_plan(pools: Sequence[SimPool], scale: float) -> dict[str, int]:
 
 
 def _run(pools: Sequence[SimPool], requests: Sequence[Request], control, initial: dict[str, int],
-         strategy: str = "load") -> RunResult:  # fmt: skip
+         strategy: str = "load", day_s: float = DURATION_S) -> RunResult:  # fmt: skip
     config = RunConfig(pools=pools, requests=requests, control=control, initial_replicas=initial,
-                       duration_s=DURATION_S, strategy=strategy, slo=SLO)  # fmt: skip
+                       duration_s=day_s, strategy=strategy, slo=SLO)  # fmt: skip
     return Simulation(config).run()
 
 
 def headline_optimizer(seed: int, scale: float = 1.0, gpu_only: bool = False, utilization: float = DEFAULT_UTILIZATION,
                        lead_s: float | None = None, oracle: bool = False,
-                       scale_down_s: float | None = None, h200: str = "assumed") -> RunResult:  # fmt: skip
+                       scale_down_s: float | None = None, h200: str = "assumed",
+                       day_s: float = DURATION_S) -> RunResult:  # fmt: skip
     """`lead_s`: leadTimeSeconds (None: the operator's default, the pools' start times + two polls); `oracle`: plan
     for the day's true peak rate one lead time ahead instead of the forecast (oracle.py); `h200`: its figures
-    (pools.headline_pools)."""
+    (pools.headline_pools); `day_s`: the day's length (day())."""
     pools = pools_at(scale, h200)
     offered = [p for p in pools if p.choice.profile.device == "cuda"] if gpu_only else pools
-    requests = day(seed, scale)
+    requests = day(seed, scale, day_s)
     name = "oracle" if oracle else "gpu-only" if gpu_only else "optimizer"
     control = OptimizerControl(offered, SLO, _optimizer_settings(scale_down_s), utilization, name=name, lead_s=lead_s,
                                foresight=Foresight(requests) if oracle else None)  # fmt: skip
     initial = _start_plan(offered, scale)
-    return _run(offered, requests, control, initial)
+    return _run(offered, requests, control, initial, day_s=day_s)
 
 
 def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiting: int | None = None,
                       min_replicas: int = 1, scale_down_s: float | None = None,
-                      h200: str = "assumed") -> RunResult:  # fmt: skip
+                      h200: str = "assumed", day_s: float = DURATION_S) -> RunResult:  # fmt: skip
     """`target_waiting`: the autoscaler's targetWaitingRequests per pod (None: its default, where any queued
     request asks for one more replica); `min_replicas`: its floor (minReplicas), the knob a platform team turns
     when a reactive autoscaler loses the morning ramp."""
@@ -121,7 +124,7 @@ def headline_baseline(seed: int, target: float, scale: float = 1.0, target_waiti
     control = KvControl(pools, settings, name=f"kv-baseline@{target:g}")
     total = max(min_replicas, sum(_start_plan(pools, scale).values()))
     slots = [Slot(c.pool.name, c.capacity) for c in rank_choices([p.choice for p in pools], [])]
-    return _run(pools, day(seed, scale), control, spread_replicas(total, slots))
+    return _run(pools, day(seed, scale, day_s), control, spread_replicas(total, slots), day_s=day_s)
 
 
 ROUTING_REPLICAS = {"h200-bf16": 2, "l4-int8": 24, "cpu-bf16": 4}
@@ -141,10 +144,11 @@ def routing(seed: int, strategy: str) -> RunResult:
 BOUND_LEVELS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # fractions of the peak rate (the night is 0.2)
 
 
-def bound_level(seed: int, fraction: float) -> Level:
-    """The smallest warm fleet within the SLO at `fraction` of the headline's peak rate (bound.py)."""
-    return level(pools_at(1.0), _context(), AZURE_CONV_2023, PEAK_RPS * fraction, SLO, seed)
+def bound_level(seed: int, fraction: float, h200: str = "assumed") -> Level:
+    """The smallest warm fleet within the SLO at `fraction` of the headline's peak rate (bound.py), with the
+    H200's figures `h200` (as the headline's)."""
+    return level(pools_at(1.0, h200), _context(), AZURE_CONV_2023, PEAK_RPS * fraction, SLO, seed)
 
 
-def bound_day(levels: Sequence[Level]) -> float:
-    return day_floor(levels, Arrivals("diurnal", PEAK_RPS, DURATION_S, trough_fraction=TROUGH_FRACTION))
+def bound_day(levels: Sequence[Level], day_s: float = DURATION_S) -> float:
+    return day_floor(levels, Arrivals("diurnal", PEAK_RPS, day_s, trough_fraction=TROUGH_FRACTION))

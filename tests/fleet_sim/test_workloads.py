@@ -27,3 +27,15 @@ def test_the_diurnal_day_peaks_in_the_middle():
     noon = sum(1 for t in times if 250 <= t < 350)
     assert noon > 2 * night / 2  # per 100 s, the peak carries more than twice the night
     assert arrivals.diurnal_rate(300.0) == 50.0 and arrivals.diurnal_rate(0.0) == 10.0
+
+
+def test_the_headline_day_stretches_to_its_length():
+    """`--day-hours`: the same diurnal shape and peak over a longer day, so about that many times the requests,
+    spread over the whole of it."""
+    from fleet_sim import scenarios
+
+    one = scenarios.day(3, scale=0.01)
+    four = scenarios.day(3, scale=0.01, day_s=4 * scenarios.DURATION_S)
+    assert 3.6 < len(four) / len(one) < 4.4
+    assert max(r.arrival_s for r in one) < scenarios.DURATION_S < max(r.arrival_s for r in four)
+    assert max(r.arrival_s for r in four) < 4 * scenarios.DURATION_S
