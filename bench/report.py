@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 SYSTEM_STYLE = {"hpi": ("tab:blue", "o"), "llama.cpp": ("tab:orange", "s"), "transformers": ("tab:green", "^")}
-
-
+# Variables that lower the instruction set a run uses (torch's and hpi_kernels' dispatch, MKL's, oneDNN's).
 ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 

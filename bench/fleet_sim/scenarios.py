@@ -150,5 +150,5 @@ def bound_level(seed: int, fraction: float, h200: str = "assumed") -> Level:
     return level(pools_at(1.0, h200), _context(), AZURE_CONV_2023, PEAK_RPS * fraction, SLO, seed)
 
 
-def bound_day(levels: Sequence[Level], day_s: float = DURATION_S) -> float:
-    return day_floor(levels, Arrivals("diurnal", PEAK_RPS, day_s, trough_fraction=TROUGH_FRACTION))
+def bound_day(levels: Sequence[Level]) -> float:
+    return day_floor(levels, Arrivals("diurnal", PEAK_RPS, DURATION_S, trough_fraction=TROUGH_FRACTION))
