@@ -1,12 +1,14 @@
 """The CPU LoRA delta (torch.ops.hpi_kernels.lora_add_) against the base projection it rides on, in process: one
 layer of the embedded SmolLM2-135M (q/k/v fused, o, gate/up fused, down; bf16, rank 16), for a prefill chunk
-of one adapter's tokens and a decode step of 16 rows over 4 adapters. Printed: median ms of the delta, of the
-same delta in torch ops (x @ A, then @ B per part), and of the base projection (`F.linear`, what the layer costs
-without an adapter), with the delta's time as a fraction of the base's; the delta's multiply-adds are 4.6% of
-the base's. The measurements alternate call by call, so the machine's drift weighs on all three alike. The
-bf16 tile (widened FMAs or vdpbf16ps) is the machine's own start-up choice unless --tile names one.
+of one adapter's tokens, a prefill of six 64-token prompts of 4 adapters in turn, and a decode step of 16 rows
+over 4 adapters. Printed: median ms of the delta (with the slots' AMX panels where the CPU runs the bf16 linears
+on AMX), of the same delta in torch ops (x @ A, then @ B per part), and of the base projection, as `F.linear`
+(oneDNN) and as the packed linear the served CPU model runs, with the delta's time as a fraction of each; the
+delta's multiply-adds are 4.6% of the base's. The measurements alternate call by call, so the machine's drift
+weighs on all alike. The bf16 tile (widened FMAs, vdpbf16ps or AMX) is the machine's own start-up choice unless
+--tile names one; --no-amx-delta keeps the delta on its vector tiles (as before bench/results/lora.md run 17).
 
-    .venv/bin/python -m bench.lora_delta [--tile dpbf16|widen] [--out F]
+    .venv/bin/python -m bench.lora_delta [--tile dpbf16|widen] [--no-amx-delta] [--out F]
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ import torch
 import torch.nn.functional as F
 
 from hpi_kernels.cpu import bf16_tile, load_extension
+from hpi_kernels.cpu.packed_linear import pack_linear_weight, packed_linear
 
 RANK, SLOTS = 16, 4
 # name: (in features, the parts' output columns); SmolLM2-135M: hidden 576, 3 KV heads of 64, MLP 1536
 PROJECTIONS = {"qkv": (576, [0, 576, 768, 960]), "o": (576, [0, 576]), "gate_up": (576, [0, 1536, 3072]),
                "down": (1536, [0, 576])}  # fmt: skip
-CASES = {"prefill_374_one_adapter": (374, False), "decode_16_rows_4_adapters": (16, True)}
+# name: (tokens, a run's tokens of one slot, the slots taking turns run by run)
+CASES = {"prefill_374_one_adapter": (374, 374), "prefill_6x64_4_adapters": (384, 64),
+         "decode_16_rows_4_adapters": (16, 1)}
 
 
-def measure(tokens: int, spread: bool, rounds: int) -> dict:
+def measure(tokens: int, run: int, rounds: int, amx_delta: bool) -> dict:
     g = torch.Generator().manual_seed(tokens)
-    timings = {"kernel": [], "torch_ops": [], "base": []}
+    timings = {"kernel": [], "torch_ops": [], "base": [], "base_packed": []}
     calls = []
     for in_features, cols in PROJECTIONS.values():
         parts, n = len(cols) - 1, cols[-1]
@@ -41,16 +46,20 @@ def measure(tokens: int, spread: bool, rounds: int) -> dict:
         bt = (torch.randn(SLOTS, parts * RANK, n, generator=g) * 0.05).bfloat16()
         weight = (torch.randn(n, in_features, generator=g) * 0.05).bfloat16()
         out = torch.randn(tokens, n, generator=g).bfloat16()
-        slots = torch.arange(tokens) % SLOTS if spread else torch.zeros(tokens, dtype=torch.int64)
+        packed = pack_linear_weight(weight)
+        slots = torch.arange(tokens) // run % SLOTS
+        # [S, 0] where the bf16 linears do not run AMX; None: the vector tiles whatever the CPU
+        amx = torch.ops.hpi_kernels.lora_pack_amx(a, bt, cols) if amx_delta else None
 
         def torch_ops(x=x, a=a, bt=bt, out=out, cols=cols):  # one slot's tokens (the prefill case's form)
             h = x @ a[0].t()
             for p, (c0, c1) in enumerate(itertools.pairwise(cols)):
                 out[:, c0:c1].add_(h[:, p * RANK : (p + 1) * RANK] @ bt[0, p * RANK : (p + 1) * RANK, c0:c1])
 
-        calls.append({"kernel": lambda out=out, x=x, a=a, bt=bt, s=slots, c=cols: torch.ops.hpi_kernels.lora_add_(
-                          out, x, a, bt, s, c),
-                      "torch_ops": torch_ops, "base": lambda x=x, w=weight: F.linear(x, w)})  # fmt: skip
+        calls.append({"kernel": lambda out=out, x=x, a=a, bt=bt, s=slots, c=cols, p=amx:
+                          torch.ops.hpi_kernels.lora_add_(out, x, a, bt, s, c, p),
+                      "torch_ops": torch_ops, "base": lambda x=x, w=weight: F.linear(x, w),
+                      "base_packed": lambda x=x, p=packed, n=n: packed_linear(x, p, n)})  # fmt: skip
     for _ in range(3):  # warm up
         for layer in calls:
             for call in layer.values():
@@ -64,12 +73,14 @@ def measure(tokens: int, spread: bool, rounds: int) -> dict:
     medians = {key: round(statistics.median(values), 4) for key, values in timings.items()}
     medians["kernel_over_base"] = round(medians["kernel"] / medians["base"], 4)
     medians["torch_ops_over_base"] = round(medians["torch_ops"] / medians["base"], 4)
+    medians["kernel_over_base_packed"] = round(medians["kernel"] / medians["base_packed"], 4)
     return medians
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tile", choices=["dpbf16", "widen"], help="force the bf16 tile (default: measured)")
+    parser.add_argument("--no-amx-delta", action="store_true", help="the delta on its vector tiles even with AMX")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -77,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tile:
         bf16_tile(args.tile)
     result = {"machine": platform.processor() or platform.machine(), "bf16_tile": bf16_tile(),
+              "amx_delta": not args.no_amx_delta,
               "threads": torch.get_num_threads()}  # fmt: skip
-    for name, (tokens, spread) in CASES.items():
-        result[name] = measure(tokens, spread, args.rounds)
+    for name, (tokens, run) in CASES.items():
+        result[name] = measure(tokens, run, args.rounds, not args.no_amx_delta)
         print(name, result[name])
     if args.out:
         with open(args.out, "w") as f:

@@ -1,15 +1,17 @@
 """The C++ batched LoRA (hpi_kernels.cpu.lora_add) against the plain-PyTorch reference in float64: tokens of
 several slots interleaved with base tokens (slot -1), slots with more tokens than one tile and none at all, sizes
 that are no multiple of the vector width (the scalar tails), fp32 and bf16, a prefill large enough to split over
-threads; a fused projection's parts (q, k, v), whose Bt blocks alone are read; the in-place op writes only the
-adapted rows; and bad inputs refused."""
+threads; a fused projection's parts (q, k, v), whose Bt blocks alone are read; runs of one slot on the AMX tiles
+(where the CPU has them) over the slots' packed panels; the in-place op writes only the adapted rows; and bad
+inputs refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hpi_kernels.cpu import load_extension, lora_add, lora_add_ref
+from hpi_kernels.cpu import bf16_tile, load_extension, lora_add, lora_add_ref
+from hpi_kernels.cpu.lora_delta import lora_pack_amx
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,6 +46,53 @@ def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, w
     base = token_slots < 0
     assert torch.equal(got[base], out[base])  # base tokens untouched, bit for bit
     assert not torch.allclose(got[~base].double(), out[~base].double(), atol=1e-3)  # the delta is really there
+
+
+# Runs of one slot: 40 tokens (a whole piece of 32 and 8 more), base tokens, 20 (one tile and a partial one), 8
+# (below the AMX tiles' 16: the vector tiles), 27; slot 3 has no token.
+RUNS = [(0, 40), (-1, 5), (2, 20), (1, 8), (0, 27)]
+
+
+@pytest.mark.parametrize(("width", "in_features", "out_features", "part_cols"),
+                         [(48, 576, 960, [0, 576, 768, 960]),  # SmolLM2's qkv: W 48 padded to 64
+                          (15, 64, 77, [0, 13, 13, 77]),  # an odd rank a part, an empty part, a partial panel
+                          (32, 1536, 576, None)])  # fmt: skip
+def test_runs_of_one_slot_on_the_amx_panels(forced_packed_bf16_tile, width, in_features, out_features,
+                                            part_cols) -> None:  # fmt: skip
+    """With every tile: where it is amx, lora_pack_amx packs the slots and the runs of 16 tokens or more take the
+    AMX tiles (the shrunk tokens rounded to bf16, the expand's sums over out's own values rounded once); with the
+    vector tiles it packs nothing and lora_add keeps to them. Either way the float64 reference's result."""
+    g = torch.Generator().manual_seed(width)
+    tokens = sum(length for _, length in RUNS)
+    x = torch.randn(tokens, in_features, generator=g).bfloat16()
+    a = (torch.randn(4, width, in_features, generator=g) * 0.1).bfloat16()
+    bt = (torch.randn(4, width, out_features, generator=g) * 0.1).bfloat16()
+    out = torch.randn(tokens, out_features, generator=g).bfloat16()
+    token_slots = torch.tensor([slot for slot, length in RUNS for _ in range(length)])
+    packed = lora_pack_amx(a, bt, part_cols)
+    assert packed.shape[0] == 4 and (packed.shape[1] > 0) == (forced_packed_bf16_tile == "amx")
+    got = lora_add(x, a, bt, token_slots, out, part_cols, amx=packed)
+    want = lora_add_ref(x.double(), a.double(), bt.double(), token_slots, out.double(), part_cols)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
+    base = token_slots < 0
+    assert torch.equal(got[base], out[base])
+    # The panels are of these slots' weights: a slot rewritten and packed again gives its new delta.
+    a[2], bt[2] = -a[2], -bt[2]
+    got = lora_add(x, a, bt, token_slots, out, part_cols, amx=lora_pack_amx(a, bt, part_cols))
+    want = lora_add_ref(x.double(), a.double(), bt.double(), token_slots, out.double(), part_cols)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_amx_panels_are_packed_for_bf16_alone_and_checked() -> None:
+    a, bt = torch.randn(2, 16, 64), torch.randn(2, 16, 40)
+    assert lora_pack_amx(a, bt).shape == (2, 0)  # fp32 slots: the vector tiles
+    if bf16_tile() != "amx":
+        assert lora_pack_amx(a.bfloat16(), bt.bfloat16()).shape == (2, 0)
+        return
+    packed = lora_pack_amx(a.bfloat16(), bt.bfloat16())
+    x, out = torch.randn(16, 64).bfloat16(), torch.randn(16, 40).bfloat16()
+    with pytest.raises(ValueError, match="lora_pack_amx's panels"):
+        lora_add(x, a.bfloat16(), bt.bfloat16(), torch.zeros(16, dtype=torch.int64), out, amx=packed[:, :-2])
 
 
 def test_in_place_op_writes_only_the_adapted_rows() -> None:

@@ -58,9 +58,11 @@ struct Linear {
   at::Tensor weight, scales;  // scales: int8's per-channel scales, int4's (scale, zero) pairs; else undefined
   std::optional<at::Tensor> bias;
   // LoRA (runtime/hpi_runtime/lora/layers.py): the projection's adapter slots, A [S, W, in] and B transposed
-  // [S, W, out], which slot loads rewrite in place, and its parts' output columns; undefined without adapters.
+  // [S, W, out], which slot loads rewrite in place, its parts' output columns, and the slots' AMX panels (or
+  // none); undefined without adapters.
   at::Tensor lora_a, lora_bt;
   std::vector<int64_t> lora_part_cols;
+  std::optional<at::Tensor> lora_amx;
 
   // y = x W^T (+ bias), plus each row's LoRA delta by its adapter slot (lora_slots: [rows] int64, -1 for the base
   // model; undefined or empty: no adapter in the step), as the model's linear and its LoRA hook compute it.
@@ -68,11 +70,11 @@ struct Linear {
     at::Tensor y = base(x);
     if (lora_a.defined() && lora_slots.defined() && lora_slots.numel() > 0) {
       using LoRAOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, c10::IntArrayRef);
+                          const at::Tensor&, c10::IntArrayRef, const std::optional<at::Tensor>&);
       static const auto lora_add = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::lora_add_", "")
                                        .typed<LoRAOp>();
       y = y.contiguous();
-      lora_add.call(y, x.contiguous(), lora_a, lora_bt, lora_slots, lora_part_cols);
+      lora_add.call(y, x.contiguous(), lora_a, lora_bt, lora_slots, lora_part_cols, lora_amx);
     }
     return y;
   }
@@ -269,8 +271,9 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // LoRA adapter slots for the linear added last (lora/layers.py's LoRAProjection): A [S, W, in], B transposed
-  // [S, W, out] (held, not copied: slot loads write them in place), and its parts' output columns from 0 to out.
-  void set_lora(at::Tensor a, at::Tensor bt, std::vector<int64_t> part_cols) {
+  // [S, W, out] (held, not copied: slot loads write them in place), its parts' output columns from 0 to out, and
+  // the slots' AMX panels (lora_pack_amx, also rewritten by slot loads) or None.
+  void set_lora(at::Tensor a, at::Tensor bt, std::vector<int64_t> part_cols, std::optional<at::Tensor> amx) {
     TORCH_CHECK_VALUE(!pending_.empty(), "DecodeStack: set_lora follows the add_linear of its linear");
     Linear& linear = pending_.back();
     TORCH_CHECK_VALUE(a.dim() == 3 && bt.dim() == 3 && a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
@@ -280,6 +283,7 @@ class DecodeStack : public torch::CustomClassHolder {
     linear.lora_a = std::move(a);
     linear.lora_bt = std::move(bt);
     linear.lora_part_cols = std::move(part_cols);
+    linear.lora_amx = std::move(amx);
   }
 
   // A layer over the four linears added since the last one, with its input and post-attention norms' weights and

@@ -13,7 +13,9 @@
 // registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
 // measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead,
 // and the expand multiplies pairs of ranks: the shrunk tokens rounded to bf16, as a bf16 model's lora_A output is
-// (13% less time than the widened expand at a 374-token prefill, bench/results/lora.md run 15).
+// (13% less time than the widened expand at a 374-token prefill, bench/results/lora.md run 15). Where the packed
+// bf16 linears run AMX tiles, a prefill chunk's runs of one slot take them too, over panels packed at slot load
+// (amx_pieces, below).
 
 #include "packed_linear.h"
 
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -320,6 +323,89 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
   }
 }
 
+// a [S, W, K], bt [S, W, N] and part_cols: the parts (lora_add_'s and lora_pack_amx's checks).
+Parts checked_parts(const at::Tensor& a, const at::Tensor& bt, at::IntArrayRef part_cols) {
+  TORCH_CHECK_VALUE(a.dim() == 3 && bt.dim() == 3 && a.size(0) == bt.size(0) && a.size(1) == bt.size(1),
+                    "lora_add: a [S, W, K] and bt [S, W, N] must share S and W, got ", a.sizes(), " ", bt.sizes());
+  const int64_t W = a.size(1), N = bt.size(2), count = static_cast<int64_t>(part_cols.size()) - 1;
+  TORCH_CHECK_VALUE(count >= 1 && W % count == 0 && part_cols.front() == 0 && part_cols.back() == N &&
+                        std::is_sorted(part_cols.begin(), part_cols.end()),
+                    "lora_add: part_cols must rise from 0 to N = ", N, " in parts that split W = ", W,
+                    " evenly, got ", part_cols);
+  return Parts{part_cols.data(), count};
+}
+
+// Runs of at least kAmxRun consecutive tokens of one slot (a prefill chunk's) take AMX tiles where the bf16 packed
+// linears do (amx_tile(K)) and the slots are packed for them (lora_pack_amx, at slot load): the shrink and the
+// expand become two small GEMMs on packed_linear_amx.cpp's tiles, h = bf16(x A[s]^T) (as the dp expand rounds it),
+// then out += h Bt[s], out's own values joining the fp32 sums before the one rounding. A slot's panels: A as the
+// shrink's weight [Wpad, K] (W rows padded with zeros to a whole tile of k for the expand, Wpad a multiple of 32),
+// then Bt as one block-diagonal weight [N, Wpad] (a part's columns take its ranks only; the zeros cost the tiles
+// little). A 374-token chunk's delta on an AMX Xeon: 0.47 of the packed base linears' time on the vector tiles,
+// 0.22 on these (bench/results/lora.md run 17); packing per call instead of per load cost as much as the GEMMs.
+constexpr int64_t kAmxRun = 16;
+
+inline int64_t amx_width(int64_t W) { return (W + 31) / 32 * 32; }
+
+// Elements of one slot's panels: A's Wpad x K, then Bt's N (whole panels) x Wpad.
+inline int64_t amx_slot_size(int64_t W, int64_t K, int64_t N) {
+  using hpi_packed::kNr;
+  return amx_width(W) * K + (N + kNr - 1) / kNr * kNr * amx_width(W);
+}
+
+// One slot's panels into dst (amx_slot_size elements), every element written (the padding's zeros too).
+void pack_amx_slot(const c10::BFloat16* a, const c10::BFloat16* bt, int64_t W, int64_t K, int64_t N, Parts parts,
+                   c10::BFloat16* dst) {
+  using hpi_packed::kNr;
+  const int64_t Wpad = amx_width(W), Wp = W / parts.count, a_pairs = K / 2, b_pairs = Wpad / 2;
+  std::fill_n(dst, amx_slot_size(W, K, N), c10::BFloat16(0.f));
+  // A: row w is column w of the shrink's weight, its pair (k, k + 1) one 32-bit word in either layout.
+  auto* a_words = reinterpret_cast<uint32_t*>(dst);
+  const auto* a_src = reinterpret_cast<const uint32_t*>(a);
+  for (int64_t w = 0; w < W; ++w) {
+    uint32_t* column = a_words + w / kNr * a_pairs * kNr + w % kNr;
+    for (int64_t q = 0; q < a_pairs; ++q) column[q * kNr] = a_src[w * a_pairs + q];
+  }
+  // B: element (n, w) is Bt[w][n] where rank w is of column n's part; the rest stays zero.
+  c10::BFloat16* b_dst = dst + Wpad * K;
+  for (int64_t p = 0; p < parts.count; ++p) {
+    const int64_t c0 = parts.cols[p], c1 = parts.cols[p + 1];
+    for (int64_t w = p * Wp; w < (p + 1) * Wp; ++w) {
+      for (int64_t n0 = c0; n0 < c1;) {  // the part's columns panel by panel: a panel's row of pairs is contiguous
+        const int64_t n1 = std::min(c1, (n0 / kNr + 1) * kNr);
+        c10::BFloat16* pairs = b_dst + ((n0 / kNr * b_pairs + w / 2) * kNr) * 2 + w % 2;
+        const c10::BFloat16* row = bt + w * N;
+        for (int64_t n = n0; n < n1; ++n) pairs[(n % kNr) * 2] = row[n];
+        n0 = n1;
+      }
+    }
+  }
+}
+
+// Pieces of the runs, each up to kAmxPiece tokens of one slot: out[t0:t0 + m] += bf16(x A^T) Bt for each, the
+// threads taking pieces (the shrink's weight is one or two panels wide, which the GEMM's own split by panels would
+// leave to one thread; one parallel region for every run of the call).
+constexpr int64_t kAmxPiece = 32;
+
+struct AmxPiece {
+  const c10::BFloat16* panels;  // the slot's
+  int64_t t0, m;
+};
+
+void amx_pieces(const std::vector<AmxPiece>& pieces, const c10::BFloat16* x, c10::BFloat16* out, int64_t K,
+                int64_t W, int64_t N) {
+  const int64_t Wpad = amx_width(W);
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t i0, int64_t i1) {
+    static thread_local std::vector<c10::BFloat16> h;  // a piece's shrunk tokens, [m, Wpad]
+    if (h.size() < static_cast<size_t>(kAmxPiece * Wpad)) h.resize(static_cast<size_t>(kAmxPiece * Wpad));
+    for (int64_t i = i0; i < i1; ++i) {
+      const AmxPiece& piece = pieces[i];
+      hpi_packed::gemm_bf16_amx(x + piece.t0 * K, K, piece.panels, nullptr, piece.m, K, Wpad, h.data());
+      hpi_packed::gemm_bf16_amx_add(h.data(), Wpad, piece.panels + Wpad * K, piece.m, Wpad, N, out + piece.t0 * N);
+    }
+  });
+}
+
 // Below this many multiply-adds per thread (~15 us) tiles run on the calling thread: an OpenMP region costs
 // microseconds on idle cores and milliseconds when other processes hold them (bench/results/lora.md). A decode
 // step's larger projections still split their tiles over the threads (1.5x faster on 2 idle cores).
@@ -328,14 +414,13 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 19;
 // out[t] += B[s] (A[s] x[t]) in place: out is the projection's output, which nothing else holds yet, so the
 // compiled step (Inductor reinplaces the functionalized call) and eager runs alike write it without a copy.
 void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-               const at::Tensor& slots, at::IntArrayRef part_cols) {
+               const at::Tensor& slots, at::IntArrayRef part_cols, const std::optional<at::Tensor>& amx) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() == 2 && x.device().is_cpu(),
                     "lora_add takes float32 or bfloat16 CPU x [T, K], got ", dtype, " ", x.sizes());
-  TORCH_CHECK_VALUE(a.dim() == 3 && bt.dim() == 3 && a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
-                        a.size(2) == x.size(1),
-                    "lora_add: a [S, W, K] and bt [S, W, N] must match x [T, K], got ", a.sizes(), " ", bt.sizes(),
-                    " ", x.sizes());
+  const Parts parts = checked_parts(a, bt, part_cols);
+  TORCH_CHECK_VALUE(a.size(2) == x.size(1), "lora_add: a [S, W, K] must match x [T, K], got ", a.sizes(), " ",
+                    x.sizes());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == bt.size(2),
                     "lora_add: out must be [T, N] = [", x.size(0), ", ", bt.size(2), "], got ", out.sizes());
   TORCH_CHECK_VALUE(out.is_contiguous(), "lora_add: out must be contiguous (it is written in place)");
@@ -343,28 +428,43 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
                     "lora_add: slots must be int64 [T], got ", slots.scalar_type(), " ", slots.sizes());
   TORCH_CHECK_VALUE(a.scalar_type() == dtype && bt.scalar_type() == dtype && out.scalar_type() == dtype,
                     "lora_add: x, a, bt and out must share one dtype");
-  const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = out.size(1);
-  const auto count = static_cast<int64_t>(part_cols.size()) - 1;
-  TORCH_CHECK_VALUE(count >= 1 && W % count == 0 && part_cols.front() == 0 && part_cols.back() == N &&
-                        std::is_sorted(part_cols.begin(), part_cols.end()),
-                    "lora_add: part_cols must rise from 0 to N = ", N, " in parts that split W = ", W,
-                    " evenly, got ", part_cols);
-  const Parts parts{part_cols.data(), count};
-  // Tokens by slot, then tiles of up to kTile tokens of one slot; no token with a slot: nothing to do.
+  const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = out.size(1), count = parts.count;
   const at::Tensor sc = slots.contiguous();
-  std::vector<std::vector<int64_t>> by_slot(static_cast<size_t>(S));
   const int64_t* slot_of = sc.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = slot_of[t];
-    TORCH_CHECK_VALUE(s >= -1 && s < S, "lora_add: slot ", s, " of token ", t, " is not in [-1, ", S, ")");
-    if (s >= 0) by_slot[s].push_back(t);
+    TORCH_CHECK_VALUE(slot_of[t] >= -1 && slot_of[t] < S, "lora_add: slot ", slot_of[t], " of token ", t,
+                      " is not in [-1, ", S, ")");
+  }
+  const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous();
+  // Runs of one slot long enough for the AMX tiles take them where the slots are packed for them; the rest below.
+  std::vector<bool> on_amx(static_cast<size_t>(T), false);
+  if (amx.has_value() && amx->size(1) > 0 && T >= kAmxRun && hpi_packed::amx_tile(K)) {
+    TORCH_CHECK_VALUE(amx->dim() == 2 && amx->size(0) == S && amx->size(1) == amx_slot_size(W, K, N) &&
+                          amx->scalar_type() == at::kBFloat16 && amx->is_contiguous(),
+                      "lora_add: amx must be lora_pack_amx's panels of these slots, [", S, ", ",
+                      amx_slot_size(W, K, N), "] bfloat16, got ", amx->scalar_type(), " ", amx->sizes());
+    std::vector<AmxPiece> pieces;
+    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
+      for (t1 = t0 + 1; t1 < T && slot_of[t1] == slot_of[t0];) ++t1;
+      const int64_t s = slot_of[t0];
+      if (s < 0 || t1 - t0 < kAmxRun) continue;
+      for (int64_t p = t0; p < t1; p += kAmxPiece) {
+        pieces.push_back({amx->const_data_ptr<c10::BFloat16>() + s * amx->size(1), p, std::min(kAmxPiece, t1 - p)});
+      }
+      std::fill(on_amx.begin() + t0, on_amx.begin() + t1, true);
+    }
+    amx_pieces(pieces, xc.const_data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), K, W, N);
+  }
+  // The other tokens by slot, then tiles of up to kTile tokens of one slot; none left: nothing to do.
+  std::vector<std::vector<int64_t>> by_slot(static_cast<size_t>(S));
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot_of[t] >= 0 && !on_amx[t]) by_slot[slot_of[t]].push_back(t);
   }
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (slot, first index into by_slot[slot])
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t i = 0; i < static_cast<int64_t>(by_slot[s].size()); i += kTile) tiles.emplace_back(s, i);
   }
   if (tiles.empty()) return;
-  const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous();
   int64_t adapted = 0;
   for (const auto& rows : by_slot) adapted += static_cast<int64_t>(rows.size());
   const int64_t tile_work = adapted / static_cast<int64_t>(tiles.size()) * (W * K + W / count * N);  // mean tile
@@ -408,17 +508,61 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   }
 }
 
+// Every slot's AMX panels, lora_add_'s `amx`: [S, amx_slot_size] bfloat16 where runs of one slot take AMX tiles here
+// (bf16 slots, amx_tile(K)), else [S, 0].
+at::Tensor lora_pack_amx(const at::Tensor& a, const at::Tensor& bt, at::IntArrayRef part_cols) {
+  const Parts parts = checked_parts(a, bt, part_cols);
+  TORCH_CHECK_VALUE(a.scalar_type() == bt.scalar_type(), "lora_pack_amx: a and bt must share one dtype");
+  const int64_t S = a.size(0), W = a.size(1), K = a.size(2), N = bt.size(2);
+  if (a.scalar_type() != at::kBFloat16 || !a.device().is_cpu() || !hpi_packed::amx_tile(K)) {
+    return at::empty({S, 0}, a.options());
+  }
+  const int64_t size = amx_slot_size(W, K, N);
+  at::Tensor packed = at::empty({S, size}, a.options());
+  const at::Tensor ac = a.contiguous(), bc = bt.contiguous();
+  for (int64_t s = 0; s < S; ++s) {
+    pack_amx_slot(ac.const_data_ptr<c10::BFloat16>() + s * W * K, bc.const_data_ptr<c10::BFloat16>() + s * W * N, W,
+                  K, N, parts, packed.data_ptr<c10::BFloat16>() + s * size);
+  }
+  return packed;
+}
+
+// Slot s of lora_pack_amx's panels packed again from a[s] and bt[s], in place (the runtime's slot load, after it
+// writes the slot's A and Bt); nothing to do where the panels are [S, 0].
+void lora_pack_amx_slot_(const at::Tensor& panels, const at::Tensor& a, const at::Tensor& bt, int64_t slot,
+                         at::IntArrayRef part_cols) {
+  const Parts parts = checked_parts(a, bt, part_cols);
+  const int64_t S = a.size(0), W = a.size(1), K = a.size(2), N = bt.size(2);
+  TORCH_CHECK_VALUE(slot >= 0 && slot < S, "lora_pack_amx_slot_: slot ", slot, " is not in [0, ", S, ")");
+  TORCH_CHECK_VALUE(panels.dim() == 2 && panels.size(0) == S && panels.is_contiguous(),
+                    "lora_pack_amx_slot_: panels must be lora_pack_amx's [", S, ", size], got ", panels.sizes());
+  if (panels.size(1) == 0) return;
+  TORCH_CHECK_VALUE(panels.size(1) == amx_slot_size(W, K, N) && panels.scalar_type() == at::kBFloat16 &&
+                        a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16,
+                    "lora_pack_amx_slot_: panels must be lora_pack_amx's [", S, ", ", amx_slot_size(W, K, N),
+                    "] bfloat16 of bfloat16 slots, got ", panels.scalar_type(), " ", panels.sizes());
+  const at::Tensor as = a.select(0, slot).contiguous(), bs = bt.select(0, slot).contiguous();
+  pack_amx_slot(as.const_data_ptr<c10::BFloat16>(), bs.const_data_ptr<c10::BFloat16>(), W, K, N, parts,
+                panels.data_ptr<c10::BFloat16>() + slot * panels.size(1));
+}
+
 void lora_add_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   at::IntArrayRef) {}
+                   at::IntArrayRef, const std::optional<at::Tensor>&) {}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, int[] part_cols) -> ()");
+  m.def(
+      "lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, int[] part_cols, Tensor? amx=None) -> "
+      "()");
+  m.def("lora_pack_amx(Tensor a, Tensor bt, int[] part_cols) -> Tensor");
+  m.def("lora_pack_amx_slot_(Tensor(a!) panels, Tensor a, Tensor bt, int slot, int[] part_cols) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("lora_add_", &lora_add_);
+  m.impl("lora_pack_amx", &lora_pack_amx);
+  m.impl("lora_pack_amx_slot_", &lora_pack_amx_slot_);
 }
 
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {

@@ -17,6 +17,7 @@ def lora_add(
     slots: torch.Tensor,  # [T] int64: each token's slot, -1 for none
     out: torch.Tensor,  # [T, N]: the base projection's output
     part_cols: list[int] | None = None,  # a fused projection's parts: column offsets from 0 to N; None: one part
+    amx: torch.Tensor | None = None,  # lora_pack_amx(a, bt, part_cols): runs of one slot on AMX tiles where it has any
 ) -> torch.Tensor:  # [T, N]: out plus each token's delta (a new tensor), summed in fp32, rounded once
     """A copy of `out` through torch.ops.hpi_kernels.lora_add_, the in-place op that the LoRA hooks call directly
     on the projection's fresh output (torch.compile sees one opaque op and reinplaces it). With P parts, part p
@@ -25,8 +26,18 @@ def lora_add(
     ValueError."""
     load_extension()
     result = out.clone(memory_format=torch.contiguous_format)
-    torch.ops.hpi_kernels.lora_add_(result, x, a, bt, slots, part_cols or [0, bt.shape[2]])
+    torch.ops.hpi_kernels.lora_add_(result, x, a, bt, slots, part_cols or [0, bt.shape[2]], amx)
     return result
+
+
+def lora_pack_amx(a: torch.Tensor, bt: torch.Tensor, part_cols: list[int] | None = None) -> torch.Tensor:
+    """Every slot's panels for lora_add's AMX tiles: [S, size] bfloat16 where this CPU runs the packed bf16
+    linears on AMX tiles (bf16 slots, in_features a multiple of 32), else [S, 0] (lora_add then keeps to its
+    vector tiles). Runs of at least 32 consecutive tokens of one slot (a prefill chunk's) take them: the shrink
+    and the expand as two GEMMs on the packed linear's tiles, the shrunk tokens rounded to bf16. Pack again after
+    writing a slot's A or Bt (the runtime packs a slot as it loads it)."""
+    load_extension()
+    return torch.ops.hpi_kernels.lora_pack_amx(a, bt, part_cols or [0, bt.shape[2]])
 
 
 def lora_add_ref(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,

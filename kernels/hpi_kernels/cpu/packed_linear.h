@@ -114,6 +114,10 @@ void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pac
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out);
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, float* out);
+// out [M, N] (contiguous) += a @ the packed weight: out's own values join the fp32 sums, rounded to bf16 once (the
+// LoRA delta's expand, lora_delta.cpp).
+void gemm_bf16_amx_add(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, int64_t M, int64_t K,
+                       int64_t N, c10::BFloat16* out);
 // The int8 and int4 panels of packed_linear_quant.cpp on the same tiles, each panel dequantized into bf16 pairs a
 // k step ahead of them (amx_fits(K) required; bias fp32 [N] or nullptr): int8 [panels, K, kNr] codes with
 // per-column scales [panels * kNr] fp32,

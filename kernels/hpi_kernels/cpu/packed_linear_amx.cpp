@@ -107,9 +107,10 @@ inline std::tuple<Vec, Vec> load_bias(const float* bias, int64_t ncols) {
 
 // c[r, 0:ncols] = Out(sums[r] * scale + bias) for r < rows; sums [rows x kNr] fp32 (the panel's two C tiles side by
 // side), scale the panel's kNr column factors (int8's channel scales, padded to whole panels) or nullptr for none.
+// With `add` (bf16 out), c's own values join the fp32 sums before the one rounding: c[r] = bf16(c[r] + sums[r]).
 template <typename Out, typename Bias>
 inline void store_rows(const float* lo, const float* hi, int64_t rows, const float* scale, const Bias* bias, Out* c,
-                       int64_t ldc, int64_t ncols) {
+                       int64_t ldc, int64_t ncols, bool add) {
   Vec bias_lo(0.f), bias_hi(0.f), scale_lo(1.f), scale_hi(1.f);
   if (bias != nullptr) std::tie(bias_lo, bias_hi) = load_bias(bias, ncols);
   if (scale != nullptr) {
@@ -117,9 +118,16 @@ inline void store_rows(const float* lo, const float* hi, int64_t rows, const flo
     scale_hi = Vec::loadu(scale + kVecSize);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const Vec s_lo = at::vec::fmadd(Vec::loadu(lo + r * kVecSize), scale_lo, bias_lo);
-    const Vec s_hi = at::vec::fmadd(Vec::loadu(hi + r * kVecSize), scale_hi, bias_hi);
+    Vec s_lo = at::vec::fmadd(Vec::loadu(lo + r * kVecSize), scale_lo, bias_lo);
+    Vec s_hi = at::vec::fmadd(Vec::loadu(hi + r * kVecSize), scale_hi, bias_hi);
     Out* row = c + r * ldc;
+    if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+      if (add) {
+        const auto [c_lo, c_hi] = load_bias(row, ncols);  // the row's own values, widened
+        s_lo = s_lo + c_lo;
+        s_hi = s_hi + c_hi;
+      }
+    }
     if constexpr (std::is_same_v<Out, float>) {
       if (ncols == kNr) {
         s_lo.store(row);
@@ -244,7 +252,7 @@ struct Panels {
 template <typename Out, typename Source, typename Bias>
 __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blocks, int64_t num_blocks,
                                                              const Panels<Source, Bias>& w, int64_t M, int64_t pairs,
-                                                             int64_t N, Out* out, int64_t p0, int64_t p1) {
+                                                             int64_t N, Out* out, int64_t p0, int64_t p1, bool add) {
   load_tile_config();
   alignas(64) float sums[4][kTileRows * kVecSize];
   const int64_t k_steps = pairs / kTilePairs;
@@ -295,10 +303,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blo
       _tile_stored(0, sums[0], kVecSize * 4);
       _tile_stored(1, sums[1], kVecSize * 4);
       const int64_t m = b * kTileRows;
-      store_rows(sums[0], sums[1], std::min(kTileRows, M - m), scale, bias, out + m * N + p * kNr, N, ncols);
+      store_rows(sums[0], sums[1], std::min(kTileRows, M - m), scale, bias, out + m * N + p * kNr, N, ncols, add);
       if (two) {
         store_rows(sums[2], sums[3], std::min(kTileRows, M - m - kTileRows), scale, bias,
-                   out + (m + kTileRows) * N + p * kNr, N, ncols);
+                   out + (m + kTileRows) * N + p * kNr, N, ncols, add);
       }
     }
   }
@@ -307,7 +315,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void panels_amx(const RowBlock* blo
 
 template <typename Out, typename Source, typename Bias>
 void gemm_amx(const c10::BFloat16* a, int64_t lda, const Panels<Source, Bias>& w, int64_t M, int64_t K, int64_t N,
-              Out* out) {
+              Out* out, bool add = false) {
   TORCH_CHECK(amx_fits(K), "the AMX tile needs in_features a multiple of 32 and a CPU with AMX, got ", K);
   const int64_t pairs = K / 2, n_panels = (N + kNr - 1) / kNr, whole = M / kTileRows;
   // The last rows, fewer than 16, copied into a whole A tile: the rows past them hold zeros or an earlier call's x
@@ -326,7 +334,7 @@ void gemm_amx(const c10::BFloat16* a, int64_t lda, const Panels<Source, Bias>& w
   for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_chunk) {
     const int64_t count = std::min(blocks_per_chunk, num_blocks - b0), m0 = b0 * kTileRows;
     at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
-      panels_amx<Out>(blocks.data() + b0, count, w, M - m0, pairs, N, out + m0 * N, p0, p1);
+      panels_amx<Out>(blocks.data() + b0, count, w, M - m0, pairs, N, out + m0 * N, p0, p1, add);
     });
   }
 }
@@ -348,6 +356,11 @@ void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* pac
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, float* out) {
   gemm_amx(a, lda, Panels<Bf16Source, c10::BFloat16>{{packed, K * kNr}, nullptr, bias}, M, K, N, out);
+}
+
+void gemm_bf16_amx_add(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, int64_t M, int64_t K,
+                       int64_t N, c10::BFloat16* out) {
+  gemm_amx(a, lda, Panels<Bf16Source, c10::BFloat16>{{packed, K * kNr}, nullptr, nullptr}, M, K, N, out, true);
 }
 
 void gemm_int8_amx(const c10::BFloat16* a, int64_t lda, const int8_t* packed, const float* scales, const float* bias,
@@ -379,6 +392,11 @@ void gemm_bf16_amx(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c1
 
 void gemm_bf16_amx(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t,
                    int64_t, float*) {
+  TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
+}
+
+void gemm_bf16_amx_add(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                       c10::BFloat16*) {
   TORCH_CHECK(false, "the AMX tile needs the AVX512 build of the kernels");
 }
 

@@ -154,12 +154,15 @@ class LoRAProjection:
         self.b = self.bt.permute(2, 0, 1)
         # The C++ kernel reads only each part's block of Bt: part p's rank rows, its columns of the output.
         self.part_cols = [p.out_offset for p in shape.parts] + [shape.out_features]
+        # Its AMX tiles' panels of each slot, packed as the slot loads ([S, 0] where the CPU's bf16 linears do not
+        # run AMX tiles): a prefill chunk's runs of one adapter take them (lora_delta.cpp).
+        self.amx = self._pack_amx(self.a, self.bt) if batch.mode == "cpu" else None
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         x = args[0]  # [num_tokens, in]
         if batch.mode == "cpu":  # in place: the projection's output is a fresh tensor only this hook holds
-            torch.ops.hpi_kernels.lora_add_(output, x, self.a, self.bt, batch.token_slots, self.part_cols)
+            torch.ops.hpi_kernels.lora_add_(output, x, self.a, self.bt, batch.token_slots, self.part_cols, self.amx)
             return output
         if batch.token_slots is not None:
             from hpi_kernels import lora_delta
@@ -178,14 +181,23 @@ class LoRAProjection:
                 output = output.index_add(0, rows, F.linear(shrunk, self.b[:, slot]))
         return output
 
+    def _pack_amx(self, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        from hpi_kernels.cpu.lora_delta import lora_pack_amx
+
+        return lora_pack_amx(a, bt, self.part_cols)
+
     def clear(self, slot: int) -> None:
         _zero(self.a[slot])
         _zero(self.bt[slot])
+        if self.amx is not None and self.amx.shape[1]:
+            _zero(self.amx[slot])
 
     def copy_in(self, slot: int, a: torch.Tensor, bt: torch.Tensor) -> None:
-        """One slot's A and B transposed from host memory (as host_zeros lays them out)."""
+        """One slot's A and B transposed from host memory (as host_zeros lays them out), and its AMX panels."""
         _copy(self.a[slot], a)
         _copy(self.bt[slot], bt)
+        if self.amx is not None and self.amx.shape[1]:  # ~50 us a projection (bench/results/lora.md, run 17)
+            torch.ops.hpi_kernels.lora_pack_amx_slot_(self.amx, self.a, self.bt, slot, self.part_cols)
 
     def host_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One slot's A [W, in] and B transposed [W, out], zero, in host memory (laid out by lay_out_part)."""
@@ -282,8 +294,8 @@ class LoRAModel:
 
     @property
     def num_bytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
-                   for p in self.projections.values())  # fmt: skip
+        return sum(t.numel() * t.element_size() for p in self.projections.values()
+                   for t in (p.a, p.b, p.amx) if t is not None)  # fmt: skip
 
     def apply(self, updates: LoRAUpdates) -> None:
         """The step's adapter moves (slot_table.py): drop host copies, start the background reads, then fill

@@ -105,7 +105,7 @@ def build_stack(model: DecoderForCausalLM, lora: LoRAModel | None = None) -> tor
             if isinstance(linear, QuantizedLinear) and linear.int8_activations:
                 stack.set_a8_max_rows(linear.a8_max_rows)
             if lora is not None and (slots := lora.by_module.get(linear)) is not None:
-                stack.set_lora(slots.a, slots.bt, slots.part_cols)
+                stack.set_lora(slots.a, slots.bt, slots.part_cols, slots.amx)
         attn = attention.attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache,
                         attn.v_cache, attn.scale, attn.sliding_window or 0, attn.logit_softcap or 0.0)  # fmt: skip

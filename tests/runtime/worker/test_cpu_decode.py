@@ -204,11 +204,11 @@ def test_bad_inputs_are_value_errors(tiny_model_dir: Path) -> None:
         stack.set_head_norms(torch.ones(7), torch.ones(7))
     fresh = build_stack(model)
     with pytest.raises(ValueError, match="set_lora follows"):
-        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8])
+        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8], None)
     qkv = model.model.layers[0].self_attn.qkv_proj
     fresh.add_linear(*_linear_args(qkv))
     with pytest.raises(ValueError, match="LoRA slots must be"):  # B's outputs are not the linear's
-        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8])
+        fresh.set_lora(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), [0, 8], None)
 
 
 def test_sleep_drops_the_stack_and_a_wake_rebuilds_it_over_the_new_caches(tiny_model_dir: Path) -> None:
