@@ -51,6 +51,21 @@ def test_matches_f_linear(rows: int, out_features: int, in_features: int) -> Non
     torch.testing.assert_close(packed_linear(x, packed, out_features, bias), F.linear(x, weight, bias), **TOLERANCE)
 
 
+@pytest.mark.parametrize("rows", [1, 13, 320, 321, 700])
+def test_residual_is_added(rows: int) -> None:
+    """fp32: a decoder layer's residual stream joins the output (in the GEMM on the prefill path, after the
+    tiles below it), with and without a bias, over any leading shape."""
+    weight, bias = _weight(96, 64), torch.randn(96)
+    x, residual = torch.randn(rows, 64), torch.randn(rows, 96)
+    packed = pack_linear_weight(weight)
+    torch.testing.assert_close(packed_linear(x, packed, 96, residual=residual), residual + F.linear(x, weight),
+                               **TOLERANCE)  # fmt: skip
+    torch.testing.assert_close(packed_linear(x, packed, 96, bias, residual), residual + F.linear(x, weight, bias),
+                               **TOLERANCE)  # fmt: skip
+    assert torch.equal(packed_linear(x.view(1, rows, 64), packed, 96, residual=residual.view(1, rows, 96)),
+                       packed_linear(x, packed, 96, residual=residual).view(1, rows, 96))  # fmt: skip
+
+
 def test_weight_too_large_to_unpack_stays_on_the_packed_kernel() -> None:
     """Over 2**24 floats (a vocabulary's LM head: prompt logprobs over a long prompt) the prefill path would
     need a scratch copy as large as the weight; these rows run the packed kernel instead, and agree."""
@@ -123,6 +138,11 @@ def test_bad_arguments_raise_value_error() -> None:
         packed_linear(torch.randn(2, 48), packed, 64, torch.randn(63))
     with pytest.raises(ValueError, match="bias must be BFloat16"):
         packed_linear(torch.randn(2, 48).bfloat16(), pack_linear_weight(weight.bfloat16()), 64, torch.randn(64))
+    with pytest.raises(ValueError, match="residual must be Float"):
+        packed_linear(torch.randn(2, 48), packed, 64, residual=torch.randn(2, 63))
+    with pytest.raises(ValueError, match="residual must be BFloat16"):
+        packed_linear(torch.randn(2, 48).bfloat16(), pack_linear_weight(weight.bfloat16()), 64,
+                      residual=torch.randn(2, 64))  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 320, 321, 700])
@@ -154,6 +174,9 @@ def test_op_schema_and_fake_kernel() -> None:
     torch.library.opcheck(op, (torch.randn(5, 47, dtype=torch.bfloat16), bf16, 64, None))
     torch.library.opcheck(op, (torch.randn(2, 3, 47, dtype=torch.bfloat16), bf16, 64, torch.randn(64).bfloat16()))
     torch.library.opcheck(op, (torch.randn(2, 3, 47), bf16, 64, torch.randn(64)))  # fp32 x over bf16 panels
+    torch.library.opcheck(op, (torch.randn(5, 48), packed, 64, None, torch.randn(5, 64)))  # with a residual
+    torch.library.opcheck(op, (torch.randn(400, 47, dtype=torch.bfloat16), bf16, 64, torch.randn(64).bfloat16(),
+                               torch.randn(400, 64, dtype=torch.bfloat16)))  # fmt: skip
 
 
 # bf16: the kernel sums in fp32 and rounds once, so it agrees with the fp32 sum over the same bf16 values,
@@ -225,6 +248,25 @@ def test_bf16_prefill_matches_with_either_gemm(forced_prefill_gemm: str, rows: i
         torch.testing.assert_close(packed_linear(x, packed, out_features, bias), _bf16_reference(x, weight, bias),
                                    atol=2e-2, rtol=2**-7)  # fmt: skip  # oneDNN may add the bias after rounding
     assert prefill_gemm() == forced_prefill_gemm
+
+
+@pytest.mark.parametrize("rows", [1, 13, 320, 321, 700])
+def test_bf16_residual_is_added(forced_packed_bf16_tile: str, forced_prefill_gemm: str, rows: int) -> None:
+    """bf16, every tile and both prefill GEMMs: output + residual within two bf16 roundings of the exact sum, at
+    the scale of its terms (|residual| + |bias| + |x W^T|): the tiles round the product plus the bias, then the
+    sum; the prefill GEMMs round the residual plus the bias, then the sum (once without a bias). The result itself
+    may be far smaller than the terms."""
+    weight, bias = _weight(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    x, residual = torch.randn(rows, 64).bfloat16(), (4 * torch.randn(rows, 96)).bfloat16()
+    packed = pack_linear_weight(weight)
+    product = F.linear(x.double(), weight.double())
+    got = packed_linear(x, packed, 96, bias, residual)
+    assert got.dtype == torch.bfloat16
+    error = (got.double() - (residual.double() + bias.double() + product)).abs()
+    scale = residual.double().abs() + bias.double().abs() + product.abs()
+    assert (error <= 2**-7 * scale + 1e-3).all(), (error - 2**-7 * scale).max()
+    without_residual = packed_linear(x, packed, 96, bias)
+    assert not torch.equal(got, without_residual)
 
 
 def test_the_tiles_differ_in_summation_order_only(forced_packed_bf16_tile: str) -> None:

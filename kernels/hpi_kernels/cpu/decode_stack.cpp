@@ -80,7 +80,8 @@ struct Linear {
   }
 
   at::Tensor base(const at::Tensor& x) const {
-    using Op3 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
+    using Op3 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&);
     using Op4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                            const std::optional<at::Tensor>&);
     using Op5 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -96,7 +97,7 @@ struct Linear {
     static const auto int4_a8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_a8_linear", "")
                                     .typed<OpA8>();
     switch (kind) {
-      case kPacked: return packed.call(x, weight, out_features, bias);
+      case kPacked: return packed.call(x, weight, out_features, bias, std::nullopt);
       case kInt8: return int8.call(x, weight, scales, out_features, bias);
       case kInt4: return int4.call(x, weight, scales, group_size, out_features, bias);
       case kInt4A8: return int4_a8.call(x, weight, scales, group_size, out_features, bias, a8_max_rows);

@@ -177,9 +177,13 @@ at::Tensor unpacked_weight(const at::Tensor& packed, int64_t K, int64_t N) {
   return scratch.narrow(0, 0, K * N).view({K, N});
 }
 
-// fp32_out: the fp32 sums come out unrounded whatever x's dtype (packed_logits).
+// fp32_out: the fp32 sums come out unrounded whatever x's dtype (packed_logits). residual [..., out_features] in x's
+// dtype, or none: added to the result (a decoder layer's residual stream, the add folded into the GEMM where the
+// GEMM is oneDNN's or MKL's, as Inductor folds it into addmm over torch's own linears; after the vector and AMX
+// tiles, whose outputs are small enough to stay in cache).
 at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                            const std::optional<at::Tensor>& bias, bool fp32_out) {
+                            const std::optional<at::Tensor>& bias, bool fp32_out,
+                            const std::optional<at::Tensor>& residual = std::nullopt) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || bf16) && x.dim() >= 1 && x.device().is_cpu(),
                     "packed_linear takes float32 or bfloat16 CPU x [..., in_features], got ", x.scalar_type(), " ",
@@ -198,10 +202,19 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK_VALUE(
+      !has_residual || (residual->sizes() == out.sizes() && residual->scalar_type() == out.scalar_type()),
+      "packed_linear's residual must be ", out.scalar_type(), " ", out.sizes(), ", got ",
+      has_residual ? residual->scalar_type() : out.scalar_type(), " ", has_residual ? residual->sizes() : out.sizes());
   const bool prefill = M > kMaxPackedRows && K * N <= kMaxUnpackedFloats;
   if (bf16 && prefill && !fp32_out && bf16_prefill_gemm()) {  // oneDNN's bf16 GEMM: fp32 sums, bf16 out
     at::Tensor out2d = out.view({M, N});
-    if (has_bias) {
+    if (has_residual) {  // the residual (and bias) join the fp32 sums, rounded once
+      out2d.copy_(residual->reshape({M, N}));
+      if (has_bias) out2d.add_(*bias);
+      out2d.addmm_(a, unpacked_weight_bf16(packed, K, N));
+    } else if (has_bias) {
       at::addmm_out(out2d, *bias, a, unpacked_weight_bf16(packed, K, N));
     } else {
       at::mm_out(out2d, a, unpacked_weight_bf16(packed, K, N));
@@ -211,6 +224,7 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
   if (bf16 && prefill) {  // MKL's sgemm in fp32 (x and the weight widened), rounded to bf16 once
     at::Tensor out32 = at::mm(a.to(at::kFloat), unpacked_weight(packed, K, N));
     if (has_bias) out32.add_(*bias);
+    if (has_residual) out32.add_(residual->reshape({M, N}));
     out.view({M, N}).copy_(out32);
     return out;
   }
@@ -226,11 +240,17 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
         gemm_bf16(a_p, a.stride(0), packed_p, bias_p, M, K, N, out.data_ptr<c10::BFloat16>());
       }
     }
+    if (has_residual) out.add_(*residual);
     return out;
   }
   if (prefill) {  // fp32 x: MKL's sgemm over the weight unpacked to fp32 (bf16 panels widened)
     at::Tensor out2d = out.view({M, N});
-    at::mm_out(out2d, a, unpacked_weight(packed, K, N));
+    if (has_residual) {
+      out2d.copy_(residual->reshape({M, N}));
+      out2d.addmm_(a, unpacked_weight(packed, K, N));
+    } else {
+      at::mm_out(out2d, a, unpacked_weight(packed, K, N));
+    }
   } else if (M > 0 && bf16_weight) {
     gemm_bf16_weight(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(), M, K, N,
                      out.data_ptr<float>());
@@ -239,6 +259,7 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
                 out.data_ptr<float>());
   }
   if (has_bias) out.add_(*bias);
+  if (has_residual && !prefill) out.add_(*residual);
   return out;
 }
 
@@ -310,8 +331,8 @@ bool bf16_prefill_gemm() {
 namespace {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  return packed_linear_to(x, packed, out_features, bias, false);
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  return packed_linear_to(x, packed, out_features, bias, false, residual);
 }
 
 // An LM head's logits: in fp32 even for bf16 x and weights, so that greedy choices between near-equal logits are
@@ -327,7 +348,7 @@ at::Tensor packed_logits_meta(const at::Tensor& x, const at::Tensor&, int64_t ou
 }
 
 at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t out_features,
-                              const std::optional<at::Tensor>&) {
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = c10::SymInt(out_features);
   return at::empty_symint(shape, x.options());
@@ -337,7 +358,8 @@ at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t ou
 
 TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def(
+      "packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("packed_logits(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("prefill_gemm(str choice='') -> str", &prefill_gemm_choice);
 }

@@ -39,11 +39,14 @@ def packed_linear(
     packed: torch.Tensor,  # from pack_linear_weight, of x's dtype (or bf16 under fp32 x)
     out_features: int,
     bias: torch.Tensor | None = None,  # [out_features], x's dtype
+    residual: torch.Tensor | None = None,  # [..., out_features], x's dtype
 ) -> torch.Tensor:  # [..., out_features]
-    """x @ weight.T + bias over the packed weight (torch.ops.hpi_kernels.packed_linear, which models call
-    directly). A packed weight of another CPU capability's panel width, or mismatched shapes, raise ValueError."""
+    """x @ weight.T + bias (+ residual) over the packed weight (torch.ops.hpi_kernels.packed_linear, which models
+    call directly). The residual (a decoder layer's residual stream) joins the fp32 sums of prefill-sized GEMMs,
+    rounded once, and is added after the tiles below that size. A packed weight of another CPU capability's panel
+    width, or mismatched shapes, raise ValueError."""
     load_extension()
-    return torch.ops.hpi_kernels.packed_linear(x, packed, out_features, bias)
+    return torch.ops.hpi_kernels.packed_linear(x, packed, out_features, bias, residual)
 
 
 def packed_logits(

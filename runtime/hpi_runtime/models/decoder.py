@@ -23,7 +23,7 @@ from hpi_runtime.attention.layer import Attention
 from hpi_runtime.models.config import ModelConfig
 from hpi_runtime.models.family import FamilyRules
 from hpi_runtime.models.layers import GATED_ACTIVATIONS, LMHead, RMSNorm, VocabEmbedding, softcap
-from hpi_runtime.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from hpi_runtime.models.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from hpi_runtime.models.parallel import (
     SINGLE,
     SINGLE_STAGE,
@@ -37,6 +37,27 @@ from hpi_runtime.models.parallel import (
 from hpi_runtime.models.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, rotary_dim // 2] for this step's positions
+
+
+def _plus_residual(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                   tp: TensorParallel) -> torch.Tensor:  # fmt: skip
+    """proj(x) summed over tensor-parallel ranks, plus `residual` when given. Without tensor parallelism a float
+    linear adds it itself (LinearBase.forward): the packed CPU op then folds the add into its GEMM, as Inductor
+    folds it into addmm over torch's own linears. Left to the compiled graph after an opaque op, each layer's
+    `hidden + out` stayed unrealized and every RMSNorm summed up to five [tokens, hidden] buffers again (and a
+    2,048-token bf16 prefill step of SmolLM2-135M spent 40-55 ms in its norms against 12 with torch's linears;
+    bench/results/amx.md)."""
+    if residual is not None and tp.size == 1 and isinstance(proj, LinearBase):
+        return proj(x, residual)
+    out = tp.all_reduce(proj(x))
+    return out if residual is None else residual + out
+
+
+def _with_residual(block: nn.Module, residual: torch.Tensor, *args: object) -> torch.Tensor:
+    """residual + block(*args), the add handed to a block that takes it (adds_residual)."""
+    if getattr(block, "adds_residual", False):
+        return block(*args, residual=residual)
+    return residual + block(*args)
 
 
 class DecoderAttention(nn.Module):
@@ -71,7 +92,11 @@ class DecoderAttention(nn.Module):
             logit_softcap=config.attn_logit_softcap,
         )
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
+    adds_residual = True  # forward takes `residual` (DecoderLayer)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object,
+                residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The attention block's output, plus `residual` when given (folded into o_proj: _plus_residual)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -82,7 +107,7 @@ class DecoderAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, metadata)
-        return self.tp.all_reduce(self.o_proj(out.view(-1, q_size)))
+        return _plus_residual(self.o_proj, out.view(-1, q_size), residual, self.tp)
 
 
 class GatedMLP(nn.Module):
@@ -96,8 +121,11 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(span, config.hidden_size, bias=config.mlp_bias, holds_bias=tp.is_first)
         self.act_and_mul = GATED_ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
+    adds_residual = True  # forward takes `residual` (DecoderLayer)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus `residual` when given (folded into down_proj: _plus_residual)."""
+        return _plus_residual(self.down_proj, self.act_and_mul(self.gate_up_proj(x)), residual, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -116,10 +144,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, metadata: object) -> torch.Tensor:
-        attended = self.self_attn(rope, self.input_layernorm(hidden), metadata)
         if self.pre_feedforward_layernorm is None:
-            hidden = hidden + attended
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            hidden = _with_residual(self.self_attn, hidden, rope, self.input_layernorm(hidden), metadata)
+            return _with_residual(self.mlp, hidden, self.post_attention_layernorm(hidden))
+        attended = self.self_attn(rope, self.input_layernorm(hidden), metadata)
         hidden = hidden + self.post_attention_layernorm(attended)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 

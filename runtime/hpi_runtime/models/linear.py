@@ -56,10 +56,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` (a decoder layer's residual stream) when given: the packed CPU op adds it in
+        its GEMM (models/decoder.py says why)."""
         if self.packed_out_features is not None:  # the C++ op, called directly (opaque to torch.compile)
-            return torch.ops.hpi_kernels.packed_linear(x, self.weight, self.packed_out_features, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.hpi_kernels.packed_linear(x, self.weight, self.packed_out_features, self.bias, residual)
+        out = F.linear(x, self.weight, self.bias)
+        return out if residual is None else residual + out
 
 
 class ReplicatedLinear(LinearBase):
