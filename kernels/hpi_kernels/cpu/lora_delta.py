@@ -33,7 +33,7 @@ def lora_add(
 def lora_pack_amx(a: torch.Tensor, bt: torch.Tensor, part_cols: list[int] | None = None) -> torch.Tensor:
     """Every slot's panels for lora_add's AMX tiles: [S, size] bfloat16 where this CPU runs the packed bf16
     linears on AMX tiles (bf16 slots, in_features a multiple of 32), else [S, 0] (lora_add then keeps to its
-    vector tiles). Runs of at least 32 consecutive tokens of one slot (a prefill chunk's) take them: the shrink
+    vector tiles). Runs of at least 16 consecutive tokens of one slot (a prefill chunk's) take them: the shrink
     and the expand as two GEMMs on the packed linear's tiles, the shrunk tokens rounded to bf16. Pack again after
     writing a slot's A or Bt (the runtime packs a slot as it loads it)."""
     load_extension()

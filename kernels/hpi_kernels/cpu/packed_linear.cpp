@@ -210,7 +210,7 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
   const bool prefill = M > kMaxPackedRows && K * N <= kMaxUnpackedFloats;
   if (bf16 && prefill && !fp32_out && bf16_prefill_gemm()) {  // oneDNN's bf16 GEMM: fp32 sums, bf16 out
     at::Tensor out2d = out.view({M, N});
-    if (has_residual) {  // the residual (and bias) join the fp32 sums, rounded once
+    if (has_residual) {  // the residual joins the fp32 sums, rounded once (with a bias, their sum rounded first)
       out2d.copy_(residual->reshape({M, N}));
       if (has_bias) out2d.add_(*bias);
       out2d.addmm_(a, unpacked_weight_bf16(packed, K, N));

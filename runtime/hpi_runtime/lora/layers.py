@@ -156,7 +156,11 @@ class LoRAProjection:
         self.part_cols = [p.out_offset for p in shape.parts] + [shape.out_features]
         # Its AMX tiles' panels of each slot, packed as the slot loads ([S, 0] where the CPU's bf16 linears do not
         # run AMX tiles): a prefill chunk's runs of one adapter take them (lora_delta.cpp).
-        self.amx = self._pack_amx(self.a, self.bt) if batch.mode == "cpu" else None
+        self.amx = None
+        if batch.mode == "cpu":
+            from hpi_kernels.cpu.lora_delta import lora_pack_amx
+
+            self.amx = lora_pack_amx(self.a, self.bt, self.part_cols)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         batch = self.batch
@@ -181,11 +185,6 @@ class LoRAProjection:
                 output = output.index_add(0, rows, F.linear(shrunk, self.b[:, slot]))
         return output
 
-    def _pack_amx(self, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-        from hpi_kernels.cpu.lora_delta import lora_pack_amx
-
-        return lora_pack_amx(a, bt, self.part_cols)
-
     def clear(self, slot: int) -> None:
         _zero(self.a[slot])
         _zero(self.bt[slot])
@@ -196,7 +195,7 @@ class LoRAProjection:
         """One slot's A and B transposed from host memory (as host_zeros lays them out), and its AMX panels."""
         _copy(self.a[slot], a)
         _copy(self.bt[slot], bt)
-        if self.amx is not None and self.amx.shape[1]:  # ~50 us a projection (bench/results/lora.md, run 17)
+        if self.amx is not None and self.amx.shape[1]:  # ~30 us a projection (bench/results/lora.md, run 17)
             torch.ops.hpi_kernels.lora_pack_amx_slot_(self.amx, self.a, self.bt, slot, self.part_cols)
 
     def host_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
