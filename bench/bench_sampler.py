@@ -5,10 +5,13 @@ before 2026-12-03 and the way it is now, timed in alternation in one process (me
   cumulative sums: worker/sampler.py's `_draw`);
 - top-p 0.95: a full sort of every row (filter_by_full_sort) against the search among each row's best tokens
   first (worker/sampler.py's `apply_top_k_top_p_min_p`), on peaked rows (logits ~ N(0, 12^2): a nucleus of a
-  handful of tokens), flat ones (N(0, 4^2): hundreds) and a mix of 80% peaked.
+  handful of tokens), flat ones (N(0, 4^2): hundreds) and a mix of 80% peaked;
+- the greedy pick (temperature 0: every benchmark of record): `argmax` against `max(dim=-1).indices` (the
+  sampler's since 2026-12-05), which return the same index.
 Prints milliseconds per call and the ratios; writes bench/results/sampler.json.
 
     .venv/bin/python -m bench.bench_sampler --rows 1 8 32
+    .venv/bin/python -m bench.bench_sampler --parts greedy --rows 1 8 32 64 --out bench/results/sampler_greedy.json
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sampler.json")
+    parser.add_argument("--parts", nargs="+", default=["draw", "top_p", "greedy"], choices=["draw", "top_p", "greedy"])
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     results = []
-    for rows in args.rows:
+    for rows in args.rows if "draw" in args.parts else []:
         probs = (torch.randn(rows, VOCAB, generator=generator) * 3).softmax(dim=-1)
         ways = {"exponential race": lambda p=probs: _exponential_race(p, generator),
                 "inverse transform": lambda p=probs: _draw(p, (None,) * len(p), generator)}  # fmt: skip
@@ -78,7 +82,7 @@ def main() -> None:
                         "speedup": speedup})  # fmt: skip
         print(f"draw, rows {rows:3d}: exponential race {medians['exponential race']:.3f} ms, inverse transform "
               f"{medians['inverse transform']:.3f} ms: {speedup:.1f}x", flush=True)  # fmt: skip
-    for rows in args.rows:
+    for rows in args.rows if "top_p" in args.parts else []:
         peaked = torch.rand(rows, generator=generator) < 0.8
         for kind, scale in (("peaked", 12.0), ("flat", 4.0), ("80% peaked", torch.where(peaked, 12.0, 4.0)[:, None])):
             logits = torch.randn(rows, VOCAB, generator=generator) * scale
@@ -91,6 +95,17 @@ def main() -> None:
             results.append({"part": "top_p", "rows": rows, "logits": kind, **times, "speedup": speedup})
             print(f"top-p 0.95, {kind} rows, {rows:3d}: full sort {medians['full sort']:.2f} ms, best tokens first "
                   f"{medians['best tokens first']:.2f} ms: {speedup:.2f}x", flush=True)  # fmt: skip
+    for rows in args.rows if "greedy" in args.parts else []:
+        logits = torch.randn(rows, VOCAB, generator=generator) * 4
+        ways = {"argmax": lambda x=logits: x.argmax(dim=-1), "max indices": lambda x=logits: x.max(dim=-1).indices}
+        if not torch.equal(ways["argmax"](), ways["max indices"]()):
+            raise SystemExit("argmax and max(dim=-1).indices disagree")
+        medians = _timed(ways, args.rounds, args.calls)
+        speedup = medians["argmax"] / medians["max indices"]
+        times = {f"{k.replace(' ', '_')}_ms": v for k, v in medians.items()}
+        results.append({"part": "greedy", "rows": rows, **times, "speedup": speedup})
+        print(f"greedy, rows {rows:3d}: argmax {medians['argmax']:.3f} ms, max indices {medians['max indices']:.3f} "
+              f"ms: {speedup:.2f}x", flush=True)  # fmt: skip
     args.out.write_text(json.dumps({"machine": machine_description(), "vocab": VOCAB, "results": results},
                                    indent=1) + "\n")  # fmt: skip
 

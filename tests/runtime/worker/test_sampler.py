@@ -39,6 +39,19 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
         assert Sampler()(logits, _batch(6, **filters)).token_ids == argmax
 
 
+def test_greedy_ties_pick_the_first_index() -> None:
+    # Rows whose maximum repeats (as bf16 logits make common): the first index, as argmax gives, on every row of a
+    # vocabulary-sized batch; the row with several maxima puts one early and one late, where a reduction split over
+    # threads could find the late one first.
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(3))
+    top = logits.max().item() + 1.0
+    logits[2, [40000, 777, 31]] = top
+    logits[5, [49151, 12000]] = top
+    token_ids = Sampler()(logits, _batch(8, temperature=0.0)).token_ids
+    assert token_ids == logits.argmax(-1).tolist()
+    assert token_ids[2] == 31 and token_ids[5] == 12000
+
+
 def test_filters_restrict_the_support() -> None:
     logits = _logits(1).expand(400, -1).contiguous()
     top4 = set(logits[0].topk(4).indices.tolist())
