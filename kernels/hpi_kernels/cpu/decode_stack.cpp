@@ -201,7 +201,8 @@ inline Vec activate(const Vec& x, int64_t activation) {
 }
 
 // out[r] = act(gate[r]) * up[r], gate_up[r] = [gate | up]; the activation's output rounded to T before the
-// multiply, as the eager ops round it.
+// multiply, as the eager ops round it. Whole vectors of T (32 bf16 values with AVX512) go through at::vec's
+// conversions, which round to nearest even as c10's scalar ones do; a row's tail, element by element.
 template <typename T>
 void gated_activation(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t activation) {
   for_rows(rows, 2 * n, [&](int64_t r0, int64_t r1) {
@@ -210,7 +211,18 @@ void gated_activation(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t
       const T* g = gate_up + r * 2 * n;
       const T* u = g + n;
       T* o = out + r * n;
-      for (int64_t j = 0; j < n; j += kVecSize) {
+      int64_t whole = 0;
+      if constexpr (!std::is_same_v<T, float>) {
+        using TVec = at::vec::Vectorized<T>;
+        for (; whole + TVec::size() <= n; whole += TVec::size()) {
+          const auto [g0, g1] = at::vec::convert_to_float<T>(TVec::loadu(g + whole));
+          const auto [u0, u1] = at::vec::convert_to_float<T>(TVec::loadu(u + whole));
+          const auto [a0, a1] = at::vec::convert_to_float<T>(
+              at::vec::convert_from_float<T>(activate(g0, activation), activate(g1, activation)));
+          at::vec::convert_from_float<T>(a0 * u0, a1 * u1).store(o + whole);
+        }
+      }
+      for (int64_t j = whole; j < n; j += kVecSize) {
         const int64_t count = std::min<int64_t>(kVecSize, n - j);
         for (int64_t i = 0; i < count; ++i) gate[i] = static_cast<float>(g[j + i]);
         activate(Vec::loadu(gate, count), activation).store(act, count);

@@ -133,6 +133,8 @@ HIDDEN_STATE_MODELS = {  # arch, config overrides, attention soft-cap set on eve
     "gemma2": ("gemma2", {"sliding_window": 5, "num_layers": 3}, None),
     # and the sliding-window layers' own RoPE table (layer 5 of 6 global)
     "gemma3": ("gemma3", {"sliding_window": 5, "num_layers": 6, "rope_local_base_freq": 100.0}, None),
+    # SiLU x up over whole vectors of 32 bf16 values and a row's 8-value tail (72 = 2 x 32 + 8)
+    "llama-ffn-tail": ("llama", {"intermediate_size": 72, "num_layers": 2}, None),
 }
 
 
