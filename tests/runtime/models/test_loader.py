@@ -226,6 +226,37 @@ def test_an_fp32_model_keeps_a_bf16_checkpoints_weights_in_bf16_panels(tiny_mode
     assert unpacked.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
+def test_packed_o_proj_and_down_proj_add_the_residual_stream(tiny_model_factory, monkeypatch) -> None:
+    """The decoder hands each layer's residual stream to o_proj and down_proj (the packed op adds it, in the GEMM's
+    fp32 sums on the prefill path) and to no other linear; the outputs are what adding it after gives."""
+    from hpi_runtime.models import decoder
+
+    model_dir = tiny_model_factory("llama")
+    tokens = [(7 * i) % 300 + 3 for i in range(400)]  # 400 rows: the prefill path's GEMM (above the tiles' 320)
+    got_residual: dict[str, bool] = {}
+    forward = LinearBase.forward
+
+    def spy(self, x, residual=None):
+        got_residual[names[id(self)]] = residual is not None
+        return forward(self, x, residual)
+
+    folded = _load(model_dir)
+    assert pack_cpu_weights(folded) == 9
+    names = {id(m): name for name, m in folded.named_modules() if isinstance(m, LinearBase)}
+    with monkeypatch.context() as patch:
+        patch.setattr(LinearBase, "forward", spy)
+        with_fold = perplexity(folded, TorchAttentionBackend(torch.float32), tokens)
+    folds = {n for n in names.values() if n.endswith(("o_proj", "down_proj"))}
+    assert {n for n, r in got_residual.items() if r} == folds
+    assert len(got_residual) == len(names) == 8
+    with monkeypatch.context() as patch:  # the add after the linear, as without the packed op
+        patch.setattr(decoder.DecoderAttention, "adds_residual", False)
+        patch.setattr(decoder.GatedMLP, "adds_residual", False)
+        unfolded = _load(model_dir)
+        pack_cpu_weights(unfolded)
+        assert perplexity(unfolded, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(with_fold, rel=1e-5)
+
+
 def test_pack_cpu_weights_packs_bf16_unless_onednn_runs_them(sharded_dir: Path, monkeypatch) -> None:
     """bf16 weights pack too (the checkpoint's values rounded to bf16, read back exactly from the pairs), and
     the model's outputs agree with oneDNN's bf16 GEMMs over the unpacked weights; on a CPU with AMX (flags
