@@ -12,10 +12,11 @@ a `QuantizedLinear` (integer codes in, our int4/int8 layout out), and only the r
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
@@ -121,6 +122,47 @@ def _held_by_another_stage(stage: PipelineStage, name: str) -> bool:
     return name.startswith(("model.embed_tokens.", "lm_head."))
 
 
+def _checkpoint_target(model: DecoderForCausalLM, name: str) -> tuple[str, str, str | int | None] | None:
+    """(the model's name for checkpoint tensor `name`, the parameter it loads into, the shard of a merged
+    parameter or None), or None for a tensor the model never takes (a tied model's stored LM head copy)."""
+    if name.endswith(_SKIPPED_SUFFIXES):
+        return None
+    name = model.checkpoint_name(name)
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None  # some tied checkpoints still store a copy
+    packed = () if name.startswith(model.unpacked_prefixes) else model.packed_modules_mapping.items()
+    for checkpoint_part, (param_part, shard) in packed:
+        if f".{checkpoint_part}." in name:
+            return name, name.replace(checkpoint_part, param_part), shard
+    return name, name, None
+
+
+def _load_tensor(param: torch.Tensor, tensor: torch.Tensor, shard_id: str | int | None) -> None:
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    with torch.no_grad():
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+
+
+def _expected_tensors(model: DecoderForCausalLM, params: Iterable[str]) -> set[str]:
+    """"param:shard" for every checkpoint tensor the parameters `params` need."""
+    expected: set[str] = set()
+    for n in params:
+        shards = [] if n.startswith(model.unpacked_prefixes) else [
+            s for p, s in model.packed_modules_mapping.values() if f".{p}." in n
+        ]
+        expected.update(f"{n}:{s}" for s in shards or [None])
+    return expected
+
+
+def _check_complete(expected: set[str], loaded: set[str]) -> None:
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
 def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: frozenset[str] = frozenset()) -> None:
     """Copy every checkpoint tensor into its parameter; ValueError on unknown or missing tensors. Tensors
     named in `already_loaded` (a pre-quantized checkpoint's linears) and QuantizedLinear modules are skipped."""
@@ -128,38 +170,98 @@ def load_weights(model: DecoderForCausalLM, files: list[Path], already_loaded: f
     params = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in quantized}
     loaded: set[str] = set()
     for name, tensor in iter_checkpoint(files, already_loaded):
-        if name.endswith(_SKIPPED_SUFFIXES):
+        mapped = _checkpoint_target(model, name)
+        if mapped is None:
             continue
-        name = model.checkpoint_name(name)
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue  # some tied checkpoints still store a copy
-        target, shard_id = name, None
-        packed = () if name.startswith(model.unpacked_prefixes) else model.packed_modules_mapping.items()
-        for checkpoint_part, (param_part, shard) in packed:
-            if f".{checkpoint_part}." in name:
-                target, shard_id = name.replace(checkpoint_part, param_part), shard
-                break
+        name, target, shard_id = mapped
         param = params.get(target)
         if param is None and _held_by_another_stage(model.stage, name):
             continue
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {model.config.architecture}")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        with torch.no_grad():
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+        _load_tensor(param, tensor, shard_id)
         loaded.add(f"{target}:{shard_id}")
-    expected: set[str] = set()
-    for n in params:
-        shards = [] if n.startswith(model.unpacked_prefixes) else [
-            s for p, s in model.packed_modules_mapping.values() if f".{p}." in n
-        ]
-        expected.update(f"{n}:{s}" for s in shards or [None])
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    _check_complete(_expected_tensors(model, params), loaded)
+
+
+_LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def _group_of(param_name: str) -> str | None:
+    """The decoder layer ("model.layers.3") a parameter belongs to, or None for the rest of the model."""
+    match = _LAYER_PREFIX.match(param_name)
+    return match.group(1) if match else None
+
+
+def _load_layer_by_layer(model: DecoderForCausalLM, files: list[Path], where: tuple[torch.dtype, torch.device],
+                         after_layer: Callable[[DecoderForCausalLM, str | None], None]) -> None:  # fmt: skip
+    """Fill a model built with its parameters on the meta device one decoder layer at a time: each layer's
+    parameters get storage, its tensors are read from the checkpoint, then `after_layer(model, "model.layers.<i>")`
+    runs (the runtime's quantization, which swaps the float weights for quantized ones); the rest of the model
+    (embeddings, norms, LM head, a vision tower) last, then `after_layer(model, None)`. Peak memory: the model as
+    `after_layer` leaves it plus one float layer, instead of the whole float model (bench/results/quantization.md,
+    "Peak memory at load")."""
+    dtype, device = where
+    params = dict(model.named_parameters())
+    groups: dict[str | None, list[tuple[str, str, str | int | None]]] = {}
+    for n in params:  # the model's order: layer by layer, the rest last
+        groups.setdefault(_group_of(n), [])
+    groups[None] = groups.pop(None, [])
+    expected = {g: _expected_tensors(model, [n for n in params if _group_of(n) == g]) for g in groups}
+    with _open_checkpoint(files) as (get, names, _):
+        for name in sorted(names):
+            mapped = _checkpoint_target(model, name)
+            if mapped is None:
+                continue
+            model_name, target, shard_id = mapped
+            if target not in params:
+                if _held_by_another_stage(model.stage, model_name):
+                    continue
+                raise ValueError(f"checkpoint tensor {model_name!r} has no matching parameter in "
+                                 f"{model.config.architecture}")  # fmt: skip
+            groups[_group_of(target)].append((name, target, shard_id))
+        for group, tensors in groups.items():
+            _materialize(model if group is None else model.get_submodule(group), model.config, dtype, device)
+            loaded: set[str] = set()
+            for name, target, shard_id in tensors:
+                _load_tensor(model.get_parameter(target), get(name), shard_id)  # type: ignore[arg-type]
+                loaded.add(f"{target}:{shard_id}")
+            _check_complete(expected[group], loaded)
+            after_layer(model, group)
+            _return_freed_memory()
+
+
+# glibc keeps the heap pages a freed tensor leaves (a layer's float weights, dropped for its quantized ones) unless
+# asked; None where the C library has no malloc_trim (not glibc).
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS, so that the resident size after each layer is what is live (the
+    embedded model's bf16 load in int8, anonymous memory at its peak: 248-288 MiB without, 168-169 with; the
+    float model whole before quantizing: 294)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside keep their parameters on the meta device (no storage; each is freed as it is
+    registered) and their buffers where they are computed (rotary tables, a vision tower's frequencies)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # weight_loader and the like
+            param = meta
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -179,9 +281,11 @@ def load_model(
     backend: AttentionBackend,
     tp: TensorParallel = SINGLE,
     stage: PipelineStage = SINGLE_STAGE,
+    after_layer: Callable[[DecoderForCausalLM, str | None], None] | None = None,
 ) -> DecoderForCausalLM:
     """Build this rank's part of the model for `config` (its tensor-parallel shard of its pipeline stage's
-    layers) directly in `dtype` on `device` and fill it from the (unsharded) checkpoint."""
+    layers) directly in `dtype` on `device` and fill it from the (unsharded) checkpoint. With `after_layer`
+    (quantization at load), layer by layer: _load_layer_by_layer."""
     files = safetensors_files(config.model_dir)
     checkpoint_quantization = read_checkpoint_quantization(config.model_dir)
     if checkpoint_quantization is not None:
@@ -189,6 +293,11 @@ def load_model(
             raise ValueError(f"pre-quantized ({checkpoint_quantization.scheme}) checkpoints load with "
                              "pipeline_parallel_size 1 only")  # fmt: skip
         return _load_prequantized(config, checkpoint_quantization, (dtype, device), backend, tp, files)
+    if after_layer is not None:
+        with _default_dtype(dtype), torch.device(device), _parameters_on_meta():
+            model = model_class(config.architecture)(config, backend, tp, stage)
+        _load_layer_by_layer(model, files, (dtype, torch.device(device)), after_layer)
+        return model.eval()
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config.architecture)(config, backend, tp, stage)
     load_weights(model, files)

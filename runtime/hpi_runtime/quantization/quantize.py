@@ -7,10 +7,10 @@ hpi_kernels.quant), and `quantized_state_dict` does it for every linear of a mod
 linear gets is the config's mixed-precision policy (quantization/policy.py).
 Runtime step: `quantize_model` swaps every linear layer (qkv, o, gate_up, down; not the embeddings and,
 unless asked, not the LM head) for a `QuantizedLinear` (MoE experts for `QuantizedExperts`; routers stay
-float), one layer at a time, releasing each float weight as soon as its replacement exists: peak memory is
-the float model plus one layer, never two models.
-The model is loaded in float first (the loaders do the tensor-parallel slicing); each rank quantizes its
-own shard, so INT4 groups along K need K_per_rank % group_size == 0.
+float), one layer at a time, releasing each float weight as soon as its replacement exists. The executor has the
+loader call it after each decoder layer is read (`within`), so the float model is never whole in memory: peak
+memory is the quantized model plus one float layer. The loaders do the tensor-parallel slicing; each rank quantizes
+its own shard, so INT4 groups along K need K_per_rank % group_size == 0.
 """
 
 from __future__ import annotations
@@ -260,11 +260,13 @@ def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.devic
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, config: QuantizationConfig) -> nn.Module:
-    """Swap the model's linear layers for quantized ones in place (returns `model`); "none" is a no-op."""
+def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | None = None) -> nn.Module:
+    """Swap the model's linear layers for quantized ones in place (returns `model`); "none" is a no-op. With
+    `within` (a module name, "model.layers.3"), only the linears under it: the loader quantizes each layer as it
+    is loaded (models/loader.py's _load_layer_by_layer), and the rest (the LM head) with `within` None last."""
     if not config.enabled:
         return model
-    targets = list(_quantizable(model, config))
+    targets = [t for t in _quantizable(model, config) if within is None or t[0].startswith(within + ".")]
     for name, module, layer_config in targets:
         if isinstance(module, FusedExperts):
             _quantize_experts(model, name, module, layer_config)

@@ -143,11 +143,17 @@ def _build_model(
     """The weights as served: loaded, quantized, laid out for the CPU. Start-up and a wake from sleep level 2
     both call this, so the woken weights are the start-up ones, byte for byte."""
     clock = clock or PhaseClock()
+    after_layer = None
+    if config.quantization.enabled:  # each layer as it is loaded: the float model is never whole in memory
+
+        def after_layer(model: DecoderForCausalLM, layer: str | None) -> None:
+            with clock("quantize"):
+                quantize_model(model, config.quantization, layer)
+
+    quantize_before = clock.phases.get("quantize", 0.0)
     with clock("load"):
-        model = load_model(config.model_config, config.dtype, device, backend, tp, stage)
-    if config.quantization.enabled:
-        with clock("quantize"):
-            quantize_model(model, config.quantization)  # in place, one layer at a time
+        model = load_model(config.model_config, config.dtype, device, backend, tp, stage, after_layer)
+    clock.phases["load"] -= clock.phases.get("quantize", 0.0) - quantize_before  # phases add up to the whole
     with clock("layout"):
         pack_cpu_weights(model) or use_sgemm_layout(model)
         if device.type == "cpu":

@@ -257,6 +257,43 @@ def test_packed_o_proj_and_down_proj_add_the_residual_stream(tiny_model_factory,
         assert perplexity(unfolded, TorchAttentionBackend(torch.float32), tokens) == pytest.approx(with_fold, rel=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_quantized_load_holds_one_float_layer_at_a_time(tiny_model_factory, arch: str) -> None:
+    """With quantization at load (the executor's path), each decoder layer is read and quantized before the next
+    one has storage: when a layer is handed over, the layers before it are quantized and those after it are still
+    on the meta device. The result is what quantizing the whole float model gives, tensor for tensor."""
+    model_dir = tiny_model_factory(arch)
+    config = load_model_config(model_dir)
+    quantization = QuantizationConfig(method="int8")
+    handed: list[tuple[str | None, set[str], set[str]]] = []
+
+    def after_layer(model, layer: str | None) -> None:
+        float_layers, meta_layers = set(), set()
+        for name, param in model.named_parameters():
+            group = loader._group_of(name)
+            if group is not None and param.is_meta:
+                meta_layers.add(group)
+            elif group is not None and name.endswith(("proj.weight", "w13.weight", "w2.weight")) and param.numel():
+                float_layers.add(group)
+        handed.append((layer, float_layers, meta_layers))
+        quantize_model(model, quantization, layer)
+
+    streamed = load_model(config, torch.float32, CPU, TorchAttentionBackend(torch.float32), after_layer=after_layer)
+    layers = [f"model.layers.{i}" for i in range(config.num_layers)]
+    assert [h[0] for h in handed] == [*layers, None]
+    for i, (layer, float_layers, meta_layers) in enumerate(handed[:-1]):
+        assert float_layers == {layer} and meta_layers == set(layers[i + 1:]), (layer, float_layers, meta_layers)
+    assert handed[-1][1:] == (set(), set())
+    whole = quantize_model(_load(model_dir), quantization)
+    got, expected = streamed.state_dict(), whole.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    tokens = [3, 17, 5, 9, 40, 2, 11]
+    assert perplexity(streamed, TorchAttentionBackend(torch.float32), tokens) == perplexity(
+        whole, TorchAttentionBackend(torch.float32), tokens)
+
+
 def test_pack_cpu_weights_packs_bf16_unless_onednn_runs_them(sharded_dir: Path, monkeypatch) -> None:
     """bf16 weights pack too (the checkpoint's values rounded to bf16, read back exactly from the pairs), and
     the model's outputs agree with oneDNN's bf16 GEMMs over the unpacked weights; on a CPU with AMX (flags
