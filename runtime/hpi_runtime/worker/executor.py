@@ -143,18 +143,24 @@ def _build_model(
     """The weights as served: loaded, quantized, laid out for the CPU. Start-up and a wake from sleep level 2
     both call this, so the woken weights are the start-up ones, byte for byte."""
     clock = clock or PhaseClock()
-    after_layer = None
-    if config.quantization.enabled:  # each layer as it is loaded: the float model is never whole in memory
 
-        def after_layer(model: DecoderForCausalLM, layer: str | None) -> None:
+    def after_layer(model: DecoderForCausalLM, layer: str | None) -> None:
+        """Each layer as it is loaded: quantized, then (CPU) packed, so the float model is never whole in memory
+        (an fp32 model from a bf16 checkpoint keeps its linears in bf16 panels: half the bytes)."""
+        if config.quantization.enabled:
             with clock("quantize"):
                 quantize_model(model, config.quantization, layer)
+        if device.type == "cpu" and layer is not None:
+            with clock("layout"):
+                pack_cpu_weights(model.get_submodule(layer))
 
-    quantize_before = clock.phases.get("quantize", 0.0)
+    layer_by_layer = config.quantization.enabled or device.type == "cpu"
+    nested = {phase: clock.phases.get(phase, 0.0) for phase in ("quantize", "layout")}
     with clock("load"):
-        model = load_model(config.model_config, config.dtype, device, backend, tp, stage, after_layer)
-    clock.phases["load"] -= clock.phases.get("quantize", 0.0) - quantize_before  # phases add up to the whole
-    with clock("layout"):
+        model = load_model(config.model_config, config.dtype, device, backend, tp, stage,
+                           after_layer if layer_by_layer else None)  # fmt: skip
+    clock.phases["load"] -= sum(clock.phases.get(p, 0.0) - s for p, s in nested.items())  # phases add up to the whole
+    with clock("layout"):  # the rest: the LM head (and an embedding tied to it), or MKL's layout without the kernels
         pack_cpu_weights(model) or use_sgemm_layout(model)
         if device.type == "cpu":
             choose_bf16_gemms(config.dtype)
