@@ -4,11 +4,11 @@
 Phases, in order (a phase that did not run is absent): `imports` (process start to the server's loader: Python,
 torch, our modules), `prepare` (the model's files resolved or downloaded, its config and tokenizer read),
 `core_process` (the engine core's process spawned and importing, until it starts loading), `load` (weights read
-from safetensors), `quantize` (each layer as it is read, so within `load`'s span, counted apart), `layout`
-(weights packed for the CPU kernels), `kv_cache` (the paged KV cache and the host tier allocated), `compile`
-(the model step compiled and warmed up per shape), `warm_up` (one request through the whole server). The engine
-core's phases come from its process (CoreInfo); with tensor parallelism
-each is the slowest worker's, and `core_process` also covers spawning the workers.
+from safetensors), `quantize`, `layout` (weights packed for the CPU kernels; these two run as each layer is read,
+within `load`'s span, and are counted apart from it), `kv_cache` (the paged KV cache and the host tier allocated),
+`compile` (the model step compiled and warmed up per shape), `warm_up` (one request through the whole server). The
+engine core's phases come from its process (CoreInfo); with tensor parallelism each is the slowest worker's, and
+`core_process` also covers spawning the workers.
 """
 
 from __future__ import annotations

@@ -197,17 +197,17 @@ def _load_layer_by_layer(model: DecoderForCausalLM, files: list[Path], where: tu
                          after_layer: Callable[[DecoderForCausalLM, str | None], None]) -> None:  # fmt: skip
     """Fill a model built with its parameters on the meta device one decoder layer at a time: each layer's
     parameters get storage, its tensors are read from the checkpoint, then `after_layer(model, "model.layers.<i>")`
-    runs (the runtime's quantization, which swaps the float weights for quantized ones); the rest of the model
+    runs (the executor's quantization and CPU packing, which replace the float weights); the rest of the model
     (embeddings, norms, LM head, a vision tower) last, then `after_layer(model, None)`. Peak memory: the model as
     `after_layer` leaves it plus one float layer, instead of the whole float model (bench/results/quantization.md,
     "Peak memory at load")."""
     dtype, device = where
     params = dict(model.named_parameters())
-    groups: dict[str | None, list[tuple[str, str, str | int | None]]] = {}
+    members: dict[str | None, list[str]] = {}
     for n in params:  # the model's order: layer by layer, the rest last
-        groups.setdefault(_group_of(n), [])
-    groups[None] = groups.pop(None, [])
-    expected = {g: _expected_tensors(model, [n for n in params if _group_of(n) == g]) for g in groups}
+        members.setdefault(_group_of(n), []).append(n)
+    members[None] = members.pop(None, [])
+    groups: dict[str | None, list[tuple[str, str, str | int | None]]] = {g: [] for g in members}
     with _open_checkpoint(files) as (get, names, _):
         for name in sorted(names):
             mapped = _checkpoint_target(model, name)
@@ -226,7 +226,7 @@ def _load_layer_by_layer(model: DecoderForCausalLM, files: list[Path], where: tu
             for name, target, shard_id in tensors:
                 _load_tensor(model.get_parameter(target), get(name), shard_id)  # type: ignore[arg-type]
                 loaded.add(f"{target}:{shard_id}")
-            _check_complete(expected[group], loaded)
+            _check_complete(_expected_tensors(model, members[group]), loaded)
             after_layer(model, group)
             _return_freed_memory()
 
@@ -247,7 +247,8 @@ def _return_freed_memory() -> None:
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Modules built inside keep their parameters on the meta device (no storage; each is freed as it is
-    registered) and their buffers where they are computed (rotary tables, a vision tower's frequencies)."""
+    registered) and their buffers where they are computed (rotary tables, a vision tower's frequencies). It patches
+    nn.Module for the whole process while it lasts: the loading thread is the only one building modules then."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -284,8 +285,8 @@ def load_model(
     after_layer: Callable[[DecoderForCausalLM, str | None], None] | None = None,
 ) -> DecoderForCausalLM:
     """Build this rank's part of the model for `config` (its tensor-parallel shard of its pipeline stage's
-    layers) directly in `dtype` on `device` and fill it from the (unsharded) checkpoint. With `after_layer`
-    (quantization at load), layer by layer: _load_layer_by_layer."""
+    layers) directly in `dtype` on `device` and fill it from the (unsharded) checkpoint. With `after_layer` (the
+    executor's quantization and CPU packing), layer by layer: _load_layer_by_layer."""
     files = safetensors_files(config.model_dir)
     checkpoint_quantization = read_checkpoint_quantization(config.model_dir)
     if checkpoint_quantization is not None:
