@@ -27,6 +27,7 @@ from .sizing import (
     gib,
     kv_bytes_per_token,
     kv_cache_bytes,
+    linear_dtype,
     overhead_bytes,
     splits_heads,
     stage_partition,
@@ -181,7 +182,8 @@ def _attempt(
     """The arithmetic of one pod: the whole replica, or the fullest of `num_nodes` pipeline stages."""
     engine = spec.engine
     prequantized = spec.model.checkpoint_quantization != "none"
-    weights = stage_weight_bytes(shape, dtype, quantization, num_nodes, prequantized)
+    weights = stage_weight_bytes(shape, dtype, quantization, num_nodes, prequantized,
+                                 linear_dtype(shape, dtype, pool.device))  # fmt: skip
     budget = int(_device_memory_bytes(pool, spec, max(num_gpus, 1)) * engine.kv_cache_memory_fraction)
     return _Attempt(
         quantization=quantization,

@@ -2,7 +2,8 @@
 
 Numbers follow the runtime: weight-only int8 (per output channel) and int4 (group size 32, a 16-bit scale
 and zero per group) for every linear layer; embeddings stay in the activation dtype; the KV cache is stored in the
-activation dtype. The overhead term covers the CUDA context, activations and allocator slack; it is
+activation dtype. An fp32 CPU replica of a dense model whose checkpoint is bf16 keeps its linears and LM head in
+bf16 panels (`linear_dtype`). The overhead term covers the CUDA context, activations and allocator slack; it is
 deliberately generous so that a profile the operator picks does not OOM at start-up.
 
 Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) hold every expert in memory, so `num_parameters`
@@ -19,7 +20,7 @@ splits and replicated KV heads cost KV memory; `kv_bytes_per_token` counts that.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpi_contracts import kv_cache
 from hpi_contracts.pipeline_split import balanced_partition, lm_head_layer_cost
@@ -37,6 +38,13 @@ QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
 # A pre-quantized GPTQ/AWQ/compressed-tensors checkpoint keeps its own groups (128 almost always), repacked as is.
 CHECKPOINT_INT4_GROUP_SIZE = 128
 CHECKPOINT_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / CHECKPOINT_INT4_GROUP_SIZE}
+# The runtime's default --int4-policy (which the operator never overrides), "mixed", keeps every layer's merged
+# q/k/v projection at int8 (runtime/hpi_runtime/quantization/policy.py): 10-16% of a dense layer's weights.
+INT4_POLICY = SERVE_FLAGS["--int4-policy"].default
+INT4_INT8_KINDS = {"mixed": ("qkv",), "uniform": ()}[INT4_POLICY]
+# Without hiddenSize the q/k/v share is unknown: counted as this share of the layers' weights (the known models
+# span 0.10 (Llama 3.1 70B) to 0.16 (SmolLM2-135M)).
+ASSUMED_QKV_SHARE = 1 / 6
 CUDA_CONTEXT_BYTES = 1 * GIB  # per GPU
 CPU_RUNTIME_BYTES = GIB // 2  # interpreter, tokenizer, HTTP server
 OVERHEAD_FRACTION_OF_WEIGHTS = 0.10  # activations and allocator fragmentation grow with the model
@@ -59,6 +67,12 @@ class ModelShape:
     # A vision-language model's vision tower and projector, counted in num_parameters: never quantized (the
     # runtime quantizes the language model's linears only); 0 = a text-only model.
     num_vision_parameters: int = 0
+    # The dtype the checkpoint stores its weights in ("bf16", "fp16", "fp32"); "" = unknown, counted as the
+    # activation dtype (generous: most checkpoints are bf16).
+    checkpoint_dtype: str = ""
+    # config.json's tie_word_embeddings: the LM head is the embedding, counted once in num_parameters. Otherwise
+    # the head is its own vocab_size x hidden_size matrix, which stays in float when the linears are quantized.
+    tie_word_embeddings: bool = False
 
     @property
     def num_embedding_parameters(self) -> int:
@@ -77,10 +91,10 @@ def active_parameters(shape: ModelShape) -> int:
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Well-known models, so common CRs need no size hints (keys: lower-case Hugging Face name, no org).
 KNOWN_SHAPES: dict[str, ModelShape] = {
-    "smollm2-135m-instruct": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9),
-    "smollm2-135m": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9),
-    "smollm2-360m-instruct": ModelShape(361_821_120, 32, 5, 64, 960, 49152, num_heads=15),
-    "smollm2-1.7b-instruct": ModelShape(1_711_376_384, 24, 32, 64, 2048, 49152, num_heads=32),
+    "smollm2-135m-instruct": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9, tie_word_embeddings=True),
+    "smollm2-135m": ModelShape(134_515_008, 30, 3, 64, 576, 49152, num_heads=9, tie_word_embeddings=True),
+    "smollm2-360m-instruct": ModelShape(361_821_120, 32, 5, 64, 960, 49152, num_heads=15, tie_word_embeddings=True),
+    "smollm2-1.7b-instruct": ModelShape(1_711_376_384, 24, 32, 64, 2048, 49152, num_heads=32, tie_word_embeddings=True),
     "llama-3.1-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
     "llama-3.1-8b": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
     "meta-llama-3-8b-instruct": ModelShape(8_030_261_248, 32, 8, 128, 4096, 128256, num_heads=32),
@@ -103,12 +117,19 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 }
 
 
+# The Hugging Face checkpoints of every model in KNOWN_SHAPES store bf16 (their config.json's torch_dtype); the
+# embedded model is stored in fp32 (make model writes it so, from values that are not all bf16 values).
+KNOWN_CHECKPOINT_DTYPE = "bf16"
+EMBEDDED_CHECKPOINT_DTYPE = "fp32"
+
+
 def model_shape(model: ModelSpec) -> ModelShape:
     """The model's shape from its size hints, else from the table of known models; SpecError if unknown."""
     if model.source == "embedded":
-        known = KNOWN_SHAPES["smollm2-135m-instruct"]
+        known = replace(KNOWN_SHAPES["smollm2-135m-instruct"], checkpoint_dtype=EMBEDDED_CHECKPOINT_DTYPE)
     elif model.source == "huggingface" and model.hf_id:
         known = KNOWN_SHAPES.get(base_model_name(model.hf_id))
+        known = known and replace(known, checkpoint_dtype=KNOWN_CHECKPOINT_DTYPE)
     else:
         known = None
     hints: ModelSize = model.size
@@ -121,6 +142,8 @@ def model_shape(model: ModelSpec) -> ModelShape:
         "vocab_size": hints.vocab_size,
         "num_heads": hints.num_heads,
         "num_vision_parameters": hints.num_vision_parameters,
+        "checkpoint_dtype": hints.checkpoint_dtype,
+        "tie_word_embeddings": hints.tie_word_embeddings,
     }
     if known is not None:
         values = {k: v if v is not None else getattr(known, k) for k, v in values.items()}
@@ -136,7 +159,9 @@ def model_shape(model: ModelSpec) -> ModelShape:
         }
         fields = ", ".join(f"spec.model.size.{hint_names[k]}" for k in missing)
         raise SpecError(f"cannot size the model for placement: set {fields}")
-    shape = ModelShape(**{k: int(v or 0) for k, v in values.items()})
+    checkpoint_dtype, tied = values.pop("checkpoint_dtype") or "", bool(values.pop("tie_word_embeddings"))
+    shape = ModelShape(**{k: int(v or 0) for k, v in values.items()}, checkpoint_dtype=checkpoint_dtype,
+                       tie_word_embeddings=tied)  # fmt: skip
     if shape.num_heads and shape.num_heads % shape.num_kv_heads:
         # A hint can override one of the two for a known model; spec.py checks the pair only when both are hints.
         raise SpecError(
@@ -173,16 +198,70 @@ def max_kv_heads_per_rank(shape: ModelShape, num_gpus: int) -> int:
     return -(-shape.num_kv_heads // num_gpus) if num_gpus <= shape.num_kv_heads else 1
 
 
-def weight_bytes(shape: ModelShape, dtype: str, quantization: str, prequantized: bool = False) -> int:
-    """Bytes of the weights in memory: linears at `quantization` (with the runtime's int4 groups, or the
-    checkpoint's own when `prequantized`), embeddings in `dtype`."""
-    dense = DTYPE_BYTES[dtype]
-    if quantization == "none":
-        return shape.num_parameters * dense
+def linear_dtype(shape: ModelShape, dtype: str, device: str) -> str:
+    """The dtype a replica keeps its unquantized linears and LM head in: `dtype`, except an fp32 CPU replica of a
+    dense model with a bf16 checkpoint. The runtime packs every fp32 weight whose values are all bf16 values as
+    bf16 panels, which its kernels multiply bit for bit as fp32 ones, while it loads (runtime/hpi_runtime/models/
+    cpu_layout.py, `_panel_weight`): half the bytes. An untied embedding and a vision tower stay fp32, and so do
+    an MoE model's experts (no packed linears; the share they hold is unknown here, so an MoE model is counted
+    whole at fp32)."""
+    if device == "cpu" and dtype == "fp32" and shape.checkpoint_dtype == "bf16" and not shape.is_moe:
+        return "bf16"
+    return dtype
+
+
+@dataclass(frozen=True)
+class WeightParts:
+    """Bytes of a replica's weights by where a pipeline split puts them."""
+
+    layers: int  # the decoder layers
+    embedding: int  # the vocabulary matrix (a tied LM head's too) and a vision tower: the first stage
+    head: int  # an untied LM head: the last stage (0 when tied: the last stage holds a copy of the embedding)
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.embedding + self.head
+
+
+def weight_parts(
+    shape: ModelShape, dtype: str, quantization: str, prequantized: bool = False, linears: str | None = None
+) -> WeightParts:
+    """The layers' linears at `quantization` (with the runtime's int4 groups, or the checkpoint's own when
+    `prequantized`) or, unquantized, in `linears` (`linear_dtype`; default `dtype`); an untied LM head in `linears`
+    too (the runtime quantizes it only with --quantize-lm-head, which the operator never passes); the embedding
+    and a vision tower in `dtype`."""
+    dense, unquantized = DTYPE_BYTES[dtype], DTYPE_BYTES[linears or dtype]
     kept = min(shape.num_embedding_parameters + shape.num_vision_parameters, shape.num_parameters)
     linear = shape.num_parameters - kept
-    per_weight = (CHECKPOINT_WEIGHT_BYTES if prequantized else QUANTIZED_WEIGHT_BYTES)[quantization]
-    return math.ceil(linear * per_weight) + kept * dense
+    head = 0 if shape.tie_word_embeddings else min(shape.num_embedding_parameters, linear)
+    layers = linear - head
+    if quantization == "none":
+        layer_bytes = layers * unquantized
+    elif prequantized:  # the checkpoint's own format, every linear alike
+        layer_bytes = math.ceil(layers * CHECKPOINT_WEIGHT_BYTES[quantization])
+    else:
+        at_int8 = int8_under_int4(shape, layers) if quantization == "int4" else 0
+        layer_bytes = math.ceil((layers - at_int8) * QUANTIZED_WEIGHT_BYTES[quantization]) + at_int8
+    return WeightParts(layer_bytes, kept * dense, head * unquantized)
+
+
+def int8_under_int4(shape: ModelShape, layer_parameters: int) -> int:
+    """Of the layers' `layer_parameters` weights, those the runtime's int4 policy keeps at int8: the q, k and v
+    projections of every layer (an assumed share of the layers without hiddenSize)."""
+    if "qkv" not in INT4_INT8_KINDS:
+        return 0
+    if not shape.hidden_size:
+        return math.ceil(layer_parameters * ASSUMED_QKV_SHARE)
+    num_heads = shape.num_heads or shape.hidden_size // max(shape.head_dim, 1)
+    qkv = shape.num_layers * shape.hidden_size * shape.head_dim * (num_heads + 2 * shape.num_kv_heads)
+    return min(qkv, layer_parameters)
+
+
+def weight_bytes(
+    shape: ModelShape, dtype: str, quantization: str, prequantized: bool = False, linears: str | None = None
+) -> int:
+    """Bytes of the weights in memory (see weight_parts)."""
+    return weight_parts(shape, dtype, quantization, prequantized, linears).total
 
 
 def stage_partition(shape: ModelShape, num_stages: int = 1) -> tuple[int, ...]:
@@ -202,19 +281,19 @@ def stage_layers(shape: ModelShape, num_stages: int = 1) -> int:
 
 
 def stage_weight_bytes(
-    shape: ModelShape, dtype: str, quantization: str, num_stages: int = 1, prequantized: bool = False
+    shape: ModelShape, dtype: str, quantization: str, num_stages: int = 1, prequantized: bool = False,
+    linears: str | None = None,
 ) -> int:
-    """Weight bytes of the fullest of `num_stages` pipeline stages (the whole model for one): its decoder layers
-    plus one vocabulary matrix, the embedding on the first stage (with the vision tower, if any) and the LM head on
-    the last (a tied head is a copy there)."""
-    total = weight_bytes(shape, dtype, quantization, prequantized)
+    """Weight bytes of the fullest of `num_stages` pipeline stages (the whole model for one): its decoder layers,
+    plus the embedding on the first stage (with the vision tower, if any) and the LM head on the last (a tied head
+    is a copy of the embedding there)."""
+    parts = weight_parts(shape, dtype, quantization, prequantized, linears)
     if num_stages <= 1:
-        return total
-    vocabulary = min(shape.num_embedding_parameters, shape.num_parameters) * DTYPE_BYTES[dtype]
-    vision = shape.num_vision_parameters * DTYPE_BYTES[dtype]
-    per_layer = (total - vocabulary - vision) / shape.num_layers
+        return parts.total
+    per_layer = parts.layers / shape.num_layers
+    head = parts.head or min(shape.num_embedding_parameters, shape.num_parameters) * DTYPE_BYTES[dtype]
     partition = stage_partition(shape, num_stages)
-    first, last = partition[0] * per_layer + vocabulary + vision, partition[-1] * per_layer + vocabulary
+    first, last = partition[0] * per_layer + parts.embedding, partition[-1] * per_layer + head
     return math.ceil(max(first, last, max(partition[1:-1], default=0) * per_layer))
 
 

@@ -25,6 +25,7 @@ from .fleet.settings import PoolSettings, parse_pools, parse_slo
 MODEL_SOURCES = ("embedded", "pvc", "huggingface")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+CHECKPOINT_DTYPES = ("bf16", "fp16", "fp32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 AUTOSCALING_MODES = ("builtin", "hpa", "keda", "optimizer")
 ROUTING_MODES = ("router", "inferencePool", "service")
@@ -54,6 +55,8 @@ class ModelSize:
     vocab_size: int | None = None
     num_heads: int | None = None  # query heads; without it tensor parallelism stops at num_kv_heads GPUs
     num_vision_parameters: int | None = None  # a vision-language model's vision tower and projector (sizing.py)
+    checkpoint_dtype: str | None = None  # "bf16", "fp16" or "fp32": config.json's torch_dtype
+    tie_word_embeddings: bool | None = None  # config.json's: the LM head is the embedding
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,14 @@ def _parse_size(raw: Mapping[str, Any]) -> ModelSize:
         vocab_size=raw.get("vocabSize"),
         num_heads=_head_count(raw, "numHeads"),
         num_vision_parameters=parse_parameter_count(raw.get("visionParameters")),
+        checkpoint_dtype=raw.get("checkpointDtype"),
+        tie_word_embeddings=raw.get("tieWordEmbeddings"),
     )
+    if size.checkpoint_dtype is not None and size.checkpoint_dtype not in CHECKPOINT_DTYPES:
+        raise SpecError(f"spec.model.size.checkpointDtype must be one of {', '.join(CHECKPOINT_DTYPES)}; got "
+                        f"{size.checkpoint_dtype!r}")  # fmt: skip
+    if size.tie_word_embeddings is not None and not isinstance(size.tie_word_embeddings, bool):
+        raise SpecError(f"spec.model.size.tieWordEmbeddings must be true or false; got {size.tie_word_embeddings!r}")
     if size.num_vision_parameters and size.num_parameters and size.num_vision_parameters >= size.num_parameters:
         raise SpecError("spec.model.size.visionParameters counts part of spec.model.size.parameters, so it must be "
                         "smaller")  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ NODES = {
     "cpu-bf16": dict(bf16=True, memory="64Gi"),  # AVX512-BF16 and AMX
     "cpu-avx512bf16": dict(labels={"feature.node.kubernetes.io/cpu-cpuid.AVX512BF16": "true"}, memory="64Gi"),
     "cpu": dict(memory="64Gi"),
+    "cpu-32": dict(memory="32Gi"),
     "cpu-small": dict(memory="16Gi"),
 }
 
@@ -71,7 +73,9 @@ TABLE = [
     ("cpu-avx512bf16", "70b", 1, "cpu:bf16/int4"),
     ("cpu", "135m", 1, "cpu:fp32"),
     ("cpu", "8b", 1, "cpu:fp32"),
-    ("cpu", "70b", 1, "cpu:fp32/int4"),  # int4 44 GiB (embeddings stay fp32) + 2.5 GiB fp32 KV fit 64 GiB
+    ("cpu", "70b", 1, "cpu:fp32/int4"),  # int4 48 GiB (embedding fp32, head bf16) + 2.5 GiB fp32 KV fit 64 GiB
+    # Llama's bf16 checkpoint: the runtime keeps an fp32 replica's linears in bf16 panels (16 GiB of weights, not 30).
+    ("cpu-32", "8b", 1, "cpu:fp32"),
     ("cpu-small", "8b", 1, "cpu:fp32/int8"),
     ("cpu-small", "70b", 1, None),
 ]
@@ -179,7 +183,14 @@ def test_quantized_weights_shrink_as_expected() -> None:
     shape = model_shape(parse_spec({"model": MODELS["8b"]}).model)
     bf16, int8, int4 = (weight_bytes(shape, "bf16", q) for q in ("none", "int8", "int4"))
     assert 14.9 * GIB < bf16 < 15.0 * GIB
-    assert int8 < 0.6 * bf16 and int4 < 0.4 * bf16
+    # The embedding and Llama's untied LM head stay bf16 (the runtime quantizes the head only with
+    # --quantize-lm-head); the layers' linears take 1 byte (int8) or 0.625 (int4: a 16-bit scale and zero per 32),
+    # except q/k/v, which int4's default policy ("mixed") keeps at int8: 32 layers x 4096 x (4096 + 2 x 1024).
+    vocabulary, qkv = 128256 * 4096, 32 * 4096 * (4096 + 2 * 1024)
+    layers = shape.num_parameters - 2 * vocabulary
+    assert int8 == layers + 2 * vocabulary * 2
+    assert int4 == math.ceil((layers - qkv) * 0.625) + qkv + 2 * vocabulary * 2
+    assert 0.56 * bf16 < int8 < 0.57 * bf16 and 0.42 * bf16 < int4 < 0.43 * bf16
 
 
 def test_capacity_counts_whole_replicas_per_node() -> None:
@@ -353,3 +364,22 @@ def test_a_prequantized_checkpoint_is_not_split_over_gpus() -> None:
     choice = choose_model("L4", awq_70b, placement={"maxGpusPerReplica": 8})
     assert choice.profile is None and "does not fit" in choice.reason
     assert choose_model("H100", awq_70b).profile.num_gpus == 1  # type: ignore[union-attr]
+
+
+def test_an_fp32_checkpoint_counts_four_bytes_a_weight_on_an_fp32_cpu_pool() -> None:
+    """The same Llama hinted as an fp32 checkpoint (a fine-tune saved in fp32): its values are no bf16 values, so
+    the runtime keeps them in fp32 and 32 GiB no longer hold it unquantized. A bf16 pool is unaffected."""
+    fp32_checkpoint = {"model": {**MODELS["8b"], "size": {"checkpointDtype": "fp32"}}}
+    [pool] = group_pools([node_info(make_node("n", **NODES["cpu-32"]))])
+    parsed = parse_spec(fp32_checkpoint)
+    choice = choose_profile(pool, parsed, model_shape(parsed.model))
+    assert choice.profile is not None and choice.profile.label() == "cpu:fp32/int8", choice.reason
+    bf16_default = choose("cpu-32", "8b").profile
+    assert bf16_default is not None and bf16_default.weight_bytes < 0.55 * weight_bytes(
+        model_shape(parsed.model), "fp32", "none")
+    [bf16_pool] = group_pools([node_info(make_node("n", bf16=True, memory="32Gi"))])
+    assert choose_profile(bf16_pool, parsed, model_shape(parsed.model)).profile.label() == "cpu:bf16"
+    for bad, message in (({"checkpointDtype": "int8"}, "checkpointDtype must be one of bf16, fp16, fp32"),
+                         ({"tieWordEmbeddings": "yes"}, "tieWordEmbeddings must be true or false")):  # fmt: skip
+        with pytest.raises(SpecError, match=message):
+            parse_spec({"model": {**MODELS["8b"], "size": bad}})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hpi_operator.sizing import (
@@ -186,3 +188,47 @@ def test_a_vision_tower_stays_unquantized_and_its_encoder_cache_is_counted() -> 
     with pytest.raises(SpecError, match="visionParameters counts part of"):
         parse_spec({"model": {"source": "pvc", "pvc": {"claimName": "w"},
                               "size": {**size, "visionParameters": "9B"}}})  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("checkpoint_dtype", ["bfloat16", "float32"])
+def test_weight_bytes_match_what_the_runtime_holds(tmp_path, tied: bool, checkpoint_dtype: str) -> None:
+    """The operator's weight arithmetic for an fp32 CPU replica against the runtime's own count of the parameters
+    it holds after loading a tiny llama: unquantized, the linears of a bf16 checkpoint live in bf16 panels (half of
+    fp32); an untied LM head stays in float when the rest is int8/int4; int4 keeps q/k/v at int8. The operator
+    may count more (a tied embedding packed with the head is counted in fp32), and less only by the per-channel
+    int8 scales and the norms (under 2% at this hidden size of 256, a tenth of that from 2048 up)."""
+    pytest.importorskip("hpi_runtime")  # the runtime needs torch; the operator not
+    from safetensors import safe_open
+
+    from hpi_operator.sizing import linear_dtype
+    from hpi_runtime.llm import LLM
+    from hpi_testing.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path, "llama", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=512, tie_word_embeddings=tied, dtype=checkpoint_dtype)  # fmt: skip
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as checkpoint:
+        parameters = sum(math.prod(checkpoint.get_slice(k).get_shape()) for k in checkpoint.keys())
+    size = {"parameters": parameters, "numLayers": 4, "numKVHeads": 2, "numHeads": 4, "headDim": 64,
+            "hiddenSize": 256, "vocabSize": 384, "tieWordEmbeddings": tied,
+            "checkpointDtype": {"bfloat16": "bf16", "float32": "fp32"}[checkpoint_dtype]}  # fmt: skip
+    shape = model_shape(parse_spec({"model": {"source": "pvc", "pvc": {"claimName": "w"}, "size": size}}).model)
+    linears = linear_dtype(shape, "fp32", "cpu")
+    assert linears == ("bf16" if checkpoint_dtype == "bfloat16" else "fp32")
+    for quantization in ("none", "int8", "int4"):
+        with LLM(model_dir, dtype="float32", device="cpu", quantization=quantization) as llm:
+            held = llm.bundle.footprint.weight_bytes
+        counted = weight_bytes(shape, "fp32", quantization, linears=linears)
+        assert 0.98 * held <= counted <= 1.1 * held, (quantization, counted, held)
+
+
+def test_the_int4_policy_counted_is_the_runtimes_default() -> None:
+    """sizing counts the linears the runtime's default int4 policy keeps at int8 (every layer's q/k/v); a change
+    to that policy must change the arithmetic too."""
+    policy = pytest.importorskip("hpi_runtime.quantization.policy")  # the runtime needs torch; the operator not
+    from hpi_operator.sizing import INT4_INT8_KINDS, INT4_POLICY
+
+    assert INT4_POLICY == policy.DEFAULT_INT4_POLICY
+    kept = policy.INT4_POLICIES[INT4_POLICY]
+    assert set(kept.values()) <= {"all"}  # every layer: what int8_under_int4 counts
+    assert tuple(kind.removesuffix("_proj") for kind in kept) == INT4_INT8_KINDS
