@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hpi_kernels.cpu import cpu_capability, cpu_kernels_available, load_extension
-from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref
+from hpi_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_ref, prefill_attention_tile
 from hpi_kernels.reference import to_cache_dtype
 
 TOLERANCE = {
@@ -202,6 +202,59 @@ def test_sliding_window_and_softcap(dtype, window, softcap) -> None:
         full = torch.full(batch.q.shape, SENTINEL, dtype=dtype)
         paged_attention_ref(full, *batch.args(), 0.125, None, softcap)
         assert not torch.allclose(full, expected)
+
+
+def _with_tile(tile: str, batch: Batch, window: int | None = None) -> torch.Tensor:
+    previous = prefill_attention_tile()
+    try:
+        prefill_attention_tile(tile)
+        out = torch.full(batch.q.shape, SENTINEL, dtype=batch.q.dtype)
+        paged_attention_cpu(out, *batch.args(), batch.q.shape[-1] ** -0.5, window)
+        return out
+    finally:
+        prefill_attention_tile(previous)
+
+
+def _has_amx() -> bool:
+    try:
+        previous = prefill_attention_tile()
+        prefill_attention_tile("amx")
+        prefill_attention_tile(previous)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("tile", ["vector", "amx"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("window", [None, 37])
+def test_each_prefill_tile_matches_the_reference(tile, num_heads, num_kv_heads, head_dim, block_size, window) -> None:
+    """bf16 prefill/extend rows on each tile this CPU has: the vector tile, and AMX's (scores and values on AMX
+    tiles, the probabilities rounded to bf16; paged_attention_amx.cpp). Chunks that start mid-block, a cached
+    prefix, rows that straddle the diagonal, keys in partial chunks of 32, head dims of 2, 3 and 4 tiles of 32,
+    a window that starts mid-chunk. The AMX tile's results differ from the vector tile's (it ran)."""
+    if tile == "amx" and not _has_amx():
+        pytest.skip("this CPU has no AMX-BF16 tiles (the vector tile is tested on it)")
+    requests = [*mixed_requests(block_size), (300, 400), (45, 45), (1, 90)]
+    batch = make_batch(requests, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=7)
+    expected = torch.full(batch.q.shape, SENTINEL, dtype=torch.bfloat16)
+    paged_attention_ref(expected, *batch.args(), head_dim**-0.5, window)
+    out = _with_tile(tile, batch, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+    if tile == "amx":
+        assert not torch.equal(out, _with_tile("vector", batch, window))
+
+
+def test_prefill_attention_tile_names_are_checked() -> None:
+    with pytest.raises(ValueError, match="must be amx or vector"):
+        prefill_attention_tile("tiles")
+    if not _has_amx():
+        with pytest.raises(ValueError, match="no AMX-BF16 tiles"):
+            prefill_attention_tile("amx")
+    assert prefill_attention_tile() in ("amx", "vector")
 
 
 def test_thread_count_does_not_change_the_result() -> None:

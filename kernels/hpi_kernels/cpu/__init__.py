@@ -17,7 +17,12 @@ from hpi_kernels.cpu.packed_linear import (
     packed_weight_rows,
     prefill_gemm,
 )
-from hpi_kernels.cpu.paged_attention import cached_paged_attention_cpu, paged_attention_cpu, paged_attention_ref
+from hpi_kernels.cpu.paged_attention import (
+    cached_paged_attention_cpu,
+    paged_attention_cpu,
+    paged_attention_ref,
+    prefill_attention_tile,
+)
 from hpi_kernels.cpu.quant_linear import (
     A8_DEFAULT_SHAPE,
     int4_a8_linear,
@@ -56,5 +61,6 @@ __all__ = [
     "packed_weight_rows",
     "paged_attention_cpu",
     "paged_attention_ref",
+    "prefill_attention_tile",
     "prefill_gemm",
 ]

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).resolve().with_name(name)  # absolute: a relative PYTHONPATH entry and a later chdir
-    for name in ("paged_attention.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_amx.cpp",
-                 "packed_linear_quant.cpp", "lora_delta.cpp", "decode_stack.cpp")
+    for name in ("paged_attention.cpp", "paged_attention_amx.cpp", "packed_linear.cpp", "packed_linear_bf16.cpp",
+                 "packed_linear_amx.cpp", "packed_linear_quant.cpp", "lora_delta.cpp", "decode_stack.cpp")
 )  # fmt: skip
 
 # torch's per-capability compiler flags (cmake/Codegen.cmake), plus F16C, which every AVX2 CPU has and

@@ -109,6 +109,11 @@ void gemm_bf16_weight(const float* a, int64_t lda, const c10::BFloat16* packed, 
 bool amx_available();
 // whether a weight of in_features K takes them (whole tiles of k: K a multiple of 32, and amx_available);
 bool amx_fits(int64_t K);
+#if defined(CPU_CAPABILITY_AVX512)
+// The calling thread's tile configuration: all eight tiles 16 rows of 64 bytes (amx_available() required; release
+// them with _tile_release() when done, as oneDNN on the same threads loads its own).
+__attribute__((target("amx-tile"))) void load_tile_config();
+#endif
 // and gemm_bf16 on them, for any M (amx_fits(K) required).
 void gemm_bf16_amx(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, const c10::BFloat16* bias,
                    int64_t M, int64_t K, int64_t N, c10::BFloat16* out);

@@ -82,17 +82,6 @@ bool request_amx() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-__attribute__((target("amx-tile"))) void load_tile_config() {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {  // tmm0-3 C [16 x 16 fp32], tmm4-5 A [16 x 32 bf16], tmm6-7 B [16 pairs x 16 cols]
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 // The panel's bias, widened: bf16 (the packed bf16 linear's, as x) or fp32 (the quantized linears'), ncols of kNr.
 inline std::tuple<Vec, Vec> load_bias(const c10::BFloat16* bias, int64_t ncols) {
   using BVec = at::vec::Vectorized<c10::BFloat16>;
@@ -340,6 +329,24 @@ void gemm_amx(const c10::BFloat16* a, int64_t lda, const Panels<Source, Bias>& w
 }
 
 }  // namespace
+
+// Every tile 16 rows of 64 bytes (palette 1): what this file's tiles and the attention's AMX tile
+// (paged_attention_amx.cpp) use. A constant in memory: GCC dropped the stores into a local config before
+// ldtilecfg read it once the function was no longer inlined (its builtin is not known to read all 64 bytes).
+constexpr TileConfig tile_config() {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {  // tmm0-3 C [16 x 16 fp32], tmm4-5 A [16 x 32 bf16], tmm6-7 B [16 pairs x 16 cols]
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  return config;
+}
+
+__attribute__((target("amx-tile"))) void load_tile_config() {
+  alignas(64) static constexpr TileConfig kConfig = tile_config();
+  _tile_loadconfig(&kConfig);
+}
 
 bool amx_available() {
   static const bool available = request_amx();

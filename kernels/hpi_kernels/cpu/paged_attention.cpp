@@ -23,6 +23,7 @@
 // none), so at::vec::Vectorized<float> is 16, 8 (or 4 on aarch64) lanes wide.
 
 #include "cpu_vec.h"
+#include "paged_attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,6 +43,9 @@
 #include <vector>
 
 namespace {
+
+using hpi_attention::Problem;
+using hpi_attention::WorkItem;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
@@ -128,48 +132,6 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t head
     for (int64_t c = 0; c < head_dim; c += kLine) __builtin_prefetch(rows + j * stride + c, 0, 3);
   }
 }
-
-template <typename T, typename C>
-struct Problem {
-  T* out;                          // [num_tokens, num_heads, head_dim] contiguous
-  const T* q;                      // [num_tokens, num_heads, head_dim], last dim contiguous
-  const C* k_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const C* v_cache;                // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const int32_t* block_tables;     // [num_reqs, max_blocks], row stride block_table_stride
-  const int32_t* query_start_loc;  // [num_reqs + 1]
-  const int32_t* context_lens;     // [num_reqs]
-  int64_t q_token_stride;          // elements between tokens of q
-  int64_t q_head_stride;           // elements between heads of q
-  int64_t block_table_stride;      // elements between rows of block_tables
-  int64_t num_heads;
-  int64_t num_kv_heads;
-  int64_t head_dim;
-  int64_t group_size;  // q heads per kv head
-  int64_t block_size;
-  int64_t num_blocks;
-  float scale;
-  int64_t sliding_window;  // 0: none
-  float logit_softcap;     // 0: none
-
-  int64_t cache_token_stride() const { return num_kv_heads * head_dim; }
-
-  // Keys (or values) of the kv head at cache block block_table[req][b]: row j at + j * cache_token_stride().
-  const C* block_rows(const C* cache, int64_t req, int64_t b, int64_t kv_head) const {
-    const int64_t block = block_tables[req * block_table_stride + b];
-    TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", req, "][", b, "] = ", block,
-                      " is outside the cache's ", num_blocks, " blocks");
-    return cache + (block * block_size * num_kv_heads + kv_head) * head_dim;
-  }
-};
-
-struct WorkItem {
-  int64_t cost;  // ~ keys x rows, for longest-first ordering
-  int32_t req;
-  int32_t kv_head;
-  int32_t first;  // decode: first q head within the kv head's group; tile: first row
-  int32_t count;  // decode: q heads; tile: rows (row = token * group_size + q head within the group)
-  bool decode;
-};
 
 // One decode token, q heads [first, first + GB) of one kv head's group, over all its cached keys.
 template <typename T, typename C, int GB>
@@ -303,9 +265,7 @@ template <typename T, typename C, int NV>
 void tile_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
   constexpr int64_t RT = NV * kVecSize;  // rows in lanes, padded
   const int64_t D = p.head_dim, BS = p.block_size, G = p.group_size, token_stride = p.cache_token_stride();
-  const int64_t q_start = p.query_start_loc[w.req];
-  const int64_t query_len = p.query_start_loc[w.req + 1] - q_start;
-  const int64_t prefix_len = p.context_lens[w.req] - query_len;
+  const auto [q_start, prefix_len, first_pos, kv_end, first_key] = hpi_attention::tile_span(p, w);
   const int64_t r0 = w.first, num_rows = w.count;
   float* qt = scratch;            // [D, RT] query rows times scale, transposed
   float* acc = qt + D * RT;       // [D, RT] unnormalised output, transposed
@@ -332,10 +292,7 @@ void tile_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
     row_sum[v] = Vec(0.f);
     pos_v[v] = Vec::loadu(pos + v * kVecSize);
   }
-  const int64_t first_pos = prefix_len + r0 / G;
-  const int64_t kv_end = prefix_len + (r0 + num_rows - 1) / G + 1;  // causal: the last row's position + 1
   const int64_t W = p.sliding_window;
-  const int64_t first_key = W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0;  // the first row's window
 
   for (int64_t b = first_key / BS, start = b * BS; start < kv_end; start += BS, ++b) {
     const int64_t n = std::min(BS, kv_end - start);
@@ -432,6 +389,9 @@ void run_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
       case 7: return decode_item<T, C, 7>(p, w, scratch);
       default: return decode_item<T, C, 8>(p, w, scratch);
     }
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+    if (hpi_attention::amx_prefill_item(p, w)) return;
   }
   switch ((w.count + kVecSize - 1) / kVecSize) {
     case 1: return tile_item<T, C, 1>(p, w, scratch);

@@ -17,6 +17,16 @@ from hpi_kernels.cpu._extension import load_extension
 from hpi_kernels.reference import gather_kv
 
 
+def prefill_attention_tile(choice: str = "") -> str:
+    """How prefill/extend rows of a bf16 model over a bf16 cache are attended: "amx" (AMX tiles for the scores and
+    the values, paged_attention_amx.cpp; CPUs with AMX-BF16 only, head dims a multiple of 32, no soft-cap) or
+    "vector" (fp32 FMAs, every CPU). "" returns the current choice: "amx" where the CPU has AMX-BF16 unless
+    HPI_CPU_ATTENTION_TILE=vector set it; a name forces that tile (tests run each the CPU has). ValueError for
+    another name, or "amx" on a CPU without it."""
+    load_extension()
+    return torch.ops.hpi_kernels.prefill_attention_tile(choice)
+
+
 def paged_attention_cpu(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim] contiguous, written in place
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; may be a strided view (last dim contiguous)

@@ -16,7 +16,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hpi_kernels.cpu import bf16_tile, cpu_kernels_available, pack_linear_weight, prefill_gemm
+from hpi_kernels.cpu import (
+    bf16_tile,
+    cpu_kernels_available,
+    pack_linear_weight,
+    prefill_attention_tile,
+    prefill_gemm,
+)
 from hpi_runtime import cpu_features
 from hpi_runtime.models.layers import LMHead, VocabEmbedding
 from hpi_runtime.models.linear import LinearBase
@@ -32,10 +38,11 @@ def choose_bf16_gemms(dtype: torch.dtype) -> dict[str, str] | None:
     (another dtype, no C++ kernels)."""
     if dtype != torch.bfloat16 or not cpu_kernels_available():
         return None
-    chosen = {"tile": bf16_tile(), "prefill": prefill_gemm()}
+    chosen = {"tile": bf16_tile(), "prefill": prefill_gemm(), "attention": prefill_attention_tile()}
     logger.info("bf16 GEMMs on this CPU (measured at start): the %s tile up to prefill size (HPI_CPU_BF16_TILE="
-                "widen|dpbf16|amx overrides), prefill in %s (HPI_CPU_PREFILL_GEMM=bf16|fp32 overrides)", chosen["tile"],
-                chosen["prefill"])  # fmt: skip
+                "widen|dpbf16|amx overrides), prefill in %s (HPI_CPU_PREFILL_GEMM=bf16|fp32 overrides); prefill "
+                "attention on %s tiles (HPI_CPU_ATTENTION_TILE=amx|vector overrides)", chosen["tile"],
+                chosen["prefill"], chosen["attention"])  # fmt: skip
     return chosen
 
 

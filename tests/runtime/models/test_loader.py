@@ -369,20 +369,24 @@ def test_without_the_cpu_kernels_weights_stay_for_use_sgemm_layout(tiny_model_di
 def test_bf16_gemms_are_chosen_and_logged_at_start(caplog) -> None:
     """A bf16 CPU model settles its packed tile and its prefill GEMM at start-up and says which; overrides are
     honoured; other dtypes leave them alone."""
-    from hpi_kernels.cpu import bf16_tile, prefill_gemm
+    from hpi_kernels.cpu import bf16_tile, prefill_attention_tile, prefill_gemm
 
-    previous = {"tile": bf16_tile(), "prefill": prefill_gemm()}
+    previous = {"tile": bf16_tile(), "prefill": prefill_gemm(), "attention": prefill_attention_tile()}
     try:
         with caplog.at_level("INFO", logger="hpi_runtime.models.cpu_layout"):
             assert cpu_layout.choose_bf16_gemms(torch.bfloat16) == previous
         assert f"the {previous['tile']} tile up to prefill size" in caplog.text
         assert f"prefill in {previous['prefill']}" in caplog.text
+        assert f"prefill attention on {previous['attention']} tiles" in caplog.text
         assert cpu_layout.choose_bf16_gemms(torch.float32) is None
         for forced in ("fp32", "bf16"):
             prefill_gemm(forced)
             assert cpu_layout.choose_bf16_gemms(torch.bfloat16)["prefill"] == forced
         bf16_tile("widen")
         assert cpu_layout.choose_bf16_gemms(torch.bfloat16)["tile"] == "widen"
+        prefill_attention_tile("vector")
+        assert cpu_layout.choose_bf16_gemms(torch.bfloat16)["attention"] == "vector"
     finally:
         prefill_gemm(previous["prefill"])
         bf16_tile(previous["tile"])
+        prefill_attention_tile(previous["attention"])
