@@ -4,9 +4,10 @@
 // attention_cpu.md, "Prefill on AMX tiles").
 //
 // Per item (up to 64 rows: four row tiles of 16) and chunk of 32 keys:
-//   - the scores transposed, S^T [keys x rows] = K Q^T: the chunk's keys, copied out of their blocks, are A tiles as
-//     they are (16 keys x 32 dims); Q^T is packed once per item into B tiles (pairs of dims x rows). The rows sit in
-//     the lanes of the result, as in tile_item, so the online softmax needs no horizontal reductions;
+//   - the scores transposed, S^T [keys x rows] = K Q^T: the chunk's keys are A tiles as they are (16 keys x 32 dims,
+//     read in place where 16 keys share a block, else copied); Q^T is packed once per item into B tiles (pairs of
+//     dims x rows). The rows sit in the lanes of the result, as in tile_item, so the online softmax needs no
+//     horizontal reductions;
 //   - the probabilities rounded to bf16 (as GPU flash attention rounds P) and paired by key into B tiles;
 //   - O^T [dims x rows] += V^T P^T: V^T as A tiles (keys paired, dims transposed into rows), the products added to
 //     the fp32 accumulator after it is rescaled by the softmax's correction, in tile_item's [dims x rows] layout.
@@ -29,7 +30,6 @@
 #include <limits>
 #include <memory>
 #include <string>
-#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
