@@ -31,12 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the cache's element type (auto: bf16, fp8...)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if prefill_attention_tile() != "amx":
         raise SystemExit("this CPU has no AMX-BF16 tiles: only the vector tile runs here")
     generator = torch.Generator().manual_seed(0)
-    llm = LLM(None, dtype="bfloat16", enable_prefix_caching=False, max_model_len=max(args.lengths) + 16)
+    llm = LLM(None, dtype="bfloat16", enable_prefix_caching=False, max_model_len=max(args.lengths) + 16,
+              kv_cache_dtype=args.kv_cache_dtype)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def prompt(length: int) -> list[int]:
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     prefill_attention_tile("amx")
     ratios = {key: round(statistics.median(results["vector"][key]) / statistics.median(results["amx"][key]), 2)
               for key in results["amx"]}  # fmt: skip
-    report = {"machine": machine_description(), "results": results, "vector_over_amx": ratios}
+    report = {"machine": machine_description(), "kv_cache_dtype": args.kv_cache_dtype, "results": results,
+              "vector_over_amx": ratios}  # fmt: skip
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -248,6 +248,26 @@ def test_each_prefill_tile_matches_the_reference(tile, num_heads, num_kv_heads, 
         assert not torch.equal(out, _with_tile("vector", batch, window))
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_the_amx_prefill_tile_reads_fp8_caches(cache_dtype, head_dim, block_size) -> None:
+    """An fp8 cache's keys and values are widened to bf16 (exactly) for the AMX tiles: the result meets bf16's
+    tolerance against the reference over the same fp8 values, as the vector tile's does, and differs from it."""
+    if not _has_amx():
+        pytest.skip("this CPU has no AMX-BF16 tiles (test_fp8_cache_matches_reference covers the vector tile)")
+    requests = [*mixed_requests(block_size), (300, 400), (45, 45)]
+    batch = make_batch(requests, 9, 3, head_dim, block_size, torch.bfloat16, seed=8)
+    batch = dataclasses.replace(batch, k_cache=(batch.k_cache.float() * 4).to(cache_dtype),
+                                v_cache=(batch.v_cache.float() * 0.02).to(cache_dtype))  # fmt: skip
+    expected = torch.full(batch.q.shape, SENTINEL, dtype=torch.bfloat16)
+    paged_attention_ref(expected, *batch.args(), head_dim**-0.5)
+    out = _with_tile("amx", batch)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+    assert not torch.equal(out, _with_tile("vector", batch))
+
+
 def test_prefill_attention_tile_names_are_checked() -> None:
     with pytest.raises(ValueError, match="must be amx or vector"):
         prefill_attention_tile("tiles")

@@ -390,7 +390,7 @@ void run_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
       default: return decode_item<T, C, 8>(p, w, scratch);
     }
   }
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (hpi_attention::amx_prefill_item(p, w)) return;
   }
   switch ((w.count + kVecSize - 1) / kVecSize) {

@@ -68,9 +68,10 @@ TileSpan tile_span(const Problem<T, C>& p, const WorkItem& w) {
   return {q_start, prefix_len, first_pos, kv_end, W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0};
 }
 
-// A prefill/extend item of a bf16 model over a bf16 cache on AMX tiles (paged_attention_amx.cpp), when this
-// CPU has them, they are chosen (prefill_attention_tile) and the item's shape suits them; false: not run, the
-// vector tile_item takes it.
-bool amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>& p, const WorkItem& w);
+// A prefill/extend item of a bf16 model over a bf16 or fp8 cache (C: c10::BFloat16, Float8_e4m3fn or Float8_e5m2)
+// on AMX tiles (paged_attention_amx.cpp), when this CPU has them, they are chosen (prefill_attention_tile) and the
+// item's shape suits them; false: not run, the vector tile_item takes it.
+template <typename C>
+bool amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w);
 
 }  // namespace hpi_attention

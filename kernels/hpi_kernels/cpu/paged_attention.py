@@ -18,9 +18,9 @@ from hpi_kernels.reference import gather_kv
 
 
 def prefill_attention_tile(choice: str = "") -> str:
-    """How prefill/extend rows of a bf16 model over a bf16 cache are attended: "amx" (AMX tiles for the scores and
-    the values, paged_attention_amx.cpp; CPUs with AMX-BF16 only, head dims a multiple of 32, no soft-cap) or
-    "vector" (fp32 FMAs, every CPU). "" returns the current choice: "amx" where the CPU has AMX-BF16 unless
+    """How prefill/extend rows of a bf16 model over a bf16 or fp8 cache are attended: "amx" (AMX tiles for the
+    scores and the values, paged_attention_amx.cpp; CPUs with AMX-BF16 only, head dims a multiple of 32, no
+    soft-cap) or "vector" (fp32 FMAs, every CPU). "" returns the current choice: "amx" where the CPU has AMX-BF16 unless
     HPI_CPU_ATTENTION_TILE=vector set it; a name forces that tile (tests run each the CPU has). ValueError for
     another name, or "amx" on a CPU without it."""
     load_extension()

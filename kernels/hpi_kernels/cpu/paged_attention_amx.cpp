@@ -1,4 +1,5 @@
-// Prefill/extend attention on AMX tiles: a bf16 model's (token, q head) rows of one kv head against a bf16 cache,
+// Prefill/extend attention on AMX tiles: a bf16 model's (token, q head) rows of one kv head against a bf16 or fp8
+// cache (fp8 keys and values widened to bf16, exactly, as they are read),
 // the item paged_attention.cpp's vector tile_item would otherwise run with fp32 FMAs. On a CPU with AMX that tile
 // reached the FMA units' peak and still left a 2,048-token prompt's attention at 67% of its prefill (bench/results/
 // attention_cpu.md, "Prefill on AMX tiles").
@@ -17,6 +18,7 @@
 // Used where the CPU has AMX-BF16 and hpi_kernels::prefill_attention_tile is "amx" (its default there), for head
 // dims that are multiples of 32 up to 256, without a logit soft-cap (Gemma 2 keeps the vector tile).
 
+#include "cpu_vec.h"
 #include "packed_linear.h"
 #include "paged_attention.h"
 
@@ -30,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -131,25 +134,37 @@ struct Buffers {
 };
 
 // Row j of a cache block's kv head, for key position j of request `req`.
-inline const BF16* key_row(const Problem<BF16, BF16>& p, const BF16* cache, int64_t req, int64_t kv_head,
-                           int64_t j) {
+template <typename C>
+inline const C* key_row(const Problem<BF16, C>& p, const C* cache, int64_t req, int64_t kv_head, int64_t j) {
   return p.block_rows(cache, req, j / p.block_size, kv_head) + (j % p.block_size) * p.cache_token_stride();
+}
+
+// 32 values of a cache row as bf16 pairs' lanes: a bf16 cache's as they are, an fp8 cache's widened (exactly: every
+// fp8 value is a bf16 value).
+template <typename C>
+__attribute__((target("avx512bf16"))) inline __m512i load_bf16x32(const C* src) {
+  if constexpr (std::is_same_v<C, BF16>) {
+    return _mm512_loadu_si512(src);
+  } else {
+    return (__m512i)_mm512_cvtne2ps_pbh(hpi_vec::load_float(src + 16), hpi_vec::load_float(src));
+  }
 }
 
 // V^T of keys [c0, c0 + n) as A tiles: tile g's row d (dim 16 g + d) holds the 32 keys' values of that dim in pairs
 // (keys 2i, 2i + 1): the pairs of two value rows interleaved, then each 16 x 16 block of pairs transposed.
-__attribute__((target("avx512bw"))) void pack_values(const Problem<BF16, BF16>& p, int64_t req, int64_t kv_head,
-                                                     int64_t c0, int64_t n, BF16 (*vt)[kRows * kChunk]) {
+template <typename C>
+__attribute__((target("avx512bw,avx512bf16"))) void pack_values(const Problem<BF16, C>& p, int64_t req,
+                                                                int64_t kv_head, int64_t c0, int64_t n,
+                                                                BF16 (*vt)[kRows * kChunk]) {
   const int64_t D = p.head_dim;
   const __m512i lo = _mm512_load_si512(kPairsLo), hi = _mm512_load_si512(kPairsHi);
   for (int64_t span = 0; span < D / 32; ++span) {  // 32 dims: two tiles
     __m512i first[16], second[16];
     for (int64_t i = 0; i < kChunk / 2; ++i) {
-      const __m512i even = 2 * i < n ? _mm512_loadu_si512(key_row(p, p.v_cache, req, kv_head, c0 + 2 * i) + span * 32)
+      const __m512i even = 2 * i < n ? load_bf16x32(key_row(p, p.v_cache, req, kv_head, c0 + 2 * i) + span * 32)
                                      : _mm512_setzero_si512();
-      const __m512i odd = 2 * i + 1 < n
-                              ? _mm512_loadu_si512(key_row(p, p.v_cache, req, kv_head, c0 + 2 * i + 1) + span * 32)
-                              : _mm512_setzero_si512();
+      const __m512i odd = 2 * i + 1 < n ? load_bf16x32(key_row(p, p.v_cache, req, kv_head, c0 + 2 * i + 1) + span * 32)
+                                        : _mm512_setzero_si512();
       first[i] = _mm512_permutex2var_epi16(even, lo, odd);   // dims 0..15 of the span, pair i
       second[i] = _mm512_permutex2var_epi16(even, hi, odd);  // dims 16..31
     }
@@ -162,7 +177,8 @@ __attribute__((target("avx512bw"))) void pack_values(const Problem<BF16, BF16>& 
   }
 }
 
-__attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(const Problem<BF16, BF16>& p,
+template <typename C>
+__attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(const Problem<BF16, C>& p,
                                                                                 const WorkItem& w, Buffers& b) {
   const int64_t D = p.head_dim, G = p.group_size, D2 = D / 2;
   const auto [q_start, prefix_len, first_pos, kv_end, first_key] = tile_span(p, w);
@@ -241,16 +257,16 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(c
     // The keys' A tiles: read in place where each half is 16 rows of one block; else copied, zeros past n.
     const BF16* keys[2];
     int64_t key_stride = D;
-    if (n == kChunk && c0 % kRows == 0 && p.block_size % kRows == 0) {
-      keys[0] = key_row(p, p.k_cache, w.req, w.kv_head, c0);
-      keys[1] = key_row(p, p.k_cache, w.req, w.kv_head, c0 + kRows);
+    if (std::is_same_v<C, BF16> && n == kChunk && c0 % kRows == 0 && p.block_size % kRows == 0) {
+      keys[0] = reinterpret_cast<const BF16*>(key_row(p, p.k_cache, w.req, w.kv_head, c0));
+      keys[1] = reinterpret_cast<const BF16*>(key_row(p, p.k_cache, w.req, w.kv_head, c0 + kRows));
       key_stride = p.cache_token_stride();
-    } else {
+    } else {  // copied (an fp8 cache's widened to bf16)
       for (int64_t j = 0; j < kChunk; ++j) {
         BF16* dst = b.keys + j * D;
-        const BF16* src = j < n ? key_row(p, p.k_cache, w.req, w.kv_head, c0 + j) : nullptr;
+        const C* src = j < n ? key_row(p, p.k_cache, w.req, w.kv_head, c0 + j) : nullptr;
         for (int64_t c = 0; c < D; c += 32) {
-          _mm512_store_si512(dst + c, src != nullptr ? _mm512_loadu_si512(src + c) : _mm512_setzero_si512());
+          _mm512_store_si512(dst + c, src != nullptr ? load_bf16x32(src + c) : _mm512_setzero_si512());
         }
       }
       keys[0] = b.keys;
@@ -338,7 +354,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(c
 
 }  // namespace
 
-bool amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>& p, const WorkItem& w) {
+template <typename C>
+bool amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (w.decode || p.logit_softcap > 0.f || p.head_dim % 32 != 0 || p.head_dim > kMaxDim ||
       w.count > kMaxRowTiles * kRows || !use_amx()) {
@@ -354,6 +371,10 @@ bool amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>& p, const Work
   return false;
 #endif
 }
+
+template bool amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>&, const WorkItem&);
+template bool amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e4m3fn>&, const WorkItem&);
+template bool amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e5m2>&, const WorkItem&);
 
 }  // namespace hpi_attention
 
