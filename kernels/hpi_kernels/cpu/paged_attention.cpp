@@ -391,7 +391,7 @@ void run_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
     }
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (hpi_attention::amx_prefill_item(p, w)) return;
+    if (p.amx_prefill) return hpi_attention::amx_prefill_item(p, w);
   }
   switch ((w.count + kVecSize - 1) / kVecSize) {
     case 1: return tile_item<T, C, 1>(p, w, scratch);
@@ -473,7 +473,8 @@ void check_args(const OpArgs& a) {
 }
 
 // Validates each request's lengths and cuts the batch into work items, longest first.
-std::vector<WorkItem> plan_work(const OpArgs& a) {
+// amx: the prefill/extend items run on AMX tiles, which take up to kAmxPrefillRows rows each.
+std::vector<WorkItem> plan_work(const OpArgs& a, bool amx) {
   const int32_t* query_start_loc = a.query_start_loc.const_data_ptr<int32_t>();
   const int32_t* context_lens = a.context_lens.const_data_ptr<int32_t>();
   const int64_t num_tokens = a.q.size(0), num_kv_heads = a.k_cache.size(2), group_size = a.group_size();
@@ -505,8 +506,9 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
         continue;
       }
       const int64_t num_rows = query_len * group_size, prefix_len = context_len - query_len;
-      for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxTileRows) {
-        const int64_t count = std::min(kMaxTileRows, num_rows - r0);
+      const int64_t max_rows = amx ? hpi_attention::kAmxPrefillRows : kMaxTileRows;
+      for (int64_t r0 = 0; r0 < num_rows; r0 += max_rows) {
+        const int64_t count = std::min(max_rows, num_rows - r0);
         const int64_t kv_end = prefix_len + (r0 + count - 1) / group_size + 1;
         const int64_t padded = (count + kVecSize - 1) / kVecSize * kVecSize;
         const int64_t first_pos = prefix_len + r0 / group_size;
@@ -520,7 +522,7 @@ std::vector<WorkItem> plan_work(const OpArgs& a) {
 }
 
 template <typename T, typename C>
-void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
+void launch(const OpArgs& a, const std::vector<WorkItem>& items, bool amx) {
   const Problem<T, C> problem{.out = a.out.data_ptr<T>(),
                               .q = a.q.const_data_ptr<T>(),
                               .k_cache = a.k_cache.const_data_ptr<C>(),
@@ -539,7 +541,8 @@ void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
                               .num_blocks = a.k_cache.size(0),
                               .scale = static_cast<float>(a.scale),
                               .sliding_window = a.sliding_window,
-                              .logit_softcap = static_cast<float>(a.logit_softcap)};
+                              .logit_softcap = static_cast<float>(a.logit_softcap),
+                              .amx_prefill = amx};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t scratch_size = scratch_floats(problem.head_dim, problem.block_size);
   std::atomic<int64_t> next{0};
@@ -554,11 +557,11 @@ void launch(const OpArgs& a, const std::vector<WorkItem>& items) {
 }
 
 template <typename T>
-void launch_for_cache(const OpArgs& a, const std::vector<WorkItem>& items) {
+void launch_for_cache(const OpArgs& a, const std::vector<WorkItem>& items, bool amx) {
   switch (a.k_cache.scalar_type()) {
-    case at::kFloat8_e4m3fn: return launch<T, c10::Float8_e4m3fn>(a, items);
-    case at::kFloat8_e5m2: return launch<T, c10::Float8_e5m2>(a, items);
-    default: return launch<T, T>(a, items);
+    case at::kFloat8_e4m3fn: return launch<T, c10::Float8_e4m3fn>(a, items, amx);
+    case at::kFloat8_e5m2: return launch<T, c10::Float8_e5m2>(a, items, amx);
+    default: return launch<T, T>(a, items, amx);
   }
 }
 
@@ -568,12 +571,13 @@ void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::T
   const OpArgs args{out,          q,     k_cache,        v_cache,      block_tables, query_start_loc,
                     context_lens, scale, sliding_window, logit_softcap};
   check_args(args);
-  const std::vector<WorkItem> items = plan_work(args);
+  const bool amx = hpi_attention::amx_prefill_applies(q.scalar_type() == at::kBFloat16, q.size(2), logit_softcap);
+  const std::vector<WorkItem> items = plan_work(args, amx);
   if (items.empty()) return;
   switch (q.scalar_type()) {
-    case at::kBFloat16: return launch_for_cache<at::BFloat16>(args, items);
-    case at::kHalf: return launch_for_cache<at::Half>(args, items);
-    default: return launch_for_cache<float>(args, items);
+    case at::kBFloat16: return launch_for_cache<at::BFloat16>(args, items, amx);
+    case at::kHalf: return launch_for_cache<at::Half>(args, items, false);
+    default: return launch_for_cache<float>(args, items, false);
   }
 }
 

@@ -31,6 +31,7 @@ struct Problem {
   float scale;
   int64_t sliding_window;  // 0: none
   float logit_softcap;     // 0: none
+  bool amx_prefill = false;  // prefill/extend items run on AMX tiles (amx_prefill_applies, settled per call)
 
   int64_t cache_token_stride() const { return num_kv_heads * head_dim; }
 
@@ -68,10 +69,19 @@ TileSpan tile_span(const Problem<T, C>& p, const WorkItem& w) {
   return {q_start, prefix_len, first_pos, kv_end, W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0};
 }
 
+// The most rows an AMX prefill item holds: four row tiles share each chunk's keys and values, copied or
+// transposed once. (Tried, not kept: eight, 1.04x faster on a 4,096-token prompt and 1.07x slower at 512 and
+// 2,048 tokens, the fewer items less evenly shared by the threads.)
+constexpr int64_t kAmxPrefillRows = 64;
+
+// Whether one call's prefill/extend items run on AMX tiles: a bf16 model, head_dim a multiple of 32 up to 256, no
+// soft-cap, and the AMX tile chosen (prefill_attention_tile) on a CPU that has it. Settled once per call, so that
+// the items planned for it are the items run.
+bool amx_prefill_applies(bool bf16, int64_t head_dim, double logit_softcap);
+
 // A prefill/extend item of a bf16 model over a bf16 or fp8 cache (C: c10::BFloat16, Float8_e4m3fn or Float8_e5m2)
-// on AMX tiles (paged_attention_amx.cpp), when this CPU has them, they are chosen (prefill_attention_tile) and the
-// item's shape suits them; false: not run, the vector tile_item takes it.
+// on AMX tiles (paged_attention_amx.cpp), for calls where amx_prefill_applies; up to kAmxPrefillRows rows.
 template <typename C>
-bool amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w);
+void amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w);
 
 }  // namespace hpi_attention

@@ -4,7 +4,7 @@
 // reached the FMA units' peak and still left a 2,048-token prompt's attention at 67% of its prefill (bench/results/
 // attention_cpu.md, "Prefill on AMX tiles").
 //
-// Per item (up to 64 rows: four row tiles of 16) and chunk of 32 keys:
+// Per item (up to 64 rows: four row tiles of 16, which share each chunk's keys and V^T) and chunk of 32 keys:
 //   - the scores transposed, S^T [keys x rows] = K Q^T: the chunk's keys are A tiles as they are (16 keys x 32 dims,
 //     read in place where 16 keys share a block, else copied); Q^T is packed once per item into B tiles (pairs of
 //     dims x rows). The rows sit in the lanes of the result, as in tile_item, so the online softmax needs no
@@ -81,7 +81,7 @@ using Vec = at::vec::Vectorized<float>;
 static_assert(Vec::size() == 16, "the AVX512 build: a vector is one row tile's 16 rows");
 
 constexpr int64_t kRows = 16;          // rows per row tile (and keys per score tile, dims per output tile)
-constexpr int64_t kMaxRowTiles = 4;    // rows per item: paged_attention.cpp's kMaxTileRows with AVX512
+constexpr int64_t kMaxRowTiles = kAmxPrefillRows / 16;  // row tiles per item
 constexpr int64_t kChunk = 32;         // keys per chunk: two score tiles, one k step of the P V^T product
 constexpr int64_t kMaxDim = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -354,27 +354,32 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(c
 
 }  // namespace
 
-template <typename C>
-bool amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w) {
+bool amx_prefill_applies(bool bf16, int64_t head_dim, double logit_softcap) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (w.decode || p.logit_softcap > 0.f || p.head_dim % 32 != 0 || p.head_dim > kMaxDim ||
-      w.count > kMaxRowTiles * kRows || !use_amx()) {
-    return false;
-  }
-  static thread_local std::unique_ptr<Buffers> buffers;
-  if (!buffers) buffers = std::make_unique<Buffers>();
-  run_item(p, w, *buffers);
-  return true;
+  return bf16 && head_dim % 32 == 0 && head_dim <= kMaxDim && logit_softcap <= 0 && use_amx();
 #else
-  (void)p;
-  (void)w;
+  (void)bf16, (void)head_dim, (void)logit_softcap;
   return false;
 #endif
 }
 
-template bool amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>&, const WorkItem&);
-template bool amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e4m3fn>&, const WorkItem&);
-template bool amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e5m2>&, const WorkItem&);
+template <typename C>
+void amx_prefill_item(const Problem<c10::BFloat16, C>& p, const WorkItem& w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(!w.decode && w.count <= kMaxRowTiles * kRows && p.head_dim % 32 == 0 && p.head_dim <= kMaxDim,
+              "amx_prefill_item: an item the AMX tile does not take (", w.count, " rows, head_dim ", p.head_dim, ")");
+  static thread_local std::unique_ptr<Buffers> buffers;
+  if (!buffers) buffers = std::make_unique<Buffers>();
+  run_item(p, w, *buffers);
+#else
+  TORCH_CHECK(false, "amx_prefill_item: this build has no AMX tiles");
+  (void)p, (void)w;
+#endif
+}
+
+template void amx_prefill_item(const Problem<c10::BFloat16, c10::BFloat16>&, const WorkItem&);
+template void amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e4m3fn>&, const WorkItem&);
+template void amx_prefill_item(const Problem<c10::BFloat16, c10::Float8_e5m2>&, const WorkItem&);
 
 }  // namespace hpi_attention
 
