@@ -41,7 +41,7 @@ CHECKPOINT_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / CHECKPOINT_INT4_GROUP_
 # The runtime's default --int4-policy (which the operator never overrides), "mixed", keeps every layer's merged
 # q/k/v projection at int8 (runtime/hpi_runtime/quantization/policy.py): 10-16% of a dense layer's weights.
 INT4_POLICY = SERVE_FLAGS["--int4-policy"].default
-INT4_INT8_KINDS = {"mixed": ("qkv",), "uniform": ()}[INT4_POLICY]
+INT4_QKV_AT_INT8 = INT4_POLICY == "mixed"
 # Without hiddenSize the q/k/v share is unknown: counted as this share of the layers' weights (the known models
 # span 0.10 (Llama 3.1 70B) to 0.16 (SmolLM2-135M)).
 ASSUMED_QKV_SHARE = 1 / 6
@@ -248,7 +248,7 @@ def weight_parts(
 def int8_under_int4(shape: ModelShape, layer_parameters: int) -> int:
     """Of the layers' `layer_parameters` weights, those the runtime's int4 policy keeps at int8: the q, k and v
     projections of every layer (an assumed share of the layers without hiddenSize)."""
-    if "qkv" not in INT4_INT8_KINDS:
+    if not INT4_QKV_AT_INT8:
         return 0
     if not shape.hidden_size:
         return math.ceil(layer_parameters * ASSUMED_QKV_SHARE)

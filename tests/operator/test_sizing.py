@@ -226,9 +226,8 @@ def test_the_int4_policy_counted_is_the_runtimes_default() -> None:
     """sizing counts the linears the runtime's default int4 policy keeps at int8 (every layer's q/k/v); a change
     to that policy must change the arithmetic too."""
     policy = pytest.importorskip("hpi_runtime.quantization.policy")  # the runtime needs torch; the operator not
-    from hpi_operator.sizing import INT4_INT8_KINDS, INT4_POLICY
+    from hpi_operator.sizing import INT4_POLICY, INT4_QKV_AT_INT8
 
     assert INT4_POLICY == policy.DEFAULT_INT4_POLICY
-    kept = policy.INT4_POLICIES[INT4_POLICY]
-    assert set(kept.values()) <= {"all"}  # every layer: what int8_under_int4 counts
-    assert tuple(kind.removesuffix("_proj") for kind in kept) == INT4_INT8_KINDS
+    # every layer's merged q/k/v at int8 (what int8_under_int4 counts), or nothing
+    assert policy.INT4_POLICIES[INT4_POLICY] == ({"qkv_proj": "all"} if INT4_QKV_AT_INT8 else {})

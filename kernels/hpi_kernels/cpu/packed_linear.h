@@ -71,6 +71,11 @@ alignas(64) inline constexpr uint16_t kInt4Bf16Codes[32] = {
     0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,  // 0 .. 7
     0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
     0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+
+// vpermw's indices from vcvtne2ps2bf16's [16 a | 16 b] order to 16 (a[i], b[i]) bf16 pairs.
+alignas(64) inline constexpr uint16_t kBf16PairInterleave[32] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 #endif
 
 // bf16 panels: [panels, ceil(K / 2), kNr, 2], the pair (k, k + 1) of each column adjacent: one int32 lane

@@ -193,10 +193,7 @@ struct Int4Source {
   int64_t group_size, K, panels;
   c10::BFloat16* panel(int64_t) const { return scratch_panel(K); }
   __attribute__((target("avx512bf16"))) void fill(int64_t p, int64_t s, char* step) const {
-    alignas(64) static const uint16_t kInterleave[32] = {  // [16 even | 16 odd] -> 16 (even, odd) pairs
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i codes = _mm512_load_si512(kInt4Bf16Codes), interleave = _mm512_load_si512(kInterleave);
+    const __m512i codes = _mm512_load_si512(kInt4Bf16Codes), interleave = _mm512_load_si512(kBf16PairInterleave);
     const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     const int32_t* words = packed + p * (K / 8) * kNr;
     const int32_t* ahead = p + kPanelsAhead < panels ? words + kPanelsAhead * (K / 8) * kNr : nullptr;

@@ -52,6 +52,7 @@ constexpr int64_t kVecSize = Vec::size();
 constexpr int64_t kMaxDecodeHeads = 8;  // q heads per decode item: their accumulators fit in registers
 constexpr int64_t kMaxTileVecs = 4;     // row vectors per prefill tile (64 rows with AVX512, 32 with AVX2)
 constexpr int64_t kMaxTileRows = kMaxTileVecs * kVecSize;
+static_assert(kMaxTileRows <= hpi_attention::kAmxPrefillRows, "an AMX prefill item takes any tile item's rows");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using hpi_vec::load_float;
@@ -473,8 +474,7 @@ void check_args(const OpArgs& a) {
 }
 
 // Validates each request's lengths and cuts the batch into work items, longest first.
-// amx: the prefill/extend items run on AMX tiles, which take up to kAmxPrefillRows rows each.
-std::vector<WorkItem> plan_work(const OpArgs& a, bool amx) {
+std::vector<WorkItem> plan_work(const OpArgs& a) {
   const int32_t* query_start_loc = a.query_start_loc.const_data_ptr<int32_t>();
   const int32_t* context_lens = a.context_lens.const_data_ptr<int32_t>();
   const int64_t num_tokens = a.q.size(0), num_kv_heads = a.k_cache.size(2), group_size = a.group_size();
@@ -506,9 +506,8 @@ std::vector<WorkItem> plan_work(const OpArgs& a, bool amx) {
         continue;
       }
       const int64_t num_rows = query_len * group_size, prefix_len = context_len - query_len;
-      const int64_t max_rows = amx ? hpi_attention::kAmxPrefillRows : kMaxTileRows;
-      for (int64_t r0 = 0; r0 < num_rows; r0 += max_rows) {
-        const int64_t count = std::min(max_rows, num_rows - r0);
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxTileRows) {
+        const int64_t count = std::min(kMaxTileRows, num_rows - r0);
         const int64_t kv_end = prefix_len + (r0 + count - 1) / group_size + 1;
         const int64_t padded = (count + kVecSize - 1) / kVecSize * kVecSize;
         const int64_t first_pos = prefix_len + r0 / group_size;
@@ -572,7 +571,7 @@ void paged_attention_cpu(const at::Tensor& out, const at::Tensor& q, const at::T
                     context_lens, scale, sliding_window, logit_softcap};
   check_args(args);
   const bool amx = hpi_attention::amx_prefill_applies(q.scalar_type() == at::kBFloat16, q.size(2), logit_softcap);
-  const std::vector<WorkItem> items = plan_work(args, amx);
+  const std::vector<WorkItem> items = plan_work(args);
   if (items.empty()) return;
   switch (q.scalar_type()) {
     case at::kBFloat16: return launch_for_cache<at::BFloat16>(args, items, amx);

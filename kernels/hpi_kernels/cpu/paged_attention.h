@@ -69,9 +69,9 @@ TileSpan tile_span(const Problem<T, C>& p, const WorkItem& w) {
   return {q_start, prefix_len, first_pos, kv_end, W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0};
 }
 
-// The most rows an AMX prefill item holds: four row tiles share each chunk's keys and values, copied or
-// transposed once. (Tried, not kept: eight, 1.04x faster on a 4,096-token prompt and 1.07x slower at 512 and
-// 2,048 tokens, the fewer items less evenly shared by the threads.)
+// The most rows an AMX prefill item holds: four row tiles, which share each chunk's keys and values, as many rows as
+// paged_attention.cpp's items have with AVX512. (Tried, not kept: items of eight, 1.04x faster on a 4,096-token
+// prompt and 1.07x slower at 512 and 2,048 tokens, the fewer items less evenly shared by the threads.)
 constexpr int64_t kAmxPrefillRows = 64;
 
 // Whether one call's prefill/extend items run on AMX tiles: a bf16 model, head_dim a multiple of 32 up to 256, no

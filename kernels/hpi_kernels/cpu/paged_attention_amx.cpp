@@ -118,9 +118,6 @@ alignas(64) constexpr uint16_t kPairsLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36
                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
 alignas(64) constexpr uint16_t kPairsHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-// [16 a | 16 b] (vcvtne2ps2bf16's order) -> (a[i], b[i]) pairs.
-alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // A thread's buffers, sized for the largest head dim.
 struct Buffers {
@@ -211,7 +208,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw"))) void run_item(c
   }
   const int64_t W = p.sliding_window;
   const Vec scale(p.scale);
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i interleave = _mm512_load_si512(hpi_packed::kBf16PairInterleave);
 
   // O^T = O^T * alpha + V^T P^T of the chunk: four 16-dim tiles at a time, then added to the rescaled accumulator.
   // (Tried, not kept: a chunk's products after the next chunk's softmax, two buffers: 10% slower.)
