@@ -160,10 +160,14 @@ def test_concurrent_streams_with_disconnects(busy_server) -> None:
     per_position = [after[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(3)]
     assert sum(per_position) == accepted and per_position[0] >= per_position[2]
     assert after["vllm:kv_cache_usage_perc"] == 0  # aborted streams left no blocks behind
+    # Every request ends once: the survivors by length; a disconnected one by abort, or by length when the engine
+    # finished it before the abort reached it (a race the client cannot close: 4 of 25 did on a CI run).
     survivors = sum(1 for _, d in plans if not d)
-    delta = after["vllm:request_success_total{finished_reason=length}"] - before.get(
-        "vllm:request_success_total{finished_reason=length}", 0)
-    assert delta == survivors
+    ended = {reason: after[f"vllm:request_success_total{{finished_reason={reason}}}"]
+             - before.get(f"vllm:request_success_total{{finished_reason={reason}}}", 0)
+             for reason in ("length", "abort")}  # fmt: skip
+    assert ended["length"] + ended["abort"] == len(plans), ended
+    assert survivors <= ended["length"] and ended["abort"] > 0, ended
     assert after["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert after["vllm:time_to_first_token_seconds_count"] >= survivors
