@@ -31,6 +31,7 @@ def record(name: str, result: RunResult, seed: int, extra: dict, duration_s: flo
         "seed": seed,
         **extra,
         "summary": summarize(result.results, result.num_unserved, scenarios.SLO, result.cost_usd, duration_s),
+        "cost_by_state": {k: round(v, 2) for k, v in result.cost_by_state.items()},
         "peak_replicas": result.peak_replicas,
         "num_events": result.num_events,
         "wall_s": round(result.wall_s, 1),

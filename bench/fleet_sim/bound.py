@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hpi_operator.fleet.optimizer import PoolOffer, optimize, pools_meeting_slo
-from hpi_operator.fleet.performance import Demand, Slo
+from hpi_operator.fleet.performance import Demand, Slo, replica_capacity
 
 from .engine import RunConfig, Simulation
 from .metrics import within
@@ -56,12 +56,26 @@ def _plan(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
     return {p.name: plan.replicas.get(p.name, 0) for p in pools}
 
 
+def _context(mix: LengthMix) -> float:
+    """The mean context a sequence holds over its life: its prompt and half its output (as the headline's)."""
+    prompt, output = mix.mean_tokens()
+    return prompt + output / 2
+
+
+def slo_batches(pools: Sequence[SimPool], context: float, mix: LengthMix, slo: Slo) -> dict[str, int]:
+    """The SLO batch of each pool, as the optimizer plans it and the router shares load by (scaling.py)."""
+    prompt, output = mix.mean_tokens()
+    demand = Demand(1.0, prompt, output)  # a replica's capacity depends on the token mix, not on the rate
+    return {p.name: replica_capacity(p.performance_at(context), demand, slo).slo_max_num_seqs for p in pools}
+
+
 def steady_attainment(pools: Sequence[SimPool], replicas: dict[str, int], rate: float, mix: LengthMix, slo: Slo,
                       seed: int, steady_s: float = STEADY_S) -> float:  # fmt: skip
     """The share of requests arriving after the warm-up (a quarter of `steady_s`, WARMUP_S at the default) that are
     within `slo`, on a fixed warm fleet."""
     requests = generate(Arrivals("poisson", rate, steady_s), mix, seed)
-    config = RunConfig(pools=pools, requests=requests, control=FixedControl(replicas), initial_replicas=replicas,
+    control = FixedControl(replicas, slo_batches=slo_batches(pools, _context(mix), mix, slo))
+    config = RunConfig(pools=pools, requests=requests, control=control, initial_replicas=replicas,
                        duration_s=steady_s, slo=slo)  # fmt: skip
     result = Simulation(config).run()
     counted = [r for r in result.results if r.arrival_s >= steady_s * WARMUP_S / STEADY_S]  # the run drains
@@ -98,6 +112,19 @@ def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
         else:
             low = mid
     return replace(best, probes=probes)
+
+
+def start_cost(levels: Sequence[Level], pools: Sequence[SimPool]) -> float:
+    """Dollars the floor's own fleet pays to start on the day: a replica is paid for while it starts (fleet.py), and
+    every replica the floor runs at its peak level beyond its lowest one must be started once, its pool's cold start
+    before it serves. Added to `day_floor`, the floor of a controller that pays for starts as every real one does
+    (a drained replica's last requests, which it also pays for, are left out: still a floor)."""
+    ordered = sorted(levels, key=lambda x: x.rate_rps)
+    total = 0.0
+    for pool in pools:
+        counts = [x.replicas.get(pool.name, 0) for x in ordered]
+        total += (max(counts) - counts[0]) * pool.cold_start_s / 3600 * pool.cost_per_hour
+    return total
 
 
 def day_floor(levels: Sequence[Level], arrivals: Arrivals, step_s: float = 1.0) -> float:

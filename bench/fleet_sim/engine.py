@@ -14,8 +14,9 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_operator.fleet.performance import Slo
 
 from .fleet import Fleet, Member
@@ -53,6 +54,7 @@ class RunResult:
     wall_s: float = 0.0
     peak_replicas: int = 0
     cpu_s: float = 0.0  # this process's CPU time: the wall time on a machine shared with other work overstates
+    cost_by_state: dict[str, float] = field(default_factory=dict)  # dollars while starting / ready / draining
 
 
 class Simulation:
@@ -96,7 +98,7 @@ class Simulation:
         config, start, cpu_start = self.config, time.perf_counter(), time.process_time()
         self._scale(config.initial_replicas, 0.0)
         for member in list(self.fleet.members.values()):  # the day starts warm
-            self.fleet.mark_ready(member.replica.name)
+            self.fleet.mark_ready(member.replica.name, 0.0)
         self._ready_changed()
         requests = config.requests
         if requests:
@@ -124,7 +126,7 @@ class Simulation:
                     self._scale(config.control.poll(ready, self.fleet.counts(), now), now)
                     self._push(now + config.poll_interval_s, POLL)
                 elif kind == READY:
-                    if self.fleet.mark_ready(obj):
+                    if self.fleet.mark_ready(obj, now):
                         self._ready_changed()
                 elif kind == SAMPLE:
                     self._sample(now)
@@ -132,7 +134,8 @@ class Simulation:
             num_events += 1
         cost = self.fleet.cost_until(config.duration_s)
         return RunResult(self.results, self.num_unserved, cost, self.timeline, num_events,
-                         time.perf_counter() - start, self.peak_replicas, time.process_time() - cpu_start)  # fmt: skip
+                         time.perf_counter() - start, self.peak_replicas, time.process_time() - cpu_start,
+                         dict(self.fleet.cost_by_state))  # fmt: skip
 
     def _arrive(self, index: int, now: float) -> None:
         request = self.config.requests[index]
@@ -167,8 +170,18 @@ class Simulation:
             r = member.replica
             r.advance(now)
             self.router.observe(r.name, len(r.running), len(r.waiting), r.kv_usage, r.generation_tokens_total, now,
-                                self._profiles.get(member.pool))
+                                self._profile(member.pool))
         self.router.end_scrape_round()
+
+    def _profile(self, pool: str) -> PoolProfile | None:
+        """The pool's profile as its pods export it: with the SLO batch the control planned, as the operator writes
+        it into the pool's profile ConfigMap (hpi_operator.plan), when it plans one."""
+        profile = self._profiles.get(pool)
+        planned = self.config.control.slo_batches().get(pool)
+        if profile is None or planned == profile.slo_max_num_seqs:
+            return profile
+        self._profiles[pool] = replace(profile, slo_max_num_seqs=planned)
+        return self._profiles[pool]
 
     def _sample(self, now: float) -> None:
         window, slo = self._window, self.config.slo

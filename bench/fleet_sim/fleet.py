@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from .pools import SimPool
 from .replica import Replica
 
+STATES = ("starting", "ready", "draining")
+
 
 @dataclass
 class Member:
@@ -27,6 +29,7 @@ class Fleet:
     pools: Sequence[SimPool]
     members: dict[str, Member] = field(default_factory=dict)
     cost: float = 0.0  # dollars so far
+    cost_by_state: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATES, 0.0))
     _cost_at_s: float = 0.0
     _serial: int = 0
 
@@ -34,10 +37,13 @@ class Fleet:
         self.by_name = {p.name: p for p in self.pools}
 
     def _account(self, now_s: float) -> None:
-        """Cost accrues per live member per second, at its pool's price."""
+        """Cost accrues per live member per second, at its pool's price (and is kept by the member's state)."""
         if now_s > self._cost_at_s:
-            per_hour = sum(self.by_name[m.pool].cost_per_hour for m in self.members.values())
-            self.cost += per_hour * (now_s - self._cost_at_s) / 3600
+            hours = (now_s - self._cost_at_s) / 3600
+            for m in self.members.values():
+                dollars = self.by_name[m.pool].cost_per_hour * hours
+                self.cost_by_state[m.state] += dollars
+                self.cost += dollars
             self._cost_at_s = now_s
 
     def replicas(self, pool: str | None = None, states: tuple[str, ...] = ("starting", "ready")) -> list[Member]:
@@ -70,10 +76,11 @@ class Fleet:
                     draining.append(member)
         return started, draining
 
-    def mark_ready(self, name: str) -> bool:
+    def mark_ready(self, name: str, now_s: float) -> bool:
         member = self.members.get(name)
         if member is None or member.state != "starting":
             return False
+        self._account(now_s)
         member.state = "ready"
         return True
 

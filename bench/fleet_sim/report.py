@@ -99,7 +99,7 @@ def _floor(runs: Path, baseline: dict | None, optimizer: dict | None) -> dict | 
     of the headline day (its output tokens: any headline run's, they share the requests), and the most any
     controller could cut against the baseline."""
     from .bound import Level
-    from .scenarios import bound_day
+    from .scenarios import bound_day, bound_starts
 
     files = sorted((runs / "bound").glob("*.json"))
     if len(files) < 2 or baseline is None:
@@ -111,12 +111,16 @@ def _floor(runs: Path, baseline: dict | None, optimizer: dict | None) -> dict | 
     base = baseline["summary"]
     million_tokens = base["cost_usd"] / base["cost_per_million_output_tokens"]
     per_million = dollars / million_tokens
+    started = (dollars + bound_starts(levels)) / million_tokens  # the floor paying for its own starts
     result = {"cost_usd": round(dollars, 2), "cost_per_million_output_tokens": round(per_million, 4),
               "max_cost_reduction": round(1 - per_million / base["cost_per_million_output_tokens"], 4),
+              "with_starts": {"cost_per_million_output_tokens": round(started, 4),
+                              "max_cost_reduction": round(1 - started / base["cost_per_million_output_tokens"], 4)},
               "levels": sorted(found, key=lambda x: x["rate_rps"])}  # fmt: skip
     if optimizer is not None:
         opt = optimizer["summary"]["cost_per_million_output_tokens"]
         result["optimizer_above_floor"] = round(opt / per_million - 1, 4)
+        result["with_starts"]["optimizer_above"] = round(opt / started - 1, 4)
     return result
 
 

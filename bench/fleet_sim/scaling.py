@@ -20,7 +20,7 @@ from typing import Protocol
 
 from hpi_operator.autoscaling.decision import History, Observation, PodLoad, decide
 from hpi_operator.fleet.demand import Counters, read_demand
-from hpi_operator.fleet.forecast import Lead, Trend, lead_time, planned_rate, start_times, update
+from hpi_operator.fleet.forecast import Lead, Trend, falling, lead_time, planned_rate, start_times, update
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize, pools_meeting_slo
 from hpi_operator.fleet.performance import Demand, Slo
 from hpi_operator.fleet.stabilize import Recommendations, Window, stabilize_all
@@ -47,6 +47,11 @@ class Control(Protocol):
 
     def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]: ...
 
+    def slo_batches(self) -> Mapping[str, int]:
+        """Per pool, the SLO batch its plan gives the router (the operator's pool profile ConfigMaps); empty
+        without a plan."""
+        ...
+
 
 class OptimizerControl:
     def __init__(self, pools: Sequence[SimPool], slo: Slo, settings: AutoscalingSpec,
@@ -65,6 +70,11 @@ class OptimizerControl:
         self.mix: tuple[float, float] | None = None
         self.histories: dict[str, Recommendations] = {}
         self.last_plan = None
+
+    def slo_batches(self) -> Mapping[str, int]:
+        if self.last_plan is None:
+            return {}
+        return {pool: capacity.slo_max_num_seqs for pool, capacity in self.last_plan.capacities.items()}
 
     def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
         for member in ready:
@@ -92,8 +102,9 @@ class OptimizerControl:
             recommended = dict(current)
         bounds = {p.name: (0, p.max_replicas) for p in self.pools}
         settings = self.settings
-        window = Window(settings.scale_up_stabilization_s, settings.scale_down_window_s(self.last_lead.seconds),
-                        settings.max_scale_step)  # fmt: skip
+        lead_s = self.last_lead.seconds
+        down_s = settings.scale_down_window_s(lead_s, falling(self.trend, reading.demand.request_rate, lead_s))
+        window = Window(settings.scale_up_stabilization_s, down_s, settings.max_scale_step)
         replicas, self.histories = stabilize_all(current, recommended, self.histories, bounds, now_s, window)
         self.counters, self.at_s = reading.counters, now_s
         self.mix = (reading.demand.mean_prompt_tokens, reading.demand.mean_output_tokens)
@@ -116,10 +127,17 @@ class KvControl:
         self.history, self.last_decision = decision.history, decision
         return spread_replicas(decision.desired_replicas, self.slots)
 
+    def slo_batches(self) -> Mapping[str, int]:
+        return {}  # today's autoscaling plans no SLO: the router shares by speed
+
 
 class FixedControl:
-    def __init__(self, replicas: Mapping[str, int], name: str = "fixed"):
-        self.name, self.replicas = name, dict(replicas)
+    def __init__(self, replicas: Mapping[str, int], name: str = "fixed", slo_batches: Mapping[str, int] | None = None):
+        """`slo_batches`: the plan's, for the router (the floor's fixed fleets are optimizer plans)."""
+        self.name, self.replicas, self.batches = name, dict(replicas), dict(slo_batches or {})
 
     def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
         return dict(self.replicas)
+
+    def slo_batches(self) -> Mapping[str, int]:
+        return self.batches

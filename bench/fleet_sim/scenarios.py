@@ -26,7 +26,7 @@ from hpi_operator.fleet.performance import Demand, Slo
 from hpi_operator.placement import Slot, rank_choices, spread_replicas
 from hpi_operator.spec import AutoscalingSpec
 
-from .bound import Level, day_floor, level
+from .bound import Level, day_floor, level, start_cost
 from .engine import RunConfig, RunResult, Simulation
 from .oracle import Foresight
 from .pools import SimPool, headline_pools
@@ -152,3 +152,9 @@ def bound_level(seed: int, fraction: float, h200: str = "assumed") -> Level:
 
 def bound_day(levels: Sequence[Level]) -> float:
     return day_floor(levels, Arrivals("diurnal", PEAK_RPS, DURATION_S, trough_fraction=TROUGH_FRACTION))
+
+
+def bound_starts(levels: Sequence[Level]) -> float:
+    """What the floor's fleet pays to start (bound.start_cost; the pools' cold starts and prices do not depend on
+    which H200 figures the levels ran with)."""
+    return start_cost(levels, pools_at(1.0))

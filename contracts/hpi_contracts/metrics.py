@@ -72,6 +72,8 @@ PROFILE_ITL_BETA = "hpi:profile_itl_beta_seconds"
 PROFILE_PREFILL_RATE = "hpi:profile_prefill_tokens_per_second"
 PROFILE_MAX_NUM_SEQS = "hpi:profile_max_num_seqs"
 PROFILE_GAUGES: tuple[str, ...] = (PROFILE_ITL_ALPHA, PROFILE_ITL_BETA, PROFILE_PREFILL_RATE, PROFILE_MAX_NUM_SEQS)
+# Optional beside them: the fleet optimizer's planned most sequences within the SLO (pool_profile.py).
+PROFILE_SLO_MAX_NUM_SEQS = "hpi:profile_slo_max_num_seqs"
 
 # The router's queue (hpi-router holds a request while no backend can take it: none ready, as when a pool scales
 # from zero, or every ready one saturated). A gauge per flow, labels `tenant` and `priority`; the operator sums it
@@ -103,4 +105,4 @@ READ_BY_OPERATOR: tuple[str, ...] = (KV_CACHE_USAGE, NUM_REQUESTS_WAITING, NUM_R
                                      REQUEST_TIME_PER_OUTPUT_TOKEN)  # fmt: skip
 # Everything the router reads.
 READ_BY_ROUTER: tuple[str, ...] = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, GENERATION_TOKENS, READY,
-                                   LORA_REQUESTS_INFO, *PROFILE_GAUGES)  # fmt: skip
+                                   LORA_REQUESTS_INFO, *PROFILE_GAUGES, PROFILE_SLO_MAX_NUM_SEQS)  # fmt: skip

@@ -9,6 +9,11 @@ the decode line ITL = alpha + beta x batch, as llm-d's variant autoscaler fits i
 
 `source` says where the figures come from: `measured` (hpi profile on the pool's own node kind), `assumed`
 (published figures of the part, never shown as measured) or `override` (the spec's own figures).
+
+`sloMaxNumSeqs` (optional) is not a measurement but a plan: the most sequences one replica of the pool runs with
+its requests within the deployment's SLO at the fleet's token mix, as the fleet optimizer sizes the pool
+(hpi_operator.fleet.performance.replica_capacity). The router spreads load in proportion to it (policy.py), so
+each pool runs at the share of its SLO capacity the plan gave it, not as full as its decode speed would allow.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class PoolProfile:
     prefill_tokens_per_s: float
     max_num_seqs: int  # the most sequences the KV cache holds at the profiled context length
     source: str = "measured"
+    slo_max_num_seqs: int | None = None  # planned: the most sequences within the SLO (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("itl_alpha_ms", "itl_beta_ms", "prefill_tokens_per_s"):
@@ -41,6 +47,8 @@ class PoolProfile:
             raise ValueError(f"prefillTokensPerSecond must be > 0, got {self.prefill_tokens_per_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"maxNumSeqs must be >= 1, got {self.max_num_seqs}")
+        if self.slo_max_num_seqs is not None and self.slo_max_num_seqs < 1:
+            raise ValueError(f"sloMaxNumSeqs must be >= 1, got {self.slo_max_num_seqs}")
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {self.source!r}")
 
@@ -53,9 +61,12 @@ class PoolProfile:
         return 1000.0 / self.step_ms(max(batch, 1.0))
 
     def as_json(self) -> dict[str, Any]:
-        return {"itlAlphaMs": self.itl_alpha_ms, "itlBetaMs": self.itl_beta_ms,
-                "prefillTokensPerSecond": self.prefill_tokens_per_s, "maxNumSeqs": self.max_num_seqs,
-                "source": self.source}  # fmt: skip
+        out = {"itlAlphaMs": self.itl_alpha_ms, "itlBetaMs": self.itl_beta_ms,
+               "prefillTokensPerSecond": self.prefill_tokens_per_s, "maxNumSeqs": self.max_num_seqs,
+               "source": self.source}  # fmt: skip
+        if self.slo_max_num_seqs is not None:
+            out["sloMaxNumSeqs"] = self.slo_max_num_seqs
+        return out
 
 
 def profile_from_json(raw: Mapping[str, Any], default_source: str = "measured") -> PoolProfile:
@@ -68,13 +79,17 @@ def profile_from_json(raw: Mapping[str, Any], default_source: str = "measured") 
     try:
         alpha, beta = float(raw["itlAlphaMs"]), float(raw["itlBetaMs"])
         prefill = float(raw["prefillTokensPerSecond"])
-        seqs = raw["maxNumSeqs"]
-        if isinstance(seqs, bool) or float(seqs) != int(float(seqs)):
-            raise ValueError(f"maxNumSeqs must be a whole number, got {seqs!r}")
-        seqs = int(float(seqs))
+        seqs = _whole(raw["maxNumSeqs"], "maxNumSeqs")
+        slo_seqs = None if raw.get("sloMaxNumSeqs") is None else _whole(raw["sloMaxNumSeqs"], "sloMaxNumSeqs")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"a pool profile's figures must be numbers: {exc}") from None
-    return PoolProfile(alpha, beta, prefill, seqs, str(raw.get("source") or default_source))
+    return PoolProfile(alpha, beta, prefill, seqs, str(raw.get("source") or default_source), slo_seqs)
+
+
+def _whole(value: Any, name: str) -> int:
+    if isinstance(value, bool) or float(value) != int(float(value)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(float(value))
 
 
 def parse_pool_profile(text: str) -> PoolProfile:

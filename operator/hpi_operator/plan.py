@@ -16,7 +16,7 @@ import kopf
 
 from hpi_contracts.pool_profile import PoolProfile
 
-from .autoscaling.fleet_status import optimizer_replicas
+from .autoscaling.fleet_status import optimizer_replicas, optimizer_slo_batches
 from .autoscaling.manifests import autoscaler_child
 from .cache import CachePlan, plan_cache
 from .manifests import Owner, build_deployment, build_pdb, label_selector, short_name, stamp_hash
@@ -148,6 +148,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
             started.append(choice)
     figures: dict[str, PoolProfile | None] = {}
     targets, profile_configmaps = [], []
+    # The optimizer's planned SLO batches go to the router with the profiles (its shares: router policy.py).
+    slo_batches = optimizer_slo_batches(body.get("status")) if spec.optimized else {}
     if spec.profiled:  # measured on the pools pods run on (not before the model cache is filled)
         keys = {c.pool.name: cache_key(spec, c.profile, c.pool) for c in started if c.profile is not None}
         measured = measured_from_status(body.get("status"), keys) if measured is None else {
@@ -155,7 +157,8 @@ def make_plan(body: Mapping[str, Any], nodes: Iterable[NodeInfo], assume_cached:
         for choice in started:
             pool_name = choice.pool.name
             figures[pool_name] = pool_figures(spec, choice, shape, measured.get(pool_name))
-            profile_configmaps.append(build_pool_configmap(owner, pool_name, figures[pool_name]))
+            profile_configmaps.append(build_pool_configmap(owner, pool_name, figures[pool_name],
+                                                           slo_batches.get(pool_name)))  # fmt: skip
             # A group is not measured: `hpi profile` runs one pod (its figures stay assumed or overridden).
             measurable = choice.profile is not None and not choice.profile.multi_node
             if spec.placement.pool(pool_name).performance is None and measurable:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hpi_contracts.pool_profile import PoolProfile, pool_profile_flag, profile_from_json
@@ -216,8 +216,12 @@ def read_cache_configmap(configmap: Mapping[str, Any]) -> CachedProfile:
     return CachedProfile(profile_from_json(raw), str(data.get("measuredAt") or ""), str(data.get("nodeKind") or ""))
 
 
-def build_pool_configmap(owner: Owner, pool_name: str, figures: PoolProfile | None) -> dict[str, Any]:
-    """What the pool's pods read as `--pool-profile @file`: the figures the pool runs on, or nothing yet."""
+def build_pool_configmap(owner: Owner, pool_name: str, figures: PoolProfile | None,
+                         slo_max_num_seqs: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """What the pool's pods read as `--pool-profile @file`: the figures the pool runs on, or nothing yet; with
+    the fleet optimizer's planned SLO batch for the pool, which the router shares load by (policy.py)."""
+    if figures is not None and slo_max_num_seqs is not None:
+        figures = replace(figures, slo_max_num_seqs=slo_max_num_seqs)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

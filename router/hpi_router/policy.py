@@ -13,6 +13,16 @@ so a backend twice as fast holds twice the requests. Per-request speed is used, 
 total throughput grows with the batch a backend is given, so weighting by it would feed the busiest backend
 still more; per-request speed falls as a batch grows, which makes the estimate self-correcting.
 
+Planned shares: when every ready backend's profile carries `sloMaxNumSeqs` (the most sequences one replica of
+its pool runs within the deployment's SLO, which the operator's fleet optimizer planned the pool at), the score
+is (load + 1) / sloMaxNumSeqs instead: load in proportion to each backend's capacity within the SLO, so every
+pool runs at the share of it that the plan gave it. Speed alone would not: a slow replica's per-request speed
+at a small batch can look as good as a fast one's at a large batch, and the speed score then fills the slow one
+to its decode-speed balance, past its SLO batch, where other requests' prefills stall its decodes (a fleet of 8
+GPUs beside one small GPU sent 1.2 requests/s to a small one planned for 0.7, and 89% of them missed the ITL
+target; bench/results/fleet.md). A fleet with a backend the plan does not cover (no SLO, or a pod that has not
+read it yet) uses speed, so the two scales never mix.
+
 The parts of a speed that depend on the whole fleet (the median default, the MIN_SPEED_FRACTION floor, the
 fastest rating, the sum of ratings) form a `SpeedScale`, computed once per scrape round (O(n log n) for the
 median) and fixed until the next: a pick then needs only its own backend's figures, so the pool can keep
@@ -65,6 +75,7 @@ class SpeedScale:
     floor: float = 0.0  # MIN_SPEED_FRACTION of the fastest known: nothing is rated below it
     fastest: float = 1.0  # the highest rating (affinity's speed ratio)
     total_rating: float = 1.0  # the sum of the ratings (affinity's speed-weighted shares)
+    planned: bool = False  # every backend has a planned SLO batch: scores and ratings are by it (module docstring)
 
 
 def load_of(view: BackendView) -> float:
@@ -86,9 +97,18 @@ def known_speed(view: BackendView) -> float | None:
     return view.decode_speed or prior_speed(view, 1.0)
 
 
+def slo_batch(view: BackendView) -> int | None:
+    return None if view.profile is None else view.profile.slo_max_num_seqs
+
+
 def speed_scale(views: Sequence[BackendView]) -> SpeedScale:
     """The round's scale over the ready backends. Without profiles: unmeasured ones count as the median of
-    the measured (1.0 when none is), as the router always did."""
+    the measured (1.0 when none is), as the router always did. With every backend's planned SLO batch: the
+    ratings are those batches."""
+    planned = [slo_batch(v) for v in views]
+    if views and all(planned):
+        batches = [float(b) for b in planned if b]
+        return SpeedScale(min(batches), 0.0, max(batches), math.fsum(batches), planned=True)
     known = [s for s in map(known_speed, views) if s]
     default = statistics.median(known) if known else 1.0
     floor = MIN_SPEED_FRACTION * max(known, default=default)
@@ -104,7 +124,9 @@ def speed_of(view: BackendView, scale: SpeedScale) -> float:
 
 def rating_of(view: BackendView, scale: SpeedScale) -> float:
     """The speed affinity weighs shares by: like `speed_of`, but a profile counts at one sequence, as in the
-    round's totals (a share must not shrink because the backend is busy)."""
+    round's totals (a share must not shrink because the backend is busy). Planned: the SLO batch."""
+    if scale.planned:
+        return float(slo_batch(view) or scale.default)
     return max(known_speed(view) or scale.default, scale.floor)
 
 
@@ -118,7 +140,8 @@ def rank(view: BackendView, scale: SpeedScale, settings: PolicySettings) -> tupl
     URL (a total order, so the pick is deterministic); round-robin: least often picked first."""
     if settings.strategy == "round-robin":
         return (view.num_picks, view.url)
-    return (score(view, speed_of(view, scale), settings), view.num_picks, view.url)
+    speed = rating_of(view, scale) if scale.planned else speed_of(view, scale)
+    return (score(view, speed, settings), view.num_picks, view.url)
 
 
 def affinity_fits(view: BackendView, scale: SpeedScale, fleet_load: float, settings: PolicySettings) -> bool:

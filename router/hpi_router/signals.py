@@ -31,6 +31,7 @@ from hpi_contracts.metrics import (
     PROFILE_ITL_BETA,
     PROFILE_MAX_NUM_SEQS,
     PROFILE_PREFILL_RATE,
+    PROFILE_SLO_MAX_NUM_SEQS,
     READ_BY_ROUTER,
     READY,
     RUNNING_LORA_ADAPTERS_LABEL,
@@ -76,12 +77,13 @@ def _profile(values: dict[str, float], source: str | None) -> PoolProfile | None
     the router cannot trust is no prior: it measures instead)."""
     if any(name not in values for name in PROFILE_GAUGES) or source not in SOURCES:
         return None
-    seqs = values[PROFILE_MAX_NUM_SEQS]
-    if seqs != int(seqs):
+    seqs, slo_seqs = values[PROFILE_MAX_NUM_SEQS], values.get(PROFILE_SLO_MAX_NUM_SEQS)
+    if seqs != int(seqs) or (slo_seqs is not None and slo_seqs != int(slo_seqs)):
         return None
     try:
         return PoolProfile(values[PROFILE_ITL_ALPHA] * 1000, values[PROFILE_ITL_BETA] * 1000,
-                           values[PROFILE_PREFILL_RATE], int(seqs), source)
+                           values[PROFILE_PREFILL_RATE], int(seqs), source,
+                           None if slo_seqs is None else int(slo_seqs))  # fmt: skip
     except ValueError:
         return None
 
@@ -117,7 +119,7 @@ def parse_metrics(text: str) -> ScrapeSample:
             if sample.name == LORA_REQUESTS_INFO:  # states, valued by when they were set: the newest holds
                 if lora is None or sample.value >= lora[0]:
                     lora = (sample.value, sample.labels)
-            elif sample.name in PROFILE_GAUGES:  # one profile per pod, repeated per model name: not summed
+            elif sample.name in PROFILE_GAUGES or sample.name == PROFILE_SLO_MAX_NUM_SEQS:  # one per pod: not summed
                 profile[sample.name] = sample.value
                 source = sample.labels.get("source")
             elif sample.name == KV_CACHE_USAGE:  # a fraction: the fullest cache is the one that matters

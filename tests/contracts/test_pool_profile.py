@@ -17,6 +17,15 @@ def test_flag_round_trip_keeps_every_figure_and_the_source() -> None:
         "itlAlphaMs", "itlBetaMs", "prefillTokensPerSecond", "maxNumSeqs", "source"]  # fmt: skip
 
 
+def test_the_planned_slo_batch_travels_when_present_and_is_absent_otherwise() -> None:
+    planned = PoolProfile(19.4, 2.22, 760.0, 45, "assumed", slo_max_num_seqs=13)
+    assert parse_pool_profile(pool_profile_flag(planned)) == planned
+    assert json.loads(pool_profile_flag(planned))["sloMaxNumSeqs"] == 13
+    assert "sloMaxNumSeqs" not in json.loads(pool_profile_flag(PoolProfile(19.4, 2.22, 760.0, 45)))
+    raw = {"itlAlphaMs": 1, "itlBetaMs": 0, "prefillTokensPerSecond": 10, "maxNumSeqs": 8, "sloMaxNumSeqs": None}
+    assert profile_from_json(raw).slo_max_num_seqs is None
+
+
 def test_step_time_and_per_sequence_speed_follow_the_decode_line() -> None:
     profile = PoolProfile(20.0, 2.5, 700.0, 32)
     assert profile.step_ms(4) == pytest.approx(30.0)
@@ -44,6 +53,10 @@ def test_source_defaults_to_measured_and_accepts_a_whole_float_batch() -> None:
         ('{"itlAlphaMs": 1, "itlBetaMs": 1, "prefillTokensPerSecond": 1, "maxNumSeqs": 1, "source": "guess"}',
          "source must be one of"),
         ('{"itlAlphaMs": NaN, "itlBetaMs": 1, "prefillTokensPerSecond": 1, "maxNumSeqs": 1}', "finite"),
+        ('{"itlAlphaMs": 1, "itlBetaMs": 1, "prefillTokensPerSecond": 1, "maxNumSeqs": 1, "sloMaxNumSeqs": 0}',
+         "sloMaxNumSeqs must be >= 1"),
+        ('{"itlAlphaMs": 1, "itlBetaMs": 1, "prefillTokensPerSecond": 1, "maxNumSeqs": 1, "sloMaxNumSeqs": 2.5}',
+         "sloMaxNumSeqs must be a whole number"),
     ],
 )
 def test_bad_profiles_say_what_is_wrong(text: str, message: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from fleet_sim.bound import ATTAINMENT, Level, _plan, day_floor, level, steady_attainment
+from fleet_sim.bound import ATTAINMENT, Level, _plan, day_floor, level, start_cost, steady_attainment
 from fleet_sim.pools import headline_pools
 from fleet_sim.workloads import AZURE_CONV_2023, Arrivals
 
@@ -26,6 +26,15 @@ def test_the_day_costs_the_integral_of_the_fleet_its_rate_needs():
     assert floor == pytest.approx(0.5 * 60.0 * 1.0, rel=1e-3)
     # A flat cost is that cost for the hour, whatever the rate does.
     assert day_floor([_level(20.0, 7.0), _level(100.0, 7.0)], day) == pytest.approx(7.0)
+
+
+def test_the_floors_fleet_pays_to_start_what_it_adds_over_the_day():
+    pools = headline_pools(1260.0)  # the H200 starts in 90 s at $6.305/h, the L4 in 120 s at $0.8048/h
+    night, noon = (Level(r, 1.0, replicas, 0.0, 1.0, 1) for r, replicas in
+                   ((68.0, {"h200-bf16": 4, "l4-int8": 6}), (340.0, {"h200-bf16": 8, "l4-int8": 368})))  # fmt: skip
+    expected = 4 * 90 / 3600 * 6.305 + 362 * 120 / 3600 * 0.8048
+    assert start_cost([noon, night], pools) == pytest.approx(expected)
+    assert start_cost([night, night], pools) == 0.0  # a flat day starts nothing
 
 
 def test_a_level_finds_a_fleet_within_the_slo_and_the_smaller_plans_miss():

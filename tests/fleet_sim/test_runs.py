@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from fleet_sim.engine import RunConfig, Simulation
 from fleet_sim.metrics import RequestResult, summarize
 from fleet_sim.pools import headline_pools
@@ -28,6 +29,17 @@ def test_a_seeded_run_replays_exactly():
     first = _run(seed=3)
     assert first and first == _run(seed=3)
     assert first != _run(seed=4)
+
+
+def test_the_cost_is_kept_by_replica_state_and_a_replica_costs_while_it_starts():
+    requests = generate(Arrivals("poisson", 4.0, 120.0), AZURE_CONV_2023, 1)
+    grow = {**FLEET, "l4-int8": 6}  # two more L4s asked for at the first poll: 120 s of start each
+    config = RunConfig(pools=headline_pools(1260.0), requests=requests, control=FixedControl(grow),
+                       initial_replicas=FLEET, duration_s=120.0, slo=SLO)  # fmt: skip
+    run = Simulation(config).run()
+    assert sum(run.cost_by_state.values()) == pytest.approx(run.cost_usd)
+    assert run.cost_by_state["starting"] == pytest.approx(2 * (120.0 - 15.0) / 3600 * 0.8048)  # asked for at 15 s
+    assert run.cost_by_state["ready"] > 0
 
 
 def test_round_robin_takes_turns():

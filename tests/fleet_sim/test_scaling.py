@@ -41,6 +41,9 @@ def test_the_optimizer_loop_plans_what_optimize_plans():
     plan = optimize(Demand(RATE, PROMPT, OUTPUT), SLO, offers)
     assert replicas == dict(plan.replicas)
     assert replicas["cpu-bf16"] == 0 and replicas["h200-bf16"] >= 1  # the CPU pool misses the SLO
+    # What the operator hands the router with the pools' profiles: each pool's SLO batch (1: it misses the SLO).
+    batches = {name: capacity.batch for name, capacity in plan.capacities.items()}
+    assert control.slo_batches() == {**batches, "cpu-bf16": 1} and batches["h200-bf16"] > batches["l4-int8"] > 1
 
 
 def test_the_baseline_scales_the_total_and_fills_pools_in_rank_order():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,8 +19,9 @@ import pytest
 from hpi_operator.autoscaling.decision import PodLoad
 from hpi_operator.autoscaling.fleet_loop import fleet_poll
 from hpi_operator.fleet.demand import read_demand
+from hpi_operator.fleet.forecast import Trend, falling
 from hpi_operator.fleet.optimizer import DEFAULT_UTILIZATION, PoolOffer, optimize
-from hpi_operator.fleet.performance import Demand, PoolPerformance, Slo
+from hpi_operator.fleet.performance import Demand, PoolPerformance, Slo, replica_capacity
 from hpi_operator.fleet.stabilize import Window, stabilize_all
 from hpi_operator.handlers import OperatorConfig, build_registry
 from hpi_operator.kube import KubeClient
@@ -141,6 +143,35 @@ def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> N
                                     "window": 10.0}  # these loads carry no histograms  # fmt: skip
 
 
+def test_each_pools_slo_batch_is_planned_and_handed_to_its_pods_for_the_router() -> None:
+    """The router shares load by the batch the optimizer plans each pool at within the SLO (router policy.py): the
+    poll keeps it per pool in status, and the plan writes it into the pool's profile ConfigMap beside the figures
+    (a pool that cannot meet the SLO at any load: 1)."""
+    body = optimized_cr()
+    h200, l4 = pool_names(body)
+    plan = make_plan(body, NODES)
+    assert all("sloMaxNumSeqs" not in json.loads(c["data"]["profile.json"]) for c in plan.profile_configmaps)
+    current = dict(plan.replicas_by_pool)
+    first = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, current, 1000.0)
+    second = fleet_poll(plan, [load("p0", 120, 60_000, 24_000)], {"autoscaling": {"optimizer": first.status}},
+                        current, 1010.0)  # fmt: skip
+    demand, slo = Demand(12.0, 500, 200), Slo(1.0, 0.1)
+    batches = {pool: replica_capacity(perf(figures), demand, slo).batch
+               for pool, figures in ((h200, FAST), (l4, SMALL))}  # fmt: skip
+    assert batches[h200] > batches[l4] > 1
+    assert {p: second.status["pools"][p]["sloMaxNumSeqs"] for p in (h200, l4)} == batches
+    body["status"] = {"autoscaling": {"optimizer": second.status}}
+    served = {c["metadata"]["name"]: json.loads(c["data"]["profile.json"]) for c in make_plan(body, NODES)
+              .profile_configmaps}  # fmt: skip
+    assert {p: served[f"fleet-{p}-profile"]["sloMaxNumSeqs"] for p in (h200, l4)} == batches
+    assert served[f"fleet-{l4}-profile"]["itlAlphaMs"] == SMALL["itlAlphaMs"]  # the figures themselves unchanged
+    hopeless = replica_capacity(perf({**SMALL, "itlAlphaMs": 150}), demand, slo)
+    assert not hopeless.meets_slo and hopeless.slo_max_num_seqs == 1
+    builtin = {**body, "spec": {**body["spec"], "autoscaling": {"enabled": True, "mode": "builtin"}}}
+    assert all("sloMaxNumSeqs" not in json.loads(c["data"]["profile.json"] or "{}")
+               for c in make_plan(builtin, NODES).profile_configmaps)  # no plan of the optimizer's: none
+
+
 def test_target_capacity_utilization_sets_the_plans_headroom() -> None:
     """spec.autoscaling.targetCapacityUtilization is the share of each replica's SLO capacity the plan fills: its
     default is the optimizer's, a lower one plans more replicas for the same demand, and one outside (0, 1] is a
@@ -216,7 +247,8 @@ def test_unset_the_lead_is_the_pools_measured_start_plus_two_polls_and_is_rememb
 @pytest.mark.parametrize(("set_s", "window_s"), [(None, 60), (20, 20)])
 def test_unset_the_scale_down_window_is_the_lead_time(set_s: int | None, window_s: int) -> None:
     """A replica released sooner than one takes to start is missed when the demand comes back: by default the
-    optimizer holds a lower recommendation for its lead time (HPA's 300 s in the KV modes)."""
+    optimizer holds a lower recommendation for its lead time (HPA's 300 s in the KV modes). Here the demand
+    falls off a cliff (12 req/s to none), which is no falling trend: the lead holds."""
     body = optimized_cr(scaleDownStabilizationSeconds=set_s, leadTimeSeconds=60, maxScaleStep=100)
     h200, _ = pool_names(body)
     plan = make_plan(body, NODES)
@@ -231,6 +263,36 @@ def test_unset_the_scale_down_window_is_the_lead_time(set_s: int | None, window_
     lower_since = min(t for t, _, recommended in history if recommended == 0)
     released_at = min(t for t, replicas, _ in history if replicas == 0)
     assert released_at - lower_since == window_s
+
+
+def test_while_the_demand_falls_the_scale_down_window_is_two_polls() -> None:
+    """On a falling trend the demand is not expected back within a start time: the optimizer releases replicas
+    after two polls instead of holding its lead-long window; on a flat demand the window stays the lead."""
+    body = optimized_cr(scaleDownStabilizationSeconds=None, leadTimeSeconds=120, pollIntervalSeconds=15,
+                        maxScaleStep=100)  # fmt: skip
+    plan = make_plan(body, NODES)
+    assert plan.spec.autoscaling.scale_down_window_s(120.0, falling=True) == 30
+    assert plan.spec.autoscaling.scale_down_window_s(20.0, falling=True) == 20  # never longer than the lead
+    windows = []
+    poll = fleet_poll(plan, [load("p0", 0, 0, 0)], {}, dict(plan.replicas_by_pool), 1000.0)
+    finished = 0.0
+    for i, rate in enumerate((20.0, 20.0, 20.0, 20.0, 16.0, 12.0, 8.0, 4.0), start=1):
+        finished += rate * 15
+        poll = fleet_poll(plan, [load("p0", finished, finished * 500, finished * 200)],
+                          {"autoscaling": {"optimizer": poll.status}}, poll.replicas, 1000.0 + 15 * i)  # fmt: skip
+        windows.append(poll.status["scaleDownWindowSeconds"])
+    assert windows[:4] == [120.0] * 4 and windows[-3:] == [30.0] * 3  # flat: the lead; falling: two polls
+    set_by_spec = make_plan(optimized_cr(scaleDownStabilizationSeconds=200), NODES).spec.autoscaling
+    assert set_by_spec.scale_down_window_s(120.0, falling=True) == 200  # a window the spec sets holds
+
+
+def test_falling_needs_the_slope_to_take_a_real_share_of_the_level_off_over_the_lead_and_no_cliff() -> None:
+    trend = Trend(level=100.0, slope=-0.1, at_s=0.0)
+    assert falling(trend, 95.0, lead_s=60.0)  # 6 of 100 over the lead
+    assert not falling(trend, 40.0, lead_s=60.0)  # a cliff: it may come back as suddenly
+    assert not falling(Trend(level=100.0, slope=-0.01, at_s=0.0), 99.0, lead_s=60.0)  # 0.6: a flat day's noise
+    assert not falling(Trend(level=100.0, slope=0.5, at_s=0.0), 100.0, lead_s=60.0)
+    assert not falling(None, 100.0, 60.0)
 
 
 def test_a_pool_without_price_is_left_out_and_an_unreachable_slo_says_why() -> None:
@@ -381,5 +443,10 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
                              .get("SLOAttainable") == ("True", True))  # fmt: skip
             events = (await asyncio.to_thread(kube.request, "GET", f"/api/v1/namespaces/{NS}/events"))["items"]
             assert any(e["reason"] == "FleetScaled" for e in events)
+            # The planned SLO batch reaches the pool's pods (and so the router) through its profile ConfigMap.
+            batch = replica_capacity(perf(SMALL), Demand(12.0, 500, 200), Slo(1.0, 0.1)).batch
+            assert optimizer["pools"][l4]["sloMaxNumSeqs"] == batch
+            await eventually(lambda: json.loads(kube.get(f"/api/v1/namespaces/{NS}/configmaps/fleet-{l4}-profile")
+                                                ["data"]["profile.json"]).get("sloMaxNumSeqs") == batch)  # fmt: skip
         finally:
             await asyncio.to_thread(context.__exit__, None, None, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -130,3 +131,40 @@ def test_without_profile_gauges_every_speed_is_as_before(backends) -> None:
     scale = speed_scale(views)
     assert {v.url: speed_of(v, scale) for v in views} == old_speeds(views)
     assert parse_metrics(page(None, 2, 50)) == ScrapeSample(2, 0, 0.0, 50, True, None, model_names=frozenset({"m"}))
+
+
+# Llama-3.1-8B on an H200 and on an L4 at int8 (bench/fleet_sim/pools.py), and the batches the fleet optimizer
+# plans each at within a 2 s / 100 ms SLO at the Azure conversation mix (hpi_operator.fleet.performance).
+H200 = PoolProfile(6.8, 0.086, 30000.0, 512, "assumed")
+L4 = PoolProfile(50.4, 0.92, 3014.0, 76, "assumed")
+
+
+def profiled_pool(profiles: dict[str, PoolProfile]) -> BackendPool:
+    pool = ready_pool(list(profiles))
+    for url, profile in profiles.items():
+        pool.observe(pool.get(url), parse_metrics(page(profile)), now_s=0.0)
+    pool.rescale()
+    return pool
+
+
+def test_the_planned_slo_batch_parses_from_the_page_and_is_optional() -> None:
+    planned = replace(L4, slo_max_num_seqs=13)
+    assert parse_metrics(page(planned)).profile == planned
+    assert parse_metrics(page(L4)).profile == L4  # a pod without a plan: the profile as before
+
+
+def test_planned_shares_keep_each_pool_at_its_slo_batch_where_speed_overfills_the_slow_one() -> None:
+    by_speed = profiled_pool({"http://h200": H200, "http://l4": L4})
+    # By speed the L4 takes requests until its per-request speed at its batch matches the H200's at its own: 70,
+    # five times the 13 it serves within the SLO (its prefills then stall its decodes past the ITL target).
+    assert send(by_speed, 339) == {"http://h200": 269, "http://l4": 70}
+    planned = profiled_pool({"http://h200": replace(H200, slo_max_num_seqs=326),
+                             "http://l4": replace(L4, slo_max_num_seqs=13)})  # fmt: skip
+    assert send(planned, 339) == {"http://h200": 326, "http://l4": 13}  # load in proportion to the plan
+    more = send(planned, 339)  # past the plan: still in proportion
+    assert more["http://l4"] == 13 and more["http://h200"] == 326
+
+
+def test_one_backend_without_a_plan_puts_the_whole_fleet_back_on_speed() -> None:
+    mixed = profiled_pool({"http://h200": replace(H200, slo_max_num_seqs=326), "http://l4": L4})
+    assert send(mixed, 339) == {"http://h200": 269, "http://l4": 70}  # the two scales never mix

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..fleet.attainment import ObservedSlo, describe, histograms_to_status, observed_to_status, read_latency
 from ..fleet.demand import read_demand
-from ..fleet.forecast import LAG_POLLS, Lead, lead_time, planned_rate, start_times, update
+from ..fleet.forecast import LAG_POLLS, Lead, falling, lead_time, planned_rate, start_times, update
 from ..fleet.offers import pool_offers
 from ..fleet.optimizer import FleetPlan, PoolOffer, optimize, pools_meeting_slo
 from ..fleet.performance import Demand, PoolPerformance
@@ -102,7 +102,8 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
     recommended = {pool: fleet.replicas.get(pool, low) for pool, (low, _) in offered.bounds.items()}
     settings = spec.autoscaling
     _floor_total(recommended, settings.min_replicas, offered.bounds, fleet, offered.offers)
-    down_s = settings.scale_down_window_s(lead.seconds)  # by default the lead: what a released replica takes to return
+    # By default the lead (what a released replica takes to return), two polls while the demand falls.
+    down_s = settings.scale_down_window_s(lead.seconds, falling(trend, reading.demand.request_rate, lead.seconds))
     window = Window(settings.scale_up_stabilization_s, down_s, settings.max_scale_step)
     if not reading.measured:  # the first poll only starts the counters: keep what runs
         recommended = {pool: current.get(pool, 0) for pool in recommended}
@@ -133,7 +134,9 @@ def fleet_poll(plan: Plan, loads: Sequence[PodLoad], status: Mapping[str, Any], 
         "pools": {o.name: {"source": o.performance.source, "costPerHour": round(o.cost_per_hour, 6),
                            **_cost_source(spec.placement.pool(o.name).cost_per_hour, label_prices.get(o.name)),
                            "requestRatePerReplica": round(fleet.capacities[o.name].request_rate, 4),
-                           "meetsSLO": fleet.capacities[o.name].meets_slo} for o in offered.offers},  # fmt: skip
+                           "meetsSLO": fleet.capacities[o.name].meets_slo,
+                           "sloMaxNumSeqs": fleet.capacities[o.name].slo_max_num_seqs}
+                  for o in offered.offers},  # fmt: skip
         "leftOut": dict(offered.left_out) or None,
         "slo": None if latency.observed is None else observed_to_status(latency.observed),
         "recommendations": {p: [[round(at, 3), n] for at, n in recs] for p, recs in histories.items()},

@@ -46,6 +46,18 @@ def optimizer_replicas(status: Mapping[str, Any] | None) -> dict[str, int] | Non
         return None  # a hand-mangled status: start over from spec.replicas
 
 
+def optimizer_slo_batches(status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Per pool, the SLO batch the optimizer last planned (status.autoscaling.optimizer.pools[].sloMaxNumSeqs),
+    which the pool's profile ConfigMap hands the router; empty before its first decision."""
+    pools = _optimizer(status).get("pools")
+    out: dict[str, int] = {}
+    for pool, entry in (pools.items() if isinstance(pools, Mapping) else ()):
+        value = entry.get("sloMaxNumSeqs") if isinstance(entry, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            out[str(pool)] = value
+    return out
+
+
 def optimizer_memory(status: Mapping[str, Any] | None) -> OptimizerMemory:
     raw = _optimizer(status)
     try:

@@ -35,6 +35,8 @@ LEVEL_SMOOTHING = 0.5  # weight of the newest rate in the level
 TREND_SMOOTHING = 0.2  # weight of the newest level change in the slope
 ASSUMED_START_S = 120.0  # a pool with no pod seen starting yet: an 8B model on a GPU takes one to three minutes
 LAG_POLLS = 2  # the measured rate's age (about a poll) and the wait for the next correction (one poll)
+FALL_FRACTION = 0.02  # falling(): the share of the level the slope must take off over one lead
+CLIFF_FRACTION = 0.5  # falling(): a rate measured below this share of the level is a cliff, not a trend
 MAX_LEAD_S = 600.0  # a longer "start" is a pod that waited for a node, not a time a trend can be projected over
 
 
@@ -61,6 +63,18 @@ def update(previous: Trend | None, rate: float, now_s: float) -> Trend:
     level = level_weight * rate + (1 - level_weight) * expected
     slope = trend_weight * (level - previous.level) / dt + (1 - trend_weight) * previous.slope
     return Trend(level, slope, now_s)
+
+
+def falling(trend: Trend | None, measured_rate: float, lead_s: float) -> bool:
+    """Whether the demand is on a falling trend: the slope would take more than FALL_FRACTION of the level off
+    over one lead time (a flat day's noise moves the smoothed slope far less), and the rate measured now is still
+    at least CLIFF_FRACTION of the level. The optimizer then releases replicas after two polls instead of a
+    lead-long window (spec.AutoscalingSpec.scale_down_window_s). A cliff (the rate falling to a fraction of the
+    level in one poll: clients gone, an outage upstream) is no trend: it may come back as suddenly, so its
+    replicas are held for the lead time, as before."""
+    if trend is None or measured_rate <= CLIFF_FRACTION * trend.level:  # a cliff, or nothing left to fall
+        return False
+    return -trend.slope * lead_s > FALL_FRACTION * trend.level
 
 
 def planned_rate(trend: Trend, measured_rate: float, lead_s: float) -> float:

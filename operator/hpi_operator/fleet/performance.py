@@ -90,6 +90,13 @@ class ReplicaCapacity:
     meets_slo: bool
     why_not: str | None = None  # for a pool that cannot meet the SLO at any load
 
+    @property
+    def slo_max_num_seqs(self) -> int:
+        """The pool's planned SLO batch, as the router shares load by it (hpi_contracts.pool_profile): this batch
+        within the SLO; 1 for a pool that cannot meet it at any load, so that it takes a request only as the
+        pools that can fill up (each request there misses the SLO)."""
+        return self.batch if self.meets_slo else 1
+
 
 def _rate(perf: PoolPerformance, demand: Demand, batch: int) -> tuple[float, float]:
     """(requests/s, mean step seconds) of one replica holding `batch` sequences."""

@@ -135,6 +135,9 @@ class ServingMetrics:
             names.PROFILE_MAX_NUM_SEQS: Gauge(names.PROFILE_MAX_NUM_SEQS, "Pool profile: the most sequences the "
                                               "KV cache holds at the profiled context.", profile_labels,
                                               registry=reg),
+            names.PROFILE_SLO_MAX_NUM_SEQS: Gauge(names.PROFILE_SLO_MAX_NUM_SEQS, "Pool profile: the most "
+                                                  "sequences within the SLO, as the fleet optimizer plans the pool "
+                                                  "(absent without a plan).", profile_labels, registry=reg),
         }  # fmt: skip
         self._max_loras: int | None = None  # set_max_loras: LoRA is on
         self._model = model_name
@@ -183,6 +186,8 @@ class ServingMetrics:
                   names.PROFILE_ITL_BETA: profile.itl_beta_ms / 1000,
                   names.PROFILE_PREFILL_RATE: profile.prefill_tokens_per_s,
                   names.PROFILE_MAX_NUM_SEQS: profile.max_num_seqs}  # fmt: skip
+        if profile.slo_max_num_seqs is not None:
+            values[names.PROFILE_SLO_MAX_NUM_SEQS] = profile.slo_max_num_seqs
         for name, value in values.items():
             self._profile[name].labels(self._model, profile.source).set(value)
 
