@@ -21,7 +21,10 @@ at a small batch can look as good as a fast one's at a large batch, and the spee
 to its decode-speed balance, past its SLO batch, where other requests' prefills stall its decodes (a fleet of 8
 GPUs beside one small GPU sent 1.2 requests/s to a small one planned for 0.7, and 89% of them missed the ITL
 target; bench/results/fleet.md). A fleet with a backend the plan does not cover (no SLO, or a pod that has not
-read it yet) uses speed, so the two scales never mix.
+read it yet) uses speed, so the two scales never mix. Within planned shares the router still corrects online: a
+backend whose measured speed, against its profile's at the batch it runs, is below the median of the backends
+with the same profile (a throttled node, a noisy neighbour) has its share cut in that proportion. A whole pool
+slower than its figures keeps its planned share: that is the plan's to correct, not one replica's.
 
 The parts of a speed that depend on the whole fleet (the median default, the MIN_SPEED_FRACTION floor, the
 fastest rating, the sum of ratings) form a `SpeedScale`, computed once per scrape round (O(n log n) for the
@@ -42,9 +45,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
+from hpi_contracts.pool_profile import PoolProfile
 from hpi_router.backends import BackendView
 from hpi_router.config import PolicySettings
 
@@ -76,6 +80,7 @@ class SpeedScale:
     fastest: float = 1.0  # the highest rating (affinity's speed ratio)
     total_rating: float = 1.0  # the sum of the ratings (affinity's speed-weighted shares)
     planned: bool = False  # every backend has a planned SLO batch: scores and ratings are by it (module docstring)
+    paces: Mapping[PoolProfile, float] = field(default_factory=dict)  # planned: per profile, its backends' median
 
 
 def load_of(view: BackendView) -> float:
@@ -101,14 +106,34 @@ def slo_batch(view: BackendView) -> int | None:
     return None if view.profile is None else view.profile.slo_max_num_seqs
 
 
+def pace(view: BackendView) -> float | None:
+    """Its measured speed over its profile's at the batch it runs now; None until measured or without one."""
+    prior = prior_speed(view, max(view.num_running, view.in_flight))
+    return view.decode_speed / prior if view.decode_speed and prior else None
+
+
+def planned_share(view: BackendView, paces: Mapping[PoolProfile, float]) -> float:
+    """Its SLO batch, cut in proportion when it runs slower than the median of its profile's backends (never
+    below MIN_SPEED_FRACTION of it: it still gets tried, and measured again)."""
+    batch = float(slo_batch(view) or 1)
+    own, median = pace(view), paces.get(view.profile) if view.profile is not None else None
+    if own is None or not median:
+        return batch
+    return batch * min(1.0, max(own / median, MIN_SPEED_FRACTION))
+
+
 def speed_scale(views: Sequence[BackendView]) -> SpeedScale:
     """The round's scale over the ready backends. Without profiles: unmeasured ones count as the median of
     the measured (1.0 when none is), as the router always did. With every backend's planned SLO batch: the
-    ratings are those batches."""
-    planned = [slo_batch(v) for v in views]
-    if views and all(planned):
-        batches = [float(b) for b in planned if b]
-        return SpeedScale(min(batches), 0.0, max(batches), math.fsum(batches), planned=True)
+    ratings are those batches, each cut by its pace against its profile's median (planned_share)."""
+    if views and all(slo_batch(v) for v in views):
+        by_profile: dict[PoolProfile, list[float]] = {}
+        for view in views:
+            if view.profile is not None and (measured := pace(view)) is not None:
+                by_profile.setdefault(view.profile, []).append(measured)
+        paces = {profile: statistics.median(values) for profile, values in by_profile.items()}
+        shares = [planned_share(v, paces) for v in views]
+        return SpeedScale(min(shares), 0.0, max(shares), math.fsum(shares), planned=True, paces=paces)
     known = [s for s in map(known_speed, views) if s]
     default = statistics.median(known) if known else 1.0
     floor = MIN_SPEED_FRACTION * max(known, default=default)
@@ -124,9 +149,9 @@ def speed_of(view: BackendView, scale: SpeedScale) -> float:
 
 def rating_of(view: BackendView, scale: SpeedScale) -> float:
     """The speed affinity weighs shares by: like `speed_of`, but a profile counts at one sequence, as in the
-    round's totals (a share must not shrink because the backend is busy). Planned: the SLO batch."""
+    round's totals (a share must not shrink because the backend is busy). Planned: its planned_share."""
     if scale.planned:
-        return float(slo_batch(view) or scale.default)
+        return planned_share(view, scale.paces)
     return max(known_speed(view) or scale.default, scale.floor)
 
 

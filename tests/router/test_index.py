@@ -22,7 +22,10 @@ from hpi_router.pool import BackendPool
 from hpi_router.signals import ScrapeSample
 
 KEYS = (None, "system prompt a", "system prompt b", "another")
-PROFILES = (None, PoolProfile(10.0, 1.0, 1000.0, 8), PoolProfile(80.0, 8.0, 100.0, 2, "assumed"))
+# With and without the fleet optimizer's planned SLO batch: all planned shares by it, a mixed fleet by speed.
+PROFILES = (None, PoolProfile(10.0, 1.0, 1000.0, 8), PoolProfile(80.0, 8.0, 100.0, 2, "assumed"),
+            PoolProfile(10.0, 1.0, 1000.0, 8, slo_max_num_seqs=6),
+            PoolProfile(80.0, 8.0, 100.0, 2, "assumed", slo_max_num_seqs=1))  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hpi_contracts.pool_profile import PoolProfile
 from hpi_router.backends import BackendView
 from hpi_router.config import PolicySettings
-from hpi_router.policy import MIN_SPEED_FRACTION, speed_of, speed_scale
+from hpi_router.policy import MIN_SPEED_FRACTION, rating_of, speed_of, speed_scale
 from hpi_router.pool import BackendPool
 from hpi_router.signals import ScrapeSample, parse_metrics
 from hpi_runtime.core.engine_io import EngineStats
@@ -168,3 +168,31 @@ def test_planned_shares_keep_each_pool_at_its_slo_batch_where_speed_overfills_th
 def test_one_backend_without_a_plan_puts_the_whole_fleet_back_on_speed() -> None:
     mixed = profiled_pool({"http://h200": replace(H200, slo_max_num_seqs=326), "http://l4": L4})
     assert send(mixed, 339) == {"http://h200": 269, "http://l4": 70}  # the two scales never mix
+
+
+def test_within_planned_shares_a_replica_slower_than_its_peers_loses_share_and_a_slow_pool_keeps_its_plan() -> None:
+    """Planned shares still correct online: a backend measured slower than the median of the backends with the
+    same profile (against the profile's speed at the batch each runs) has its share cut in that proportion."""
+    profile = replace(L4, slo_max_num_seqs=13)
+    urls = ["http://l4-a", "http://l4-b", "http://l4-c"]
+    per_request = profile.tokens_per_s_per_sequence(1)  # one request running on each, at the profile's speed
+
+    def measured(speeds: dict[str, float]) -> BackendPool:
+        pool = ready_pool(urls)
+        tokens = Counter()
+        for t in range(12):  # scrapes a second apart; the EWMA settles on each backend's true speed
+            for url in urls:
+                tokens[url] += speeds[url] * per_request if t else 0
+                pool.observe(pool.get(url), parse_metrics(page(profile, 1, int(tokens[url]))), now_s=float(t))
+            pool.rescale()
+        return pool
+
+    throttled = measured({"http://l4-a": 1.0, "http://l4-b": 1.0, "http://l4-c": 0.4})
+    shares = {url: rating_of(pool_view, throttled.scale) for url, pool_view in
+              ((b.url, b.view()) for b in throttled.all())}  # fmt: skip
+    assert shares["http://l4-a"] == pytest.approx(13, rel=0.02) and shares["http://l4-b"] == pytest.approx(13, rel=0.02)
+    assert shares["http://l4-c"] == pytest.approx(13 * 0.4, rel=0.05)
+    counts = send(throttled, 31)
+    assert counts["http://l4-c"] < counts["http://l4-a"] / 2  # about 0.4 of a healthy peer's load
+    uniformly_slow = measured(dict.fromkeys(urls, 0.5))  # the whole pool at half its figures: the plan's to fix
+    assert all(rating_of(b.view(), uniformly_slow.scale) == pytest.approx(13, rel=0.02) for b in uniformly_slow.all())
