@@ -48,9 +48,15 @@ def perf(raw: dict[str, float]) -> PoolPerformance:
                            int(raw["maxNumSeqs"]), source="override")  # fmt: skip
 
 
+# The tests' headroom, set in the spec rather than left to the default: at 12 req/s it plans for 15, one H200 and
+# one L4 clear of any boundary (at 0.9, 12 req/s would need exactly one H200's 13.3: a rate measured 0.1% high
+# would add an L4), and a change of the default does not move what the tests expect.
+UTILIZATION = 0.8
+
+
 def optimized_cr(name: str = "fleet", **autoscaling: Any) -> dict[str, Any]:
     settings = {"enabled": True, "mode": "optimizer", "pollIntervalSeconds": 1, "scaleDownStabilizationSeconds": 0,
-                "maxScaleStep": 10, **autoscaling}  # fmt: skip
+                "maxScaleStep": 10, "targetCapacityUtilization": UTILIZATION, **autoscaling}  # fmt: skip
     pools = [{"name": "gpu-h200", "costPerHour": 10.0, "performance": FAST},
              {"name": "gpu-l4", "costPerHour": 0.8, "performance": SMALL}]  # fmt: skip
     return {"apiVersion": "serving.hpi.dev/v1alpha1", "kind": "InferenceDeployment",
@@ -133,7 +139,7 @@ def test_a_poll_chooses_the_cheapest_pools_within_the_slo_and_explains_it() -> N
     second = fleet_poll(plan, [load("p0", 120, 60_000, 24_000)], status, current, 1010.0)
     demand = Demand(12.0, 500, 200)
     offers = [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]
-    expected = optimize(demand, Slo(1.0, 0.1), offers)
+    expected = optimize(demand, Slo(1.0, 0.1), offers, UTILIZATION)
     assert second.replicas == dict(expected.replicas) and second.changed and second.feasible
     assert second.message.startswith(", ".join(f"{p} {current[p]} -> {n}" for p, n in second.replicas.items()
                                                if current[p] != n))  # fmt: skip
@@ -176,7 +182,9 @@ def test_target_capacity_utilization_sets_the_plans_headroom() -> None:
     """spec.autoscaling.targetCapacityUtilization is the share of each replica's SLO capacity the plan fills: its
     default is the optimizer's, a lower one plans more replicas for the same demand, and one outside (0, 1] is a
     spec error."""
-    assert parse_spec(optimized_cr()["spec"]).autoscaling.target_capacity_utilization == DEFAULT_UTILIZATION
+    unset = optimized_cr()
+    del unset["spec"]["autoscaling"]["targetCapacityUtilization"]
+    assert parse_spec(unset["spec"]).autoscaling.target_capacity_utilization == DEFAULT_UTILIZATION
     demand = Demand(12.0, 500, 200)
     for utilization in (0.5, 1.0):
         body = optimized_cr(targetCapacityUtilization=utilization)
@@ -407,8 +415,8 @@ async def test_the_operator_runs_the_optimizers_replicas_per_pool(kube: KubeClie
         await asyncio.to_thread(context.__enter__)
         try:
             await asyncio.to_thread(kube.request, "POST", CRS, body)
-            expected = optimize(Demand(12.0, 500, 200), Slo(1.0, 0.1),
-                                [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]).replicas
+            offers = [PoolOffer(h200, perf(FAST), 10.0, 1), PoolOffer(l4, perf(SMALL), 0.8, 6)]
+            expected = optimize(Demand(12.0, 500, 200), Slo(1.0, 0.1), offers, UTILIZATION).replicas
 
             def deployments() -> dict[str, int]:
                 items = kube.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments")["items"]
