@@ -56,12 +56,6 @@ def _plan(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
     return {p.name: plan.replicas.get(p.name, 0) for p in pools}
 
 
-def _context(mix: LengthMix) -> float:
-    """The mean context a sequence holds over its life: its prompt and half its output (as the headline's)."""
-    prompt, output = mix.mean_tokens()
-    return prompt + output / 2
-
-
 def slo_batches(pools: Sequence[SimPool], context: float, mix: LengthMix, slo: Slo) -> dict[str, int]:
     """The SLO batch of each pool, as the optimizer plans it and the router shares load by (scaling.py)."""
     prompt, output = mix.mean_tokens()
@@ -70,11 +64,11 @@ def slo_batches(pools: Sequence[SimPool], context: float, mix: LengthMix, slo: S
 
 
 def steady_attainment(pools: Sequence[SimPool], replicas: dict[str, int], rate: float, mix: LengthMix, slo: Slo,
-                      seed: int, steady_s: float = STEADY_S) -> float:  # fmt: skip
+                      seed: int, context: float, steady_s: float = STEADY_S) -> float:  # fmt: skip
     """The share of requests arriving after the warm-up (a quarter of `steady_s`, WARMUP_S at the default) that are
-    within `slo`, on a fixed warm fleet."""
+    within `slo`, on a fixed warm fleet whose router shares load by the plan's SLO batches at `context`."""
     requests = generate(Arrivals("poisson", rate, steady_s), mix, seed)
-    control = FixedControl(replicas, slo_batches=slo_batches(pools, _context(mix), mix, slo))
+    control = FixedControl(replicas, slo_batches=slo_batches(pools, context, mix, slo))
     config = RunConfig(pools=pools, requests=requests, control=control, initial_replicas=replicas,
                        duration_s=steady_s, slo=slo)  # fmt: skip
     result = Simulation(config).run()
@@ -90,7 +84,7 @@ def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
     probes = 0
     while True:
         replicas = _plan(pools, context, mix, rate * high, slo)
-        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, steady_s)
+        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, context, steady_s)
         probes += 1
         if attained >= ATTAINMENT:
             break
@@ -104,7 +98,7 @@ def level(pools: Sequence[SimPool], context: float, mix: LengthMix, rate: float,
         if replicas == best.replicas:  # the same fleet: nothing between mid and high is smaller
             high = mid
             continue
-        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, steady_s)
+        attained = steady_attainment(pools, replicas, rate, mix, slo, seed, context, steady_s)
         probes += 1
         if attained >= ATTAINMENT:
             high = mid

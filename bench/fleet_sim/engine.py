@@ -166,18 +166,18 @@ class Simulation:
                 self.fleet.retire_idle_drainers(now)
 
     def _scrape(self, now: float) -> None:
+        batches = self.config.control.slo_batches()
         for member in self.fleet.ready():
             r = member.replica
             r.advance(now)
             self.router.observe(r.name, len(r.running), len(r.waiting), r.kv_usage, r.generation_tokens_total, now,
-                                self._profile(member.pool))
+                                self._profile(member.pool, batches.get(member.pool)))
         self.router.end_scrape_round()
 
-    def _profile(self, pool: str) -> PoolProfile | None:
-        """The pool's profile as its pods export it: with the SLO batch the control planned, as the operator writes
-        it into the pool's profile ConfigMap (hpi_operator.plan), when it plans one."""
+    def _profile(self, pool: str, planned: int | None) -> PoolProfile | None:
+        """The pool's profile as its pods export it: with the SLO batch the control `planned`, as the operator
+        writes it into the pool's profile ConfigMap (hpi_operator.plan), when it plans one."""
         profile = self._profiles.get(pool)
-        planned = self.config.control.slo_batches().get(pool)
         if profile is None or planned == profile.slo_max_num_seqs:
             return profile
         self._profiles[pool] = replace(profile, slo_max_num_seqs=planned)

@@ -70,11 +70,10 @@ class OptimizerControl:
         self.mix: tuple[float, float] | None = None
         self.histories: dict[str, Recommendations] = {}
         self.last_plan = None
+        self.batches: dict[str, int] = {}  # the last plan's SLO batches (slo_batches)
 
     def slo_batches(self) -> Mapping[str, int]:
-        if self.last_plan is None:
-            return {}
-        return {pool: capacity.slo_max_num_seqs for pool, capacity in self.last_plan.capacities.items()}
+        return self.batches
 
     def poll(self, ready: Sequence[Member], current: Mapping[str, int], now_s: float) -> dict[str, int]:
         for member in ready:
@@ -97,6 +96,7 @@ class OptimizerControl:
             demand = replace(demand, request_rate=planned_rate(self.trend, demand.request_rate, self.last_lead.seconds))
         plan = optimize(demand, self.slo, offers, self.utilization)
         self.last_plan = plan
+        self.batches = {pool: capacity.slo_max_num_seqs for pool, capacity in plan.capacities.items()}
         recommended = {p.name: plan.replicas.get(p.name, 0) for p in self.pools}
         if not reading.measured:  # the first poll only starts the counters (fleet_loop.py does the same)
             recommended = dict(current)

@@ -47,5 +47,5 @@ def test_a_level_finds_a_fleet_within_the_slo_and_the_smaller_plans_miss():
     smaller = _plan(pools, context, AZURE_CONV_2023, rate * found.multiplier / 1.1, SLO)
     if smaller != found.replicas:  # 10% less planned rate is a smaller fleet: it must miss, or the search was wrong
         assert sum(smaller.values()) < sum(found.replicas.values())
-        assert steady_attainment(pools, smaller, rate, AZURE_CONV_2023, SLO, 3, steady_s) < ATTAINMENT
+        assert steady_attainment(pools, smaller, rate, AZURE_CONV_2023, SLO, 3, context, steady_s) < ATTAINMENT
     assert math.isfinite(found.cost_per_hour) and found.cost_per_hour > 0
