@@ -5,9 +5,11 @@ Adapters: rank 16 on all seven projections (q, k, v, o, gate, up, down) of the e
 built with `peft` (random A and B). `hpi serve --enable-lora --max-loras 4`: 8 adapters through 4 slots, so
 adapters are swapped in and out while the load runs. Load: a closed loop of `concurrency` streaming clients,
 requests spread evenly over the 8 adapter names (the base run sends the same requests to the base model).
-Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve --enforce-eager` per
-merged model, all 8 up at once, each given concurrency / 8 clients and an eighth of the requests. Memory: the
-resident set of each server and its engine-core process, summed.
+Merged: each adapter merged into the base weights (peft `merge_and_unload`), one `hpi serve` per merged model, all
+8 up at once, each given concurrency / 8 clients, an eighth of the requests and an eighth of the threads (at least
+one: with 2 threads each, 16 OpenMP threads on 2 cores mostly waited for each other, run 18), at their default
+step (the DecodeStack, as the LoRA server's). Memory: the resident set of each server and its engine-core process,
+summed.
 The slots' bound (phase base_bound): the base model alone at the LoRA server's running batch, concurrency x
 max_loras / num_adapters clients (a request runs only with its adapter in a slot).
 Also: the decode step time of 16 and 32 requests whose requests use 0, 1, 2 or 4 distinct adapters
@@ -186,10 +188,11 @@ def serve_and_load(command, log: Path, requests, concurrency: int) -> dict:
 def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> dict:
     """All merged engines at once, each with its share of the clients and of the requests."""
     with ExitStack() as stack:
-        # Eager, like the LoRA server (whose step is not compiled): the comparison is then of LoRA against merging.
-        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--enforce-eager", "--max-model-len",
-                 str(plan.merged_max_model_len))  # fmt: skip
-        commands = [hpi_command(plan.num_threads, "--model", str(path), *flags) for path in merged]
+        # The engines' best setting here: their default step (the DecodeStack, as the LoRA server's) and the
+        # machine's threads shared out, so that the engines do not oversubscribe the cores.
+        flags = ("--kv-cache-memory", plan.merged_kv_cache_memory, "--max-model-len", str(plan.merged_max_model_len))
+        threads = max(1, plan.num_threads // len(merged))
+        commands = [hpi_command(threads, "--model", str(path), *flags) for path in merged]
         servers = [stack.enter_context(ServerProcess(command, log_dir / f"merged{i}.log"))
                    for i, command in enumerate(commands)]  # fmt: skip
         per = plan.concurrency // len(servers)
@@ -205,7 +208,7 @@ def merged_run(plan: LoRAPlan, merged: list[Path], requests, log_dir: Path) -> d
         rss = sum(rss_bytes(s.process.pid) for s in servers)
     summaries = [summarize(run) for run in runs]
     num_output = sum(s["output_tokens_per_s"] * s["duration_s"] for s in summaries)
-    return {"engines": len(servers), "concurrency_each": per, "duration_s": wall_s,
+    return {"engines": len(servers), "concurrency_each": per, "threads_each": threads, "duration_s": wall_s,
             "output_tokens_per_s": num_output / wall_s, "num_errors": sum(s["num_errors"] for s in summaries),
             "rss_bytes": rss, "tpot_ms_p50_each": [s["tpot_ms"]["p50"] for s in summaries]}  # fmt: skip
 
