@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import platform
 import shutil
 import statistics
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, run_load, summarize
+from bench.report import machine_description
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, cache_dir, hpi_command, metric_value
 from hpi_contracts.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     lora_requests = [dataclasses.replace(r, model=names[i % len(names)]) for i, r in enumerate(requests)]
     logs = Path("bench/results/tmp/lora-logs")
     kv = ("--kv-cache-memory", plan.kv_cache_memory)
-    machine = {"cpu": platform.processor() or platform.machine(), "isa": cpu_isa(), "cores": psutil.cpu_count(),
-               "load_avg_at_start": psutil.getloadavg()}  # fmt: skip
+    machine = {**machine_description(), "isa": cpu_isa()}  # the CPU's model and flags, as every bench records them
     results: dict = {"plan": asdict(plan), "machine": machine}
     if args.resume and args.out.exists():
         results = {**json.loads(args.out.read_text()), "machine_resumed": machine}
