@@ -37,8 +37,9 @@ def machine_description(llama_python: Path | None = None) -> dict:
     return {
         "cpu_model": model,
         "num_cpus": os.cpu_count(),
-        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-                      if f in flags],  # fmt: skip
+        # The flags that choose a kernel path here (bf16 / int8 tiles, W4A8, AMX).
+        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512vbmi", "avx512_bf16", "avx512_fp16",
+                                  "amx_tile", "amx_bf16", "amx_int8") if f in flags],  # fmt: skip
         "memory_gib": round(mem_kib / 2**20, 1),
         # An instruction set lowered for this run (torch's and hpi_kernels' dispatch, MKL's, oneDNN's): the code
         # paths of a smaller CPU measured on this one.
