@@ -50,11 +50,12 @@ inline T round_to(float x) {  // x in T (the rounding an eager op's output gets)
 }
 
 // The linears' kinds: how the model's layer stores its weight, and the op that multiplies by it.
-enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3, kInt4A8 = 4 };  // kInt4A8: W4A8
+// kInt4A8, kInt8A8: W4A8, W8A8 (x quantized to int8 per group of k).
+enum LinearKind : int64_t { kUnpacked = 0, kPacked = 1, kInt8 = 2, kInt4 = 3, kInt4A8 = 4, kInt8A8 = 5 };
 
 struct Linear {
   int64_t kind = kUnpacked, out_features = 0, group_size = 0;
-  int64_t a8_max_rows = -1;  // kInt4A8: W4A8 up to this many rows, the float tiles above (-1: at any count)
+  int64_t a8_max_rows = -1;  // kInt4A8, kInt8A8: x in int8 up to this many rows, float x above (-1: at any count)
   at::Tensor weight, scales;  // scales: int8's per-channel scales, int4's (scale, zero) pairs; else undefined
   std::optional<at::Tensor> bias;
   // LoRA (runtime/hpi_runtime/lora/layers.py): the projection's adapter slots, A [S, W, in] and B transposed
@@ -96,11 +97,16 @@ struct Linear {
                                  .typed<Op5>();
     static const auto int4_a8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int4_a8_linear", "")
                                     .typed<OpA8>();
+    using Op8A8 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                             const std::optional<at::Tensor>&, int64_t);
+    static const auto int8_a8 = c10::Dispatcher::singleton().findSchemaOrThrow("hpi_kernels::int8_a8_linear", "")
+                                    .typed<Op8A8>();
     switch (kind) {
       case kPacked: return packed.call(x, weight, out_features, bias, std::nullopt);
       case kInt8: return int8.call(x, weight, scales, out_features, bias);
       case kInt4: return int4.call(x, weight, scales, group_size, out_features, bias);
       case kInt4A8: return int4_a8.call(x, weight, scales, group_size, out_features, bias, a8_max_rows);
+      case kInt8A8: return int8_a8.call(x, weight, scales, out_features, bias, a8_max_rows);
       default: return at::linear(x, weight, bias);
     }
   }
@@ -263,7 +269,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // float kinds), the bias (an empty tensor for none), out_features, and int4's group size.
   void add_linear(int64_t kind, at::Tensor weight, at::Tensor scales, at::Tensor bias, int64_t out_features,
                   int64_t group_size) {
-    TORCH_CHECK_VALUE(kind >= kUnpacked && kind <= kInt4A8, "DecodeStack: unknown linear kind ", kind);
+    TORCH_CHECK_VALUE(kind >= kUnpacked && kind <= kInt8A8, "DecodeStack: unknown linear kind ", kind);
     TORCH_CHECK_VALUE(pending_.size() < 4, "DecodeStack: a layer has four linears; call add_layer");
     Linear linear;
     linear.kind = kind;
@@ -275,10 +281,11 @@ class DecodeStack : public torch::CustomClassHolder {
     pending_.push_back(std::move(linear));
   }
 
-  // For the W4A8 linear (kInt4A8) added last: W4A8 up to max_rows rows, the float tiles above (-1: any count).
+  // For the W4A8 or W8A8 linear (kInt4A8, kInt8A8) added last: x in int8 up to max_rows rows, the float tiles
+  // above (-1: any count).
   void set_a8_max_rows(int64_t max_rows) {
-    TORCH_CHECK_VALUE(!pending_.empty() && pending_.back().kind == kInt4A8,
-                      "DecodeStack: set_a8_max_rows follows the add_linear of a W4A8 linear");
+    TORCH_CHECK_VALUE(!pending_.empty() && (pending_.back().kind == kInt4A8 || pending_.back().kind == kInt8A8),
+                      "DecodeStack: set_a8_max_rows follows the add_linear of a W4A8 or W8A8 linear");
     TORCH_CHECK_VALUE(max_rows >= -1, "DecodeStack: max_rows must be -1 (any) or >= 0, got ", max_rows);
     pending_.back().a8_max_rows = max_rows;
   }

@@ -50,6 +50,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -476,21 +477,29 @@ std::vector<float> group_sums(const at::Tensor& a, int64_t group_size) {
 constexpr int64_t kNibbleOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int kMrInt4A8 = kVecSize >= 16 ? 4 : 2;  // as kMrInt4: 6 rows measured the same (1.09-1.29x bf16)
 
+// W8A8 (int8_a8_linear) quantizes x the same way, per row and group of kA8Group k (llama.cpp's Q8_0 blocks), with
+// the codes in k's order, and sums them against the int8 panels exactly in int32.
+constexpr int64_t kA8Group = 32;
+
 struct Int8Rows {
   int64_t groups = 0;
-  std::vector<int8_t> codes;     // [M, K], runs of 8 in kNibbleOrder
+  std::vector<int8_t> codes;     // [M, K]: runs of 8 in kNibbleOrder (W4A8) or in k's order (W8A8)
   std::vector<float> scales;     // [M, groups]
-  std::vector<int32_t> offsets;  // [M, groups]: -8 * the sum of the group's codes (the words hold q, not q - 8)
+  // [M, groups]: -bias * the sum of the group's codes, where the tiles multiply x's codes by the weight's code +
+  // bias as unsigned bytes: W4A8's words hold q, not q - 8 (bias 8); W8A8 flips the int8 code's sign bit (128).
+  std::vector<int32_t> offsets;
 };
 
-// One row's group of x (`count` values, a multiple of 8) quantized into codes (kNibbleOrder runs); returns the
-// sum of its codes. The vector and scalar paths give the same codes: one fp32 multiply, then round to even.
-template <typename T>
+// One row's group of x (`count` values, a multiple of 8) quantized into codes (kNibbleOrder runs where Nibbles,
+// else k's order); returns the sum of its codes. The vector and scalar paths give the same codes: one fp32
+// multiply, then round to even.
+template <bool Nibbles, typename T>
 int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
   int32_t sum = 0;
   int64_t k = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m128i order = Nibbles ? _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+                                : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; k + 16 <= count; k += 16) {
     const __m512 scaled = _mm512_mul_ps(load_float(x + k), _mm512_set1_ps(inv));
     const __m512i ints = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -499,7 +508,8 @@ int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), bytes);
   }
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m128i order = Nibbles ? _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+                                : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; k + 16 <= count; k += 16) {
     // Rounded by the MXCSR's mode, to nearest even as std::nearbyint below; NaN gives INT_MIN, saturated to -128.
     const __m256i first = _mm256_cvtps_epi32(_mm256_mul_ps(load_float(x + k), _mm256_set1_ps(inv)));
@@ -515,7 +525,7 @@ int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
 #endif
   for (; k < count; k += 8) {
     for (int64_t p = 0; p < 8; ++p) {
-      const float scaled = static_cast<float>(x[k + kNibbleOrder[p]]) * inv;
+      const float scaled = static_cast<float>(x[k + (Nibbles ? kNibbleOrder[p] : p)]) * inv;
       const int32_t code = std::isnan(scaled) ? -128 : static_cast<int32_t>(std::nearbyint(std::clamp(scaled, -128.f, 127.f)));
       codes[k + p] = static_cast<int8_t>(code);
       sum += code;
@@ -524,8 +534,10 @@ int32_t quantize_group(const T* x, int64_t count, float inv, int8_t* codes) {
   return sum;
 }
 
-template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size, Int8Rows& out) {
+constexpr float kMinAmax = 1e-36f;
+
+template <bool Nibbles, typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size, int32_t bias, Int8Rows& out) {
   const int64_t groups = K / group_size;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -537,26 +549,32 @@ void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t group_
         float amax = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); },
                                                     peak);
         for (; k < group_size; ++k) amax = std::max(amax, std::abs(static_cast<float>(group[k])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const int32_t sum = quantize_group(group, group_size, inv, out.codes.data() + m * K + g * group_size);
-        out.scales[m * groups + g] = amax / 127.f;
-        out.offsets[m * groups + g] = -8 * sum;
+        // A group whose largest |x| is below kMinAmax counts as zeros (codes and scale 0): 127 / amax would
+        // overflow fp32 below ~3.7e-37. An inf or NaN amax gives codes 0 and a scale that carries it to the sums.
+        const bool tiny = amax < kMinAmax;
+        const float inv = tiny || !std::isfinite(amax) ? 0.f : 127.f / amax;
+        const int32_t sum = quantize_group<Nibbles>(group, group_size, inv, out.codes.data() + m * K + g * group_size);
+        out.scales[m * groups + g] = tiny ? 0.f : amax / 127.f;
+        out.offsets[m * groups + g] = -bias * sum;
       }
     }
   });
 }
 
+// x's rows quantized for W4A8 (Nibbles: the int4 words' order, offsets for bias 8) or W8A8 (k's order, bias 128).
+template <bool Nibbles>
 Int8Rows int8_rows(const at::Tensor& a, int64_t group_size) {
   const int64_t M = a.size(0), K = a.size(1);
+  const int32_t bias = Nibbles ? 8 : 128;
   Int8Rows rows;
   rows.groups = K / group_size;
   rows.codes.resize(static_cast<size_t>(M * K));
   rows.scales.resize(static_cast<size_t>(M * rows.groups));
   rows.offsets.resize(static_cast<size_t>(M * rows.groups));
   if (a.scalar_type() == at::kFloat) {
-    quantize_rows(a.const_data_ptr<float>(), a.stride(0), M, K, group_size, rows);
+    quantize_rows<Nibbles>(a.const_data_ptr<float>(), a.stride(0), M, K, group_size, bias, rows);
   } else {
-    quantize_rows(a.const_data_ptr<c10::BFloat16>(), a.stride(0), M, K, group_size, rows);
+    quantize_rows<Nibbles>(a.const_data_ptr<c10::BFloat16>(), a.stride(0), M, K, group_size, bias, rows);
   }
   return rows;
 }
@@ -619,6 +637,16 @@ bool cpu_has_vnni() {
   return vnni;
 }
 
+// The int32 sums of group g of the tile's rows, started at the rows' offsets (both vpdpbusd tiles).
+template <int R>
+__attribute__((always_inline)) inline void start_group(const Int8Rows& x, int64_t row, int64_t g,
+                                                       __m512i (&part)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_set1_epi32(x.offsets[(row + r) * x.groups + g]);
+  }
+}
+
 // W4A8 with vpdpbusd: per 8 k and column, the word's low nibbles (k = 0, 4, 1, 5) and high ones (2, 6, 3, 7) as
 // unsigned bytes against a broadcast of x's four codes for the same k; int32 sums per group, started at the
 // group's offset (-8 * sum of x's codes) so that they come out as sum(code * (q - 8)).
@@ -638,10 +666,7 @@ __attribute__((target("avx512vnni"))) void tile_int4_a8_vnni(const TileArgs& t, 
   int64_t countdown = phase;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i part[R][kNrVecs];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_set1_epi32(x.offsets[(t.row + r) * groups + g]);
-    }
+    start_group<R>(x, t.row, g, part);
     for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
       __m512i low[kNrVecs], high[kNrVecs];
       for (int v = 0; v < kNrVecs; ++v) {
@@ -726,6 +751,124 @@ void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, c
   store_tile<R>(t, acc);
 }
 #endif
+
+// W8A8 (int8_a8_linear): the int8 panels against x quantized per row and group of kA8Group k (int8_rows<false>).
+// The tiles multiply x's codes by the weight's code + 128 (its sign bit flipped: an unsigned byte, as vpdpbusd
+// wants) and start each group's int32 sums at -128 * the sum of x's codes, so that they come out as
+// sum(code * w) exactly (at most 32 * 127 * 255 in magnitude); per group the sums join the fp32 accumulators times
+// x's scale, and the channel's scale applies once in store_tile (it is constant along k).
+constexpr int kMrInt8A8 = kVecSize >= 16 ? 8 : 4;  // 8 of 4, 6, 8, 12 measured fastest (1.2-1.9x 6 at 1-64 rows)
+
+// The epilogue of a W8A8 group: acc += float(sums) * x's scale for the group.
+template <int R>
+__attribute__((always_inline)) inline void add_a8_group(const Vec (&sums)[R][kNrVecs], const float* x_scales,
+                                                        int64_t groups, int64_t g, Vec (&acc)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const Vec x_scale(x_scales[r * groups + g]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kNrVecs; ++v) acc[r][v] = at::vec::fmadd(sums[r][v], x_scale, acc[r][v]);
+  }
+}
+
+// W8A8 in plain loops: any CPU (tested everywhere; the runtime takes W8A8 by default only where it is "vnni").
+template <int R>
+void tile_int8_a8(const TileArgs& t, const Int8Rows& x, const int8_t* b) {
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t part[R][kNr];
+    for (int r = 0; r < R; ++r) std::fill_n(part[r], kNr, x.offsets[(t.row + r) * groups + g]);
+    for (int64_t k = g * kA8Group; k < (g + 1) * kA8Group; ++k) {
+      for (int64_t j = 0; j < kNr; ++j) {
+        const int32_t w = static_cast<int32_t>(b[k * kNr + j]) + 128;
+        for (int r = 0; r < R; ++r) part[r][j] += w * codes[r * t.K + k];
+      }
+    }
+    Vec sums[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      float lanes[kNr];
+      for (int64_t j = 0; j < kNr; ++j) lanes[j] = static_cast<float>(part[r][j]);
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = Vec::loadu(lanes + v * kVecSize);
+    }
+    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+bool cpu_has_vnni_vbmi() {
+  static const bool both = cpu_has_vnni() && __builtin_cpu_supports("avx512vbmi");
+  return both;
+}
+
+// W8A8 with vpdpbusd: four panel rows (k .. k + 3, 128 bytes) turn into two vectors of 16 columns whose 32-bit
+// lanes hold a column's four codes (vpermi2b, AVX512-VBMI), the sign bits flipped; each meets a broadcast of x's
+// four codes for the same k. Per 4 k and row: two vpdpbusd for 32 columns (128 multiply-adds), where the fp32
+// tile issues eight FMAs and the vdpbf16ps tile four.
+template <int R>
+__attribute__((target("avx512vnni,avx512vbmi"))) void tile_int8_a8_vnni(const TileArgs& t, const Int8Rows& x,
+                                                                       const int8_t* b, const int8_t* next,
+                                                                       int64_t phase, int64_t step) {
+  static_assert(kVecSize == 16 && kNr == 32, "AVX512: 16 columns per vector, 32 per panel row");
+  alignas(64) static const auto kGather = [] {
+    std::array<std::array<uint8_t, 64>, kNrVecs> idx{};
+    for (int v = 0; v < kNrVecs; ++v) {
+      for (int j = 0; j < kVecSize; ++j) {
+        for (int i = 0; i < 4; ++i) idx[v][4 * j + i] = static_cast<uint8_t>(i * kNr + v * kVecSize + j);
+      }
+    }
+    return idx;
+  }();
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i gather[kNrVecs];
+  for (int v = 0; v < kNrVecs; ++v) gather[v] = _mm512_loadu_si512(kGather[v].data());
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i part[R][kNrVecs];
+    start_group<R>(x, t.row, g, part);
+#pragma GCC unroll 2
+    for (int64_t k4 = g * kA8Group / 4; k4 < (g + 1) * kA8Group / 4; ++k4) {
+      const __m512i first = _mm512_loadu_si512(b + 4 * k4 * kNr), second = _mm512_loadu_si512(b + (4 * k4 + 2) * kNr);
+      __m512i w[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) w[v] = _mm512_xor_si512(_mm512_permutex2var_epi8(first, gather[v], second), sign);
+      prefetch_line<4 * kNr>(bytes, next_bytes, k4, countdown, step);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, codes + r * t.K + 4 * k4, sizeof(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbusd_epi32(part[r][v], w[v], xv);
+      }
+    }
+    Vec sums[R][kNrVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
+    }
+    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+#endif
+
+// Which W8A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI with AVX512-VBMI) or "portable" (the
+// int8_a8_tile op; the runtime takes W8A8 by default only where it is "vnni").
+std::string int8_a8_tile() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return cpu_has_vnni_vbmi() ? "vnni" : "portable";
+#else
+  return "portable";
+#endif
+}
 
 // Which W4A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI), "avx2" or "portable" (the int4_a8_tile
 // op; the runtime takes W4A8 by default where it is not "portable").
@@ -857,14 +1000,18 @@ std::tuple<at::Tensor, at::Tensor> pack_int8_weight(const at::Tensor& qweight, c
   return {packed, scales32};
 }
 
+void check_int8_weight(const char* op, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features) {
+  check_panels(op, packed, at::kChar, out_features);
+  TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == packed.size(0) * kNr && scales.scalar_type() == at::kFloat &&
+                        scales.is_contiguous(),
+                    op, ": scales must be the float32 [", packed.size(0) * kNr, "] from pack_int8_weight, got ",
+                    scales.scalar_type(), " ", scales.sizes());
+}
+
 // fp32_out: the fp32 sums come out unrounded whatever x's dtype (int8_logits).
 at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           int64_t out_features, const std::optional<at::Tensor>& bias, bool fp32_out) {
-  check_panels("int8_linear", packed, at::kChar, out_features);
-  TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == packed.size(0) * kNr && scales.scalar_type() == at::kFloat &&
-                        scales.is_contiguous(),
-                    "int8_linear: scales must be the float32 [", packed.size(0) * kNr, "] from pack_int8_weight, got ",
-                    scales.scalar_type(), " ", scales.sizes());
+  check_int8_weight("int8_linear", packed, scales, out_features);
   const Problem p = problem("int8_linear", x, packed.size(1), out_features, bias, fp32_out);
   if (p.M == 0) return p.out;
   const auto* codes = packed.const_data_ptr<int8_t>();
@@ -924,6 +1071,40 @@ at::Tensor int8_linear_to(const at::Tensor& x, const at::Tensor& packed, const a
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
                        const std::optional<at::Tensor>& bias) {
   return int8_linear_to(x, packed, scales, out_features, bias, false);
+}
+
+// W8A8: x quantized to int8 per row and group of kA8Group k, for inputs of at most max_rows rows (-1: any number,
+// prefill-sized too, so that a row's result does not depend on its batch); more rows, or K no multiple of
+// kA8Group, take int8_linear's float paths (the runtime measures where W8A8 stops winning: a8_max_rows in
+// quant_linear.py).
+at::Tensor int8_a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_rows) {
+  TORCH_CHECK_VALUE(max_rows >= -1, "int8_a8_linear: max_rows must be -1 (any) or >= 0, got ", max_rows);
+  check_int8_weight("int8_a8_linear", packed, scales, out_features);
+  const Problem p = problem("int8_a8_linear", x, packed.size(1), out_features, bias);
+  if (p.M == 0) return p.out;
+  if (p.K % kA8Group != 0 || (max_rows >= 0 && p.M > max_rows)) {
+    return int8_linear_to(x, packed, scales, out_features, bias, false);
+  }
+  const Int8Rows rows = int8_rows<false>(p.a, kA8Group);
+  const float* scale = scales.const_data_ptr<float>();
+  const auto* panels = reinterpret_cast<const uint8_t*>(packed.const_data_ptr<int8_t>());
+  auto codes = [](const uint8_t* panel) { return reinterpret_cast<const int8_t*>(panel); };
+#if defined(CPU_CAPABILITY_AVX512)
+  if (cpu_has_vnni_vbmi()) {
+    run_tiles<kMrInt8A8>(p, nullptr, 0, scale, p.K * kNr, panels,
+                         [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                             int64_t phase, int64_t step) {
+                           tile_int8_a8_vnni<decltype(height)::value>(args, rows, codes(panel), codes(next), phase,
+                                                                      step);
+                         });
+    return p.out;
+  }
+#endif
+  run_tiles<kMrInt8A8>(p, nullptr, 0, scale, p.K * kNr, panels,
+                       [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t*, int64_t,
+                           int64_t) { tile_int8_a8<decltype(height)::value>(args, rows, codes(panel)); });
+  return p.out;
 }
 
 // A quantized LM head's logits (packed_logits' int8 twin): fp32 out even for bf16 x, so that bf16's steps of 0.125
@@ -1028,7 +1209,7 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
   auto words = [](const uint8_t* panel) { return reinterpret_cast<const int32_t*>(panel); };
   const std::vector<float> x_sums = group_sums(p.a, group_size);
   if (int8_x) {
-    const Int8Rows rows = int8_rows(p.a, group_size);
+    const Int8Rows rows = int8_rows<true>(p.a, group_size);
 #if defined(CPU_CAPABILITY_AVX512)
     if (cpu_has_vnni()) {
       run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
@@ -1109,6 +1290,11 @@ at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return quant_linear_meta(x, out_features);
 }
 
+at::Tensor int8_a8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t out_features,
+                               const std::optional<at::Tensor>&, int64_t) {
+  return quant_linear_meta(x, out_features);
+}
+
 at::Tensor int8_logits_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t out_features) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = c10::SymInt(out_features);
@@ -1131,6 +1317,10 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def("pack_int8_weight(Tensor qweight, Tensor scales) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
   m.def("int8_logits(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+  m.def(
+      "int8_a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None, "
+      "int max_rows=-1) -> Tensor");
+  m.def("int8_a8_tile() -> str", &int8_a8_tile);
   m.def("pack_int4_weight(Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> (Tensor, Tensor)");
   m.def(
       "int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int out_features, "
@@ -1145,6 +1335,7 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("pack_int8_weight", &pack_int8_weight);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_logits", &int8_logits);
+  m.impl("int8_a8_linear", &int8_a8_linear);
   m.impl("pack_int4_weight", &pack_int4_weight);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_a8_linear", &int4_a8_linear);
@@ -1153,6 +1344,7 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("int8_linear", &int8_linear_meta);
   m.impl("int8_logits", &int8_logits_meta);
+  m.impl("int8_a8_linear", &int8_a8_linear_meta);
   m.impl("int4_linear", &int4_linear_meta);
   m.impl("int4_a8_linear", &int4_a8_linear_meta);
 }

@@ -9,7 +9,8 @@ AVX512-BF16 where `bf16_tile` chose "dpbf16" (measured at start, as for the pack
 HPI_CPU_BF16_TILE=widen|dpbf16 overrides; where it chose "amx", whichever of those two measured faster),
 vdpbf16ps over pairs of k (products exact either way). int4 scales and zeros are kept as bf16 pairs (the runtime
 fits the codes against bf16 scales on CPU,
-hpi_runtime.quantization.linear.op_dtype): a scale given in fp32 is rounded to bf16 here. Prefill-sized inputs
+hpi_runtime.quantization.linear.op_dtype): a scale given in fp32 is rounded to bf16 here. int8 layers quantize x to
+int8 per group of 32 k (W8A8, int8_a8_linear) where the runtime says so, as int4's do for W4A8. Prefill-sized inputs
 (over 320 rows) go to MKL's sgemm over the weight dequantized into an fp32 scratch copy, or for bf16 x, where
 `prefill_gemm` chose it on this CPU, to torch's bf16 GEMM over a bf16 copy (the dequantized weight rounded to
 bf16: perplexity +0.04% here).
@@ -59,6 +60,32 @@ def int8_logits(
     (torch.ops.hpi_kernels.int8_logits, packed_logits' twin), so bf16 rounding does not decide near-ties."""
     load_extension()
     return torch.ops.hpi_kernels.int8_logits(x, packed, scales, out_features)
+
+
+def int8_a8_linear(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int8_weight
+    scales: torch.Tensor,  # from pack_int8_weight
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+    max_rows: int = -1,  # W8A8 for inputs of at most this many rows, int8_linear above; -1: any number
+) -> torch.Tensor:  # [..., N], x's dtype
+    """int8_linear with x quantized to int8 per row and group of 32 k (W8A8, as llama.cpp's Q8_0 x Q8_0): each
+    group's sum(x * q) becomes x_scale * sum(code * q) in exact integer arithmetic (x_scale = max|x| / 127 over the
+    group, codes = round(x / x_scale), ties to even), the channel's scale applied to the row's total. vpdpbusd
+    multiplies four k per lane and instruction where `int8_a8_tile()` is "vnni" (AVX512-VNNI with AVX512-VBMI, whose
+    vpermi2b regroups the panels' bytes); plain loops elsewhere. K not a multiple of 32, or more rows than
+    max_rows, take int8_linear's paths; with max_rows -1 a row's result does not depend on its batch's size."""
+    load_extension()
+    return torch.ops.hpi_kernels.int8_a8_linear(x, packed, scales, out_features, bias, max_rows)
+
+
+def int8_a8_tile() -> str:
+    """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI) or "portable" (plain integer
+    loops, correct anywhere and slower than int8_linear's float tiles: the runtime takes W8A8 by default only on
+    "vnni")."""
+    load_extension()
+    return torch.ops.hpi_kernels.int8_a8_tile()
 
 
 def int8_weight_rows(
@@ -142,35 +169,57 @@ def int4_a8_max_rows(dtype: torch.dtype, shape: tuple[int, int] = A8_DEFAULT_SHA
     together stream from memory (N cut to at most 8M weights a copy); the first count where the float tiles win at
     it and at the next ends the search, so one noisy sample does not. HPI_CPU_INT4_A8_MAX_ROWS=<n> (or -1) sets it
     without measuring."""
-    forced = os.environ.get("HPI_CPU_INT4_A8_MAX_ROWS")
+    return _a8_max_rows("int4", dtype, shape)
+
+
+@functools.cache
+def int8_a8_max_rows(dtype: torch.dtype, shape: tuple[int, int] = A8_DEFAULT_SHAPE) -> int:
+    """int4_a8_max_rows for W8A8: the most rows for which int8_a8_linear beats int8_linear's float tiles on this CPU
+    (HPI_CPU_INT8_A8_MAX_ROWS=<n> or -1 sets it without measuring)."""
+    return _a8_max_rows("int8", dtype, shape)
+
+
+def _a8_max_rows(method: str, dtype: torch.dtype, shape: tuple[int, int]) -> int:
+    variable = f"HPI_CPU_{method.upper()}_A8_MAX_ROWS"
+    forced = os.environ.get(variable)
     if forced is not None:
         try:
             value = int(forced)
         except ValueError:
             value = -2
         if value < -1:
-            raise ValueError(f"HPI_CPU_INT4_A8_MAX_ROWS must be -1 (any) or a row count >= 0, got {forced!r}")
+            raise ValueError(f"{variable} must be -1 (any) or a row count >= 0, got {forced!r}")
         return value
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"int4_a8_max_rows measures float32 or bfloat16 x, not {dtype}")
+        raise ValueError(f"{method}_a8_max_rows measures float32 or bfloat16 x, not {dtype}")
     n, k = shape
     if n < 1 or k < 32 or k % 32:
-        raise ValueError(f"int4_a8_max_rows needs a [N, K] shape with K a multiple of 32, got {shape}")
+        raise ValueError(f"{method}_a8_max_rows needs a [N, K] shape with K a multiple of 32, got {shape}")
     generator = torch.Generator().manual_seed(0)
     n = min(n, max(_A8_MAX_WEIGHT // k, 1))
+    weight_bytes = n * k // 2 if method == "int4" else n * k
     weights = []
-    for _ in range(min(max(2, -(-_A8_STREAM_BYTES // (n * k // 2))), 64)):
-        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
-        scales = torch.rand(n, k // 32, generator=generator) * 0.01 + 0.001
-        weights.append(pack_int4_weight(codes, scales, torch.zeros_like(scales), 32))
+    for _ in range(min(max(2, -(-_A8_STREAM_BYTES // weight_bytes)), 64)):
+        if method == "int4":
+            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+            scales = torch.rand(n, k // 32, generator=generator) * 0.01 + 0.001
+            weights.append(pack_int4_weight(codes, scales, torch.zeros_like(scales), 32))
+        else:
+            codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+            weights.append(pack_int8_weight(codes, torch.rand(n, generator=generator) * 0.01 + 0.001))
+    ops = torch.ops.hpi_kernels
     best, float_wins = 0, 0
     for rows in A8_ROW_LADDER:
         x = torch.randn(rows, k, generator=generator).to(dtype)
 
         def run(a8: bool, x: torch.Tensor = x) -> None:
-            for packed, scales_zeros in weights:
-                op = torch.ops.hpi_kernels.int4_a8_linear if a8 else torch.ops.hpi_kernels.int4_linear
-                op(x, packed, scales_zeros, 32, n)
+            for packed, scales in weights:
+                if method == "int4":
+                    (ops.int4_a8_linear if a8 else ops.int4_linear)(x, packed, scales, 32, n)
+                elif a8:
+                    ops.int8_a8_linear(x, packed, scales, n)
+                else:
+                    ops.int8_linear(x, packed, scales, n)
 
         run(True), run(False)  # warm: the scratch buffers, the first touch of the output
         a8_s, float_s = [], []
