@@ -27,7 +27,7 @@ from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_bac
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
 from hpi_runtime.models.parallel import pipeline_partition, split_heads
-from hpi_runtime.quantization.quantize import QuantizationConfig, resolve_int4_activations, resolve_quantization
+from hpi_runtime.quantization.quantize import QuantizationConfig, resolve_activations, resolve_quantization
 from hpi_runtime.spec_decode.draft_config import resolve_draft_model
 from hpi_runtime.worker.executor import ExecutorConfig
 from hpi_runtime.worker.factory import make_executor
@@ -167,7 +167,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     model_dir, model_name = resolve_model_dir(load.model)
     model_config = load_model_config(model_dir)
     quantization_config = QuantizationConfig(load.quantization, load.quantization_group_size, load.quantize_lm_head,
-                                             load.int4_fit, load.int4_policy, load.int4_activations)  # fmt: skip
+                                             load.int4_fit, load.int4_policy, load.int4_activations,
+                                             int8_activations=load.int8_activations)  # fmt: skip
     _check_lm_head_quantization(quantization_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
     check_pipeline_parallel(args, model_config)
@@ -182,8 +183,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     dtype = resolve_dtype(load.dtype, device, model_config.torch_dtype)
     # "auto" may build and time the C++ kernels, on the shape of the model's gate/up projection where K allows.
     gate_up = (2 * model_config.intermediate_size, model_config.hidden_size)
-    quantization = resolve_int4_activations(quantization, device, dtype,
-                                            gate_up if min(gate_up) > 0 and gate_up[1] % 32 == 0 else None)  # fmt: skip
+    quantization = resolve_activations(quantization, device, dtype,
+                                       gate_up if min(gate_up) > 0 and gate_up[1] % 32 == 0 else None)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -2,11 +2,11 @@
 
 CPU, fp32 or bf16 activations: hpi_kernels' packed tiles (`hpi_kernels.cpu.quant_linear`, where the C++ CPU
 kernels build): the portable weight repacked once into column panels that stream once per step, widened to
-fp32 in registers, summed in fp32; activations are not rounded, except that int4 layers quantize them to int8
-per group of k (W4A8, `int4_a8_linear`) where `int4_activations` says so (by default where its tile has
-integer dot products, AVX512-VNNI or the AVX2 build, up to the row count where it measures faster than the
-float tiles; int4_a8_rows). Elsewhere on CPU (fp16 activations, or no
-C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
+fp32 in registers, summed in fp32; activations are not rounded, except that int4 and int8 layers quantize them
+to int8 per group of k (W4A8 `int4_a8_linear`, W8A8 `int8_a8_linear`) where `int4_activations` /
+`int8_activations` say so (by default where the tile has integer dot products, AVX512-VNNI or, for int4, the
+AVX2 build, up to the row count where it measures faster than the float tiles; a8_rows). Elsewhere on CPU (fp16
+activations, or no C++ toolchain) torch's packed ops, `aten._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
 `aten._weight_int4pack_mm_for_cpu` (its own int4 tile layout, made once here by
 `aten._convert_weight_to_int4pack_for_cpu`, N a multiple of 16, scales/zeros as [K // g, N, 2]).
 CUDA: hpi_kernels' Triton `int8_weight_only_matmul` / `int4_weight_only_matmul` over the portable
@@ -26,13 +26,17 @@ from hpi_kernels.cpu import (
     cpu_kernels_available,
     int4_a8_max_rows,
     int4_a8_tile,
+    int8_a8_max_rows,
+    int8_a8_tile,
     int8_weight_rows,
     pack_int4_weight,
     pack_int8_weight,
 )
 from hpi_kernels.quant import dequantize_int4, dequantize_int8, to_torch_scales_and_zeros, unpack_int4
 
-INTEGER_TILES = ("vnni", "avx2")  # hpi_kernels.int4_a8_tile() values with integer dot-product instructions
+# Per weight format: its x-in-int8 tile's name on this CPU ("portable" where it has no integer dot-product
+# instructions) and the row count up to which it measures faster than the float tiles.
+_A8_TILES = {"int4": (int4_a8_tile, int4_a8_max_rows), "int8": (int8_a8_tile, int8_a8_max_rows)}
 CPU_INT4_N_MULTIPLE = 16  # aten._convert_weight_to_int4pack_for_cpu rejects other N
 # fp32 activations on CPU, int8 weights: from this many rows on (prefill chunks, big batches) dequantizing the
 # layer and running torch's fp32 GEMM beats the packed op's bf16 path on CPUs without native bf16 (AVX2
@@ -56,27 +60,30 @@ def op_dtype(device: torch.device, activation_dtype: torch.dtype) -> torch.dtype
     return activation_dtype
 
 
-def int4_a8_rows(setting: str, device: torch.device | str, dtype: torch.dtype,
-                 shape: tuple[int, int] | None = None) -> int:  # fmt: skip
-    """Up to how many rows int4 layers quantize their `dtype` activations to int8 (W4A8) for `int4_activations` =
-    setting ("auto", "int8", "float") on this device: 0 (never: float x), -1 (at every row count) or a count,
-    measured on a weight of `shape` ([N, K]: the model's gate/up projection; None: hpi_kernels' default).
-    Only hpi_kernels' CPU panels (fp32 and bf16 x) have the W4A8 op. "int8" takes it at every count; "auto" where
-    its integer tile runs vpdpbusd (AVX512-VNNI) or vpmaddubsw (the AVX2 build), not where it is plain loops, and
-    up to the row count where it measures faster than the float tiles on this CPU (hpi_kernels'
-    int4_a8_max_rows: every count on the AVX512-VNNI EPYC, 12-16 rows with bf16 x on AMX tiles; docs/quantization.md,
-    "W4A8"). ValueError for "int8" on another device."""
+def a8_rows(method: str, setting: str, device: torch.device | str, dtype: torch.dtype,
+            shape: tuple[int, int] | None = None) -> int:  # fmt: skip
+    """Up to how many rows `method` ("int4", "int8") layers quantize their `dtype` activations to int8 per group of k
+    (W4A8, W8A8) for `int4_activations` / `int8_activations` = setting ("auto", "int8", "float") on this device: 0
+    (never: float x), -1 (at every row count) or a count, measured on a weight of `shape` ([N, K]: the model's
+    gate/up projection; None: hpi_kernels' default). Only hpi_kernels' CPU panels (fp32 and bf16 x) have these ops.
+    "int8" takes them at every count; "auto" where the tile has integer dot products (int4: vpdpbusd with
+    AVX512-VNNI or vpmaddubsw in the AVX2 build; int8: vpdpbusd with AVX512-VNNI and -VBMI), not where it is plain
+    loops, and up to the row count where it measures faster than the float tiles on this CPU (hpi_kernels'
+    int4_a8_max_rows / int8_a8_max_rows: W4A8 at every count on the AVX512-VNNI EPYC, 12-16 rows with bf16 x on AMX
+    tiles; docs/quantization.md, "W4A8" and "W8A8"). ValueError for "int8" on another device."""
     if torch.device(device).type != "cpu":
         if setting == "int8":
-            raise ValueError(f"int4_activations int8 (W4A8) runs on CPU only, not {torch.device(device).type}")
+            raise ValueError(f"{method}_activations int8 (W{method[3]}A8) runs on CPU only, not "
+                             f"{torch.device(device).type}")  # fmt: skip
         return 0
     if setting == "int8":
         return -1
     if setting != "auto" or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    if not (cpu_kernels_available() and int4_a8_tile() in INTEGER_TILES):
+    tile, max_rows = _A8_TILES[method]
+    if not (cpu_kernels_available() and tile() != "portable"):
         return 0
-    return int4_a8_max_rows(dtype, shape or A8_DEFAULT_SHAPE)  # one cache entry per shape, named or not
+    return max_rows(dtype, shape or A8_DEFAULT_SHAPE)  # one cache entry per shape, named or not
 
 
 @dataclass(frozen=True)
@@ -148,8 +155,8 @@ class QuantizedLinear(nn.Module):
         dtype: torch.dtype,  # activation dtype
         device: torch.device,
         input_perm: torch.Tensor | None = None,  # [K] int64: the weight's columns are x's in this order
-        int4_activations: str = "float",  # "auto" | "int8" | "float": see int4_a8_rows
-        a8_max_rows: int = -1,  # int4_activations "int8": W4A8 up to this many rows, float x above (-1: all)
+        activations: str = "float",  # "auto" | "int8" | "float": x in int8 per group of k or not, see a8_rows
+        a8_max_rows: int = -1,  # activations "int8": x in int8 up to this many rows, float x above (-1: all)
     ) -> None:
         super().__init__()
         self.activation_dtype = dtype
@@ -158,11 +165,12 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.device_type = torch.device(device).type
         self.cpu_panels = uses_cpu_panels(weight, dtype, device)
-        # W4A8: int4 panels with x quantized to int8 per group (hpi_kernels' int4_a8_linear) up to a8_max_rows rows.
-        a8_rows = int4_a8_rows(int4_activations, device, dtype) if self.cpu_panels and self.method == "int4" else 0
-        if a8_rows == -1 and int4_activations == "int8":
-            a8_rows = a8_max_rows
-        self.int8_activations, self.a8_max_rows = a8_rows != 0, a8_rows
+        # W4A8 / W8A8: the panels with x quantized to int8 per group (hpi_kernels' int4_a8_linear, int8_a8_linear)
+        # up to a8_max_rows rows.
+        rows = a8_rows(self.method, activations, device, dtype) if self.cpu_panels else 0
+        if rows == -1 and activations == "int8":
+            rows = a8_max_rows
+        self.int8_activations, self.a8_max_rows = rows != 0, rows
 
         def frozen(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
@@ -237,7 +245,10 @@ class QuantizedLinear(nn.Module):
     def _panel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """hpi_kernels' C++ ops, called directly (opaque to torch.compile, which sees their fake kernels)."""
         x = rows.to(self.activation_dtype)
-        if self.method == "int8":
+        if self.method == "int8" and self.int8_activations:
+            out = torch.ops.hpi_kernels.int8_a8_linear(x, self.qweight, self.scales, self.out_features, self.bias,
+                                                       self.a8_max_rows)  # fmt: skip
+        elif self.method == "int8":
             out = torch.ops.hpi_kernels.int8_linear(x, self.qweight, self.scales, self.out_features, self.bias)
         elif self.int8_activations:
             out = torch.ops.hpi_kernels.int4_a8_linear(x, self.qweight, self.scales_and_zeros, self.group_size,

@@ -31,12 +31,12 @@ from hpi_runtime.models.moe import FusedExperts
 from hpi_runtime.models.parallel import mlp_span, split_heads
 from hpi_runtime.quantization.checkpoint import read_checkpoint_quantization
 from hpi_runtime.quantization.int4_fit import fit_int4
-from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, int4_a8_rows, op_dtype
+from hpi_runtime.quantization.linear import QuantizedLinear, QuantizedWeight, a8_rows, op_dtype
 from hpi_runtime.quantization.policy import DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 INT4_FITS = ("mse", "minmax")  # how int4 scales/zeros are chosen: the MSE search (default) or min/max
-INT4_ACTIVATIONS = ("auto", "int8", "float")  # int4 on CPU: W4A8 (int8 x per group) or float x; linear.py
+ACTIVATIONS = ("auto", "int8", "float")  # int4 / int8 on CPU: W4A8 / W8A8 (int8 x per group) or float x; linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
 # Measured (docs/quantization.md): on the embedded SmolLM2-135M group 32 keeps perplexity within 0.3% of
 # the float model where group 64 loses 12% (44% with plain min/max), for 4% fewer weight bytes (that
@@ -52,10 +52,14 @@ class QuantizationConfig:
     quantize_lm_head: bool = False  # untied heads only; a tied head shares the (float) embedding
     int4_fit: str = "mse"  # "mse" | "minmax": how int4 scales and zeros are chosen (int4_fit.py)
     int4_policy: str = DEFAULT_INT4_POLICY  # which linears int4 keeps at higher precision (quantization/policy.py)
-    int4_activations: str = "auto"  # "auto" | "int8" | "float": W4A8 on CPU panels (linear.int4_a8_rows)
+    int4_activations: str = "auto"  # "auto" | "int8" | "float": W4A8 on CPU panels (linear.a8_rows)
     # int4_activations "int8": W4A8 up to this many rows, float x above; -1 at every row count ("auto" resolves to
-    # the count measured on the device, linear.int4_a8_rows)
+    # the count measured on the device, linear.a8_rows)
     int4_a8_max_rows: int = -1
+    # The same for --quantization int8's linears: W8A8 on CPU panels (int4's mixed policy keeps its int8 q/k/v at
+    # float x, as it keeps their weights at int8: the layers rounding hurts most)
+    int8_activations: str = "auto"
+    int8_a8_max_rows: int = -1
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -66,25 +70,34 @@ class QuantizationConfig:
             raise ValueError(f"int4_fit must be one of {', '.join(INT4_FITS)}; got {self.int4_fit!r}")
         if self.int4_policy not in INT4_POLICIES:
             raise ValueError(f"int4_policy must be one of {', '.join(INT4_POLICIES)}; got {self.int4_policy!r}")
-        if self.int4_activations not in INT4_ACTIVATIONS:
-            raise ValueError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
-                             f"got {self.int4_activations!r}")  # fmt: skip
-        if self.int4_a8_max_rows < -1:
-            raise ValueError(f"int4_a8_max_rows must be -1 (every row count) or >= 0; got {self.int4_a8_max_rows}")
+        for method in ("int4", "int8"):
+            setting, max_rows = getattr(self, f"{method}_activations"), getattr(self, f"{method}_a8_max_rows")
+            if setting not in ACTIVATIONS:
+                raise ValueError(f"{method}_activations must be one of {', '.join(ACTIVATIONS)}; got {setting!r}")
+            if max_rows < -1:
+                raise ValueError(f"{method}_a8_max_rows must be -1 (every row count) or >= 0; got {max_rows}")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def a8_suffix(self, method: str) -> str:
+        """"-a8" (x in int8 at every row count), "-a8upto<n>" or "" for `method`'s linears ("auto" is resolved per
+        device first)."""
+        if getattr(self, f"{method}_activations") != "int8":
+            return ""
+        max_rows = getattr(self, f"{method}_a8_max_rows")
+        return "-a8" if max_rows == -1 else f"-a8upto{max_rows}"
+
     @property
     def scheme(self) -> str:
-        """The name the `hpi:quantization_info` metric and the start-up log give this quantization."""
+        """The name the `hpi:quantization_info` metric and the start-up log give this quantization, with x in int8
+        (W8A8, W4A8) as a suffix."""
+        if self.method == "int8":
+            return "int8" + self.a8_suffix("int8")
         if self.method != "int4":
             return self.method
-        activations = ""  # "auto" is resolved per device first
-        if self.int4_activations == "int8":
-            activations = "-a8" if self.int4_a8_max_rows == -1 else f"-a8upto{self.int4_a8_max_rows}"
-        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{activations}"
+        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{self.a8_suffix('int4')}"
 
 
 def quantize_weight(
@@ -239,23 +252,29 @@ def resolve_quantization(
                                 f"{checkpoint.scheme} (pre-quantized checkpoint, repacked at load)")  # fmt: skip
 
 
-def resolve_int4_activations(resolved: ResolvedQuantization, device: torch.device, dtype: torch.dtype,
-                             shape: tuple[int, int] | None = None) -> ResolvedQuantization:  # fmt: skip
-    """At-load int4's `int4_activations` made concrete for the device and activation dtype ("auto" -> "int8" up to
-    the row count W4A8 measures faster to on a weight of `shape`, the model's gate/up projection, or "float";
-    linear.int4_a8_rows), so that the scheme label, the log and the compile cache key say where the int4 layers run
-    W4A8. ValueError for "int8" on a GPU."""
+def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dtype: torch.dtype,
+                        shape: tuple[int, int] | None = None) -> ResolvedQuantization:  # fmt: skip
+    """At-load `int4_activations` (int4) or `int8_activations` (int8) made concrete for the device and activation
+    dtype ("auto" -> "int8" up to the row count where W4A8 / W8A8 measure faster on a weight of `shape`, the model's
+    gate/up projection, or "float"; linear.a8_rows), so that the scheme label, the log and the compile cache key say
+    where the linears take x in int8; the other format's setting becomes "float" (int4's int8 q/k/v keep float x).
+    ValueError for "int8" on a GPU."""
     config = resolved.config
-    if config.method != "int4":
+    if config.method == "none":
         return resolved
-    rows = int4_a8_rows(config.int4_activations, device, dtype, shape)
-    if config.int4_activations == "int8":
-        rows = config.int4_a8_max_rows
-    config = dataclasses.replace(config, int4_activations="int8" if rows else "float", int4_a8_max_rows=rows or -1)
-    detail = resolved.detail.replace(resolved.scheme, config.scheme, 1)
-    if rows:
-        upto = "" if rows == -1 else f" up to {rows} rows (the float tiles measured faster above)"
-        detail += f"; activations int8 per group of k for the int4 linears (W4A8){upto}"
+    changes, notes = {}, []
+    for method in ("int4", "int8"):
+        setting = getattr(config, f"{method}_activations")
+        rows = a8_rows(method, setting, device, dtype, shape) if config.method == method else 0
+        if setting == "int8" and config.method == method:
+            rows = getattr(config, f"{method}_a8_max_rows")
+        changes[f"{method}_activations"] = "int8" if rows else "float"
+        changes[f"{method}_a8_max_rows"] = rows or -1
+        if rows:
+            upto = "" if rows == -1 else f" up to {rows} rows (the float tiles measured faster above)"
+            notes.append(f"activations int8 per group of k for the {method} linears (W{method[3]}A8){upto}")
+    config = dataclasses.replace(config, **changes)
+    detail = "; ".join([resolved.detail.replace(resolved.scheme, config.scheme, 1), *notes])
     return dataclasses.replace(resolved, config=config, scheme=config.scheme, detail=detail)
 
 
@@ -274,9 +293,13 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | N
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
+        # x in int8 for the quantization's own method only: int4's int8 q/k/v and the LM head keep float x.
+        method = layer_config.method
+        activations = getattr(layer_config, f"{method}_activations") if method == config.method else "float"
+        activations = "float" if name == "lm_head" else activations
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device,
-                                    int4_activations=layer_config.int4_activations,
-                                    a8_max_rows=layer_config.int4_a8_max_rows)  # fmt: skip
+                                    activations=activations,
+                                    a8_max_rows=getattr(layer_config, f"{method}_a8_max_rows"))  # fmt: skip
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
         if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on

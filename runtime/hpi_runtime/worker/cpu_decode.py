@@ -31,7 +31,7 @@ from hpi_runtime.models.linear import LinearBase
 from hpi_runtime.quantization.linear import QuantizedLinear
 
 # LinearKind in decode_stack.cpp
-_UNPACKED, _PACKED, _INT8, _INT4, _INT4_A8 = 0, 1, 2, 3, 4
+_UNPACKED, _PACKED, _INT8, _INT4, _INT4_A8, _INT8_A8 = 0, 1, 2, 3, 4, 5
 # Activation in decode_stack.cpp, by GatedMLP's gate function
 _ACTIVATIONS = {silu_and_mul: 0, gelu_tanh_and_mul: 1, gelu_and_mul: 2}
 _NONE = torch.empty(0)
@@ -44,7 +44,8 @@ def _linear_args(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, to
             return f"a quantized linear without the C++ panels ({module.extra_repr()})"
         bias = _NONE if module.bias is None else module.bias
         if module.method == "int8":
-            return _INT8, module.qweight, module.scales, bias, module.out_features, 0
+            kind = _INT8_A8 if module.int8_activations else _INT8
+            return kind, module.qweight, module.scales, bias, module.out_features, 0
         kind = _INT4_A8 if module.int8_activations else _INT4
         return kind, module.qweight, module.scales_and_zeros, bias, module.out_features, module.group_size
     if isinstance(module, LinearBase):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_kernels.cpu import bf16_tile, int4_a8_linear, prefill_gemm
+from hpi_kernels.cpu import bf16_tile, int4_a8_linear, int8_a8_linear, prefill_gemm
 from hpi_runtime.attention.factory import get_attention_backend
 from hpi_runtime.models.config import load_model_config
 from hpi_runtime.models.linear import LinearBase
@@ -80,26 +80,29 @@ def test_cpu_panels_keep_fp32_activations_unrounded() -> None:
     assert (rounded - exact[:8]).abs().max() > 1e-3  # what the fallback would give, visibly
 
 
-def test_int4_layers_with_int8_activations_run_the_w4a8_op() -> None:
-    """int4_activations="int8": rows through hpi_kernels' int4_a8_linear (x rounded to int8 per group: close to,
-    not equal to, the float op) at any row count, prefill-sized too."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_layers_with_int8_activations_run_the_a8_ops(method: str) -> None:
+    """activations="int8": rows through hpi_kernels' int4_a8_linear (W4A8) / int8_a8_linear (W8A8) (x rounded to
+    int8 per group: close to, not equal to, the float op) at any row count, prefill-sized too."""
     generator = torch.Generator().manual_seed(2)
-    qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig("int4"), torch.bfloat16)
+    qw = quantize_weight(torch.randn(40, 128, generator=generator), QuantizationConfig(method), torch.bfloat16)
     bias = torch.randn(40, generator=generator)
-    a8 = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), int4_activations="int8")
-    plain = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), int4_activations="float")
+    a8 = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), activations="int8")
+    plain = QuantizedLinear(qw, bias, torch.float32, torch.device("cpu"), activations="float")
     assert a8.int8_activations and not plain.int8_activations
+
+    def direct(x: torch.Tensor) -> torch.Tensor:
+        if method == "int4":
+            return int4_a8_linear(x, a8.qweight, a8.scales_and_zeros, 32, 40, bias)
+        return int8_a8_linear(x, a8.qweight, a8.scales, 40, bias)
+
     x = torch.randn(7, 128, generator=generator)
-    direct = int4_a8_linear(x, a8.qweight, a8.scales_and_zeros, 32, 40, bias)
-    assert torch.equal(a8(x), direct)
+    assert torch.equal(a8(x), direct(x))
     assert not torch.equal(a8(x), plain(x))
     assert (a8(x) - plain(x)).norm() < 0.02 * plain(x).norm()  # x's rounding to 8 bits per group of 32
     long = torch.randn(400, 128, generator=generator)
-    assert torch.equal(a8(long), int4_a8_linear(long, a8.qweight, a8.scales_and_zeros, 32, 40, bias))
+    assert torch.equal(a8(long), direct(long))
     assert (a8(long) - plain(long)).norm() < 0.02 * plain(long).norm()
-    int8_layer = QuantizedLinear(quantize_weight(torch.randn(40, 128), QuantizationConfig("int8"), torch.bfloat16),
-                                 None, torch.float32, torch.device("cpu"), int4_activations="int8")  # fmt: skip
-    assert not int8_layer.int8_activations  # W4A8 is int4's
 
 
 def _tiny_model(model_dir: Path):

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpi_kernels.cpu import int4_a8_max_rows, int4_a8_tile
+from hpi_kernels.cpu import int4_a8_max_rows, int4_a8_tile, int8_a8_max_rows, int8_a8_tile
 from hpi_runtime.cli import build_parser
 from hpi_runtime.config import EngineArgs
 from hpi_runtime.engine_factory import create_engine, resolve_engine
 from hpi_runtime.llm import LLM
-from hpi_runtime.quantization.linear import QuantizedLinear, int4_a8_rows
+from hpi_runtime.quantization.linear import QuantizedLinear, a8_rows
 from hpi_runtime.quantization.policy import _RULES, DEFAULT_INT4_POLICY, INT4_POLICIES, describe_policy, layer_method
 from hpi_runtime.quantization.quantize import (
+    ACTIVATIONS,
     DEFAULT_INT4_GROUP_SIZE,
-    INT4_ACTIVATIONS,
     INT4_FITS,
     INT4_GROUP_SIZES,
     QuantizationConfig,
@@ -50,11 +50,13 @@ def test_serve_flags() -> None:
         assert build_parser().parse_args(["serve", "--int4-policy", policy]).int4_policy == policy
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--int4-policy", "q4_k_m"])
-    assert defaults.int4_activations == INT4_ACTIVATIONS[0] == "auto"
-    for activations in INT4_ACTIVATIONS:
-        assert build_parser().parse_args(["serve", "--int4-activations", activations]).int4_activations == activations
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--int4-activations", "int4"])
+    for method in ("int4", "int8"):
+        assert getattr(defaults, f"{method}_activations") == ACTIVATIONS[0] == "auto"
+        for activations in ACTIVATIONS:
+            parsed = build_parser().parse_args(["serve", f"--{method}-activations", activations])
+            assert getattr(parsed, f"{method}_activations") == activations
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", f"--{method}-activations", "int4"])
 
 
 def test_engine_reports_the_quantized_weight_footprint(tiny_model_dir: Path) -> None:
@@ -118,52 +120,79 @@ def test_policy_rules_pick_layers_by_position() -> None:
     assert describe_policy("mixed", 30) == "int8: qkv_proj of layers 0-29"
 
 
-def test_int4_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """auto is W4A8 exactly where its tile has integer dot products (not plain loops), up to the row count measured
-    (here set by HPI_CPU_INT4_A8_MAX_ROWS); the resolved choice is in the scheme label (and so in the metric and the
-    compile cache key) and reaches the int4 layers, not the int8 ones."""
+_A8 = {  # per weight format: its tile, its cached measurement, the variable that sets it, its scheme without x in int8
+    "int4": (int4_a8_tile, int4_a8_max_rows, "HPI_CPU_INT4_A8_MAX_ROWS", f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"),
+    "int8": (int8_a8_tile, int8_a8_max_rows, "HPI_CPU_INT8_A8_MAX_ROWS", "int8"),
+}
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         method: str) -> None:  # fmt: skip
+    """auto is W4A8 (W8A8) exactly where the tile has integer dot products (not plain loops), up to the row count
+    measured (here set by HPI_CPU_INT4_A8_MAX_ROWS / HPI_CPU_INT8_A8_MAX_ROWS); the resolved choice is in the scheme
+    label (and so in the metric and the compile cache key) and reaches that format's layers, not the other's."""
+    tile, measured, variable, base = _A8[method]
+    other = "int8" if method == "int4" else "int4"
+
     def scheme(**options) -> str:
+        options = {"quantization": method, **options}
         return resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), **options)).quantization_scheme
 
-    base = f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed"
-    integer_tile = int4_a8_tile() in ("vnni", "avx2")
+    integer_tile = tile() != "portable"
+    setting = f"{method}_activations"
     try:
         for rows, label in ((-1, "-a8"), (12, "-a8upto12"), (0, "")):
-            int4_a8_max_rows.cache_clear()
-            monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", str(rows))
-            assert scheme(quantization="int4") == base + (label if integer_tile else "")
-            assert scheme(quantization="int4", int4_activations="int8") == base + "-a8"  # every row count
-        monkeypatch.setenv("HPI_CPU_INT4_A8_MAX_ROWS", "2")
-        int4_a8_max_rows.cache_clear()
-        llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", kv_cache_memory_bytes=1 << 20,
+            measured.cache_clear()
+            monkeypatch.setenv(variable, str(rows))
+            assert scheme() == base + (label if integer_tile else "")
+            assert scheme(**{setting: "int8"}) == base + "-a8"  # every row count
+        monkeypatch.setenv(variable, "2")
+        measured.cache_clear()
+        llm = LLM(tiny_model_dir, dtype="float32", quantization=method, kv_cache_memory_bytes=1 << 20,
                   max_model_len=64)  # fmt: skip
         if integer_tile:
-            assert "W4A8) up to 2 rows" in llm.bundle.resolved.quantization_detail
+            assert f"W{method[3]}A8) up to 2 rows" in llm.bundle.resolved.quantization_detail
             down_proj = llm.engine.executor.model.model.layers[0].mlp.down_proj
             assert down_proj.a8_max_rows == 2 and "int8 activations up to 2 rows" in repr(down_proj)
         outs = llm.generate(["hello world", "a b c"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         assert [len(out.output_token_ids) for out in outs] == [8, 8]
         llm.shutdown()
     finally:
-        int4_a8_max_rows.cache_clear()
-    assert scheme(quantization="int4", int4_activations="float") == base
-    assert scheme(quantization="int8", int4_activations="int8") == "int8"
-    detail = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization="int4",
-                                                    int4_activations="int8")).quantization_detail  # fmt: skip
-    assert "W4A8" in detail
-    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8",
+        measured.cache_clear()
+    assert scheme(**{setting: "float"}) == base
+    assert scheme(**{setting: "int8", f"{other}_activations": "int8"}) == base + "-a8"  # the other's: no effect
+    assert scheme(**{f"{other}_activations": "int8", setting: "float"}) == base
+    detail = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization=method,
+                                                    **{setting: "int8"})).quantization_detail  # fmt: skip
+    assert f"W{method[3]}A8" in detail and f"W{other[3]}A8" not in detail
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        a8_rows(method, "int8", "cuda", torch.bfloat16)
+    assert a8_rows(method, "auto", "cuda", torch.bfloat16) == 0
+    assert a8_rows(method, "auto", "cpu", torch.float16) == 0  # fp16 x runs torch's ops, which have no W4A8 / W8A8
+    with pytest.raises(ValueError, match=f"{method}_a8_max_rows must be -1"):
+        QuantizationConfig(method, **{f"{method}_a8_max_rows": -3})
+    with pytest.raises(ValueError, match=f"{setting} must be one of"):
+        QuantizationConfig(method, **{setting: "int4"})
+
+
+def test_int8_q_k_v_and_the_head_keep_float_activations(tiny_model_dir: Path) -> None:
+    """x in int8 is for the quantization's own linears: int4's mixed policy keeps q/k/v at int8 weights and float
+    x (the layers rounding hurts most) whatever int8_activations says, and a quantized LM head keeps float x (its
+    logits: int8_logits)."""
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8", int8_activations="int8",
               kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+    assert llm.bundle.resolved.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed-a8"
     layer = llm.engine.executor.model.model.layers[0]
     assert layer.mlp.down_proj.int8_activations and not layer.self_attn.qkv_proj.int8_activations
-    assert "int8 activations" in repr(layer.mlp.down_proj)
+    assert layer.self_attn.qkv_proj.method == "int8"
+    llm.shutdown()
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int8", int8_activations="int8", quantize_lm_head=True,
+              kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+    model = llm.engine.executor.model
+    assert model.model.layers[0].self_attn.qkv_proj.int8_activations
+    assert "int8 activations" in repr(model.model.layers[0].self_attn.qkv_proj)
+    assert not model.lm_head.int8_activations
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 8
-    with pytest.raises(ValueError, match="runs on CPU only"):
-        int4_a8_rows("int8", "cuda", torch.bfloat16)
-    assert int4_a8_rows("auto", "cuda", torch.bfloat16) == 0
-    assert int4_a8_rows("auto", "cpu", torch.float16) == 0  # fp16 x runs torch's ops, which have no W4A8
-    with pytest.raises(ValueError, match="int4_a8_max_rows must be -1"):
-        QuantizationConfig("int4", int4_a8_max_rows=-3)
-    with pytest.raises(ValueError, match="int4_activations must be one of"):
-        QuantizationConfig("int4", int4_activations="int4")
+    llm.shutdown()

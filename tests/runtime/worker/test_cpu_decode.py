@@ -40,12 +40,14 @@ def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack
     # cpu_attention=False: the reference attention (gather + SDPA) instead of the C++ kernel.
     backend = PagedAttentionOpBackend(dtype, prefer_cpu_kernel=cpu_attention)
     model = load_model(config, dtype, cpu, backend)
-    # "int4" runs the float-activation int4 op, "int4-a8" W4A8 (int4_a8_linear), whatever this CPU's default;
-    # "int4-a8upto2" W4A8 up to 2 rows and the float tiles above (as "auto" where those measure faster).
+    # "int4" / "int8" run the float-activation ops, "int4-a8" / "int8-a8" W4A8 / W8A8 (int4_a8_linear,
+    # int8_a8_linear), whatever this CPU's default; "-a8upto2" x in int8 up to 2 rows and the
+    # float tiles above (as "auto" where those measure faster).
     method, _, a8 = quantization.partition("-")
     rows = int(a8.removeprefix("a8upto")) if a8.startswith("a8upto") else -1
-    quantize_model(model, QuantizationConfig(method=method, int4_activations="int8" if a8 else "float",
-                                             int4_a8_max_rows=rows))  # fmt: skip
+    activations = "int8" if a8 else "float"
+    quantize_model(model, QuantizationConfig(method=method, int4_activations=activations, int4_a8_max_rows=rows,
+                                             int8_activations=activations, int8_a8_max_rows=rows))  # fmt: skip
     if pack:
         pack_cpu_weights(model)
     allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, kv_dtype or dtype), cpu)
@@ -66,6 +68,8 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("llama", {}, "none", False),  # weights left unpacked: at::linear
         ("llama", {"dtype": "bfloat16"}, "none", True),  # a bf16 checkpoint in fp32: bf16 panels, fp32 x
         ("llama", {}, "int8", True),
+        ("llama", {}, "int8-a8", True),  # W8A8
+        ("llama", {}, "int8-a8upto2", True),
         ("llama", {}, "int4", True),
         ("llama", {}, "int4-a8", True),  # W4A8: x quantized to int8 per group in the stack as in the model
         ("llama", {}, "int4-a8upto2", True),  # and the float tiles for steps of 3-4 rows, in both
@@ -76,8 +80,9 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("gemma2", {}, "none", True),  # sandwich norms, GELU-tanh, soft-caps, alternating windows, unit offsets
         ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
-    ids=["packed", "unpacked", "bf16-checkpoint", "int8", "int4", "int4-a8", "int4-a8-up-to-2-rows", "qwen2-bias",
-         "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm", "gemma2", "gemma3-int4"],
+    ids=["packed", "unpacked", "bf16-checkpoint", "int8", "int8-a8", "int8-a8-up-to-2-rows", "int4", "int4-a8",
+         "int4-a8-up-to-2-rows", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm", "gemma2",
+         "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
