@@ -2,8 +2,8 @@
 576, gate/up 3072 x 576, down 576 x 1536; --layers layers of distinct weights, which together do not fit the
 caches) at decode-sized row counts, per weight format, timed in alternation in one process (median of
 --rounds): packed fp32 and bf16 (hpi_kernels.packed_linear), torch's own int8/int4 CPU ops (what
-QuantizedLinear ran before hpi_kernels' quantized panels), and hpi_kernels' int8_linear / int4_linear /
-int4_a8_linear (W4A8: x quantized to int8 per group). Prints
+QuantizedLinear ran before hpi_kernels' quantized panels), and hpi_kernels' int8_linear / int8_a8_linear (W8A8) /
+int4_linear / int4_a8_linear (W4A8; both a8 ops quantize x to int8 per group). Prints
 microseconds per pass over the layers and ratios against the faster unquantized format.
 
     .venv/bin/python bench/bench_quant_linear.py --rows 1 8 32 64
@@ -20,7 +20,14 @@ from collections.abc import Callable
 import torch
 
 from hpi_kernels.cpu import pack_linear_weight, packed_linear
-from hpi_kernels.cpu.quant_linear import int4_a8_linear, int4_linear, int8_linear, pack_int4_weight, pack_int8_weight
+from hpi_kernels.cpu.quant_linear import (
+    int4_a8_linear,
+    int4_linear,
+    int8_a8_linear,
+    int8_linear,
+    pack_int4_weight,
+    pack_int8_weight,
+)
 from hpi_kernels.quant import quantize_int4, quantize_int8, to_torch_scales_and_zeros, unpack_int4
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -40,6 +47,7 @@ def _layer_calls(dtype: torch.dtype, rows: int, layers: int) -> dict[str, Callab
         q8, s8 = quantize_int8(w, torch.bfloat16)
         p8, sc8 = pack_int8_weight(q8, s8)
         calls.setdefault(f"int8 hpi {name}", []).append(lambda x=x, p=p8, s=sc8, n=n: int8_linear(x, p, s, n))
+        calls.setdefault(f"int8 a8 hpi {name}", []).append(lambda x=x, p=p8, s=sc8, n=n: int8_a8_linear(x, p, s, n))
         q4, s4, z4 = quantize_int4(w, GROUP_SIZE, torch.bfloat16)
         p4, sz4 = pack_int4_weight(q4, s4, z4, GROUP_SIZE)
         calls.setdefault(f"int4 hpi {name}", []).append(

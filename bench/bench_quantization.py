@@ -11,8 +11,12 @@ change shows there only). Ratios are against
 baseline a user would pick on this machine), same machine, same run. int4 variants are named by scheme
 (`int4-g<group>-<fit>-<policy>[-a8]`): `--int4-schemes minmax-uniform mse-mixed` compares the min/max rounding
 of before issue 17 with the MSE fit and the mixed-precision policy; `mse-mixed-float mse-mixed-int8` int4 with
-float and with int8 activations (W4A8, `--int4-activations`). The answer column is the greedy answer to
-the bare "What is the capital of France?". The CPU's bf16 ISA is recorded with the results.
+float and with int8 activations (W4A8, `--int4-activations`); `--int8-activations float int8` the int8 variant
+with float and with int8 activations (W8A8). The answer column is the greedy answer to the bare "What is the
+capital of France?", whose first token is a near-tie in this model (0.14 nat between "The" and "L" in bf16);
+the agreement columns count, over 40 short chat prompts, the greedy answers (16 tokens) whose first token and
+whose 16 tokens equal the first variant's (the fp32 model where --dtypes starts with float32). The CPU's bf16
+ISA is recorded with the results.
 
     .venv/bin/python bench/bench_quantization.py                           # fp32, N = 1 and 32
     .venv/bin/python bench/bench_quantization.py --dtypes float32 bfloat16 --group-sizes 32 64
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hpi_kernels.cpu import int4_a8_tile
+from hpi_kernels.cpu import int4_a8_tile, int8_a8_tile
 from hpi_runtime.evaluation.perplexity import perplexity
 from hpi_runtime.llm import LLM
 from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
@@ -39,6 +43,12 @@ from hpi_runtime.sampling_params import SamplingParams
 TEXT_PATH = Path(__file__).resolve().parent.parent / "tests/runtime/quantization/data/ppl_text.txt"
 PERPLEXITY_CHUNK = 64  # tokens per chunk of the second perplexity: decode-sized row counts for the linears
 PROMPTS = ["The capital of France is", "Once upon a time, there", "The best way to learn is", "Rivers flow"]
+_TOPICS = ("the moon", "photosynthesis", "the French revolution", "prime numbers", "volcanoes", "the internet",
+           "coffee", "black holes", "the Roman empire", "DNA", "rainbows", "jazz", "chess", "penguins", "gravity",
+           "the Eiffel Tower", "electricity", "honey bees", "the Pacific Ocean", "Shakespeare")  # fmt: skip
+AGREEMENT_CHATS = [[{"role": "user", "content": f"Tell me one fact about {topic}."}] for topic in _TOPICS] + [
+    [{"role": "user", "content": f"What is {a} plus {a + 4}?"}] for a in range(3, 23)]  # fmt: skip
+AGREEMENT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,9 @@ class Result:
     perplexity: float  # one prefill of the text: linears over the long-prefill path
     perplexity_chunked: float  # the text in chunks of PERPLEXITY_CHUNK tokens: linears over decode's kernels
     answer: str
+    # Of the AGREEMENT_CHATS' greedy answers, how many have the first variant's first token / all its tokens
+    agrees_first: int
+    agrees_all: int
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class Variant:
     int4_fit: str = "mse"
     int4_policy: str = "mixed"
     int4_activations: str = "auto"  # "auto" | "int8" (W4A8) | "float"
+    int8_activations: str = "auto"  # the int8 linears' (int8, int4's mixed q/k/v): "auto" | "int8" (W8A8) | "float"
     quantize_lm_head: bool = False  # int8/int4: the LM head too (a tied head becomes int8, shared with the embeddings)
 
 
@@ -80,7 +94,8 @@ def _load(variant: Variant) -> tuple[LLM, float]:
     start = time.perf_counter()
     llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
               int4_fit=variant.int4_fit, int4_policy=variant.int4_policy,
-              int4_activations=variant.int4_activations, kv_cache_memory_bytes=256 << 20,
+              int4_activations=variant.int4_activations, int8_activations=variant.int8_activations,
+              kv_cache_memory_bytes=256 << 20,
               max_model_len=1024, quantize_lm_head=variant.quantize_lm_head and variant.method != "none")  # fmt: skip
     return llm, time.perf_counter() - start
 
@@ -108,8 +123,14 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
     results = []
     ids = loaded[0][0].tokenizer.encode(TEXT_PATH.read_text())
     chat = [{"role": "user", "content": "What is the capital of France?"}]
+    reference: list[list[int]] = []
     for i, (variant, (llm, load_s)) in enumerate(zip(variants, loaded, strict=True)):
         answer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].text
+        greedy = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+        answers = [list(o.output_token_ids) for o in llm.chat(AGREEMENT_CHATS, greedy)]
+        reference = reference or answers
+        agrees_first = sum(a[0] == r[0] for a, r in zip(answers, reference, strict=True))
+        agrees_all = sum(a == r for a, r in zip(answers, reference, strict=True))
         # Last: perplexity() gives the model a private KV cache, so the engine must be done with it.
         executor = llm.engine.executor
         ppl = perplexity(executor.model, executor.runner.backend, ids)
@@ -119,7 +140,7 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
                               llm.bundle.resolved.quantization_scheme,
                               variant.quantize_lm_head and variant.method != "none", llm.bundle.footprint.weight_bytes,
                               load_s,
-                              tokens_per_s, ppl, ppl_chunked, answer))  # fmt: skip
+                              tokens_per_s, ppl, ppl_chunked, answer, agrees_first, agrees_all))  # fmt: skip
         llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
     return results
@@ -130,7 +151,8 @@ def table(results: list[Result], concurrency: list[int]) -> str:
     for n in concurrency:
         head += [f"tok/s @{n}", "x none", "x best"]
     head += ["perplexity", "x none", f"perplexity, {PERPLEXITY_CHUNK}-token chunks", "x none",
-             "answer to 'capital of France?'"]  # fmt: skip
+             "answer to 'capital of France?'", f"agrees with {results[0].dtype} {results[0].scheme}: 1st token",
+             f"all {AGREEMENT_TOKENS}"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {r.dtype: r for r in results if r.method == "none"}
     best = {n: max((r.tokens_per_s[n] for r in base.values()), default=None) for n in concurrency}
@@ -143,7 +165,8 @@ def table(results: list[Result], concurrency: list[int]) -> str:
             row += [f"{r.tokens_per_s[n]:.1f}", f"{r.tokens_per_s[n] / b.tokens_per_s[n]:.2f}",
                     f"{r.tokens_per_s[n] / best_n:.2f}"]  # fmt: skip
         row += [f"{r.perplexity:.2f}", f"{r.perplexity / b.perplexity:.3f}", f"{r.perplexity_chunked:.2f}",
-                f"{r.perplexity_chunked / b.perplexity_chunked:.3f}", r.answer.replace("|", "/")]  # fmt: skip
+                f"{r.perplexity_chunked / b.perplexity_chunked:.3f}", r.answer.replace("|", "/"),
+                f"{r.agrees_first}/{len(AGREEMENT_CHATS)}", f"{r.agrees_all}/{len(AGREEMENT_CHATS)}"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -159,6 +182,8 @@ def main() -> None:
     parser.add_argument("--int4-schemes", nargs="+", default=["mse-mixed"],
                         help="int4 <fit>-<policy>[-<activations>] to try, e.g. minmax-uniform mse-mixed "
                              "mse-mixed-int8 mse-mixed-float (activations: hpi serve --int4-activations)")
+    parser.add_argument("--int8-activations", nargs="+", default=["auto"], choices=["auto", "int8", "float"],
+                        help="the int8 variant once per value (hpi serve --int8-activations: int8 is W8A8)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--quantize-lm-head", action="store_true",
@@ -170,12 +195,14 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} (the machine may be shared)", flush=True)  # fmt: skip
     load_before = os.getloadavg()[0]
     variants = [
-        Variant(dtype, method, group_size, *scheme.split("-"), quantize_lm_head=args.quantize_lm_head)
+        Variant(dtype, method, group_size, *scheme.split("-"), int8_activations=int8_activations,
+                quantize_lm_head=args.quantize_lm_head)  # fmt: skip
         for dtype in args.dtypes
         for method in args.methods
         if method == "none" or dtype in (args.quantized_dtypes or args.dtypes)
         for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
         for scheme in (args.int4_schemes if method == "int4" else ["mse-mixed"])
+        for int8_activations in (args.int8_activations if method == "int8" else ["auto"])
     ]
     results = measure_all(variants, args.concurrency, args.max_tokens, args.rounds)
     print(table(results, args.concurrency))
@@ -183,6 +210,7 @@ def main() -> None:
     if args.json:
         payload = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_bf16": cpu_isa(),
                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "int4_a8_tile": int4_a8_tile(),
+                   "int8_a8_tile": int8_a8_tile(),
                    "load_average": [load_before, os.getloadavg()[0]],
                    "results": [asdict(r) for r in results]}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
