@@ -77,7 +77,7 @@ class Variant:
     int4_fit: str = "mse"
     int4_policy: str = "mixed"
     int4_activations: str = "auto"  # "auto" | "int8" (W4A8) | "float"
-    int8_activations: str = "auto"  # the int8 linears' (int8, int4's mixed q/k/v): "auto" | "int8" (W8A8) | "float"
+    int8_activations: str = "auto"  # --quantization int8's linears: "auto" | "int8" (W8A8) | "float"
     quantize_lm_head: bool = False  # int8/int4: the LM head too (a tied head becomes int8, shared with the embeddings)
 
 

@@ -23,6 +23,9 @@
 // - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
 //   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw in the AVX2 build, plain loops elsewhere),
 //   up to its max_rows (every row count by default).
+// - int8_a8_linear (W8A8): the int8 panels as they are against x quantized likewise per group of 32 k, products
+//   summed exactly in int32 (vpdpbusd over panel rows regrouped by vpermi2b on CPUs with AVX512-VNNI and -VBMI,
+//   plain loops elsewhere), up to its max_rows.
 // - On CPUs with AMX, where the packed bf16 linear runs AMX tiles (amx_tile), int8_linear / int8_logits and
 //   int4_linear with bf16 x run them too from kMinAmxRows rows up to prefill size (packed_linear_amx.cpp): each
 //   panel dequantized to bf16 pairs, int8 exactly (its scales multiply the sums), int4's (q - 8) * scale + zero
