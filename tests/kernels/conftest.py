@@ -99,16 +99,18 @@ def tol():
 _LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
 
 
-def run_at_lower_capability(test_files: list[str], capability: str, selection: str) -> None:
+def run_at_lower_capability(test_files: list[str], capability: str, selection: str,
+                            extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
     """Re-run the tests of `test_files` that `selection` (-k) picks in one child whose torch dispatches to the
     lower instruction set `capability`, so that the C++ CPU kernels' AVX2 (CI) and generic builds are checked
     on every machine that can run them; skips where `capability` is not below this machine's. The child sees
-    HPI_EXPECT_CPU_CAPABILITY, for a test that checks which build it loaded."""
+    HPI_EXPECT_CPU_CAPABILITY, for a test that checks which build it loaded, and `extra_env`."""
     from hpi_kernels.cpu import cpu_capability
 
     if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
         pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability,
+           **(extra_env or {})}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider", "-k", selection],
         capture_output=True,

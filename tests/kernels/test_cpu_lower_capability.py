@@ -28,3 +28,12 @@ def test_lower_capability_builds_agree(capability) -> None:
     register tiles), quantized linears (widening) and the LoRA delta (vector widths, pair widening) under each
     build."""
     run_at_lower_capability([str(HERE / name) for name in FILES], capability, SELECTION)
+
+
+@pytest.mark.slow
+def test_avx2_build_without_avx_vnni_agrees() -> None:
+    """On a CPU with AVX-VNNI the AVX2 build's W4A8 / W8A8 take their AVX-VNNI tiles (the child run above); with
+    HPI_CPU_AVX_VNNI=0 they take the vpmaddubsw and portable tiles that an AVX2-only CPU runs, checked here too."""
+    if "avx_vnni" not in set(Path("/proc/cpuinfo").read_text().split()):
+        pytest.skip("no AVX-VNNI on this CPU: the AVX2 child run above already takes the tiles without it")
+    run_at_lower_capability([str(HERE / "test_cpu_quant_linear.py")], "AVX2", "a8", {"HPI_CPU_AVX_VNNI": "0"})

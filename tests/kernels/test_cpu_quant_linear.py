@@ -8,10 +8,13 @@ turn (forced_packed_bf16_tile): the fp32 tiles over x widened (as fp32 x runs), 
 and the AMX tiles over each panel dequantized to bf16 (AMX-BF16; one or two blocks of 16 rows dequantize a step
 at a time, more blocks a whole panel). W4A8 and W8A8 (x quantized to int8 per row and group of k, summed in
 exact integer arithmetic) against the fp64 reference over x quantized the same way. The AVX2 and generic builds run
-this file again in child processes.
+this file again in child processes (the AVX2 build twice on a CPU with AVX-VNNI: with its AVX-VNNI tiles and
+without).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -158,9 +161,10 @@ def _a8_reference(x: torch.Tensor, quantized, group_size: int, bias: torch.Tenso
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_int4_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int, in_features: int, group_size: int,
                                                                dtype: torch.dtype) -> None:  # fmt: skip
-    """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 build's child run takes its vpmaddubsw tile, the
-    generic build's the portable one) is exactly the integer dot products of x's int8 codes: within fp32's
-    tolerance of the fp64 reference over x quantized the same way, at every row count (prefill-sized x too)."""
+    """W4A8 (the vpdpbusd tile on AVX512-VNNI CPUs; the AVX2 build's child runs take its AVX-VNNI tile where the CPU
+    has it and its vpmaddubsw tile, the generic build's the portable one) is exactly the integer dot products of
+    x's int8 codes: within fp32's tolerance of the fp64 reference over x quantized the same way, at every row count
+    (prefill-sized x too)."""
     quantized, dequantized = _int4(out_features, in_features, group_size)
     packed, scales_zeros = pack_int4_weight(*quantized, group_size)
     bias = torch.randn(out_features).to(dtype)
@@ -186,10 +190,12 @@ def _check_a8(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize(("out_features", "in_features"), INT8_SHAPES)
 def test_int8_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int, in_features: int,
                                                                dtype: torch.dtype) -> None:  # fmt: skip
-    """W8A8 (the vpdpbusd tile where int8_a8_tile() is "vnni"; the AVX2 and generic builds' child runs take the
-    portable one) is exactly the integer dot products of x's int8 codes, per group of 32 k: within fp32's rounding
-    of the fp64 reference over x quantized the same way, at every row count (partial tiles of 8 rows, two chunks,
-    prefill-sized x too). K no multiple of 32 (40) is int8_linear's result, bit for bit."""
+    """W8A8 (the vpdpbusd tile where int8_a8_tile() is "vnni"; the AVX2 build's child runs take its AVX-VNNI tile
+    where the CPU has it, which regroups the panels by byte and word unpacks and keeps its columns in a permuted
+    order until the end, and the portable one, as the generic build does) is exactly the integer dot products of
+    x's int8 codes, per group of 32 k: within fp32's rounding of the fp64 reference over x quantized the same way, at
+    every row count (partial tiles of 8 rows, two chunks, prefill-sized x too). K no multiple of 32 (40) is
+    int8_linear's result, bit for bit."""
     (qweight, scales), dequantized = _int8(out_features, in_features)
     packed, packed_scales = pack_int8_weight(qweight, scales)
     bias = torch.randn(out_features).to(dtype)
@@ -345,10 +351,12 @@ def test_a8_max_rows_is_measured_once_or_set(method: str, max_rows, monkeypatch:
 def test_a8_tiles_name_this_cpus_path() -> None:
     capability = torch.backends.cpu.get_cpu_capability()  # the build in use (the child runs force AVX2, DEFAULT)
     flags = set(open("/proc/cpuinfo").read().split())
+    # The AVX2 build's AVX-VNNI tiles, unless HPI_CPU_AVX_VNNI=0 (a child run keeps the vpmaddubsw / portable ones)
+    avx_vnni = capability == "AVX2" and "avx_vnni" in flags and os.environ.get("HPI_CPU_AVX_VNNI") != "0"
     expected = {"AVX512": "vnni" if "avx512_vnni" in flags else "portable", "AVX2": "avx2"}.get(capability, "portable")
-    assert int4_a8_tile() == expected
+    assert int4_a8_tile() == ("avxvnni" if avx_vnni else expected)
     vnni_vbmi = capability == "AVX512" and {"avx512_vnni", "avx512vbmi"} <= flags  # vpermi2b regroups the panels
-    assert int8_a8_tile() == ("vnni" if vnni_vbmi else "portable")
+    assert int8_a8_tile() == ("vnni" if vnni_vbmi else "avxvnni" if avx_vnni else "portable")
 
 
 def test_bf16_prefill_with_either_gemm(forced_prefill_gemm: str) -> None:

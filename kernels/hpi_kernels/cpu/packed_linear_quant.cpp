@@ -21,11 +21,11 @@
 // amortizes. A row's result does not depend on the other rows below that size.
 //
 // - int4_a8_linear (W4A8): the int4 panels against x quantized to int8 per row and group of k, products summed
-//   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw in the AVX2 build, plain loops elsewhere),
-//   up to its max_rows (every row count by default).
+//   exactly in int32 (vpdpbusd on CPUs with AVX512-VNNI, and in the AVX2 build on CPUs with AVX-VNNI; else
+//   vpmaddubsw in the AVX2 build, plain loops elsewhere), up to its max_rows (every row count by default).
 // - int8_a8_linear (W8A8): the int8 panels as they are against x quantized likewise per group of 32 k, products
-//   summed exactly in int32 (vpdpbusd over panel rows regrouped by vpermi2b on CPUs with AVX512-VNNI and -VBMI,
-//   plain loops elsewhere), up to its max_rows.
+//   summed exactly in int32 (vpdpbusd over panel rows regrouped by vpermi2b on CPUs with AVX512-VNNI and -VBMI, or
+//   by byte and word unpacks in the AVX2 build on CPUs with AVX-VNNI; plain loops elsewhere), up to its max_rows.
 // - On CPUs with AMX, where the packed bf16 linear runs AMX tiles (amx_tile), int8_linear / int8_logits and
 //   int4_linear with bf16 x run them too from kMinAmxRows rows up to prefill size (packed_linear_amx.cpp): each
 //   panel dequantized to bf16 pairs, int8 exactly (its scales multiply the sums), int4's (q - 8) * scale + zero
@@ -33,8 +33,8 @@
 //   rows' products; int8's paths differ by summation order only.
 //
 // Widening uses AVX512 / AVX2 intrinsics in those builds (_extension.py builds one per CPU capability) and
-// plain loops in the generic one; the vdpbf16ps and vpdpbusd tiles exist in the AVX512 build only, the
-// vpmaddubsw W4A8 tile in the AVX2 build only.
+// plain loops in the generic one; the vdpbf16ps and 512-bit vpdpbusd tiles exist in the AVX512 build only, the
+// vpmaddubsw W4A8 tile and the AVX-VNNI (256-bit vpdpbusd) W4A8 / W8A8 tiles in the AVX2 build only.
 
 #include "cpu_vec.h"
 #include "packed_linear.h"
@@ -755,6 +755,71 @@ void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, c
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX-VNNI (vpdpbusd on 256-bit vectors, VEX-encoded) in the AVX2 build: CPUs with AVX2 and AVX-VNNI but no AVX512
+// (Intel's E-core Xeons such as Sierra Forest, Alder Lake and later client cores) sum four byte products per 32-bit
+// lane in one instruction where vpmaddubsw + vpmaddwd + vpaddd take three. HPI_CPU_AVX_VNNI=0 keeps the vpmaddubsw
+// tiles (the tests run both on a CPU that has it).
+bool cpu_has_avx_vnni() {
+  static const bool available = [] {
+    const char* setting = std::getenv("HPI_CPU_AVX_VNNI");
+    return __builtin_cpu_supports("avxvnni") && !(setting != nullptr && std::strcmp(setting, "0") == 0);
+  }();
+  return available;
+}
+
+constexpr int kMrA8Avxvnni = 4;  // rows per W4A8 / W8A8 AVX-VNNI tile: 8 int32 sums of 16 registers
+
+// W4A8 with AVX-VNNI: tile_int4_a8_vnni's scheme on 8-column vectors, 4 rows a tile.
+template <int R>
+__attribute__((target("avxvnni"))) void tile_int4_a8_avxvnni(const TileArgs& t, const Int8Rows& x, const int32_t* b,
+                                                             const int32_t* scales_zeros, int64_t group_size,
+                                                             const float* x_sums, const int32_t* next, int64_t phase,
+                                                             int64_t step) {
+  static_assert(kVecSize == 8, "AVX2: 8 columns per vector");
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
+    }
+    for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
+      __m256i low[kNrVecs], high[kNrVecs];
+      for (int v = 0; v < kNrVecs; ++v) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k8 * kNr + v * kVecSize));
+        low[v] = _mm256_and_si256(words, nibble);
+        high[v] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble);
+      }
+      prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
+      for (int r = 0; r < R; ++r) {
+        int32_t first, second;
+        std::memcpy(&first, codes + r * t.K + 8 * k8, sizeof(first));
+        std::memcpy(&second, codes + r * t.K + 8 * k8 + 4, sizeof(second));
+        const __m256i x_low = _mm256_set1_epi32(first), x_high = _mm256_set1_epi32(second);
+        for (int v = 0; v < kNrVecs; ++v) {
+          part[r][v] = _mm256_dpbusd_avx_epi32(part[r][v], low[v], x_low);
+          part[r][v] = _mm256_dpbusd_avx_epi32(part[r][v], high[v], x_high);
+        }
+      }
+    }
+    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
+    }
+    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+#endif
+
 // W8A8 (int8_a8_linear): the int8 panels against x quantized per row and group of kA8Group k (int8_rows<false>).
 // The tiles multiply x's codes by the weight's code + 128 (its sign bit flipped: an unsigned byte, as vpdpbusd
 // wants) and start each group's int32 sums at -128 * the sum of x's codes, so that they come out as
@@ -774,7 +839,7 @@ __attribute__((always_inline)) inline void add_a8_group(const Vec (&sums)[R][kNr
   }
 }
 
-// W8A8 in plain loops: any CPU (tested everywhere; the runtime takes W8A8 by default only where it is "vnni").
+// W8A8 in plain loops: any CPU (tested everywhere; the runtime takes W8A8 by default only on the vpdpbusd tiles).
 template <int R>
 void tile_int8_a8(const TileArgs& t, const Int8Rows& x, const int8_t* b) {
   const int64_t groups = x.groups;
@@ -863,23 +928,82 @@ __attribute__((target("avx512vnni,avx512vbmi"))) void tile_int8_a8_vnni(const Ti
 }
 #endif
 
-// Which W8A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI with AVX512-VBMI) or "portable" (the
-// int8_a8_tile op; the runtime takes W8A8 by default only where it is "vnni").
+#if defined(CPU_CAPABILITY_AVX2)
+// W8A8 with AVX-VNNI: four panel rows (k .. k + 3, 16 columns each) turn into two vectors whose 32-bit lanes hold a
+// column's four codes (byte and word unpacks within 128-bit halves, no VBMI here), the sign bits flipped. The first
+// vector holds columns 0-3 and 8-11, the second 4-7 and 12-15; the tile keeps its sums in that order and puts them
+// back in column order once, before store_tile.
+template <int R>
+__attribute__((target("avxvnni"))) void tile_int8_a8_avxvnni(const TileArgs& t, const Int8Rows& x, const int8_t* b,
+                                                             const int8_t* next, int64_t phase, int64_t step) {
+  static_assert(kVecSize == 8 && kNr == 16, "AVX2: 8 columns per vector, 16 per panel row");
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m256i sign = _mm256_set1_epi8(static_cast<char>(0x80));
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
+    }
+    for (int64_t k4 = g * kA8Group / 4; k4 < (g + 1) * kA8Group / 4; ++k4) {
+      const __m256i rows01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4 * k4 * kNr));
+      const __m256i rows23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (4 * k4 + 2) * kNr));
+      const __m256i even = _mm256_permute2x128_si256(rows01, rows23, 0x20);  // rows k, k + 2
+      const __m256i odd = _mm256_permute2x128_si256(rows01, rows23, 0x31);   // rows k + 1, k + 3
+      const __m256i low = _mm256_unpacklo_epi8(even, odd);   // columns 0-7: (k, k + 1) pairs | (k + 2, k + 3)
+      const __m256i high = _mm256_unpackhi_epi8(even, odd);  // columns 8-15, likewise
+      const __m256i first_pairs = _mm256_permute2x128_si256(low, high, 0x20);   // (k, k + 1): 0-7 | 8-15
+      const __m256i second_pairs = _mm256_permute2x128_si256(low, high, 0x31);  // (k + 2, k + 3): 0-7 | 8-15
+      const __m256i w[kNrVecs] = {_mm256_xor_si256(_mm256_unpacklo_epi16(first_pairs, second_pairs), sign),
+                                  _mm256_xor_si256(_mm256_unpackhi_epi16(first_pairs, second_pairs), sign)};
+      prefetch_line<4 * kNr>(bytes, next_bytes, k4, countdown, step);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, codes + r * t.K + 4 * k4, sizeof(four));
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_dpbusd_avx_epi32(part[r][v], w[v], xv);
+      }
+    }
+    Vec sums[R][kNrVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
+    }
+    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+  }
+  for (int r = 0; r < R; ++r) {  // columns (0-3, 8-11), (4-7, 12-15) -> 0-7, 8-15
+    const __m256 first = acc[r][0], second = acc[r][1];
+    acc[r][0] = _mm256_permute2f128_ps(first, second, 0x20);
+    acc[r][1] = _mm256_permute2f128_ps(first, second, 0x31);
+  }
+  store_tile<R>(t, acc);
+}
+#endif
+
+// Which W8A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI with AVX512-VBMI), "avxvnni" (the AVX2 build on
+// a CPU with AVX-VNNI) or "portable" (the int8_a8_tile op; the runtime takes W8A8 by default where it is not
+// "portable").
 std::string int8_a8_tile() {
 #if defined(CPU_CAPABILITY_AVX512)
   return cpu_has_vnni_vbmi() ? "vnni" : "portable";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return cpu_has_avx_vnni() ? "avxvnni" : "portable";
 #else
   return "portable";
 #endif
 }
 
-// Which W4A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI), "avx2" or "portable" (the int4_a8_tile
-// op; the runtime takes W4A8 by default where it is not "portable").
+// Which W4A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI), "avxvnni" (the AVX2 build on a CPU with
+// AVX-VNNI), "avx2" or "portable" (the int4_a8_tile op; the runtime takes W4A8 by default where it is not "portable").
 std::string int4_a8_tile() {
 #if defined(CPU_CAPABILITY_AVX512)
   return cpu_has_vnni() ? "vnni" : "portable";
 #elif defined(CPU_CAPABILITY_AVX2)
-  return "avx2";
+  return cpu_has_avx_vnni() ? "avxvnni" : "avx2";
 #else
   return "portable";
 #endif
@@ -1103,6 +1227,16 @@ at::Tensor int8_a8_linear(const at::Tensor& x, const at::Tensor& packed, const a
                          });
     return p.out;
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx_vnni()) {
+    run_tiles<kMrA8Avxvnni>(p, nullptr, 0, scale, p.K * kNr, panels,
+                            [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                                int64_t phase, int64_t step) {
+                              tile_int8_a8_avxvnni<decltype(height)::value>(args, rows, codes(panel), codes(next),
+                                                                           phase, step);
+                            });
+    return p.out;
+  }
 #endif
   run_tiles<kMrInt8A8>(p, nullptr, 0, scale, p.K * kNr, panels,
                        [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t*, int64_t,
@@ -1225,6 +1359,16 @@ at::Tensor int4_linear_impl(const char* op, const at::Tensor& x, const at::Tenso
       return p.out;
     }
 #elif defined(CPU_CAPABILITY_AVX2)
+    if (cpu_has_avx_vnni()) {
+      run_tiles<kMrA8Avxvnni>(p, nullptr, 0, nullptr, panel_bytes, panels,
+                              [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel,
+                                  const uint8_t* next, int64_t phase, int64_t step) {
+                                tile_int4_a8_avxvnni<decltype(height)::value>(
+                                    args, rows, words(panel), sz + q * groups * kNr, group_size,
+                                    x_sums.data() + args.row * groups, words(next), phase, step);
+                              });
+      return p.out;
+    }
     run_tiles<kMrInt4A8>(p, nullptr, 0, nullptr, panel_bytes, panels,
                          [&](auto height, const TileArgs& args, int64_t q, const uint8_t* panel, const uint8_t* next,
                              int64_t phase, int64_t step) {

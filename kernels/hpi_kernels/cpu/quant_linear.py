@@ -81,9 +81,9 @@ def int8_a8_linear(
 
 
 def int8_a8_tile() -> str:
-    """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI) or "portable" (plain integer
-    loops, correct anywhere and slower than int8_linear's float tiles: the runtime takes W8A8 by default only on
-    "vnni")."""
+    """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI), "avxvnni" (256-bit vpdpbusd,
+    the AVX2 build on a CPU with AVX-VNNI, unless HPI_CPU_AVX_VNNI=0) or "portable" (plain integer loops, correct
+    anywhere and slower than int8_linear's float tiles: the runtime takes W8A8 by default only on the other two)."""
     load_extension()
     return torch.ops.hpi_kernels.int8_a8_tile()
 
@@ -236,8 +236,9 @@ def _a8_max_rows(method: str, dtype: torch.dtype, shape: tuple[int, int]) -> int
 
 
 def int4_a8_tile() -> str:
-    """The W4A8 tile this CPU runs: "vnni" (AVX512-VNNI's vpdpbusd), "avx2" (vpmaddubsw, the AVX2 build) or
-    "portable" (plain integer loops, correct anywhere and slower than int4_linear's float tiles: the runtime takes
-    W4A8 by default only on the other two; AVX512 CPUs without VNNI get it)."""
+    """The W4A8 tile this CPU runs: "vnni" (AVX512-VNNI's vpdpbusd), "avxvnni" (256-bit vpdpbusd, the AVX2 build
+    on a CPU with AVX-VNNI, unless HPI_CPU_AVX_VNNI=0), "avx2" (vpmaddubsw, the AVX2 build) or "portable" (plain
+    integer loops, correct anywhere and slower than int4_linear's float tiles: the runtime takes W4A8 by default only
+    on the other three; AVX512 CPUs without VNNI get it)."""
     load_extension()
     return torch.ops.hpi_kernels.int4_a8_tile()
