@@ -127,7 +127,9 @@ def _sleep_or_wake(core: EngineCore, message: Sleep | WakeUp) -> SleepAnswer:
         if kind == "failed":
             logger.exception("%s failed", type(message).__name__)
         return SleepAnswer(bool(core.sleep_level), core.sleep_level, error=str(exc), error_kind=kind)
-    seconds = time.perf_counter() - start
+    # A call that changed nothing (asleep already, awake already) took no time to speak of: 0, not the microseconds
+    # between the two clock reads, which a loaded machine stretches past the answer's rounding.
+    seconds = time.perf_counter() - start if num_bytes else 0.0
     if num_bytes:
         logger.info("%s: %.1f MiB %s in %.2f s", "asleep" if core.sleep_level else "awake", num_bytes / 2**20,
                     "freed" if core.sleep_level else "restored", seconds)
