@@ -149,7 +149,7 @@ def main() -> None:
     results = run(plan, RESULTS / "logs" / "quant_llamacpp")
     rows = table(results, plan)
     machine["load_average_at_end"] = list(os.getloadavg())
-    machine["llama_cpp_build"] = build_variant()  # bench/llamacpp_build.py: "build", "build-no-amx", "build-avx2"
+    machine["llama_cpp_build"] = build_variant()  # bench/llamacpp_build.py's BUILDS: "build", "build-avx2", ...
     args.out.write_text(json.dumps({"machine": machine, "plan": plan.__dict__, "quant_types": QUANT_TYPES,
                                     "table": rows, "runs": results}, indent=1, default=str) + "\n")  # fmt: skip
     print("| hpi weights | GGUF | clients | hpi tok/s | llama-server tok/s | hpi / llama.cpp | hpi / unquantized |")
