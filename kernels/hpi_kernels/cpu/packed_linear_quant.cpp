@@ -273,7 +273,7 @@ inline void widen_panel(const int8_t* b, int64_t K, const int8_t* next, float* d
     Vec w[kNrVecs];
     widen_int8(b + k * kNr, w);
     for (int v = 0; v < kNrVecs; ++v) w[v].store(dst + k * kNr + v * kVecSize);
-    if (next != nullptr && k % (kLine / kNr > 0 ? kLine / kNr : 1) == 0) __builtin_prefetch(next + k * kNr, 0, 2);
+    if (next != nullptr && k % (kLine / kNr) == 0) __builtin_prefetch(next + k * kNr, 0, 2);  // a line per line
   }
 }
 

@@ -74,7 +74,8 @@ def int8_a8_linear(
     group's sum(x * q) becomes x_scale * sum(code * q) in exact integer arithmetic (x_scale = max|x| / 127 over the
     group, codes = round(x / x_scale), ties to even), the channel's scale applied to the row's total. vpdpbusd
     multiplies four k per lane and instruction where `int8_a8_tile()` is "vnni" (AVX512-VNNI with AVX512-VBMI, whose
-    vpermi2b regroups the panels' bytes); plain loops elsewhere. K not a multiple of 32, or more rows than
+    vpermi2b regroups the panels' bytes) or "avxvnni" (the AVX2 build with AVX-VNNI, byte and word unpacks); plain
+    loops elsewhere. K not a multiple of 32, or more rows than
     max_rows, take int8_linear's paths; with max_rows -1 a row's result does not depend on its batch's size."""
     load_extension()
     return torch.ops.hpi_kernels.int8_a8_linear(x, packed, scales, out_features, bias, max_rows)
