@@ -26,6 +26,7 @@ from hpi_kernels.cpu import (
     int4_a8_tile,
     int4_linear,
     int8_a8_linear,
+    int8_a8_logits,
     int8_a8_max_rows,
     int8_a8_tile,
     int8_linear,
@@ -207,6 +208,51 @@ def test_int8_a8_matches_the_fp64_reference_of_its_quantized_x(out_features: int
                 assert torch.equal(out, int8_linear(x, packed, packed_scales, out_features, b)), rows
             else:
                 _check_a8(out, _reference(_dequantized_x(x, 32), dequantized, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("out_features", "in_features"), INT8_SHAPES)
+def test_int8_a8_logits_recompute_each_rows_leaders_from_float_x(out_features: int, in_features: int,
+                                                                 dtype: torch.dtype) -> None:  # fmt: skip
+    """An int8 LM head with x in int8: fp32 logits (for bf16 x too) within fp32's rounding of the fp64 reference
+    over x quantized per group of 32 k; then in each row the `rescore` largest within one nat of its largest are
+    the fp64 reference over x itself (to fp32's rounding) and every other logit is left as it was, bit for bit.
+    More rows than max_rows, or K no multiple of 32 (40), give int8_logits' result whole."""
+    (qweight, scales), dequantized = _int8(out_features, in_features)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        approximate = int8_a8_logits(x, packed, packed_scales, out_features, rescore=0)
+        if in_features % 32:
+            assert torch.equal(approximate, int8_logits(x, packed, packed_scales, out_features)), rows
+            continue
+        _check_a8(approximate, _reference(_dequantized_x(x, 32), dequantized, None).double(), torch.float32)
+        exact = x.double() @ dequantized.T
+        rescore = min(5, out_features)
+        logits = int8_a8_logits(x, packed, packed_scales, out_features, rescore=rescore)
+        for row, (approx, out) in enumerate(zip(approximate, logits, strict=True)):
+            top = approx.topk(rescore).indices
+            leaders = top[approx[top] >= approx.max() - 1.0]
+            assert len(leaders) >= 1
+            torch.testing.assert_close(out[leaders].double(), exact[row, leaders], rtol=1e-6, atol=1e-6)
+            others = torch.ones(out_features, dtype=torch.bool)
+            others[leaders] = False
+            assert torch.equal(out[others], approx[others]), row
+        assert torch.equal(int8_a8_logits(x, packed, packed_scales, out_features, max_rows=rows - 1),
+                           int8_logits(x, packed, packed_scales, out_features))  # fmt: skip
+
+
+def test_int8_a8_logits_leave_greedy_choices_to_float_x() -> None:
+    """Near-ties: 2,000 rows of x against 4,000 tokens whose logits are close together. x's rounding to int8 alone
+    changes which token leads in some rows (the check that this test can fail); with the leaders recomputed the
+    argmax is the fp64 reference's over x itself in every row."""
+    (qweight, scales), dequantized = _int8(4000, 128, seed=3)
+    packed, packed_scales = pack_int8_weight(qweight, scales)
+    x = torch.randn(2000, 128, generator=torch.Generator().manual_seed(4))
+    expected = (x.double() @ dequantized.T).argmax(-1)
+    approximate = int8_a8_logits(x, packed, packed_scales, 4000, rescore=0).argmax(-1)
+    assert (approximate != expected).sum() > 0
+    assert torch.equal(int8_a8_logits(x, packed, packed_scales, 4000).argmax(-1), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -478,6 +524,10 @@ def test_bad_arguments_raise_value_error() -> None:
         int8_a8_linear(x, packed, packed_scales, 64, torch.randn(64).bfloat16())
     with pytest.raises(ValueError, match="int8_a8_linear: max_rows must be -1"):
         int8_a8_linear(x, packed, packed_scales, 64, None, -2)
+    with pytest.raises(ValueError, match=r"int8_a8_logits: rescore must be in \[0, 64\], got 65"):
+        int8_a8_logits(x, packed, packed_scales, 64, rescore=65)
+    with pytest.raises(ValueError, match="int8_a8_logits: x has 95 features"):
+        int8_a8_logits(torch.randn(2, 95), packed, packed_scales, 64)
     (q40, s40), _ = _int8(64, 40)  # K no multiple of 32, which int8_linear's paths take: checked as int8_a8_linear
     with pytest.raises(ValueError, match="int8_a8_linear's bias must be Float"):
         int8_a8_linear(torch.randn(2, 40), *pack_int8_weight(q40, s40), 64, torch.randn(64).bfloat16())
@@ -507,3 +557,6 @@ def test_op_schemas_and_fake_kernels() -> None:
     torch.library.opcheck(w8a8_op, (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64, None, 4))
     (q40, s40), _ = _int8(64, 40)
     torch.library.opcheck(w8a8_op, (torch.randn(2, 3, 40), *pack_int8_weight(q40, s40), 64, None))
+    logits_op = torch.ops.hpi_kernels.int8_a8_logits.default
+    torch.library.opcheck(logits_op, (torch.randn(2, 3, 96).bfloat16(), packed, packed_scales, 64, -1, 4))
+    torch.library.opcheck(logits_op, (torch.randn(5, 96), packed, packed_scales, 64, 2, 64))

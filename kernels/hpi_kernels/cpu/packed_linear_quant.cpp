@@ -1255,14 +1255,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // prefill-sized too, so that a row's result does not depend on its batch); more rows, or K no multiple of
 // kA8Group, take int8_linear's float paths (the runtime measures where W8A8 stops winning: a8_max_rows in
 // quant_linear.py).
-at::Tensor int8_a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_rows) {
-  TORCH_CHECK_VALUE(max_rows >= -1, "int8_a8_linear: max_rows must be -1 (any) or >= 0, got ", max_rows);
-  check_int8_weight("int8_a8_linear", packed, scales, out_features);
-  const Problem p = problem("int8_a8_linear", x, packed.size(1), out_features, bias);
+// fp32_out as int8_linear_to's (int8_a8_logits).
+at::Tensor int8_a8_linear_to(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_rows,
+                             bool fp32_out) {
+  TORCH_CHECK_VALUE(max_rows >= -1, op, ": max_rows must be -1 (any) or >= 0, got ", max_rows);
+  check_int8_weight(op, packed, scales, out_features);
+  const Problem p = problem(op, x, packed.size(1), out_features, bias, fp32_out);
   if (p.M == 0) return p.out;
   if (p.K % kA8Group != 0 || (max_rows >= 0 && p.M > max_rows)) {
-    return int8_linear_to(x, packed, scales, out_features, bias, false);
+    return int8_linear_to(x, packed, scales, out_features, bias, fp32_out);
   }
   const Int8Rows rows = int8_rows<false>(p.a, kA8Group);
   const float* scale = scales.const_data_ptr<float>();
@@ -1295,10 +1297,76 @@ at::Tensor int8_a8_linear(const at::Tensor& x, const at::Tensor& packed, const a
   return p.out;
 }
 
+at::Tensor int8_a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_rows) {
+  return int8_a8_linear_to("int8_a8_linear", x, packed, scales, out_features, bias, max_rows, false);
+}
+
 // A quantized LM head's logits (packed_logits' int8 twin): fp32 out even for bf16 x, so that bf16's steps of 0.125
 // at logits of 16-32 do not decide near-ties under argmax.
 at::Tensor int8_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features) {
   return int8_linear_to(x, packed, scales, out_features, std::nullopt, true);
+}
+
+// The `count` largest of n logits, as indices into them (in no particular order): one pass that keeps the best
+// `count` so far and compares a vector of logits at a time against the least of them.
+std::vector<int64_t> top_indices(const float* logits, int64_t n, int64_t count) {
+  std::vector<int64_t> index(count);
+  std::vector<float> value(count);
+  for (int64_t i = 0; i < count; ++i) index[i] = i, value[i] = logits[i];
+  auto least = std::min_element(value.begin(), value.end()) - value.begin();
+  auto take = [&](int64_t i) {
+    if (!(logits[i] > value[least])) return;
+    index[least] = i, value[least] = logits[i];
+    least = std::min_element(value.begin(), value.end()) - value.begin();
+  };
+  using Vec = at::vec::Vectorized<float>;
+  int64_t i = count;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    if ((Vec::loadu(logits + i) > Vec(value[least])).zero_mask() == (1 << Vec::size()) - 1) continue;
+    for (int64_t j = i; j < i + Vec::size(); ++j) take(j);
+  }
+  for (; i < n; ++i) take(i);
+  return index;
+}
+
+// Within how many nats of a row's largest W8A8 logit int8_a8_logits recomputes the leading ones: x's rounding moves a
+// logit by hundredths of a nat on the embedded model (at most 0.07 over 1.5 M logits), so a token further behind
+// cannot lead once recomputed.
+constexpr float kRescoreMargin = 1.0f;
+
+// W8A8 logits with each row's leaders recomputed from x as it is (fp64 sums of x times the codes, times the channel's
+// scale: int8_logits' products, summed more exactly): the `rescore` largest that are within kRescoreMargin of the
+// row's largest. x's rounding to int8 moves the other logits by its noise, but does not decide which of the leading
+// tokens greedy decoding takes. Rows above max_rows take int8_logits whole.
+at::Tensor int8_a8_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          int64_t out_features, int64_t max_rows, int64_t rescore) {
+  TORCH_CHECK_VALUE(rescore >= 0 && rescore <= out_features, "int8_a8_logits: rescore must be in [0, ",
+                    out_features, "], got ", rescore);
+  at::Tensor out = int8_a8_linear_to("int8_a8_logits", x, packed, scales, out_features, std::nullopt, max_rows, true);
+  const int64_t K = packed.size(1), M = out.numel() / std::max<int64_t>(out_features, 1);
+  if (rescore == 0 || M == 0 || K % kA8Group != 0 || (max_rows >= 0 && M > max_rows)) return out;
+  const at::Tensor a = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* xs = a.const_data_ptr<float>();
+  const auto* codes = packed.const_data_ptr<int8_t>();
+  const float* scale = scales.const_data_ptr<float>();
+  float* logits = out.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* row = logits + m * out_features;
+      const std::vector<int64_t> top = top_indices(row, out_features, rescore);
+      float largest = row[top[0]];
+      for (const int64_t n : top) largest = std::max(largest, row[n]);
+      for (const int64_t n : top) {
+        if (row[n] < largest - kRescoreMargin) continue;
+        const int8_t* column = codes + (n / kNr) * K * kNr + n % kNr;
+        double sum = 0;
+        for (int64_t k = 0; k < K; ++k) sum += static_cast<double>(xs[m * K + k]) * column[k * kNr];
+        row[n] = static_cast<float>(sum * scale[n]);
+      }
+    }
+  });
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& qweight, const at::Tensor& scales,
@@ -1499,6 +1567,11 @@ at::Tensor int8_logits_meta(const at::Tensor& x, const at::Tensor&, const at::Te
   return at::empty_symint(shape, x.options().dtype(at::kFloat));
 }
 
+at::Tensor int8_a8_logits_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               int64_t out_features, int64_t, int64_t) {
+  return int8_logits_meta(x, packed, scales, out_features);
+}
+
 at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t, int64_t out_features,
                             const std::optional<at::Tensor>&) {
   return quant_linear_meta(x, out_features);
@@ -1515,6 +1588,9 @@ TORCH_LIBRARY_FRAGMENT(hpi_kernels, m) {
   m.def("pack_int8_weight(Tensor qweight, Tensor scales) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
   m.def("int8_logits(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+  m.def(
+      "int8_a8_logits(Tensor x, Tensor packed, Tensor scales, int out_features, int max_rows=-1, "
+      "int rescore=16) -> Tensor");
   m.def(
       "int8_a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None, "
       "int max_rows=-1) -> Tensor");
@@ -1533,6 +1609,7 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
   m.impl("pack_int8_weight", &pack_int8_weight);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_logits", &int8_logits);
+  m.impl("int8_a8_logits", &int8_a8_logits);
   m.impl("int8_a8_linear", &int8_a8_linear);
   m.impl("pack_int4_weight", &pack_int4_weight);
   m.impl("int4_linear", &int4_linear);
@@ -1542,6 +1619,7 @@ TORCH_LIBRARY_IMPL(hpi_kernels, CPU, m) {
 TORCH_LIBRARY_IMPL(hpi_kernels, Meta, m) {
   m.impl("int8_linear", &int8_linear_meta);
   m.impl("int8_logits", &int8_logits_meta);
+  m.impl("int8_a8_logits", &int8_a8_logits_meta);
   m.impl("int8_a8_linear", &int8_a8_linear_meta);
   m.impl("int4_linear", &int4_linear_meta);
   m.impl("int4_a8_linear", &int4_a8_linear_meta);

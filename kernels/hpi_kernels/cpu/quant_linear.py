@@ -81,6 +81,22 @@ def int8_a8_linear(
     return torch.ops.hpi_kernels.int8_a8_linear(x, packed, scales, out_features, bias, max_rows)
 
 
+def int8_a8_logits(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16
+    packed: torch.Tensor,  # from pack_int8_weight
+    scales: torch.Tensor,  # from pack_int8_weight
+    out_features: int,
+    max_rows: int = -1,  # as int8_a8_linear's: more rows take int8_logits whole
+    rescore: int = 16,  # how many of each row's largest logits to recompute from float x
+) -> torch.Tensor:  # [..., N] float32
+    """An int8 LM head's logits with x in int8 (int8_a8_linear's W8A8 sums, fp32 out for bf16 x too), then in each row
+    the `rescore` largest that are within one nat of its largest recomputed from x as it is (fp64 sums of x times
+    the codes, times the channel's scale): x's rounding moves the other logits by its noise (hundredths of a nat on
+    the embedded model), but the choice among near-ties is float x's."""
+    load_extension()
+    return torch.ops.hpi_kernels.int8_a8_logits(x, packed, scales, out_features, max_rows, rescore)
+
+
 def int8_a8_tile() -> str:
     """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI), "avxvnni" (256-bit vpdpbusd,
     the AVX2 build on a CPU with AVX-VNNI, unless HPI_CPU_AVX_VNNI=0) or "portable" (plain integer loops, correct
