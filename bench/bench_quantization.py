@@ -58,6 +58,7 @@ class Result:
     group_size: int | None
     scheme: str  # e.g. int4-g32-mse-mixed (QuantizationConfig.scheme)
     quantized_lm_head: bool
+    lm_head_w8a8: bool  # the int8 head took x in int8 (its leading logits recomputed from float x)
     weight_bytes: int
     load_s: float
     tokens_per_s: dict[int, float]  # concurrency -> generated tokens/s (median over rounds)
@@ -79,6 +80,7 @@ class Variant:
     int4_activations: str = "auto"  # "auto" | "int8" (W4A8) | "float"
     int8_activations: str = "auto"  # --quantization int8's linears: "auto" | "int8" (W8A8) | "float"
     quantize_lm_head: bool = False  # int8/int4: the LM head too (a tied head becomes int8, shared with the embeddings)
+    lm_head_activations: str = "auto"  # an int8 head: "auto" | "int8" (W8A8, leaders recomputed) | "float"
 
 
 def cpu_isa() -> str:
@@ -95,6 +97,7 @@ def _load(variant: Variant) -> tuple[LLM, float]:
     llm = LLM(None, dtype=variant.dtype, quantization=variant.method, quantization_group_size=variant.group_size,
               int4_fit=variant.int4_fit, int4_policy=variant.int4_policy,
               int4_activations=variant.int4_activations, int8_activations=variant.int8_activations,
+              lm_head_activations=variant.lm_head_activations,
               kv_cache_memory_bytes=256 << 20,
               max_model_len=1024, quantize_lm_head=variant.quantize_lm_head and variant.method != "none")  # fmt: skip
     return llm, time.perf_counter() - start
@@ -138,7 +141,9 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
                               llm.bundle.resolved.quantization_scheme,
-                              variant.quantize_lm_head and variant.method != "none", llm.bundle.footprint.weight_bytes,
+                              variant.quantize_lm_head and variant.method != "none",
+                              bool(getattr(llm.engine.executor.model.lm_head, "int8_activations", False)),
+                              llm.bundle.footprint.weight_bytes,
                               load_s,
                               tokens_per_s, ppl, ppl_chunked, answer, agrees_first, agrees_all))  # fmt: skip
         llm.shutdown()
@@ -158,7 +163,7 @@ def table(results: list[Result], concurrency: list[int]) -> str:
     best = {n: max((r.tokens_per_s[n] for r in base.values()), default=None) for n in concurrency}
     for r in results:
         b = base.get(r.dtype, r)
-        name = r.scheme + (" + int8 head" if r.quantized_lm_head else "")
+        name = r.scheme + (f" + int8 head{' (W8A8)' if r.lm_head_w8a8 else ''}" if r.quantized_lm_head else "")
         row = [r.dtype, name, f"{r.weight_bytes / 2**20:.1f}", f"{r.weight_bytes / b.weight_bytes:.2f}"]
         for n in concurrency:
             best_n = best[n] or r.tokens_per_s[n]
@@ -188,6 +193,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="int8/int4 variants quantize the LM head too (hpi serve --quantize-lm-head)")
+    parser.add_argument("--lm-head-activations", nargs="+", default=["auto"], choices=["auto", "int8", "float"],
+                        help="with --quantize-lm-head, the int8/int4 variants once per value (hpi serve "
+                             "--lm-head-activations: int8 is W8A8 with the leading logits recomputed)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="alternating timing rounds; the median is kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args()
@@ -196,13 +204,14 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     variants = [
         Variant(dtype, method, group_size, *scheme.split("-"), int8_activations=int8_activations,
-                quantize_lm_head=args.quantize_lm_head)  # fmt: skip
+                quantize_lm_head=args.quantize_lm_head, lm_head_activations=head)  # fmt: skip
         for dtype in args.dtypes
         for method in args.methods
         if method == "none" or dtype in (args.quantized_dtypes or args.dtypes)
         for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
         for scheme in (args.int4_schemes if method == "int4" else ["mse-mixed"])
         for int8_activations in (args.int8_activations if method == "int8" else ["auto"])
+        for head in (args.lm_head_activations if method != "none" and args.quantize_lm_head else ["auto"])
     ]
     results = measure_all(variants, args.concurrency, args.max_tokens, args.rounds)
     print(table(results, args.concurrency))

@@ -17,6 +17,7 @@ _FLAGS = (
     ServeFlag('--int4-policy', 'int4_policy', 'str', 'mixed', choices=('mixed', 'uniform')),
     ServeFlag('--int4-activations', 'int4_activations', 'str', 'auto', choices=('auto', 'int8', 'float')),
     ServeFlag('--int8-activations', 'int8_activations', 'str', 'auto', choices=('auto', 'int8', 'float')),
+    ServeFlag('--lm-head-activations', 'lm_head_activations', 'str', 'auto', choices=('auto', 'int8', 'float')),
     ServeFlag('--quantize-lm-head', 'quantize_lm_head', 'switch', False),
     ServeFlag('--enforce-eager', 'enforce_eager', 'switch', False),
     ServeFlag('--compile-cache-dir', 'compile_cache_dir', 'str', None),

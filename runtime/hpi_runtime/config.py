@@ -74,6 +74,12 @@ class LoadConfig:
         "batch size "
         "where it measures faster than the float tiles on this CPU at start-up (HPI_CPU_INT8_A8_MAX_ROWS "
         "overrides), else float", choices=("auto", "int8", "float"))  # fmt: skip
+    lm_head_activations: str = option(
+        "auto", "CPU, with --quantize-lm-head making the head int8: int8 quantizes each row of the LM head's input "
+        "to int8 per group of 32 k (W8A8, as --int8-activations) and recomputes each row's leading logits (the 16 "
+        "largest within a nat of the top) from the float input, so that greedy decoding picks among near-ties as "
+        "with float; float keeps the input as it is; auto = int8 where --int8-activations' auto would take it",
+        choices=("auto", "int8", "float"))  # fmt: skip
     # Off by default: its error lands directly on the logits (and, tied, on the embeddings).
     quantize_lm_head: bool = option(
         False, "also quantize the LM head: an untied head like the other linears, a head tied to the embeddings "

@@ -168,7 +168,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     model_config = load_model_config(model_dir)
     quantization_config = QuantizationConfig(load.quantization, load.quantization_group_size, load.quantize_lm_head,
                                              load.int4_fit, load.int4_policy, load.int4_activations,
-                                             int8_activations=load.int8_activations)  # fmt: skip
+                                             int8_activations=load.int8_activations,
+                                             lm_head_activations=load.lm_head_activations)  # fmt: skip
     _check_lm_head_quantization(quantization_config)
     check_tensor_parallel(model_config, tensor_parallel_size)
     check_pipeline_parallel(args, model_config)
@@ -184,7 +185,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     # "auto" may build and time the C++ kernels, on the shape of the model's gate/up projection where K allows.
     gate_up = (2 * model_config.intermediate_size, model_config.hidden_size)
     quantization = resolve_activations(quantization, device, dtype,
-                                       gate_up if min(gate_up) > 0 and gate_up[1] % 32 == 0 else None)  # fmt: skip
+                                       gate_up if min(gate_up) > 0 and gate_up[1] % 32 == 0 else None,
+                                       tied_lm_head=model_config.tie_word_embeddings)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = frozenset(model_config.eos_token_ids | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

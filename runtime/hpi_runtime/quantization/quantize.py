@@ -60,6 +60,10 @@ class QuantizationConfig:
     # float x, as it keeps their weights at int8: the layers rounding hurts most)
     int8_activations: str = "auto"
     int8_a8_max_rows: int = -1
+    # An int8 LM head (quantize_lm_head) on CPU panels: W8A8 with each row's leading logits recomputed from float x
+    # (hpi_kernels.int8_a8_logits), up to this many rows as above
+    lm_head_activations: str = "auto"
+    lm_head_a8_max_rows: int = -1
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -70,7 +74,7 @@ class QuantizationConfig:
             raise ValueError(f"int4_fit must be one of {', '.join(INT4_FITS)}; got {self.int4_fit!r}")
         if self.int4_policy not in INT4_POLICIES:
             raise ValueError(f"int4_policy must be one of {', '.join(INT4_POLICIES)}; got {self.int4_policy!r}")
-        for method in ("int4", "int8"):
+        for method in ("int4", "int8", "lm_head"):
             setting, max_rows = getattr(self, f"{method}_activations"), getattr(self, f"{method}_a8_max_rows")
             if setting not in ACTIVATIONS:
                 raise ValueError(f"{method}_activations must be one of {', '.join(ACTIVATIONS)}; got {setting!r}")
@@ -166,14 +170,24 @@ def quantized_state_dict(model: nn.Module, config: QuantizationConfig) -> dict[s
     return state
 
 
+# How many of each row's largest W8A8 logits an int8 LM head recomputes from float x (those within a nat of the
+# largest; hpi_kernels.int8_a8_logits): greedy decoding's choice among near-ties is float x's, as it was.
+LM_HEAD_RESCORE = 16
+
+
 class QuantizedLMHead(QuantizedLinear):
     """The LM head's contract: hidden states -> fp32 logits. On CPU panels an int8 head returns its fp32 sums
-    unrounded (hpi_kernels.int8_logits), as the float head does (packed_logits)."""
+    unrounded (hpi_kernels.int8_logits), as the float head does (packed_logits); with x in int8 (W8A8,
+    `lm_head_activations`) the leading logits of each row are recomputed from float x (int8_a8_logits)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_panels and self.method == "int8":
             rows = x.reshape(-1, self.in_features).to(self.activation_dtype)
-            logits = torch.ops.hpi_kernels.int8_logits(rows, self.qweight, self.scales, self.out_features)
+            if self.int8_activations:  # W8A8, each row's leaders recomputed from float x
+                logits = torch.ops.hpi_kernels.int8_a8_logits(rows, self.qweight, self.scales, self.out_features,
+                                                              self.a8_max_rows, LM_HEAD_RESCORE)  # fmt: skip
+            else:
+                logits = torch.ops.hpi_kernels.int8_logits(rows, self.qweight, self.scales, self.out_features)
             return logits.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x).float()
 
@@ -253,12 +267,14 @@ def resolve_quantization(
 
 
 def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dtype: torch.dtype,
-                        shape: tuple[int, int] | None = None) -> ResolvedQuantization:  # fmt: skip
+                        shape: tuple[int, int] | None = None,
+                        tied_lm_head: bool = False) -> ResolvedQuantization:  # fmt: skip
     """At-load `int4_activations` (int4) or `int8_activations` (int8) made concrete for the device and activation
     dtype ("auto" -> "int8" up to the row count where W4A8 / W8A8 measure faster on a weight of `shape`, the model's
     gate/up projection, or "float"; linear.a8_rows), so that the scheme label, the log and the compile cache key say
     where the linears take x in int8; the other format's setting becomes "float" (int4's int8 q/k/v keep float x).
-    ValueError for "int8" on a GPU."""
+    `lm_head_activations` likewise for an int8 LM head (`quantize_lm_head` with int8, or any head tied to the
+    embeddings: `tied_lm_head`), measured on the same shape; "float" without one. ValueError for "int8" on a GPU."""
     config = resolved.config
     if config.method == "none":
         return resolved
@@ -273,6 +289,20 @@ def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dt
         if rows:
             upto = "" if rows == -1 else f" up to {rows} rows (the float tiles measured faster above)"
             notes.append(f"activations int8 per group of k for the {method} linears (W{method[3]}A8){upto}")
+    # The LM head: int8 whenever it is quantized on CPU panels (a tied one always; an untied int4 head keeps
+    # float x), measured on the model's shape as the int8 linears are.
+    setting = config.lm_head_activations
+    head_is_int8 = config.quantize_lm_head and (config.method == "int8" or tied_lm_head)
+    if head_is_int8 and setting == "int8" and torch.device(device).type != "cpu":
+        raise ValueError(f"lm_head_activations int8 (W8A8) runs on CPU only, not {torch.device(device).type}")
+    rows = a8_rows("int8", setting, device, dtype, shape) if head_is_int8 else 0
+    if setting == "int8" and head_is_int8:
+        rows = config.lm_head_a8_max_rows
+    changes["lm_head_activations"], changes["lm_head_a8_max_rows"] = ("int8" if rows else "float"), rows or -1
+    if rows:
+        upto = "" if rows == -1 else f" up to {rows} rows"
+        notes.append(f"activations int8 per group of k for the int8 LM head (W8A8), each row's leading logits "
+                     f"recomputed from float x{upto}")  # fmt: skip
     config = dataclasses.replace(config, **changes)
     detail = "; ".join([resolved.detail.replace(resolved.scheme, config.scheme, 1), *notes])
     return dataclasses.replace(resolved, config=config, scheme=config.scheme, detail=detail)
@@ -293,13 +323,16 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | N
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
-        # x in int8 for the quantization's own method only: int4's int8 q/k/v and the LM head keep float x.
+        # x in int8 for the quantization's own method only (int4's int8 q/k/v keep float x), and for an int8 LM
+        # head by its own setting.
         method = layer_config.method
+        setting = f"{method}_a8_max_rows"
         activations = getattr(layer_config, f"{method}_activations") if method == config.method else "float"
-        activations = "float" if name == "lm_head" else activations
+        if name == "lm_head":
+            activations, setting = ("float", setting) if method != "int8" else ("", "lm_head_a8_max_rows")
+            activations = activations or layer_config.lm_head_activations
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device,
-                                    activations=activations,
-                                    a8_max_rows=getattr(layer_config, f"{method}_a8_max_rows"))  # fmt: skip
+                                    activations=activations, a8_max_rows=getattr(layer_config, setting))  # fmt: skip
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
         if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on

@@ -179,13 +179,13 @@ def test_lm_head_quantized_only_when_asked(qwen_untied_dir: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tied_lm_head_quantizes_to_int8_and_the_embedding_reads_it(method, dtype, tiny_model_dir: Path) -> None:
     """A head tied to the embeddings becomes int8 whatever the method (the embeddings look their rows up in
-    it, llama.cpp's choice in its Q4_0/Q8_0 files); its logits are the fp32 sums of the int8 matmul, unrounded,
-    and the float matrix is gone."""
+    it, llama.cpp's choice in its Q4_0/Q8_0 files); with float x its logits are the fp32 sums of the int8 matmul,
+    unrounded, and the float matrix is gone (x in int8: test_quant_wiring.py and the kernel's tests)."""
     config = load_model_config(tiny_model_dir)
     assert config.tie_word_embeddings
     model = load_model(config, dtype, torch.device("cpu"), get_attention_backend("torch", dtype))
     float_matrix = model.lm_head.weight.detach().clone()
-    quantize_model(model, QuantizationConfig(method, 32, quantize_lm_head=True))
+    quantize_model(model, QuantizationConfig(method, 32, quantize_lm_head=True, lm_head_activations="float"))
     head, embedding = model.lm_head, model.model.embed_tokens
     assert isinstance(head, QuantizedLMHead) and head.method == "int8"
     assert embedding.weight.untyped_storage().nbytes() == 0

@@ -178,8 +178,8 @@ def test_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path, m
 
 def test_int8_q_k_v_and_the_head_keep_float_activations(tiny_model_dir: Path) -> None:
     """x in int8 is for the quantization's own linears: int4's mixed policy keeps q/k/v at int8 weights and float
-    x (the layers rounding hurts most) whatever int8_activations says, and a quantized LM head keeps float x (its
-    logits: int8_logits)."""
+    x (the layers rounding hurts most) whatever int8_activations says, and a quantized LM head follows its own
+    setting, not int8_activations (float here: its logits are int8_logits)."""
     llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8", int8_activations="int8",
               kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
     assert llm.bundle.resolved.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed-a8"
@@ -188,7 +188,7 @@ def test_int8_q_k_v_and_the_head_keep_float_activations(tiny_model_dir: Path) ->
     assert layer.self_attn.qkv_proj.method == "int8"
     llm.shutdown()
     llm = LLM(tiny_model_dir, dtype="float32", quantization="int8", int8_activations="int8", quantize_lm_head=True,
-              kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+              lm_head_activations="float", kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
     model = llm.engine.executor.model
     assert model.model.layers[0].self_attn.qkv_proj.int8_activations
     assert "int8 activations" in repr(model.model.layers[0].self_attn.qkv_proj)
@@ -196,3 +196,45 @@ def test_int8_q_k_v_and_the_head_keep_float_activations(tiny_model_dir: Path) ->
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 8
     llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_an_int8_lm_head_takes_int8_activations_by_its_own_setting(
+    tiny_model_dir: Path, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm_head_activations: "int8" makes a quantized int8 head (the tiny model's is tied, so int4 quantizes it to
+    int8 too) take x in int8 with its leading logits recomputed from float x, whatever the other linears do; greedy
+    tokens are the float-x head's. "auto" follows the W8A8 tile and the row count measured (set here), and the
+    detail says so; without --quantize-lm-head the setting changes nothing. Bad values are a ValueError."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello world", "a b c", "the tokenizer", "once upon"]
+    tokens = {}
+    for setting in ("float", "int8"):
+        llm = LLM(tiny_model_dir, dtype="float32", quantization=method, quantize_lm_head=True,
+                  lm_head_activations=setting, kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+        head = llm.engine.executor.model.lm_head
+        assert head.method == "int8" and head.int8_activations == (setting == "int8")
+        assert ("int8 LM head (W8A8)" in llm.bundle.resolved.quantization_detail) == (setting == "int8")
+        tokens[setting] = [out.output_token_ids for out in llm.generate(prompts, greedy)]
+        llm.shutdown()
+    assert tokens["int8"] == tokens["float"]
+
+    def resolved(**options):
+        return resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization=method, **options))
+
+    monkeypatch.setenv("HPI_CPU_INT8_A8_MAX_ROWS", "6")
+    int8_a8_max_rows.cache_clear()
+    try:
+        config = resolved(quantize_lm_head=True).executor_config.quantization
+        if int8_a8_tile() != "portable":
+            assert (config.lm_head_activations, config.lm_head_a8_max_rows) == ("int8", 6)
+            assert "int8 LM head (W8A8), each row's leading logits recomputed from float x up to 6 rows" in (
+                resolved(quantize_lm_head=True).quantization_detail)
+        else:
+            assert config.lm_head_activations == "float"
+        no_head = resolved(lm_head_activations="int8").executor_config.quantization
+        assert no_head.lm_head_activations == "float"
+    finally:
+        int8_a8_max_rows.cache_clear()
+    with pytest.raises(ValueError, match="lm_head_activations must be one of"):
+        QuantizationConfig(method, lm_head_activations="int4")
