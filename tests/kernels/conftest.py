@@ -109,8 +109,14 @@ def run_at_lower_capability(test_files: list[str], capability: str, selection: s
 
     if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
         pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "HPI_EXPECT_CPU_CAPABILITY": capability,
-           **(extra_env or {})}  # fmt: skip
+    run_in_child(test_files, selection, {"ATEN_CPU_CAPABILITY": capability.lower(),
+                                         "HPI_EXPECT_CPU_CAPABILITY": capability, **(extra_env or {})})  # fmt: skip
+
+
+def run_in_child(test_files: list[str], selection: str, extra_env: dict[str, str]) -> None:
+    """Re-run the tests of `test_files` that `selection` (-k) picks in one child process with `extra_env` set (a
+    kernel path that this CPU would not take by itself, forced by its environment variable)."""
+    env = {**os.environ, **extra_env}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider", "-k", selection],
         capture_output=True,

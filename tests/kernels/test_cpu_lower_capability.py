@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_at_lower_capability
+from .conftest import run_at_lower_capability, run_in_child
 
 HERE = Path(__file__).parent
 # Per file, the tests re-run (-k names the module, so one expression selects per file): attention's mixed-batch
@@ -37,3 +37,13 @@ def test_avx2_build_without_avx_vnni_agrees() -> None:
     if "avx_vnni" not in set(Path("/proc/cpuinfo").read_text().split()):
         pytest.skip("no AVX-VNNI on this CPU: the AVX2 child run above already takes the tiles without it")
     run_at_lower_capability([str(HERE / "test_cpu_quant_linear.py")], "AVX2", "a8", {"HPI_CPU_AVX_VNNI": "0"})
+
+
+@pytest.mark.slow
+def test_avx512_build_without_vbmi_agrees() -> None:
+    """On a CPU with AVX512-VNNI and -VBMI, W8A8 takes the vpermi2b tile; with HPI_CPU_AVX512_VBMI=0 it takes the
+    unpack tile that CPUs with VNNI alone (Cascade Lake) run, checked here too."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    if not {"avx512_vnni", "avx512vbmi"} <= flags:
+        pytest.skip("no AVX512-VNNI with -VBMI on this CPU: the main run already takes the tile without VBMI, or none")
+    run_in_child([str(HERE / "test_cpu_quant_linear.py")], "a8", {"HPI_CPU_AVX512_VBMI": "0"})

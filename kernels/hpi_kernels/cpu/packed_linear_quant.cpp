@@ -908,8 +908,13 @@ void tile_int8_a8(const TileArgs& t, const Int8Rows& x, const int8_t* b) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// HPI_CPU_AVX512_VBMI=0 takes the unpack tile below on a CPU with VBMI too (the tests run both where it has it).
 bool cpu_has_vnni_vbmi() {
-  static const bool both = cpu_has_vnni() && __builtin_cpu_supports("avx512vbmi");
+  static const bool both = [] {
+    const char* setting = std::getenv("HPI_CPU_AVX512_VBMI");
+    return cpu_has_vnni() && __builtin_cpu_supports("avx512vbmi") &&
+           !(setting != nullptr && std::strcmp(setting, "0") == 0);
+  }();
   return both;
 }
 
@@ -964,6 +969,64 @@ __attribute__((target("avx512vnni,avx512vbmi"))) void tile_int8_a8_vnni(const Ti
       for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
     }
     add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+  }
+  store_tile<R>(t, acc);
+}
+// W8A8 with vpdpbusd where AVX512-VBMI is missing (Cascade Lake: AVX512-VNNI alone): the AVX-VNNI tile's regrouping at
+// 512 bits. Four panel rows of 32 columns become two vectors whose 32-bit lanes hold a column's four codes, by two
+// 256-bit lane shuffles, a byte unpack pair, two qword permutes and a word unpack pair per 4 k (AVX512BW), shared by
+// the tile's rows. The first vector holds columns 0-3, 8-11, 16-19 and 24-27, the second 4-7, 12-15, 20-23 and 28-31;
+// the sums stay in that order until one permute per row puts them back before store_tile.
+template <int R>
+__attribute__((target("avx512vnni,avx512bw"))) void tile_int8_a8_vnni_unpack(const TileArgs& t, const Int8Rows& x,
+                                                                            const int8_t* b, const int8_t* next,
+                                                                            int64_t phase, int64_t step) {
+  static_assert(kVecSize == 16 && kNr == 32, "AVX512: 16 columns per vector, 32 per panel row");
+  const int64_t groups = x.groups;
+  const int8_t* codes = x.codes.data() + t.row * t.K;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(b);
+  const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i pairs_lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);    // (k, k + 1) of columns 0-31 in order
+  const __m512i pairs_hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);  // (k + 2, k + 3), likewise
+  Vec acc[R][kNrVecs];
+  zero<R>(acc);
+  int64_t countdown = phase;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i part[R][kNrVecs];
+    start_group<R>(x, t.row, g, part);
+    for (int64_t k4 = g * kA8Group / 4; k4 < (g + 1) * kA8Group / 4; ++k4) {
+      const __m512i rows01 = _mm512_loadu_si512(b + 4 * k4 * kNr), rows23 = _mm512_loadu_si512(b + (4 * k4 + 2) * kNr);
+      const __m512i even = _mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(1, 0, 1, 0));  // rows k, k + 2
+      const __m512i odd = _mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(3, 2, 3, 2));   // rows k + 1, k + 3
+      const __m512i low = _mm512_unpacklo_epi8(even, odd);   // byte pairs of columns 0-7 and 16-23 per row pair
+      const __m512i high = _mm512_unpackhi_epi8(even, odd);  // columns 8-15 and 24-31
+      const __m512i first = _mm512_permutex2var_epi64(low, pairs_lo, high);   // (k, k + 1): columns 0-31
+      const __m512i second = _mm512_permutex2var_epi64(low, pairs_hi, high);  // (k + 2, k + 3): columns 0-31
+      const __m512i w[kNrVecs] = {_mm512_xor_si512(_mm512_unpacklo_epi16(first, second), sign),
+                                  _mm512_xor_si512(_mm512_unpackhi_epi16(first, second), sign)};
+      prefetch_line<4 * kNr>(bytes, next_bytes, k4, countdown, step);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, codes + r * t.K + 4 * k4, sizeof(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbusd_epi32(part[r][v], w[v], xv);
+      }
+    }
+    Vec sums[R][kNrVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
+    }
+    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+  }
+  const __m512i order0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i order1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < R; ++r) {  // columns (0-3, 8-11, 16-19, 24-27), (4-7, ...) -> 0-15, 16-31
+    const __m512 first = acc[r][0], second = acc[r][1];
+    acc[r][0] = _mm512_permutex2var_ps(first, order0, second);
+    acc[r][1] = _mm512_permutex2var_ps(first, order1, second);
   }
   store_tile<R>(t, acc);
 }
@@ -1025,12 +1088,12 @@ __attribute__((target("avxvnni"))) void tile_int8_a8_avxvnni(const TileArgs& t, 
 }
 #endif
 
-// Which W8A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI with AVX512-VBMI), "avxvnni" (the AVX2 build on
-// a CPU with AVX-VNNI) or "portable" (the int8_a8_tile op; the runtime takes W8A8 by default where it is not
-// "portable").
+// Which W8A8 tile this build runs on this CPU: "vnni" (AVX512-VNNI with AVX512-VBMI), "vnni_unpack" (AVX512-VNNI
+// without VBMI, or HPI_CPU_AVX512_VBMI=0), "avxvnni" (the AVX2 build on a CPU with AVX-VNNI) or "portable" (the
+// int8_a8_tile op; the runtime takes W8A8 by default where it is not "portable").
 std::string int8_a8_tile() {
 #if defined(CPU_CAPABILITY_AVX512)
-  return cpu_has_vnni_vbmi() ? "vnni" : "portable";
+  return cpu_has_vnni_vbmi() ? "vnni" : cpu_has_vnni() ? "vnni_unpack" : "portable";
 #elif defined(CPU_CAPABILITY_AVX2)
   return cpu_has_avx_vnni() ? "avxvnni" : "portable";
 #else
@@ -1277,6 +1340,15 @@ at::Tensor int8_a8_linear_to(const char* op, const at::Tensor& x, const at::Tens
                              int64_t phase, int64_t step) {
                            tile_int8_a8_vnni<decltype(height)::value>(args, rows, codes(panel), codes(next), phase,
                                                                       step);
+                         });
+    return p.out;
+  }
+  if (cpu_has_vnni()) {
+    run_tiles<kMrInt8A8>(p, nullptr, 0, scale, p.K * kNr, panels,
+                         [&](auto height, const TileArgs& args, int64_t, const uint8_t* panel, const uint8_t* next,
+                             int64_t phase, int64_t step) {
+                           tile_int8_a8_vnni_unpack<decltype(height)::value>(args, rows, codes(panel), codes(next),
+                                                                             phase, step);
                          });
     return p.out;
   }

@@ -74,9 +74,10 @@ def int8_a8_linear(
     group's sum(x * q) becomes x_scale * sum(code * q) in exact integer arithmetic (x_scale = max|x| / 127 over the
     group, codes = round(x / x_scale), ties to even), the channel's scale applied to the row's total. vpdpbusd
     multiplies four k per lane and instruction where `int8_a8_tile()` is "vnni" (AVX512-VNNI with AVX512-VBMI, whose
-    vpermi2b regroups the panels' bytes) or "avxvnni" (the AVX2 build with AVX-VNNI, byte and word unpacks); plain
-    loops elsewhere. K not a multiple of 32, or more rows than
-    max_rows, take int8_linear's paths; with max_rows -1 a row's result does not depend on its batch's size."""
+    vpermi2b regroups the panels' bytes), "vnni_unpack" (AVX512-VNNI alone, byte and word unpacks) or "avxvnni" (the
+    AVX2 build with AVX-VNNI, the same unpacks at 256 bits); plain loops elsewhere. K not a multiple of 32, or more
+    rows than max_rows, take int8_linear's paths; with max_rows -1 a row's result does not depend on its batch's
+    size."""
     load_extension()
     return torch.ops.hpi_kernels.int8_a8_linear(x, packed, scales, out_features, bias, max_rows)
 
@@ -98,9 +99,10 @@ def int8_a8_logits(
 
 
 def int8_a8_tile() -> str:
-    """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI), "avxvnni" (256-bit vpdpbusd,
-    the AVX2 build on a CPU with AVX-VNNI, unless HPI_CPU_AVX_VNNI=0) or "portable" (plain integer loops, correct
-    anywhere and slower than int8_linear's float tiles: the runtime takes W8A8 by default only on the other two)."""
+    """The W8A8 tile this CPU runs: "vnni" (vpdpbusd, AVX512-VNNI and AVX512-VBMI, unless HPI_CPU_AVX512_VBMI=0),
+    "vnni_unpack" (vpdpbusd, AVX512-VNNI without VBMI: Cascade Lake), "avxvnni" (256-bit vpdpbusd, the AVX2 build on
+    a CPU with AVX-VNNI, unless HPI_CPU_AVX_VNNI=0) or "portable" (plain integer loops, correct anywhere and slower
+    than int8_linear's float tiles: the runtime takes W8A8 by default only on the other three)."""
     load_extension()
     return torch.ops.hpi_kernels.int8_a8_tile()
 
