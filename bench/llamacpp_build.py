@@ -36,7 +36,8 @@ def root() -> Path:
 # nothing there; without AMX they run its AVX512-VNNI kernels; "build-avx2" (AVX2 + FMA + F16C + BMI2, no AVX512,
 # no AMX: llama.cpp's build for an AVX2-only CPU, side by side with hpi's AVX2 build, `ATEN_CPU_CAPABILITY=avx2`,
 # on a CPU that has more); "build-avxvnni" (build-avx2 plus AVX-VNNI: ggml's AVX2 dot products on vpdpbusd, as on
-# CPUs with AVX2 and AVX-VNNI but no AVX512, side by side with hpi's AVX2 build taking its AVX-VNNI tiles).
+# CPUs with AVX2 and AVX-VNNI but no AVX512, side by side with hpi's AVX2 build taking its AVX-VNNI tiles);
+# "build-cascadelake" (below).
 BUILD_ENV = "HPI_LLAMA_CPP_BUILD"
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BUILDS = {
@@ -46,6 +47,11 @@ BUILDS = {
                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"),
 }
 BUILDS["build-avxvnni"] = (*BUILDS["build-avx2"], "-DGGML_AVX_VNNI=ON")
+# "build-cascadelake": AVX512 (F, BW, DQ, VL) with AVX512-VNNI and no VBMI, BF16 or AMX, as on Cascade Lake Xeons:
+# ggml's AVX512 and VNNI dot products, side by side with hpi's AVX512 build under HPI_CPU_AVX512_VBMI=0 and fp32.
+BUILDS["build-cascadelake"] = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
+                               "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_BF16=OFF")  # fmt: skip
 
 
 def build_variant() -> str:

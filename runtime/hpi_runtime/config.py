@@ -70,7 +70,7 @@ class LoadConfig:
         "auto", "int8 only, CPU: int8 quantizes each activation row to int8 per group of 32 k for the int8 "
         "linears, not the LM head (W8A8, as llama.cpp's Q8_0 x Q8_0 dot products: exact integer sums, four "
         "multiply-adds per lane and instruction) at every batch size; float keeps the activations as they are; "
-        "auto = int8 where the kernels have vpdpbusd for it (AVX512-VNNI with AVX512-VBMI, or AVX-VNNI), up to the "
+        "auto = int8 where the kernels have vpdpbusd for it (AVX512-VNNI or AVX-VNNI), up to the "
         "batch size "
         "where it measures faster than the float tiles on this CPU at start-up (HPI_CPU_INT8_A8_MAX_ROWS "
         "overrides), else float", choices=("auto", "int8", "float"))  # fmt: skip

@@ -67,7 +67,7 @@ def a8_rows(method: str, setting: str, device: torch.device | str, dtype: torch.
     (never: float x), -1 (at every row count) or a count, measured on a weight of `shape` ([N, K]: the model's gate/up
     projection; None: hpi_kernels' default). Only hpi_kernels' CPU panels (fp32 and bf16 x) have these ops. "int8" takes
     them at every count; "auto" where the tile has integer dot products (int4: vpdpbusd with AVX512-VNNI, or in the AVX2
-    build with AVX-VNNI, else vpmaddubsw; int8: vpdpbusd with AVX512-VNNI and -VBMI, or AVX-VNNI in the AVX2 build), not
+    build with AVX-VNNI, else vpmaddubsw; int8: vpdpbusd with AVX512-VNNI, or AVX-VNNI in the AVX2 build), not
     where it is plain loops, and up to the row count where it measures faster than the float tiles on this CPU
     (hpi_kernels' int4_a8_max_rows / int8_a8_max_rows: W4A8 at every count on the AVX512-VNNI EPYC, 12-16 rows with bf16
     x on AMX tiles; docs/quantization.md, "W4A8" and "W8A8"). ValueError for "int8" on another device."""
