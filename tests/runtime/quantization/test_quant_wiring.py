@@ -20,6 +20,8 @@ from hpi_runtime.quantization.quantize import (
     INT4_FITS,
     INT4_GROUP_SIZES,
     QuantizationConfig,
+    ResolvedQuantization,
+    resolve_activations,
 )
 from hpi_runtime.sampling_params import SamplingParams
 from hpi_runtime.server.metrics import ServingMetrics
@@ -238,3 +240,7 @@ def test_an_int8_lm_head_takes_int8_activations_by_its_own_setting(
         int8_a8_max_rows.cache_clear()
     with pytest.raises(ValueError, match="lm_head_activations must be one of"):
         QuantizationConfig(method, lm_head_activations="int4")
+    on_gpu = ResolvedQuantization(QuantizationConfig(method, quantize_lm_head=True, lm_head_activations="int8",
+                                                     **{f"{method}_activations": "float"}), method, method, method)
+    with pytest.raises(ValueError, match=r"lm_head_activations int8 \(W8A8\) runs on CPU only, not cuda"):
+        resolve_activations(on_gpu, torch.device("cuda"), torch.bfloat16, tied_lm_head=True)
