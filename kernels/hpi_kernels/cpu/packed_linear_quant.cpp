@@ -918,6 +918,33 @@ bool cpu_has_vnni_vbmi() {
   return both;
 }
 
+// The two W8A8 vpdpbusd tiles' shared steps: x's four codes at 4 k of each row against w, the four panel rows
+// regrouped (two vectors of 16 columns, four codes per 32-bit lane); and a group's int32 sums folded into the fp32
+// accumulators times x's scale.
+template <int R>
+__attribute__((target("avx512vnni"), always_inline)) inline void dot_four_k(const int8_t* codes, int64_t K, int64_t k4,
+                                                                           const __m512i (&w)[kNrVecs],
+                                                                           __m512i (&part)[R][kNrVecs]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, codes + r * K + 4 * k4, sizeof(four));
+    const __m512i xv = _mm512_set1_epi32(four);
+    for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbusd_epi32(part[r][v], w[v], xv);
+  }
+}
+
+template <int R>
+__attribute__((always_inline)) inline void fold_group(const __m512i (&part)[R][kNrVecs], const Int8Rows& x,
+                                                      int64_t row, int64_t g, Vec (&acc)[R][kNrVecs]) {
+  Vec sums[R][kNrVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
+  }
+  add_a8_group<R>(sums, x.scales.data() + row * x.groups, x.groups, g, acc);
+}
+
 // W8A8 with vpdpbusd: four panel rows (k .. k + 3, 128 bytes) turn into two vectors of 16 columns whose 32-bit
 // lanes hold a column's four codes (vpermi2b, AVX512-VBMI), the sign bits flipped; each meets a broadcast of x's
 // four codes for the same k. Per 4 k and row: two vpdpbusd for 32 columns (128 multiply-adds), where the fp32
@@ -955,23 +982,13 @@ __attribute__((target("avx512vnni,avx512vbmi"))) void tile_int8_a8_vnni(const Ti
       __m512i w[kNrVecs];
       for (int v = 0; v < kNrVecs; ++v) w[v] = _mm512_xor_si512(_mm512_permutex2var_epi8(first, gather[v], second), sign);
       prefetch_line<4 * kNr>(bytes, next_bytes, k4, countdown, step);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, codes + r * t.K + 4 * k4, sizeof(four));
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbusd_epi32(part[r][v], w[v], xv);
-      }
+      dot_four_k<R>(codes, t.K, k4, w, part);
     }
-    Vec sums[R][kNrVecs];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
-    }
-    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+    fold_group<R>(part, x, t.row, g, acc);
   }
   store_tile<R>(t, acc);
 }
+
 // W8A8 with vpdpbusd where AVX512-VBMI is missing (Cascade Lake: AVX512-VNNI alone): the AVX-VNNI tile's regrouping at
 // 512 bits. Four panel rows of 32 columns become two vectors whose 32-bit lanes hold a column's four codes, by two
 // 256-bit lane shuffles, a byte unpack pair, two qword permutes and a word unpack pair per 4 k (AVX512BW), shared by
@@ -1006,20 +1023,9 @@ __attribute__((target("avx512vnni,avx512bw"))) void tile_int8_a8_vnni_unpack(con
       const __m512i w[kNrVecs] = {_mm512_xor_si512(_mm512_unpacklo_epi16(first, second), sign),
                                   _mm512_xor_si512(_mm512_unpackhi_epi16(first, second), sign)};
       prefetch_line<4 * kNr>(bytes, next_bytes, k4, countdown, step);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, codes + r * t.K + 4 * k4, sizeof(four));
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm512_dpbusd_epi32(part[r][v], w[v], xv);
-      }
+      dot_four_k<R>(codes, t.K, k4, w, part);
     }
-    Vec sums[R][kNrVecs];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm512_cvtepi32_ps(part[r][v]);
-    }
-    add_a8_group<R>(sums, x.scales.data() + t.row * groups, groups, g, acc);
+    fold_group<R>(part, x, t.row, g, acc);
   }
   const __m512i order0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i order1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
