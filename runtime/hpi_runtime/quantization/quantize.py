@@ -326,13 +326,13 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | N
         # x in int8 for the quantization's own method only (int4's int8 q/k/v keep float x), and for an int8 LM
         # head by its own setting.
         method = layer_config.method
-        setting = f"{method}_a8_max_rows"
         activations = getattr(layer_config, f"{method}_activations") if method == config.method else "float"
-        if name == "lm_head":
-            activations, setting = ("float", setting) if method != "int8" else ("", "lm_head_a8_max_rows")
-            activations = activations or layer_config.lm_head_activations
+        max_rows = getattr(layer_config, f"{method}_a8_max_rows")
+        if name == "lm_head":  # an int4 head keeps float x
+            activations = layer_config.lm_head_activations if method == "int8" else "float"
+            max_rows = layer_config.lm_head_a8_max_rows
         replacement = quantized_cls(quantized, getattr(module, "bias", None), weight.dtype, weight.device,
-                                    activations=activations, a8_max_rows=getattr(layer_config, setting))  # fmt: skip
+                                    activations=activations, a8_max_rows=max_rows)  # fmt: skip
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child_name, replacement)
         if name == "lm_head":  # an embedding tied to it looks its tokens up in the quantized head from now on
