@@ -744,6 +744,39 @@ __attribute__((target("avx512vnni"))) void tile_int4_a8_vnni(const TileArgs& t, 
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)
+// The AVX2 build's integer tiles' shared steps (the AVX2 baseline: they inline into the AVX-VNNI tiles too): a group's
+// int32 sums started at the rows' offsets; 8 k of a W4A8 panel row's words split into their low and high nibbles
+// (unsigned bytes); a W4A8 group's sums folded into the fp32 accumulators with the group's scales and zero points.
+template <int R>
+__attribute__((always_inline)) inline void start_group(const Int8Rows& x, int64_t row, int64_t g,
+                                                       __m256i (&part)[R][kNrVecs]) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(row + r) * x.groups + g]);
+  }
+}
+
+__attribute__((always_inline)) inline void split_nibbles(const int32_t* b, int64_t k8, __m256i (&low)[kNrVecs],
+                                                         __m256i (&high)[kNrVecs]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  for (int v = 0; v < kNrVecs; ++v) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k8 * kNr + v * kVecSize));
+    low[v] = _mm256_and_si256(words, nibble);
+    high[v] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble);
+  }
+}
+
+template <int R>
+__attribute__((always_inline)) inline void fold_int4_group(const __m256i (&part)[R][kNrVecs], const Int8Rows& x,
+                                                           int64_t row, const int32_t* scales_zeros,
+                                                           const float* x_sums, int64_t g, Vec (&acc)[R][kNrVecs]) {
+  Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
+  }
+  widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
+  add_group<R>(sums, scale, zero_point, x.scales.data() + row * x.groups, x_sums, x.groups, g, acc);
+}
+
 // W4A8 on AVX2 (no VNNI): vpmaddubsw multiplies the nibbles (unsigned bytes) by x's codes and adds adjacent pairs
 // into int16 (at most 2 * 15 * 127: no saturation), the low and high nibbles' results are added as int16 (at most
 // 7620) and vpmaddwd with ones widens the pairs into the int32 sums: four instructions per 8 k, row and vector,
@@ -756,22 +789,16 @@ void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, c
   const int8_t* codes = x.codes.data() + t.row * t.K;
   const auto* bytes = reinterpret_cast<const uint8_t*>(b);
   const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
-  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   Vec acc[R][kNrVecs];
   zero<R>(acc);
   int64_t countdown = phase;
   for (int64_t g = 0; g < groups; ++g) {
     __m256i part[R][kNrVecs];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
-    }
+    start_group<R>(x, t.row, g, part);
     for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
       __m256i low[kNrVecs], high[kNrVecs];
-      for (int v = 0; v < kNrVecs; ++v) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k8 * kNr + v * kVecSize));
-        low[v] = _mm256_and_si256(words, nibble);
-        high[v] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble);
-      }
+      split_nibbles(b, k8, low, high);
       prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
       for (int r = 0; r < R; ++r) {
         int32_t first, second;
@@ -785,12 +812,7 @@ void tile_int4_a8_avx2(const TileArgs& t, const Int8Rows& x, const int32_t* b, c
         }
       }
     }
-    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
-    }
-    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
-    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+    fold_int4_group<R>(part, x, t.row, scales_zeros, x_sums, g, acc);
   }
   store_tile<R>(t, acc);
 }
@@ -822,22 +844,15 @@ __attribute__((target("avxvnni"))) void tile_int4_a8_avxvnni(const TileArgs& t, 
   const int8_t* codes = x.codes.data() + t.row * t.K;
   const auto* bytes = reinterpret_cast<const uint8_t*>(b);
   const auto* next_bytes = reinterpret_cast<const uint8_t*>(next);
-  const __m256i nibble = _mm256_set1_epi8(0x0f);
   Vec acc[R][kNrVecs];
   zero<R>(acc);
   int64_t countdown = phase;
   for (int64_t g = 0; g < groups; ++g) {
     __m256i part[R][kNrVecs];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
-    }
+    start_group<R>(x, t.row, g, part);
     for (int64_t k8 = g * group_size / 8; k8 < (g + 1) * group_size / 8; ++k8) {
       __m256i low[kNrVecs], high[kNrVecs];
-      for (int v = 0; v < kNrVecs; ++v) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k8 * kNr + v * kVecSize));
-        low[v] = _mm256_and_si256(words, nibble);
-        high[v] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble);
-      }
+      split_nibbles(b, k8, low, high);
       prefetch_line<kNr * 4>(bytes, next_bytes, k8, countdown, step);
       for (int r = 0; r < R; ++r) {
         int32_t first, second;
@@ -850,12 +865,7 @@ __attribute__((target("avxvnni"))) void tile_int4_a8_avxvnni(const TileArgs& t, 
         }
       }
     }
-    Vec sums[R][kNrVecs], scale[kNrVecs], zero_point[kNrVecs];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) sums[r][v] = _mm256_cvtepi32_ps(part[r][v]);
-    }
-    widen_scales_zeros(scales_zeros + g * kNr, scale, zero_point);
-    add_group<R>(sums, scale, zero_point, x.scales.data() + t.row * groups, x_sums, groups, g, acc);
+    fold_int4_group<R>(part, x, t.row, scales_zeros, x_sums, g, acc);
   }
   store_tile<R>(t, acc);
 }
@@ -1057,9 +1067,7 @@ __attribute__((target("avxvnni"))) void tile_int8_a8_avxvnni(const TileArgs& t, 
   int64_t countdown = phase;
   for (int64_t g = 0; g < groups; ++g) {
     __m256i part[R][kNrVecs];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < kNrVecs; ++v) part[r][v] = _mm256_set1_epi32(x.offsets[(t.row + r) * groups + g]);
-    }
+    start_group<R>(x, t.row, g, part);
     for (int64_t k4 = g * kA8Group / 4; k4 < (g + 1) * kA8Group / 4; ++k4) {
       const __m256i rows01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4 * k4 * kNr));
       const __m256i rows23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (4 * k4 + 2) * kNr));

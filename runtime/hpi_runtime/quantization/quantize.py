@@ -279,30 +279,25 @@ def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dt
     if config.method == "none":
         return resolved
     changes, notes = {}, []
-    for method in ("int4", "int8"):
-        setting = getattr(config, f"{method}_activations")
-        rows = a8_rows(method, setting, device, dtype, shape) if config.method == method else 0
-        if setting == "int8" and config.method == method:
-            rows = getattr(config, f"{method}_a8_max_rows")
-        changes[f"{method}_activations"] = "int8" if rows else "float"
-        changes[f"{method}_a8_max_rows"] = rows or -1
+    # (setting's prefix, the kernels' format, whether the model has such layers, what the log calls them). The LM
+    # head: int8 whenever it is quantized on CPU panels (a tied one always; an untied int4 head keeps float x).
+    head_is_int8 = config.quantize_lm_head and (config.method == "int8" or tied_lm_head)
+    for name, method, applies, what in (
+        ("int4", "int4", config.method == "int4", "the int4 linears (W4A8)"),
+        ("int8", "int8", config.method == "int8", "the int8 linears (W8A8)"),
+        ("lm_head", "int8", head_is_int8, "the int8 LM head (W8A8), each row's leading logits recomputed from float x"),
+    ):
+        setting = getattr(config, f"{name}_activations")
+        if applies and setting == "int8" and torch.device(device).type != "cpu":
+            raise ValueError(f"{name}_activations int8 (W{method[3]}A8) runs on CPU only, not "
+                             f"{torch.device(device).type}")  # fmt: skip
+        rows = a8_rows(method, setting, device, dtype, shape) if applies else 0
+        if applies and setting == "int8":
+            rows = getattr(config, f"{name}_a8_max_rows")
+        changes[f"{name}_activations"], changes[f"{name}_a8_max_rows"] = ("int8" if rows else "float"), rows or -1
         if rows:
             upto = "" if rows == -1 else f" up to {rows} rows (the float tiles measured faster above)"
-            notes.append(f"activations int8 per group of k for the {method} linears (W{method[3]}A8){upto}")
-    # The LM head: int8 whenever it is quantized on CPU panels (a tied one always; an untied int4 head keeps
-    # float x), measured on the model's shape as the int8 linears are.
-    setting = config.lm_head_activations
-    head_is_int8 = config.quantize_lm_head and (config.method == "int8" or tied_lm_head)
-    if head_is_int8 and setting == "int8" and torch.device(device).type != "cpu":
-        raise ValueError(f"lm_head_activations int8 (W8A8) runs on CPU only, not {torch.device(device).type}")
-    rows = a8_rows("int8", setting, device, dtype, shape) if head_is_int8 else 0
-    if setting == "int8" and head_is_int8:
-        rows = config.lm_head_a8_max_rows
-    changes["lm_head_activations"], changes["lm_head_a8_max_rows"] = ("int8" if rows else "float"), rows or -1
-    if rows:
-        upto = "" if rows == -1 else f" up to {rows} rows"
-        notes.append(f"activations int8 per group of k for the int8 LM head (W8A8), each row's leading logits "
-                     f"recomputed from float x{upto}")  # fmt: skip
+            notes.append(f"activations int8 per group of k for {what}{upto}")
     config = dataclasses.replace(config, **changes)
     detail = "; ".join([resolved.detail.replace(resolved.scheme, config.scheme, 1), *notes])
     return dataclasses.replace(resolved, config=config, scheme=config.scheme, detail=detail)
