@@ -47,3 +47,12 @@ def test_avx512_build_without_vbmi_agrees() -> None:
     if not {"avx512_vnni", "avx512vbmi"} <= flags:
         pytest.skip("no AVX512-VNNI with -VBMI on this CPU: the main run already takes the tile without VBMI, or none")
     run_in_child([str(HERE / "test_cpu_quant_linear.py")], "a8", {"HPI_CPU_AVX512_VBMI": "0"})
+
+
+@pytest.mark.slow
+def test_avx512_build_without_bf16_agrees() -> None:
+    """On a CPU with AVX512-BF16 the LoRA delta stores bf16 sums with vcvtne2ps2bf16; with HPI_CPU_AVX512_BF16=0 it
+    rounds them in integers, as on CPUs without it (Cascade Lake), checked here too."""
+    if "avx512_bf16" not in set(Path("/proc/cpuinfo").read_text().split()):
+        pytest.skip("no AVX512-BF16 on this CPU: the main run already takes the paths without it")
+    run_in_child([str(HERE / "test_cpu_lora.py")], "matches or writes_only", {"HPI_CPU_AVX512_BF16": "0"})

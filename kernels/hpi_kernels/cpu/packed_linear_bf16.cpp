@@ -269,14 +269,7 @@ void gemm_bf16_to(const In* a, int64_t lda, const c10::BFloat16* packed, const c
 std::atomic<int> g_tile{0};
 std::atomic<int> g_amx{0};
 
-bool dp_available() {
-#if defined(CPU_CAPABILITY_AVX512)
-  static const bool available = __builtin_cpu_supports("avx512bf16");
-  return available;
-#else
-  return false;
-#endif
-}
+bool dp_available() { return avx512_bf16(); }
 
 // One request's decode (1 row) and a batch's (16 rows) together, on a weight that streams from memory (8 MiB,
 // beyond L2, like a layer's): per candidate (gemm(x, rows, out)), the best of 5 alternating blocks of 4 calls per
@@ -373,6 +366,18 @@ bool amx_tile(int64_t K) {
   if (!amx_fits(K)) return false;
   if (g_amx.load() == 0) tile_choice("");
   return g_amx.load() == 2;
+}
+
+bool avx512_bf16() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool available = [] {
+    const char* setting = std::getenv("HPI_CPU_AVX512_BF16");
+    return __builtin_cpu_supports("avx512bf16") && !(setting != nullptr && std::strcmp(setting, "0") == 0);
+  }();
+  return available;
+#else
+  return false;
+#endif
 }
 
 bool dp_tile() {
