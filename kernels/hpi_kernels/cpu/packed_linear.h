@@ -91,7 +91,8 @@ void unpack_bf16(const c10::BFloat16* packed, int64_t K, int64_t N, c10::BFloat1
 // measurement at the first call (prefill_gemm_choice); HPI_CPU_PREFILL_GEMM=bf16|fp32 forces one.
 bool bf16_prefill_gemm();
 // Whether the CPU has AVX512-BF16 and this is the AVX512 build; HPI_CPU_AVX512_BF16=0 says no on such a CPU too, so
-// that the tests run the paths of a CPU without it (Cascade Lake: the widen tiles, LoRA's stores rounded in integers).
+// that the tests run the paths of a CPU without it (Cascade Lake: the widen tiles and no AMX ones, LoRA's stores
+// rounded in integers).
 bool avx512_bf16();
 // Whether decode-sized GEMMs with bf16 x run vdpbf16ps tiles (packed bf16, int8 and int4 alike) rather than the
 // tiles that widen to fp32: measured at the first call where the CPU has AVX512-BF16 (bf16_tile op), false else.

@@ -75,9 +75,8 @@ bool request_amx() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
   const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-  unsigned eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;  // AVX512-BF16 (every AMX CPU has it): int4's rounding
-  const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1) != 0 && ((eax1 >> 5) & 1u);
-  if (!tile || !bf16 || !avx512_bf16) return false;
+  // AVX512-BF16 (every AMX CPU has it): int4's rounding; HPI_CPU_AVX512_BF16=0 turns the AMX tiles off with it
+  if (!tile || !bf16 || !hpi_packed::avx512_bf16()) return false;
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
