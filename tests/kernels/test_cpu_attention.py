@@ -145,6 +145,27 @@ def test_fp8_cache_matches_reference(cache_dtype, dtype, block_size) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=str)
+def test_every_fp8_code_is_widened_exactly(cache_dtype) -> None:
+    """All 256 codes but NaN and inf (zero there), 64 a request as the values of its one key: the output is that
+    value row exactly (one key takes all the weight). Subnormals included: they once took a path that multiplied
+    subnormal floats, exact but slow on Intel CPUs (a microcode assist each)."""
+    bits = torch.arange(256, dtype=torch.uint8)
+    codes = torch.where(torch.isfinite(bits.view(cache_dtype).float()), bits, 0).view(cache_dtype)
+    block_size, head_dim, reqs = 16, 64, 4
+    v_cache = torch.zeros(reqs, block_size, 1, head_dim, dtype=cache_dtype)
+    v_cache[:, 0, 0] = codes.view(reqs, head_dim)
+    k_cache = torch.ones(reqs, block_size, 1, head_dim).to(cache_dtype)
+    q = torch.randn(reqs, 1, head_dim)
+    out = torch.empty_like(q)
+    block_tables = torch.arange(reqs, dtype=torch.int32).view(reqs, 1)
+    query_start_loc, context_lens = torch.arange(reqs + 1, dtype=torch.int32), torch.ones(reqs, dtype=torch.int32)
+    torch.ops.hpi_kernels.paged_attention_cpu(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                              0.125, 0, 0.0)  # fmt: skip
+    expected = codes.float().view(reqs, 1, head_dim)
+    assert torch.equal(out, expected)  # the subnormals too (-0.0 sums to +0.0 from the zero accumulator: equal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_q_sliced_from_fused_qkv(dtype) -> None:
     batch = make_batch(mixed_requests(16), 9, 3, 64, 16, dtype, fused_qkv=True, seed=1)
