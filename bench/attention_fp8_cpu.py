@@ -62,12 +62,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     load_extension()
-    rows = []
     for name in args.dtype:
         for requests in args.requests:
             row = measure(getattr(torch, name), CACHES[args.cache], requests, args.context, args.rounds)
-            rows.append({"build": cpu_capability(), "dtype": name, "cache": args.cache, "requests": requests, **row})
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+            row = {"build": cpu_capability(), "dtype": name, "cache": args.cache, "requests": requests, **row}
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ constexpr bool is_fp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<
 // are moved to the top of a float's and its exponent rebiased by an integer add; a subnormal (exponent 0) is its
 // mantissa converted to float times 2^(1 - bias - mantissa bits); then the sign is put back. (Scaling the moved bits
 // by 2^(127 - bias) in one multiply, as before, fed the multiply a subnormal float for every fp8 subnormal,
-// and Intel CPUs take a microcode assist on each: attention over an fp8 cache ran 2.4-3x its time over a bf16 one,
+// and Intel CPUs take a microcode assist on each: attention over an fp8 cache ran 2.4-3.2x its time over a bf16 one,
 // bench/results/kv_cache_dtype.md.) fp8's NaN/inf codes are never stored (writes saturate).
 template <typename T>
 inline Vec widen_fp8(const T* src) {

@@ -192,8 +192,8 @@ inline void prefetch_chunk(const T* p) {
 // cols (bt, out and h already offset to the part's first row, column and rank), fp32 sums over out's own values,
 // rounded once. Row strides: N of bt and out, W of h.
 // Cvt: out's chunks are stored by store_chunk_cvt (expand_cvt, below).
-template <typename T, int n, bool Cvt>
-__attribute__((always_inline)) inline void expand_body(const T* bt, T* out, const int64_t* rows, int64_t Wp,
+template <typename T, int n, bool Cvt = false>
+__attribute__((always_inline)) inline void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp,
                                                        int64_t cols, int64_t N, int64_t W, const float* h) {
   const int64_t n_main = cols / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
@@ -233,19 +233,13 @@ __attribute__((always_inline)) inline void expand_body(const T* bt, T* out, cons
   }
 }
 
-template <typename T, int n>
-void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp, int64_t cols, int64_t N, int64_t W,
-            const float* h) {
-  expand_body<T, n, false>(bt, out, rows, Wp, cols, N, W, h);
-}
-
 #if defined(CPU_CAPABILITY_AVX512)
 // expand for bf16 on a CPU with AVX512-BF16 (cvt: lora_add_'s check), out's chunks stored by store_chunk_cvt.
 template <int n>
 __attribute__((target("avx512bf16"))) void expand_cvt(const c10::BFloat16* bt, c10::BFloat16* out,
                                                       const int64_t* rows, int64_t Wp, int64_t cols, int64_t N,
                                                       int64_t W, const float* h) {
-  expand_body<c10::BFloat16, n, true>(bt, out, rows, Wp, cols, N, W, h);
+  expand<c10::BFloat16, n, true>(bt, out, rows, Wp, cols, N, W, h);
 }
 #endif
 
@@ -352,10 +346,6 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
         expand_dp<n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
         continue;
       }
-    }
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (cvt) {
         expand_cvt<n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
         continue;

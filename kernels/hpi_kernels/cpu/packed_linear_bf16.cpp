@@ -269,8 +269,6 @@ void gemm_bf16_to(const In* a, int64_t lda, const c10::BFloat16* packed, const c
 std::atomic<int> g_tile{0};
 std::atomic<int> g_amx{0};
 
-bool dp_available() { return avx512_bf16(); }
-
 // One request's decode (1 row) and a batch's (16 rows) together, on a weight that streams from memory (8 MiB,
 // beyond L2, like a layer's): per candidate (gemm(x, rows, out)), the best of 5 alternating blocks of 4 calls per
 // row count, summed over the row counts, so that a load that comes and goes weighs on all alike. The index of the
@@ -317,7 +315,7 @@ void amx_gemm(const c10::BFloat16* a, int64_t K, const c10::BFloat16* packed, in
   gemm_bf16_amx(a, K, packed, nullptr, rows, K, N, out);
 }
 
-int measure_tile() { return dp_available() ? 1 + fastest(std::vector<Gemm>{widen_gemm, dp_gemm}) : 1; }
+int measure_tile() { return avx512_bf16() ? 1 + fastest(std::vector<Gemm>{widen_gemm, dp_gemm}) : 1; }
 
 // AMX against the vector tile measure_tile chose.
 int measure_amx() {
@@ -330,7 +328,7 @@ int measure_amx() {
 std::pair<int, int> parse_tile(const std::string& choice) {
   TORCH_CHECK_VALUE(choice == "auto" || choice == "widen" || choice == "dpbf16" || choice == "amx",
                     "bf16 GEMM tile must be auto, widen, dpbf16 or amx, got '", choice, "'");
-  TORCH_CHECK_VALUE(choice != "dpbf16" || dp_available(),
+  TORCH_CHECK_VALUE(choice != "dpbf16" || avx512_bf16(),
                     "the dpbf16 tile needs a CPU with AVX512-BF16 and the AVX512 build of the kernels");
   TORCH_CHECK_VALUE(choice != "amx" || amx_available(),
                     "the amx tile needs a CPU with AMX-BF16 (granted by Linux) and the AVX512 build of the kernels");
@@ -381,7 +379,7 @@ bool avx512_bf16() {
 }
 
 bool dp_tile() {
-  if (!dp_available()) return false;
+  if (!avx512_bf16()) return false;
   if (g_tile.load() == 0) tile_choice("");
   return g_tile.load() == 2;
 }
