@@ -1,5 +1,6 @@
 """KV cache element type (`hpi serve --kv-cache-dtype`): served throughput and latency, the tokens a KV budget holds,
-and perplexity, for the model's dtype ("auto") against the one-byte fp8 caches, side by side on one machine.
+and perplexity, for the model's dtype ("auto") against bf16 (for an fp32 model) and the one-byte fp8 caches, side by
+side on one machine.
 
 Served: per round, one `hpi serve` per KV dtype (the order alternating between rounds), each driven by closed-loop
 streaming clients at every concurrency (fixed prompt and output lengths, EOS ignored, the same seeded requests for
@@ -31,8 +32,9 @@ from bench.report import machine_description
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, hpi_command, metric_value
 from hpi_runtime.model_source import resolve_model_dir
 
-KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-TORCH_KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+TORCH_KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
 
 
 def served_round(kv_dtypes: list[str], hpi_args: list[str], concurrency: list[int], requests_per_client: int,
@@ -103,7 +105,7 @@ def table(rounds: list[dict], ppl: dict, kv_dtypes: list[str], concurrency: list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
+    parser.add_argument("--kv-dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2"], choices=KV_DTYPES)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)

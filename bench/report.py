@@ -16,7 +16,7 @@ from pathlib import Path
 SYSTEM_STYLE = {"hpi": ("tab:blue", "o"), "llama.cpp": ("tab:orange", "s"), "transformers": ("tab:green", "^")}
 # Variables that lower the instruction set a run uses (torch's and hpi_kernels' dispatch, MKL's, oneDNN's).
 ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "HPI_CPU_AVX_VNNI",
-                  "HPI_CPU_AVX512_VBMI")
+                  "HPI_CPU_AVX512_VBMI", "HPI_CPU_AVX512_BF16")
 
 
 def machine_description(llama_python: Path | None = None) -> dict:

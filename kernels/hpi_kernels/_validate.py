@@ -9,6 +9,9 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One-byte KV caches (`--kv-cache-dtype fp8*`): written saturated at the format's largest finite value, unscaled.
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Caches that rows of any float dtype are written into (rounded to nearest even) and read from (widened):
+# `--kv-cache-dtype bfloat16` (half an fp32 model's bytes) and the fp8 types.
+CONVERTED_KV_DTYPES = (torch.bfloat16, *FP8_KV_DTYPES)
 
 
 def interpreting() -> bool:
@@ -61,9 +64,20 @@ def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor) -> int:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if query.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES:
-        raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype} (nor an fp8 cache)")
+    if query.dtype != k_cache.dtype and k_cache.dtype not in CONVERTED_KV_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype} (nor a bf16 or fp8 cache)")
     return num_q_heads // num_kv_heads
+
+
+def dot_in_fp32(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a Triton attention kernel widens q and K/V to fp32 for its dots (its UPCAST): under the interpreter,
+    which gets bf16 arithmetic wrong; for fp32 queries; and for fp16 queries over a bf16 cache, whose values
+    fp16 cannot all hold (bf16 rounds 65504 up to 65536)."""
+    return (
+        interpreting()
+        or query.dtype == torch.float32
+        or (query.dtype == torch.float16 and k_cache.dtype == torch.bfloat16)
+    )
 
 
 def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hpi_kernels._validate import FP8_KV_DTYPES, check_device, check_dim, check_dtype, check_kv_cache, check_rank
+from hpi_kernels._validate import CONVERTED_KV_DTYPES, check_device, check_dim, check_dtype, check_kv_cache, check_rank
 
 
 @triton.jit
@@ -21,6 +21,16 @@ def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.
     magic = ((exponent - MANTISSA + 23) << 23).to(tl.float32, bitcast=True)
     rounded = tl.minimum((tl.abs(x) + magic) - magic, LIMIT)
     return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def _round_to_bf16_grid(x):
+    """x (fp32) rounded to nearest even on bf16's grid, still in fp32 (the cast that follows is then exact): the
+    bits' low half rounded away in integers, as torch's conversion does (past bf16's largest value: inf; NaN kept).
+    Written out because Triton's interpreter truncates instead, and so the tests check the bits a GPU writes."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -40,6 +50,7 @@ def _write_kv_cache_kernel(
     FP8_MANTISSA: tl.constexpr,  # an fp8 cache's mantissa bits (0: a cache in the rows' dtype)
     FP8_BIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,  # its largest finite value: larger values saturate
+    BF16: tl.constexpr,  # a bf16 cache (rows of any dtype)
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -67,6 +78,8 @@ def _write_kv_cache_kernel(
         if FP8_MANTISSA > 0:
             key = _round_to_fp8_grid(key, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
             value = _round_to_fp8_grid(value, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+        if BF16:
+            key, value = _round_to_bf16_grid(key), _round_to_bf16_grid(value)
         tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -79,7 +92,8 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64; slot = block_id * block_size + offset, -1 = skip
 ) -> None:
     """Scatters key/value rows into k_cache/v_cache at slot_mapping; padded tokens use slot -1. An fp8 cache
-    gets the rows rounded to nearest even and saturated (no scale), as `.clamp(-max, max).to(fp8)` would."""
+    gets the rows rounded to nearest even and saturated (no scale), as `.clamp(-max, max).to(fp8)` would; a bf16
+    cache, as `.to(torch.bfloat16)`."""
     check_kv_cache(k_cache, v_cache)
     check_rank("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     check_rank("value", value, 3, "[num_tokens, num_kv_heads, head_dim]")
@@ -87,7 +101,7 @@ def write_kv_cache(
         raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     check_dim("key", key, 1, k_cache.shape[2], "the cache's num_kv_heads")
     check_dim("key", key, 2, k_cache.shape[3], "the cache's head_dim")
-    if value.dtype != key.dtype or (key.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES):
+    if value.dtype != key.dtype or (key.dtype != k_cache.dtype and k_cache.dtype not in CONVERTED_KV_DTYPES):
         raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache's {k_cache.dtype}")
     check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
     check_dtype("slot_mapping", slot_mapping, (torch.int64,))
@@ -105,13 +119,13 @@ def write_kv_cache(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        **_fp8_format(k_cache.dtype),
+        **_cache_format(k_cache.dtype),
     )
 
 
-def _fp8_format(cache_dtype: torch.dtype) -> dict[str, float]:
-    """The write kernel's FP8_* constants for a cache of `cache_dtype` (mantissa 0: not an fp8 cache)."""
+def _cache_format(cache_dtype: torch.dtype) -> dict[str, float | bool]:
+    """The write kernel's FP8_* constants (mantissa 0: not an fp8 cache) and BF16 for a cache of `cache_dtype`."""
     formats = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
     mantissa, bias = formats.get(cache_dtype, (0, 0))
     limit = float(torch.finfo(cache_dtype).max) if mantissa else 0.0
-    return {"FP8_MANTISSA": mantissa, "FP8_BIAS": bias, "FP8_MAX": limit}
+    return {"FP8_MANTISSA": mantissa, "FP8_BIAS": bias, "FP8_MAX": limit, "BF16": cache_dtype == torch.bfloat16}

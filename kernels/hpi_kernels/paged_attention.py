@@ -25,7 +25,7 @@ from hpi_kernels._validate import (
     check_query_heads,
     check_rank,
     check_window_and_softcap,
-    interpreting,
+    dot_in_fp32,
 )
 
 _LOG2E = 1.4426950408889634
@@ -109,7 +109,7 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        else:  # an fp8 cache widened to q's dtype for tl.dot (a no-op for a cache in q's dtype)
+        else:  # a bf16 or fp8 cache widened to q's dtype for tl.dot (a no-op for a cache in q's dtype)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
@@ -243,7 +243,7 @@ def paged_decode_attention(
         BLOCK_N=64,
         SPLIT=num_splits > 1,
         SOFTCAP=logit_softcap is not None,
-        UPCAST=interpreting() or query.dtype == torch.float32,
+        UPCAST=dot_in_fp32(query, k_cache),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(batch, num_q_heads)](

@@ -23,7 +23,7 @@ from hpi_kernels._validate import (
     check_query_heads,
     check_rank,
     check_window_and_softcap,
-    interpreting,
+    dot_in_fp32,
 )
 from hpi_kernels.paged_attention import NO_WINDOW, softcap_log2
 
@@ -100,7 +100,7 @@ def _prefill_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            else:  # an fp8 cache widened to q's dtype for tl.dot (a no-op for a cache in q's dtype)
+            else:  # a bf16 or fp8 cache widened to q's dtype for tl.dot (a no-op for a cache in q's dtype)
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_M, BLOCK_N]
@@ -180,6 +180,6 @@ def paged_prefill_attention(
         BLOCK_N=64,
         BLOCK_D=triton.next_power_of_2(head_dim),
         SOFTCAP=logit_softcap is not None,
-        UPCAST=interpreting() or query.dtype == torch.float32,
+        UPCAST=dot_in_fp32(query, k_cache),
     )
     return out

@@ -208,7 +208,7 @@ def _serve_values(owner_name: str, spec: InferenceSpec, profile: Profile, cached
         "--max-model-len": engine.max_model_len,
         "--max-num-seqs": engine.max_num_seqs,
         "--block-size": engine.block_size,
-        "--kv-cache-dtype": None if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype,
+        "--kv-cache-dtype": None if profile.kv_cache_dtype == "auto" else profile.kv_cache_dtype,
         # Per tensor-parallel rank, as the runtime reads it: the profile's KV bytes are the whole replica's.
         "--kv-cache-memory": profile.kv_cache_bytes_per_gpu,
         "--drain-timeout": spec.runtime.drain_timeout_s,

@@ -64,7 +64,7 @@ class Profile:
     kv_offload_bytes: int = 0  # host memory for the runtime's second KV tier, over the whole pod
     num_nodes: int = 1  # pipeline stages, one pod (node) each: more than one is a LeaderWorkerSet group
     layer_partition: tuple[int, ...] = ()  # decoder layers per stage (the runtime's $VLLM_PP_LAYER_PARTITION)
-    kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype, which the KV arithmetic above counted in
+    kv_cache_dtype: str = "auto"  # the runtime's --kv-cache-dtype (pool_kv_cache_dtype), counted in the arithmetic
 
     @property
     def multi_node(self) -> bool:
@@ -100,6 +100,13 @@ class PoolChoice:
     profile: Profile | None
     reason: str
     capacity: int = 0  # replicas (groups, for a profile that spans nodes) the pool's nodes can hold
+
+
+def pool_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The runtime's --kv-cache-dtype on a pool computing in `dtype`: spec.engine.kvCacheDtype, except that
+    bfloat16 on an fp16 pool (GPUs without bf16, such as the T4) keeps the model's fp16 cache: the same two bytes,
+    and no bf16 load on a GPU that lacks it."""
+    return "auto" if kv_cache_dtype == "bfloat16" and dtype == "fp16" else kv_cache_dtype
 
 
 def _dtype_for(pool: Pool, pinned: str) -> tuple[str | None, str]:
@@ -347,7 +354,7 @@ def _fitting_choice(pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: s
         kv_offload_bytes=kv_offload_bytes(pool, spec, attempt.num_gpus, kv_bytes),
         num_nodes=attempt.num_nodes,
         layer_partition=stage_partition(shape, attempt.num_nodes) if attempt.num_nodes > 1 else (),
-        kv_cache_dtype=engine.kv_cache_dtype,
+        kv_cache_dtype=pool_kv_cache_dtype(engine.kv_cache_dtype, dtype),
     )
     per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes, engine.kv_cache_dtype)
     if profile.multi_node:

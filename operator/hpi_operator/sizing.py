@@ -302,7 +302,7 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, num_gpus: int = 1, num_sta
     """KV bytes one token costs a replica's fullest pipeline stage (the whole replica with one stage) over the
     stage's GPUs. Every rank allocates the blocks the fullest rank affords, so a stage pays num_gpus x the
     fullest rank's share (the plain K and V size when even). `kv_cache_dtype`: the runtime's --kv-cache-dtype
-    (fp8: one byte an element whatever the model's dtype)."""
+    (bfloat16: two bytes an element, fp8: one, whatever the model's dtype)."""
     num_ranks = max(num_gpus, 1)
     num_kv_heads = max_kv_heads_per_rank(shape, num_ranks) * num_ranks
     layers = stage_layers(shape, num_stages)

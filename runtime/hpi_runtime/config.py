@@ -113,9 +113,10 @@ class CacheConfig:
         "swapped there (docs/kv-offload.md); default 0: off", parse=parse_bytes)  # fmt: skip
     enable_prefix_caching: bool = option(True, "disable prefix caching", flag="--no-prefix-caching")
     kv_cache_dtype: str = option(
-        "auto", "KV cache element type: auto = the model's --dtype; fp8 (= fp8_e4m3) or fp8_e5m2 keep K/V in one "
-        "byte (half a bf16 cache: twice the tokens in the same memory, half the bytes read per decode step), "
-        "unscaled and saturated, as with vLLM's default scale of 1.0 (docs/kv-cache-dtype.md)",
+        "auto", "KV cache element type: auto = the model's --dtype; bfloat16 keeps K/V in two bytes (half an "
+        "fp32 model's cache: twice the tokens, half the bytes read per decode step); fp8 (= fp8_e4m3) or "
+        "fp8_e5m2 in one byte (half a bf16 cache), unscaled and saturated, as with vLLM's default scale of 1.0 "
+        "(docs/kv-cache-dtype.md)",
         choices=KV_CACHE_DTYPES)  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -34,11 +34,18 @@ def flag_type(spec: OptionSpec) -> str:
     return spec.type.__name__
 
 
+LINE_LENGTH = 120
+
+
 def render() -> str:
     lines = [HEADER]
     for spec in [*engine_options(), *server_options()]:
-        choices = f", choices={spec.info.choices!r}" if spec.info.choices else ""
-        lines.append(f"    ServeFlag({spec.flag!r}, {spec.name!r}, {flag_type(spec)!r}, {spec.default!r}{choices}),\n")
+        head = f"    ServeFlag({spec.flag!r}, {spec.name!r}, {flag_type(spec)!r}, {spec.default!r}"
+        choices = f"choices={spec.info.choices!r}" if spec.info.choices else ""
+        line = f"{head}, {choices}),\n" if choices else f"{head}),\n"
+        if len(line) > LINE_LENGTH:  # the project's line length (ruff.toml): choices on a line of their own
+            line = f"{head},\n{' ' * len('    ServeFlag(')}{choices}),\n"
+        lines.append(line)
     lines.append(")\nSERVE_FLAGS: dict[str, ServeFlag] = {flag.name: flag for flag in _FLAGS}\n")
     return "".join(lines)
 

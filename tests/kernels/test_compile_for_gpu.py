@@ -23,7 +23,21 @@ _BF16 = "*bf16"
 CONFIGS = [
     (
         "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0}, 4,
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0,
+         "BF16": False}, 4,
+    ),
+    # `--kv-cache-dtype bfloat16` under an fp32 model: fp32 rows rounded into the bf16 cache, fp32 queries over it.
+    (
+        "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64", "key_ptr": "*fp32", "value_ptr": "*fp32"},
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0,
+         "BF16": True}, 4,
+    ),
+    (
+        "paged_attention", "_decode_kernel",
+        {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_ptr": "*fp32", "out_ptr": "*fp32",
+         "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},
+        {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "SPLIT": True, "SOFTCAP": False,
+         "UPCAST": True}, 4,
     ),
     (
         "paged_attention", "_decode_kernel",
@@ -83,12 +97,14 @@ FP8_CONFIGS = [
     (
         "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
                                                "v_cache_ptr": "*fp8e4nv"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 3, "FP8_BIAS": 7, "FP8_MAX": 448.0}, 4,
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 3, "FP8_BIAS": 7, "FP8_MAX": 448.0,
+         "BF16": False}, 4,
     ),
     (
         "kv_cache", "_write_kv_cache_kernel", {"slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e5",
                                                "v_cache_ptr": "*fp8e5"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 2, "FP8_BIAS": 15, "FP8_MAX": 57344.0}, 4,
+        {"BLOCK_SIZE": 16, "BLOCK_H": 4, "BLOCK_D": 64, "FP8_MANTISSA": 2, "FP8_BIAS": 15, "FP8_MAX": 57344.0,
+         "BF16": False}, 4,
     ),
     (
         "paged_attention", "_decode_kernel",

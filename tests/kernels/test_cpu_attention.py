@@ -145,6 +145,18 @@ def test_fp8_cache_matches_reference(cache_dtype, dtype, block_size) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_bf16_cache_under_wider_queries_matches_reference(dtype, block_size) -> None:
+    """`--kv-cache-dtype bfloat16` under an fp32 (or fp16) model: the cache is widened exactly, so fp32 queries
+    meet fp32's tolerance against the reference over the same bf16 values, decodes and prefill tiles alike."""
+    batch = make_batch(mixed_requests(block_size), 9, 3, 64, block_size, dtype, seed=4)
+    batch = dataclasses.replace(batch, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16())
+    out, expected = run_both(batch, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=str)
 def test_every_fp8_code_is_widened_exactly(cache_dtype) -> None:
     """All 256 codes but NaN and inf (zero there), 64 a request as the values of its one key: the output is that
@@ -483,9 +495,29 @@ def test_cached_op_writes_fp8_rows_rounded_and_saturated(cache_dtype, dtype) -> 
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_cached_op_writes_bf16_cache_rows_rounded_to_nearest_even(dtype) -> None:
+    """Into a bf16 cache under a wider model, the new rows go as `.to(torch.bfloat16)` has them, ties to even, and
+    attention reads them back."""
+    q, k, v, k_cache, v_cache, *rest = _cached_step()
+    k[1, 0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3e4])  # halfway between bf16 neighbours: to the even one
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    slots = rest[0]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for cache, rows in ((expected_k, k), (expected_v, v)):
+        cache.view(-1, 2, 64)[slots] = rows[:4].to(torch.bfloat16)
+    expected = torch.zeros(q.shape, dtype=dtype)
+    paged_attention_ref(expected, q, expected_k, expected_v, *rest[1:])
+    out = torch.ops.hpi_kernels.cached_paged_attention_cpu(q, k, v, k_cache, v_cache, *rest)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert k_cache.view(-1, 2, 64)[slots[1], 0, :2].float().tolist() == [1.0, 1 + 2**-6]
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
 def test_a_cache_of_another_dtype_is_refused() -> None:
     q, k, v, k_cache, v_cache, *rest = _cached_step()
-    with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+    with pytest.raises(ValueError, match="bfloat16, float8_e4m3fn or float8_e5m2"):
         torch.ops.hpi_kernels.cached_paged_attention_cpu(q, k, v, k_cache.half(), v_cache.half(), *rest)
 
 

@@ -15,7 +15,8 @@ HERE = Path(__file__).parent
 # Per file, the tests re-run (-k names the module, so one expression selects per file): attention's mixed-batch
 # cases that cover both kernels and the build check; every test of the others.
 SELECTION = (
-    "(test_cpu_attention and ((mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or fp8 or built_for)) or "
+    "(test_cpu_attention and ((mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or fp8 or bf16_cache "
+    "or built_for)) or "
     "test_cpu_packed_linear or test_cpu_quant_linear or test_cpu_lora"
 )
 FILES = ["test_cpu_attention.py", "test_cpu_packed_linear.py", "test_cpu_quant_linear.py", "test_cpu_lora.py"]
@@ -24,9 +25,9 @@ FILES = ["test_cpu_attention.py", "test_cpu_packed_linear.py", "test_cpu_quant_l
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_lower_capability_builds_agree(capability) -> None:
-    """Attention (mixed batches, long chunks, fused, fp8 caches), packed fp32/bf16 linears (other panel widths and
-    register tiles), quantized linears (widening) and the LoRA delta (vector widths, pair widening) under each
-    build."""
+    """Attention (mixed batches, long chunks, fused, fp8 and bf16 caches), packed fp32/bf16 linears (other panel
+    widths and register tiles), quantized linears (widening) and the LoRA delta (vector widths, pair widening) under
+    each build."""
     run_at_lower_capability([str(HERE / name) for name in FILES], capability, SELECTION)
 
 

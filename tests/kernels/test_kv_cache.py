@@ -59,6 +59,21 @@ def test_write_into_an_fp8_cache_rounds_and_saturates(paged_cache, device, cache
     assert cache.k_cache.view(-1, 2, 64)[5, 0, :2].float().tolist() == [limit, -limit]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_write_into_a_bf16_cache_rounds_to_nearest_even(paged_cache, device, dtype) -> None:
+    """`--kv-cache-dtype bfloat16` under a wider model: the rows as `.to(torch.bfloat16)` has them, ties to even."""
+    cache = paged_cache([32], 2, 64, 16, torch.bfloat16)
+    key = torch.randn(3, 2, 64).to(device, dtype)
+    key[0, 0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38])  # halfway between bf16 neighbours; past its top
+    value = torch.randn(3, 2, 64).to(device, dtype)
+    slot_mapping = torch.tensor([5, -1, 31], dtype=torch.int64, device=device)
+    k_expected, v_expected = cache.k_cache.clone(), cache.v_cache.clone()
+    write_kv_cache_ref(key, value, k_expected, v_expected, slot_mapping)
+    write_kv_cache(key, value, cache.k_cache, cache.v_cache, slot_mapping)
+    assert torch.equal(cache.k_cache, k_expected) and torch.equal(cache.v_cache, v_expected)
+    assert cache.k_cache.view(-1, 2, 64)[5, 0, :3].float().tolist() == [1.0, 1 + 2**-6, float("inf")]
+
+
 def test_write_of_no_tokens_is_a_no_op(paged_cache, device) -> None:
     cache = paged_cache([4], 2, 64, 16)
     before = cache.k_cache.clone()

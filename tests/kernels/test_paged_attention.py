@@ -50,11 +50,15 @@ def test_decode_matches_reference(
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_reads_an_fp8_cache(paged_cache, tol, device, cache_dtype, dtype) -> None:
-    """`--kv-cache-dtype fp8*`: K/V tiles widened to the query's dtype for tl.dot, against the reference over
-    the same fp8 values."""
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype"),
+    [(torch.float8_e4m3fn, torch.float32), (torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float32),
+     (torch.float8_e5m2, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)],
+    ids=str,
+)  # fmt: skip
+def test_decode_reads_a_converted_cache(paged_cache, tol, device, cache_dtype, dtype) -> None:
+    """`--kv-cache-dtype fp8*` and `bfloat16` (under an fp32 or fp16 model): K/V tiles widened to the query's dtype
+    (fp16 over bf16: both to fp32) for tl.dot, against the reference over the same cached values."""
     context_lens = [1, 16, 17, 53]
     cache = paged_cache(context_lens, 3, 64, 16, cache_dtype)
     query = _query((len(context_lens), 9, 64), dtype, device, non_contiguous=False)

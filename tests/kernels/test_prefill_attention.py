@@ -66,8 +66,9 @@ def test_prefill_matches_reference(
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_prefill_reads_an_fp8_cache(paged_cache, tol, device, cache_dtype) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+def test_prefill_reads_a_converted_cache(paged_cache, tol, device, cache_dtype) -> None:
+    """fp32 queries over a one-byte or a bf16 cache (`--kv-cache-dtype fp8*`, `bfloat16`)."""
     cache = paged_cache([40, 23], 3, 64, 16, cache_dtype)
     query = torch.randn(30, 9, 64, device=device)  # 20 new tokens of the first request, 10 of the second
     query_start_loc = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)

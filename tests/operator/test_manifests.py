@@ -285,6 +285,21 @@ def test_fp8_kv_cache_reaches_every_runtime_and_halves_the_kv_arithmetic() -> No
     assert "tokens x 131072 B)" in {c.pool.name: c for c in bf16.choices}["gpu-h100-80gb-hbm3"].reason
 
 
+def test_bfloat16_kv_cache_halves_the_fp32_pools_kv_and_leaves_fp16_pools_their_cache() -> None:
+    """spec.engine.kvCacheDtype bfloat16: the fp32 CPU pool's runtime gets `--kv-cache-dtype bfloat16` and its
+    profile counts two bytes a K/V element (half of fp32's); the bf16 pools get it too (a no-op there); the fp16 T4
+    pool keeps its own two-byte cache (no flag), as a GPU without bf16 should."""
+    auto = plan_for("embedded")
+    bf16 = make_plan(cr({**copy.deepcopy(SPECS["embedded"]), "engine": {"kvCacheDtype": "bfloat16"}}), NODES)
+    args = {c.pool.name: container(deployment(bf16, c.pool.name))["args"] for c in bf16.choices}
+    assert arg(args["cpu-amd64"], "--kv-cache-dtype") == arg(args["cpu-amd64-bf16"], "--kv-cache-dtype") == "bfloat16"
+    assert "--kv-cache-dtype" not in args["gpu-t4"] and arg(args["gpu-t4"], "--dtype") == "float16"
+    reasons = {c.pool.name: (c.reason, a.reason) for c, a in zip(bf16.choices, auto.choices, strict=True)}
+    assert "tokens x 23040 B)" in reasons["cpu-amd64"][0] and "tokens x 46080 B)" in reasons["cpu-amd64"][1]
+    assert all("tokens x 23040 B)" in ours and "tokens x 23040 B)" in theirs
+               for name, (ours, theirs) in reasons.items() if name != "cpu-amd64")  # fmt: skip
+
+
 def test_runtime_parser_accepts_the_rendered_args() -> None:
     from hpi_runtime.cli import build_parser  # the test environment has every component installed
 

@@ -16,8 +16,9 @@
 //     transposed so that the rows sit in vector lanes: scores, the online softmax and the P @ V update
 //     all run across rows without horizontal reductions (tile_item).
 // Math is fp32 (bf16/fp16 inputs are widened on load), the softmax is the streaming (online) one. The cache
-// holds q's dtype, or fp8 (e4m3fn or e5m2, `--kv-cache-dtype fp8*`: half the bytes of a bf16 cache to read
-// per step and to keep), written saturated and unscaled and widened to fp32 as it is read (cpu_vec.h).
+// holds q's dtype, bf16 (`--kv-cache-dtype bfloat16`: half an fp32 model's bytes), or fp8 (e4m3fn or e5m2,
+// `--kv-cache-dtype fp8*`: half the bytes of a bf16 cache to read per step and to keep), written saturated and
+// unscaled; either is widened to fp32 as it is read (cpu_vec.h).
 //
 // Built by hpi_kernels/cpu/_extension.py with the flags of torch's own CPU capability (AVX512, AVX2 or
 // none), so at::vec::Vectorized<float> is 16, 8 (or 4 on aarch64) lanes wide.
@@ -429,6 +430,11 @@ struct OpArgs {
 
 bool is_fp8_dtype(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
+// A cache holds q's dtype, bf16 (`--kv-cache-dtype bfloat16`: half an fp32 model's bytes) or fp8.
+bool cache_dtype_ok(at::ScalarType cache, at::ScalarType q) {
+  return cache == q || cache == at::kBFloat16 || is_fp8_dtype(cache);
+}
+
 void check_int32_vector(const at::Tensor& t, const char* name, int64_t length) {
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == length && t.scalar_type() == at::kInt && t.is_contiguous(), name,
                     " must be a contiguous int32 vector of length ", length, ", got ", t.scalar_type(), " ", t.sizes());
@@ -453,9 +459,9 @@ void check_args(const OpArgs& a) {
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                     "q must be float32, bfloat16 or float16, got ", dtype);
   const auto cache_dtype = a.k_cache.scalar_type();
-  TORCH_CHECK_VALUE((cache_dtype == dtype || is_fp8_dtype(cache_dtype)) && a.v_cache.scalar_type() == cache_dtype,
-                    "k_cache and v_cache must both have q's dtype ", dtype, " or both float8_e4m3fn or float8_e5m2, "
-                    "got ", cache_dtype, " and ", a.v_cache.scalar_type());
+  TORCH_CHECK_VALUE(cache_dtype_ok(cache_dtype, dtype) && a.v_cache.scalar_type() == cache_dtype,
+                    "k_cache and v_cache must both have q's dtype ", dtype, " or both bfloat16, float8_e4m3fn or "
+                    "float8_e5m2, got ", cache_dtype, " and ", a.v_cache.scalar_type());
   TORCH_CHECK_VALUE(a.out.sizes() == a.q.sizes() && a.out.scalar_type() == dtype && a.out.is_contiguous(),
                     "out must be a contiguous tensor of q's shape and dtype");
   const int64_t num_heads = a.q.size(1), head_dim = a.q.size(2), num_kv_heads = a.k_cache.size(2);
@@ -560,6 +566,7 @@ void launch_for_cache(const OpArgs& a, const std::vector<WorkItem>& items, bool 
   switch (a.k_cache.scalar_type()) {
     case at::kFloat8_e4m3fn: return launch<T, c10::Float8_e4m3fn>(a, items, amx);
     case at::kFloat8_e5m2: return launch<T, c10::Float8_e5m2>(a, items, amx);
+    case at::kBFloat16: return launch<T, c10::BFloat16>(a, items, amx);
     default: return launch<T, T>(a, items, amx);
   }
 }
@@ -611,40 +618,51 @@ void fp8_row(const float* __restrict x, uint8_t* __restrict out, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) out[i] = kE4M3 ? fp8_bits<3, 7>(x[i], limit) : fp8_bits<2, 15>(x[i], limit);
 }
 
-// Rows [0, num_tokens) of src [rows, num_kv_heads, head_dim] written to an fp8 cache's slots, rounded to nearest
-// (even) and saturated at the format's largest finite value (448 for e4m3fn, 57344 for e5m2), with no scale:
-// vLLM's default k/v scale of 1.0. Tokens are split over the threads (a prefill's rows are many).
+// Rows [0, num_tokens) of src [rows, num_kv_heads, head_dim] written to the slots of a cache of a narrower type C:
+// fp8 rounded to nearest (even) and saturated at the format's largest finite value (448 for e4m3fn, 57344 for
+// e5m2), with no scale (vLLM's default k/v scale of 1.0); bf16 rounded to nearest even, as torch's `.to()`.
+// Tokens are split over the threads (a prefill's rows are many).
 template <typename T, typename C>
-void write_fp8_rows_as(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
-  constexpr bool kE4M3 = std::is_same_v<C, c10::Float8_e4m3fn>;
-  const float limit = static_cast<float>(std::numeric_limits<C>::max());
+void write_narrowed_rows_as(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots,
+                            int64_t num_tokens) {
   const int64_t heads = cache.size(2), D = cache.size(3);
   const T* from = src.const_data_ptr<T>();
-  auto* to = static_cast<uint8_t*>(cache.data_ptr());
+  C* to = static_cast<C*>(cache.data_ptr());
   const int64_t token_stride = src.stride(0), head_stride = src.stride(1);
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(D);  // head_dim is a multiple of 16
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
         const T* row = from + t * token_stride + h * head_stride;
+        C* dst = to + (slots[t] * heads + h) * D;
         for (int64_t d = 0; d < D; d += kVecSize) load_float(row + d).store(widened.data() + d);
-        fp8_row<kE4M3>(widened.data(), to + (slots[t] * heads + h) * D, D, limit);
+        if constexpr (hpi_vec::is_fp8<C>) {
+          constexpr bool kE4M3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+          const float limit = static_cast<float>(std::numeric_limits<C>::max());
+          fp8_row<kE4M3>(widened.data(), reinterpret_cast<uint8_t*>(dst), D, limit);
+        } else {
+          at::vec::convert(widened.data(), dst, D);
+        }
       }
     }
   });
 }
 
 template <typename T>
-void write_fp8_rows_from(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
-  if (cache.scalar_type() == at::kFloat8_e4m3fn) return write_fp8_rows_as<T, c10::Float8_e4m3fn>(src, cache, slots, num_tokens);
-  return write_fp8_rows_as<T, c10::Float8_e5m2>(src, cache, slots, num_tokens);
+void write_narrowed_rows_from(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots,
+                              int64_t num_tokens) {
+  switch (cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: return write_narrowed_rows_as<T, c10::Float8_e4m3fn>(src, cache, slots, num_tokens);
+    case at::kFloat8_e5m2: return write_narrowed_rows_as<T, c10::Float8_e5m2>(src, cache, slots, num_tokens);
+    default: return write_narrowed_rows_as<T, c10::BFloat16>(src, cache, slots, num_tokens);
+  }
 }
 
-void write_fp8_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+void write_narrowed_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
   switch (src.scalar_type()) {
-    case at::kBFloat16: return write_fp8_rows_from<at::BFloat16>(src, cache, slots, num_tokens);
-    case at::kHalf: return write_fp8_rows_from<at::Half>(src, cache, slots, num_tokens);
-    default: return write_fp8_rows_from<float>(src, cache, slots, num_tokens);
+    case at::kBFloat16: return write_narrowed_rows_from<at::BFloat16>(src, cache, slots, num_tokens);
+    case at::kHalf: return write_narrowed_rows_from<at::Half>(src, cache, slots, num_tokens);
+    default: return write_narrowed_rows_from<float>(src, cache, slots, num_tokens);
   }
 }
 
@@ -668,10 +686,10 @@ at::Tensor cached_paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, 
                     "k and v must be [num_rows >= ", num_tokens, ", num_kv_heads, head_dim] rows of the caches' shape "
                     "in q's dtype, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
-  TORCH_CHECK_VALUE((k_cache.scalar_type() == q.scalar_type() || is_fp8_dtype(k_cache.scalar_type())) &&
+  TORCH_CHECK_VALUE(cache_dtype_ok(k_cache.scalar_type(), q.scalar_type()) &&
                         v_cache.scalar_type() == k_cache.scalar_type(),
-                    "k_cache and v_cache must both have q's dtype ", q.scalar_type(),
-                    " or both float8_e4m3fn or float8_e5m2, got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
+                    "k_cache and v_cache must both have q's dtype ", q.scalar_type(), " or both bfloat16, "
+                    "float8_e4m3fn or float8_e5m2, got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t row = k_cache.size(2) * k_cache.size(3), bytes = row * k_cache.element_size();
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
@@ -680,7 +698,7 @@ at::Tensor cached_paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, 
                       " is outside the cache's ", num_slots, " slots");
   }
   auto write = [&](const at::Tensor& src, const at::Tensor& cache) {
-    if (cache.scalar_type() != src.scalar_type()) return write_fp8_rows(src, cache, slots, num_tokens);
+    if (cache.scalar_type() != src.scalar_type()) return write_narrowed_rows(src, cache, slots, num_tokens);
     const auto* from = static_cast<const char*>(src.const_data_ptr());
     auto* to = static_cast<char*>(cache.data_ptr());
     const int64_t token_stride = src.stride(0) * src.element_size(), head_stride = src.stride(1) * src.element_size();

@@ -37,8 +37,9 @@ from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRun
 from hpi_runtime.worker.sleep import ModelSleeper
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# --kv-cache-dtype's one-byte types (vLLM's names; "fp8" is e4m3, as there); "auto" keeps the model's dtype.
-KV_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# --kv-cache-dtype's types (vLLM's names; "fp8" is e4m3, as there); "auto" keeps the model's dtype.
+KV_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
 CUDA_KV_CACHE_FRACTION = 0.85  # of the device memory still free once the weights are loaded
 
 
@@ -85,7 +86,7 @@ class ExecutorConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's element type: --kv-cache-dtype's fp8 type, or the model's dtype for "auto"."""
+        """The KV cache's element type: --kv-cache-dtype's, or the model's dtype for "auto"."""
         return KV_TORCH_DTYPES.get(self.cache.kv_cache_dtype, self.dtype)
 
 

@@ -220,10 +220,11 @@ def test_op_bf16_is_close_to_fp32(prefer_cpu_kernel) -> None:
 
 
 @pytest.mark.parametrize("prefer_cpu_kernel", _kernel_params())
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_op_over_an_fp8_cache(cache_dtype, prefer_cpu_kernel) -> None:
-    """`--kv-cache-dtype fp8*`: the new rows are stored as to_cache_dtype rounds them, and attention is exact
-    (fp32's tolerance) over the rounded cache, on the C++ kernel and the reference path alike."""
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+def test_op_over_a_converted_cache(cache_dtype, prefer_cpu_kernel) -> None:
+    """`--kv-cache-dtype fp8*` and `bfloat16` under an fp32 model: the new rows are stored as to_cache_dtype rounds
+    them, and attention is exact (fp32's tolerance) over the rounded cache, on the C++ kernel and the reference
+    path alike."""
     common, q, k, v, k_cache, v_cache = _paged_step([300, 17, 64, 48], [1, 1, 20, 48])
     caches = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     expected = _reference(common, q, to_cache_dtype(k, cache_dtype).float(), to_cache_dtype(v, cache_dtype).float(),

@@ -97,10 +97,11 @@ def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory
     assert runner.cpu_decode.steps >= 6  # the decode-only steps after the last prefill chunk (5 requests)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_decode_steps_over_an_fp8_cache_give_the_reference_tokens(tiny_model_dir: Path, kv_dtype) -> None:
-    """`--kv-cache-dtype fp8*`: the stack writes and reads the one-byte cache (through the C++ attention) as the
-    eager model with the reference attention (gather + SDPA over the widened cache) does, token for token."""
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+def test_decode_steps_over_a_converted_cache_give_the_reference_tokens(tiny_model_dir: Path, kv_dtype) -> None:
+    """`--kv-cache-dtype fp8*` and `bfloat16` under an fp32 model: the stack writes and reads the narrower cache
+    (through the C++ attention) as the eager model with the reference attention (gather + SDPA over the widened
+    cache) does, token for token."""
     reference = _runner(tiny_model_dir, torch.float32, 0, kv_dtype=kv_dtype, cpu_attention=False)
     runner = _runner(tiny_model_dir, torch.float32, 64, kv_dtype=kv_dtype)
     prompt_lens = [5, 19, 1, 33]

@@ -84,10 +84,11 @@ def _conversations(llm: LLM, num_turns: int = 3) -> tuple[list[list[int]], objec
     return answers, llm.engine.get_stats()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8"])
 def test_same_greedy_tokens_with_the_tier_and_far_less_prefill(tiny_model_dir: Path, kv_cache_dtype: str) -> None:
-    """fp8: a quarter of the fp32 budget holds the same 24 blocks, and the tier moves its one-byte blocks."""
-    token_bytes = TOKEN_BYTES // 4 if kv_cache_dtype == "fp8" else TOKEN_BYTES
+    """bfloat16 (fp8): a half (a quarter) of the fp32 budget holds the same 24 blocks, and the tier moves its two-
+    (one-) byte blocks."""
+    token_bytes = TOKEN_BYTES // {"auto": 1, "bfloat16": 2, "fp8": 4}[kv_cache_dtype]
     options = dict(dtype="float32", block_size=BLOCK, max_model_len=128, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype,
                    kv_cache_memory_bytes=24 * BLOCK * token_bytes, enforce_eager=True)  # fmt: skip
     off = LLM(tiny_model_dir, **options)
