@@ -127,6 +127,19 @@ def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim,
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [*HEADS, pytest.param(8, 1, id="gqa8:1")])
+@pytest.mark.parametrize("head_dim", [48, 80, 128])
+def test_decode_head_dims_in_every_value_chunking(dtype, num_heads, num_kv_heads, head_dim) -> None:
+    """Decodes only: a decode item's P @ V pass takes its head dim in groups of up to 4 vectors per head (fewer with
+    more heads a kv head), then one at a time for the rest; 48 and 80 leave a rest (3 and 5 vectors in the AVX512
+    build, 6 and 10 in the AVX2 one), 1, 3, 4 and 8 heads a kv head give each group size."""
+    requests = [(1, n) for n in (1, 15, 16, 17, 70, 129)]
+    batch = make_batch(requests, num_heads, num_kv_heads, head_dim, 16, dtype, seed=6)
+    out, expected = run_both(batch, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
 FP8_CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -16,7 +16,7 @@ HERE = Path(__file__).parent
 # cases that cover both kernels and the build check; every test of the others.
 SELECTION = (
     "(test_cpu_attention and ((mixed_batch and (gqa9 or mha) and 16) or long_chunks or fused or fp8 or bf16_cache "
-    "or built_for)) or "
+    "or decode_head_dims or built_for)) or "
     "test_cpu_packed_linear or test_cpu_quant_linear or test_cpu_lora"
 )
 FILES = ["test_cpu_attention.py", "test_cpu_packed_linear.py", "test_cpu_quant_linear.py", "test_cpu_lora.py"]

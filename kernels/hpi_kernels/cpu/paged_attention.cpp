@@ -11,7 +11,8 @@
 // the threads of one at::parallel_for region from an atomic counter, so a few long contexts do not
 // leave the other threads idle:
 //   - decode (one query token): the token's q heads of one kv head (at most kMaxDecodeHeads); per head,
-//     the dot products with Vec::size() keys at a time, reduced in one shuffle tree (decode_item);
+//     the dot products with Vec::size() keys at a time, reduced in one shuffle tree; P @ V for all the heads
+//     in groups of head-dim vectors, one FMA chain per head and vector (decode_item, add_values);
 //   - prefill/extend chunks: a tile of up to kMaxTileVecs * Vec::size() (token, q head) rows, stored
 //     transposed so that the rows sit in vector lanes: scores, the online softmax and the P @ V update
 //     all run across rows without horizontal reductions (tile_item).
@@ -135,6 +136,34 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t head
   }
 }
 
+// Head-dim vectors a decode item's P @ V pass updates at once for its GB heads: GB x NC accumulators, each an
+// FMA chain over the block's keys, so that GB * NC chains (not GB) hide the FMA latency; as many as the registers
+// hold beside GB broadcast scores and a value vector (AVX2's 16: 12 accumulators; AVX512's 32: 24), a power of
+// two up to 4.
+constexpr int decode_value_chunks(int GB) {
+  const int fit = (kVecSize >= 16 ? 24 : 12) / GB;
+  return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// acc[g, c .. c + NC vectors) = acc * alpha[g] + sum_j scores[g, j] * value j, for the block's n keys.
+template <int GB, int NC, typename C>
+inline void add_values(float* acc, const float* alpha, const float* scores, const C* v, int64_t n, int64_t BS,
+                       int64_t token_stride, int64_t D, int64_t c) {
+  Vec a[GB][NC];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NC; ++i) a[g][i] = Vec::loadu(acc + g * D + c + i * kVecSize) * Vec(alpha[g]);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec s[GB];
+    for (int g = 0; g < GB; ++g) s[g] = Vec(scores[g * BS + j]);
+    for (int i = 0; i < NC; ++i) {
+      const Vec vv = load_float(v + j * token_stride + c + i * kVecSize);
+      for (int g = 0; g < GB; ++g) a[g][i] = at::vec::fmadd(s[g], vv, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NC; ++i) a[g][i].store(acc + g * D + c + i * kVecSize);
+}
+
 // One decode token, q heads [first, first + GB) of one kv head's group, over all its cached keys.
 template <typename T, typename C, int GB>
 void decode_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
@@ -201,15 +230,12 @@ void decode_item(const Problem<T, C>& p, const WorkItem& w, float* scratch) {
       }
       row_sum[g] = row_sum[g] * alpha[g] + sum_lanes(sum);
     }
-    for (int64_t c = 0; c < D; c += kVecSize) {
-      Vec a[GB];
-      for (int g = 0; g < GB; ++g) a[g] = Vec::loadu(acc + g * D + c) * Vec(alpha[g]);
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec vv = load_float(v + j * token_stride + c);
-        for (int g = 0; g < GB; ++g) a[g] = at::vec::fmadd(Vec(scores[g * BS + j]), vv, a[g]);
-      }
-      for (int g = 0; g < GB; ++g) a[g].store(acc + g * D + c);
+    constexpr int NC = decode_value_chunks(GB);
+    int64_t c = 0;
+    for (; c + NC * kVecSize <= D; c += NC * kVecSize) {
+      add_values<GB, NC>(acc, alpha, scores, v, n, BS, token_stride, D, c);
     }
+    for (; c < D; c += kVecSize) add_values<GB, 1>(acc, alpha, scores, v, n, BS, token_stride, D, c);
   }
   for (int g = 0; g < GB; ++g) {
     T* dst = p.out + token * p.num_heads * D + (head0 + g) * D;
