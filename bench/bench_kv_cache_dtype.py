@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from bench.bench_quantization import PERPLEXITY_CHUNK, TEXT_PATH
@@ -31,10 +30,10 @@ from bench.loadgen import LengthDist, LoadConfig, WorkloadSpec, build_requests, 
 from bench.report import machine_description
 from bench.systems import SERVED_MODEL_NAME, ServerProcess, hpi_command, metric_value
 from hpi_runtime.model_source import resolve_model_dir
+from hpi_runtime.worker.executor import KV_TORCH_DTYPES
 
 KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
-TORCH_KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+TORCH_KV_DTYPES = {"auto": None, **KV_TORCH_DTYPES}  # the runtime's own mapping; None: the model's dtype
 
 
 def served_round(kv_dtypes: list[str], hpi_args: list[str], concurrency: list[int], requests_per_client: int,

@@ -356,7 +356,7 @@ def _fitting_choice(pool: Pool, spec: InferenceSpec, shape: ModelShape, dtype: s
         layer_partition=stage_partition(shape, attempt.num_nodes) if attempt.num_nodes > 1 else (),
         kv_cache_dtype=pool_kv_cache_dtype(engine.kv_cache_dtype, dtype),
     )
-    per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes, engine.kv_cache_dtype)
+    per_token = kv_bytes_per_token(shape, dtype, attempt.num_gpus, attempt.num_nodes, profile.kv_cache_dtype)
     if profile.multi_node:
         layout = _pipeline_note(shape, attempt, pinned=spec.parallelism.pipeline is not None)
         weights = "weights per stage"

@@ -194,7 +194,7 @@ inline void prefetch_chunk(const T* p) {
 // Cvt: out's chunks are stored by store_chunk_cvt (expand_cvt, below).
 template <typename T, int n, bool Cvt = false>
 __attribute__((always_inline)) inline void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp,
-                                                       int64_t cols, int64_t N, int64_t W, const float* h) {
+                                                  int64_t cols, int64_t N, int64_t W, const float* h) {
   const int64_t n_main = cols / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
     Vec lo[n], hi[n];
