@@ -96,18 +96,15 @@ def tol():
     return tolerance
 
 
-_LOWER_CAPABILITIES = {"AVX512": ["AVX2", "DEFAULT"], "AVX2": ["DEFAULT"]}
-
-
 def run_at_lower_capability(test_files: list[str], capability: str, selection: str,
                             extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
     """Re-run the tests of `test_files` that `selection` (-k) picks in one child whose torch dispatches to the
     lower instruction set `capability`, so that the C++ CPU kernels' AVX2 (CI) and generic builds are checked
     on every machine that can run them; skips where `capability` is not below this machine's. The child sees
     HPI_EXPECT_CPU_CAPABILITY, for a test that checks which build it loaded, and `extra_env`."""
-    from hpi_kernels.cpu import cpu_capability
+    from hpi_kernels.cpu._extension import cpu_capability, lower_capabilities
 
-    if capability not in _LOWER_CAPABILITIES.get(cpu_capability(), []):
+    if capability not in lower_capabilities(cpu_capability()):
         pytest.skip(f"{capability} is not below this machine's {cpu_capability()}")
     run_in_child(test_files, selection, {"ATEN_CPU_CAPABILITY": capability.lower(),
                                          "HPI_EXPECT_CPU_CAPABILITY": capability, **(extra_env or {})})  # fmt: skip

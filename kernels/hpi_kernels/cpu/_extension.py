@@ -55,6 +55,13 @@ def cpu_capability() -> str:
     return capability if is_x86 and capability in _ISA_FLAGS else "DEFAULT"
 
 
+def lower_capabilities(capability: str) -> list[str]:
+    """The capabilities below `capability` whose builds this CPU also runs (torch dispatches to them when
+    ATEN_CPU_CAPABILITY names them), highest first."""
+    order = ("AVX512", "AVX2", "DEFAULT")
+    return list(order[order.index(capability) + 1:]) if capability in order else []
+
+
 def _ensure_ninja_on_path() -> None:
     # cpp_extension runs `ninja` through PATH; pip puts it next to the interpreter, which is not on PATH
     # when the virtualenv is used without being activated (.venv/bin/python ...).
