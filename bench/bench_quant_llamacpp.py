@@ -50,6 +50,9 @@ class Plan:
     # attention, turned on with them). The defaults are both servers' own: the model's dtype and f16.
     hpi_kv_cache_dtype: str = "auto"
     llama_cache_type: str = "f16"
+    # hpi's --int8-activations for its quantized runs: "int8" also puts int4's int8 q/k/v in W8A8 (as llama.cpp's
+    # Q4_0 quantizes the activations of every layer), "auto" is the runtime's default
+    hpi_int8_activations: str = "auto"
     weights: tuple[str, ...] = tuple(PAIRS)  # the pairs to run
 
 
@@ -62,7 +65,8 @@ def llama_server_command(quant_type: str, parallel: int, plan: Plan) -> ServerCo
 
 
 def hpi_server_command(weights: str, plan: Plan) -> ServerCommand:
-    quant = () if weights == "unquantized" else ("--quantization", weights, "--quantize-lm-head")
+    quant = () if weights == "unquantized" else ("--quantization", weights, "--quantize-lm-head",
+                                                  "--int8-activations", plan.hpi_int8_activations)  # fmt: skip
     return hpi_command(plan.threads, "--dtype", plan.hpi_dtype, "--max-num-seqs", "64", "--kv-cache-dtype",
                        plan.hpi_kv_cache_dtype, *quant)  # fmt: skip
 
@@ -138,13 +142,15 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--hpi-dtype", default=Plan.hpi_dtype, help="hpi's --dtype (float32: an AVX2-only CPU's)")
     parser.add_argument("--hpi-kv-cache-dtype", default=Plan.hpi_kv_cache_dtype, help="hpi's --kv-cache-dtype")
+    parser.add_argument("--hpi-int8-activations", default=Plan.hpi_int8_activations, choices=("auto", "int8", "float"),
+                        help="hpi's --int8-activations for its quantized runs (int8: int4's q/k/v in W8A8 too)")
     parser.add_argument("--llama-cache-type", default=Plan.llama_cache_type, choices=("f16", "q8_0", "q4_0"),
                         help="llama-server's -ctk/-ctv (with its flash attention when quantized)")
     args = parser.parse_args()
     plan = Plan(concurrencies=tuple(args.concurrency), rounds=args.rounds, output_len=args.output_len,
                 hpi_dtype=args.hpi_dtype,
                 hpi_kv_cache_dtype=args.hpi_kv_cache_dtype, llama_cache_type=args.llama_cache_type,
-                weights=tuple(args.weights))  # fmt: skip
+                hpi_int8_activations=args.hpi_int8_activations, weights=tuple(args.weights))  # fmt: skip
     machine = machine_description()
     results = run(plan, RESULTS / "logs" / "quant_llamacpp")
     rows = table(results, plan)

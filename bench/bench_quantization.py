@@ -15,7 +15,8 @@ float and with int8 activations (W4A8, `--int4-activations`); `--int8-activation
 with float and with int8 activations (W8A8). The answer column is the greedy answer to the bare "What is the
 capital of France?", whose first token is a near-tie in this model (0.14 nat between "The" and "L" in bf16);
 the agreement columns count, over 40 short chat prompts, the greedy answers (16 tokens) whose first token and
-whose 16 tokens equal the first variant's (the fp32 model where --dtypes starts with float32). The CPU's bf16
+whose 16 tokens equal the first variant's (the fp32 model where --dtypes starts with float32), and the KL
+divergence each variant's next-token distributions over the text (64-token chunks) add to the first's. The CPU's bf16
 ISA is recorded with the results.
 
     .venv/bin/python bench/bench_quantization.py                           # fp32, N = 1 and 32
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hpi_kernels.cpu import int4_a8_tile, int8_a8_tile
-from hpi_runtime.evaluation.perplexity import perplexity
+from hpi_runtime.evaluation.perplexity import next_token_logprobs, perplexity
 from hpi_runtime.llm import LLM
 from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
 from hpi_runtime.sampling_params import SamplingParams
@@ -68,6 +69,10 @@ class Result:
     # Of the AGREEMENT_CHATS' greedy answers, how many have the first variant's first token / all its tokens
     agrees_first: int
     agrees_all: int
+    # Over the text in PERPLEXITY_CHUNK-token chunks: the mean KL divergence (nats) this variant's next-token
+    # distributions add to the first variant's, and how often its most likely next token is the first's
+    kl_vs_first: float
+    top1_vs_first: float
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
     ids = loaded[0][0].tokenizer.encode(TEXT_PATH.read_text())
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     reference: list[list[int]] = []
+    reference_logprobs: torch.Tensor | None = None
     for i, (variant, (llm, load_s)) in enumerate(zip(variants, loaded, strict=True)):
         answer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].text
         greedy = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
@@ -138,6 +144,10 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         executor = llm.engine.executor
         ppl = perplexity(executor.model, executor.runner.backend, ids)
         ppl_chunked = perplexity(executor.model, executor.runner.backend, ids, PERPLEXITY_CHUNK)
+        logprobs = next_token_logprobs(executor.model, executor.runner.backend, ids, PERPLEXITY_CHUNK)
+        reference_logprobs = logprobs if reference_logprobs is None else reference_logprobs
+        kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1).mean().item()
+        top1 = (reference_logprobs.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,
                               llm.bundle.resolved.quantization_scheme,
@@ -145,7 +155,7 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
                               bool(getattr(llm.engine.executor.model.lm_head, "int8_activations", False)),
                               llm.bundle.footprint.weight_bytes,
                               load_s,
-                              tokens_per_s, ppl, ppl_chunked, answer, agrees_first, agrees_all))  # fmt: skip
+                              tokens_per_s, ppl, ppl_chunked, answer, agrees_first, agrees_all, kl, top1))  # fmt: skip
         llm.shutdown()
         print(json.dumps(asdict(results[-1])), flush=True)
     return results
@@ -157,7 +167,7 @@ def table(results: list[Result], concurrency: list[int]) -> str:
         head += [f"tok/s @{n}", "x none", "x best"]
     head += ["perplexity", "x none", f"perplexity, {PERPLEXITY_CHUNK}-token chunks", "x none",
              "answer to 'capital of France?'", f"agrees with {results[0].dtype} {results[0].scheme}: 1st token",
-             f"all {AGREEMENT_TOKENS}"]  # fmt: skip
+             f"all {AGREEMENT_TOKENS}", "KL to it (nats)", "same top-1"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {r.dtype: r for r in results if r.method == "none"}
     best = {n: max((r.tokens_per_s[n] for r in base.values()), default=None) for n in concurrency}
@@ -171,7 +181,8 @@ def table(results: list[Result], concurrency: list[int]) -> str:
                     f"{r.tokens_per_s[n] / best_n:.2f}"]  # fmt: skip
         row += [f"{r.perplexity:.2f}", f"{r.perplexity / b.perplexity:.3f}", f"{r.perplexity_chunked:.2f}",
                 f"{r.perplexity_chunked / b.perplexity_chunked:.3f}", r.answer.replace("|", "/"),
-                f"{r.agrees_first}/{len(AGREEMENT_CHATS)}", f"{r.agrees_all}/{len(AGREEMENT_CHATS)}"]  # fmt: skip
+                f"{r.agrees_first}/{len(AGREEMENT_CHATS)}", f"{r.agrees_all}/{len(AGREEMENT_CHATS)}",
+                f"{r.kl_vs_first:.4f}", f"{r.top1_vs_first:.1%}"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -188,7 +199,8 @@ def main() -> None:
                         help="int4 <fit>-<policy>[-<activations>] to try, e.g. minmax-uniform mse-mixed "
                              "mse-mixed-int8 mse-mixed-float (activations: hpi serve --int4-activations)")
     parser.add_argument("--int8-activations", nargs="+", default=["auto"], choices=["auto", "int8", "float"],
-                        help="the int8 variant once per value (hpi serve --int8-activations: int8 is W8A8)")
+                        help="the int8 and int4 variants once per value (hpi serve --int8-activations: int8 is "
+                             "W8A8, for int4 on the int8 layers its policy keeps)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--quantize-lm-head", action="store_true",
@@ -210,7 +222,7 @@ def main() -> None:
         if method == "none" or dtype in (args.quantized_dtypes or args.dtypes)
         for group_size in (args.group_sizes if method == "int4" else args.group_sizes[:1])
         for scheme in (args.int4_schemes if method == "int4" else ["mse-mixed"])
-        for int8_activations in (args.int8_activations if method == "int8" else ["auto"])
+        for int8_activations in (args.int8_activations if method in ("int8", "int4") else ["auto"])
         for head in (args.lm_head_activations if method != "none" and args.quantize_lm_head else ["auto"])
     ]
     results = measure_all(variants, args.concurrency, args.max_tokens, args.rounds)

@@ -67,12 +67,14 @@ class LoadConfig:
         "faster than the float tiles on this CPU at start-up (HPI_CPU_INT4_A8_MAX_ROWS overrides), else float",
         choices=("auto", "int8", "float"))  # fmt: skip
     int8_activations: str = option(
-        "auto", "int8 only, CPU: int8 quantizes each activation row to int8 per group of 32 k for the int8 "
+        "auto", "int8, CPU: int8 quantizes each activation row to int8 per group of 32 k for the int8 "
         "linears, not the LM head (W8A8, as llama.cpp's Q8_0 x Q8_0 dot products: exact integer sums, four "
         "multiply-adds per lane and instruction) at every batch size; float keeps the activations as they are; "
         "auto = int8 where the kernels have vpdpbusd for it (AVX512-VNNI or AVX-VNNI), up to the batch size where "
         "it measures faster than the float tiles on this CPU at start-up (HPI_CPU_INT8_A8_MAX_ROWS overrides), else "
-        "float", choices=("auto", "int8", "float"))  # fmt: skip
+        "float. With int4, int8 also makes the int8 q/k/v of --int4-policy mixed W8A8 (auto keeps their float "
+        "activations: more error for 9-15% more throughput at 32 requests, docs/quantization.md)",
+        choices=("auto", "int8", "float"))  # fmt: skip
     lm_head_activations: str = option(
         "auto", "CPU, with --quantize-lm-head making the head int8: int8 quantizes each row of the LM head's input "
         "to int8 per group of 32 k (W8A8, as --int8-activations) and recomputes each row's leading logits (the 16 "

@@ -7,6 +7,7 @@ gets a private KV cache just big enough for the text, so it must not be one an e
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -30,6 +31,26 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
 
     kv_cache_dtype: the private cache's element type (an fp8 type for `--kv-cache-dtype fp8*`); None: the
     model's dtype. Every query reads its keys and values back from that cache, the text's own included."""
+    nll = 0.0  # a Python float: the chunks' sums may come from a GPU
+    for logits, targets in _chunk_logits(model, backend, token_ids, chunk_size, kv_cache_dtype):
+        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+    return math.exp(nll / (len(token_ids) - 1))
+
+
+@torch.inference_mode()
+def next_token_logprobs(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int],
+                        chunk_size: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[len(token_ids) - 1, vocab] fp32 on CPU: log p(. | tokens 0..i) for each i but the last, computed as
+    perplexity() computes them; two models' rows give the KL divergence one adds to the other's predictions."""
+    rows = [torch.log_softmax(logits, -1).cpu() for logits, _ in _chunk_logits(model, backend, token_ids, chunk_size)]
+    return torch.cat(rows)
+
+
+def _chunk_logits(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int],
+                  chunk_size: int | None, kv_cache_dtype: torch.dtype | None = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per chunk of the text, prefilled into a private KV cache: the fp32 logits of its rows that have a next
+    token, and those next tokens."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     if chunk_size is not None and chunk_size < 1:
@@ -42,7 +63,6 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
     ids = torch.tensor(token_ids, device=device)
     block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     step = chunk_size or num_tokens
-    nll = 0.0  # a Python float: the chunks' sums may come from a GPU
     for start in range(0, num_tokens, step):
         end = min(start + step, num_tokens)
         common = AttentionMetadata(
@@ -57,6 +77,4 @@ def perplexity(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: 
         )
         hidden = model(ids[start:end], torch.arange(start, end, device=device), backend.build_metadata(common))
         targets = ids[start + 1 : end + 1]  # the last chunk has no next token for its last row
-        logits = model.compute_logits(hidden[: targets.shape[0]])  # fp32
-        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-    return math.exp(nll / (num_tokens - 1))
+        yield model.compute_logits(hidden[: targets.shape[0]]), targets  # fp32

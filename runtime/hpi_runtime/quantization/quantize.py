@@ -56,8 +56,9 @@ class QuantizationConfig:
     # int4_activations "int8": W4A8 up to this many rows, float x above; -1 at every row count ("auto" resolves to
     # the count measured on the device, linear.a8_rows)
     int4_a8_max_rows: int = -1
-    # The same for --quantization int8's linears: W8A8 on CPU panels (int4's mixed policy keeps its int8 q/k/v at
-    # float x, as it keeps their weights at int8: the layers rounding hurts most)
+    # The same for --quantization int8's linears: W8A8 on CPU panels. int4's int8 layers (its mixed policy's q/k/v)
+    # take it only when set to "int8": "auto" keeps their float x, as the policy keeps their weights at int8 (the
+    # layers rounding hurts most; with x in int8 the embedded model's thin-margin answers tip, docs/quantization.md)
     int8_activations: str = "auto"
     int8_a8_max_rows: int = -1
     # An int8 LM head (quantize_lm_head) on CPU panels: W8A8 with each row's leading logits recomputed from float x
@@ -94,6 +95,11 @@ class QuantizationConfig:
         return "-a8" if max_rows == -1 else f"-a8upto{max_rows}"
 
     @property
+    def int8_layers_a8_asked(self) -> bool:
+        """int4 whose policy keeps int8 layers, with int8_activations "int8": those layers take W8A8 too."""
+        return self.method == "int4" and bool(INT4_POLICIES[self.int4_policy]) and self.int8_activations == "int8"
+
+    @property
     def scheme(self) -> str:
         """The name the `hpi:quantization_info` metric and the start-up log give this quantization, with x in int8
         (W8A8, W4A8) as a suffix."""
@@ -101,7 +107,8 @@ class QuantizationConfig:
             return "int8" + self.a8_suffix("int8")
         if self.method != "int4":
             return self.method
-        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{self.a8_suffix('int4')}"
+        int8_layers = f"-int8{self.a8_suffix('int8')}" if self.int8_layers_a8_asked else ""
+        return f"int4-g{self.group_size}-{self.int4_fit}-{self.int4_policy}{self.a8_suffix('int4')}{int8_layers}"
 
 
 def quantize_weight(
@@ -272,7 +279,8 @@ def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dt
     """At-load `int4_activations` (int4) or `int8_activations` (int8) made concrete for the device and activation
     dtype ("auto" -> "int8" up to the row count where W4A8 / W8A8 measure faster on a weight of `shape`, the model's
     gate/up projection, or "float"; linear.a8_rows), so that the scheme label, the log and the compile cache key say
-    where the linears take x in int8; the other format's setting becomes "float" (int4's int8 q/k/v keep float x).
+    where the linears take x in int8; the other format's setting becomes "float" (int4's int8 q/k/v keep float x
+    unless int8_activations is "int8").
     `lm_head_activations` likewise for an int8 LM head (`quantize_lm_head` with int8, or any head tied to the
     embeddings: `tied_lm_head`), measured on the same shape; "float" without one. ValueError for "int8" on a GPU."""
     config = resolved.config
@@ -284,7 +292,7 @@ def resolve_activations(resolved: ResolvedQuantization, device: torch.device, dt
     head_is_int8 = config.quantize_lm_head and (config.method == "int8" or tied_lm_head)
     for name, method, applies, what in (
         ("int4", "int4", config.method == "int4", "the int4 linears (W4A8)"),
-        ("int8", "int8", config.method == "int8", "the int8 linears (W8A8)"),
+        ("int8", "int8", config.method == "int8" or config.int8_layers_a8_asked, "the int8 linears (W8A8)"),
         ("lm_head", "int8", head_is_int8, "the int8 LM head (W8A8), each row's leading logits recomputed from float x"),
     ):
         setting = getattr(config, f"{name}_activations")
@@ -318,10 +326,10 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | N
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
-        # x in int8 for the quantization's own method only (int4's int8 q/k/v keep float x), and for an int8 LM
-        # head by its own setting.
+        # x in int8 by the layer's own format (int4's int8 q/k/v by int8_activations), an int8 LM head by its own
+        # setting.
         method = layer_config.method
-        activations = getattr(layer_config, f"{method}_activations") if method == config.method else "float"
+        activations = getattr(layer_config, f"{method}_activations")
         max_rows = getattr(layer_config, f"{method}_a8_max_rows")
         if name == "lm_head":  # an int4 head keeps float x
             activations = layer_config.lm_head_activations if method == "int8" else "float"

@@ -163,8 +163,11 @@ def test_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path, m
     finally:
         measured.cache_clear()
     assert scheme(**{setting: "float"}) == base
-    assert scheme(**{setting: "int8", f"{other}_activations": "int8"}) == base + "-a8"  # the other's: no effect
-    assert scheme(**{f"{other}_activations": "int8", setting: "float"}) == base
+    # int8's setting reaches int4's int8 layers (its mixed policy's q/k/v) when it says int8; int4's never reaches int8
+    both = "-a8-int8-a8" if method == "int4" else "-a8"
+    assert scheme(**{setting: "int8", f"{other}_activations": "int8"}) == base + both
+    assert scheme(**{f"{other}_activations": "int8", setting: "float"}) == base + both.removeprefix("-a8")
+    assert scheme(**{f"{other}_activations": "auto", setting: "float"}) == base
     detail = resolve_engine(EngineArgs.from_options(model=str(tiny_model_dir), quantization=method,
                                                     **{setting: "int8"})).quantization_detail  # fmt: skip
     assert f"W{method[3]}A8" in detail and f"W{other[3]}A8" not in detail
@@ -178,17 +181,26 @@ def test_activations_resolve_per_cpu_and_name_the_scheme(tiny_model_dir: Path, m
         QuantizationConfig(method, **{setting: "int4"})
 
 
-def test_int8_q_k_v_and_the_head_keep_float_activations(tiny_model_dir: Path) -> None:
-    """x in int8 is for the quantization's own linears: int4's mixed policy keeps q/k/v at int8 weights and float
-    x (the layers rounding hurts most) whatever int8_activations says, and a quantized LM head follows its own
-    setting, not int8_activations (float here: its logits are int8_logits)."""
-    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8", int8_activations="int8",
-              kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
-    assert llm.bundle.resolved.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed-a8"
+@pytest.mark.parametrize("int8_activations", ["auto", "int8"])
+def test_int4_int8_q_k_v_keep_float_activations_unless_asked(tiny_model_dir: Path, int8_activations: str) -> None:
+    """int4's mixed policy keeps q/k/v at int8 weights and, by default, float x (the layers rounding hurts most):
+    int8_activations' auto does not reach them, its int8 does (W8A8, named in the scheme)."""
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="int4", int4_activations="int8",
+              int8_activations=int8_activations, kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
+    asked = int8_activations == "int8"
+    suffix = "-int8-a8" if asked else ""
+    assert llm.bundle.resolved.quantization_scheme == f"int4-g{DEFAULT_INT4_GROUP_SIZE}-mse-mixed-a8{suffix}"
     layer = llm.engine.executor.model.model.layers[0]
-    assert layer.mlp.down_proj.int8_activations and not layer.self_attn.qkv_proj.int8_activations
-    assert layer.self_attn.qkv_proj.method == "int8"
+    assert layer.mlp.down_proj.int8_activations and layer.self_attn.qkv_proj.int8_activations == asked
+    assert layer.self_attn.qkv_proj.method == "int8" and layer.self_attn.o_proj.method == "int4"
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 8
     llm.shutdown()
+
+
+def test_the_int8_head_follows_its_own_activations_setting(tiny_model_dir: Path) -> None:
+    """A quantized LM head follows lm_head_activations, not int8_activations (float here: its logits are
+    int8_logits), while the int8 linears take W8A8."""
     llm = LLM(tiny_model_dir, dtype="float32", quantization="int8", int8_activations="int8", quantize_lm_head=True,
               lm_head_activations="float", kv_cache_memory_bytes=1 << 20, max_model_len=64)  # fmt: skip
     model = llm.engine.executor.model

@@ -42,12 +42,14 @@ def _model(model_dir: Path, dtype: torch.dtype, quantization: str = "none", pack
     model = load_model(config, dtype, cpu, backend)
     # "int4" / "int8" run the float-activation ops, "int4-a8" / "int8-a8" W4A8 / W8A8 (int4_a8_linear,
     # int8_a8_linear), whatever this CPU's default; "-a8upto2" x in int8 up to 2 rows and the
-    # float tiles above (as "auto" where those measure faster).
+    # float tiles above (as "auto" where those measure faster); "int4-a8-int8a8" int4's int8 q/k/v in W8A8 too.
     method, _, a8 = quantization.partition("-")
+    a8, _, int8_layers = a8.partition("-")
     rows = int(a8.removeprefix("a8upto")) if a8.startswith("a8upto") else -1
     activations = "int8" if a8 else "float"
+    int8_activations = activations if method == "int8" or int8_layers else "float"
     quantize_model(model, QuantizationConfig(method=method, int4_activations=activations, int4_a8_max_rows=rows,
-                                             int8_activations=activations, int8_a8_max_rows=rows))  # fmt: skip
+                                             int8_activations=int8_activations, int8_a8_max_rows=rows))  # fmt: skip
     if pack:
         pack_cpu_weights(model)
     allocate_kv_caches(model, KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, kv_dtype or dtype), cpu)
@@ -72,6 +74,7 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("llama", {}, "int8-a8upto2", True),
         ("llama", {}, "int4", True),
         ("llama", {}, "int4-a8", True),  # W4A8: x quantized to int8 per group in the stack as in the model
+        ("llama", {}, "int4-a8-int8a8", True),  # and the int8 q/k/v in W8A8
         ("llama", {}, "int4-a8upto2", True),  # and the float tiles for steps of 3-4 rows, in both
         ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1}, "none", True),  # q/k/v biases
         ("mistral", {"sliding_window": 6}, "none", True),
@@ -81,8 +84,8 @@ def _runner(model_dir: Path, dtype: torch.dtype, stack_rows: int, quantization: 
         ("gemma3", {}, "int4", True),  # and a second RoPE table for the sliding-window layers
     ],
     ids=["packed", "unpacked", "bf16-checkpoint", "int8", "int8-a8", "int8-a8-up-to-2-rows", "int4", "int4-a8",
-         "int4-a8-up-to-2-rows", "qwen2-bias", "mistral-window", "phi3-partial-rotary", "qwen3-qk-norm", "gemma2",
-         "gemma3-int4"],
+         "int4-a8-int8-q-k-v-a8", "int4-a8-up-to-2-rows", "qwen2-bias", "mistral-window", "phi3-partial-rotary",
+         "qwen3-qk-norm", "gemma2", "gemma3-int4"],
 )
 def test_decode_steps_through_the_stack_give_the_eager_tokens(tiny_model_factory, arch, overrides, quantization,
                                                                pack) -> None:  # fmt: skip
