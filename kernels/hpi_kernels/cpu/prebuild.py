@@ -1,9 +1,9 @@
 """`python -m hpi_kernels.cpu.prebuild [--lower]`: compile the C++ CPU kernels ahead of their first use.
 
-A first use compiles them (_extension.py), which costs a minute or more of both cores of a small machine. `make test`
-starts this in the background while it installs the test tools and converts the model, so the suite finds this
-CPU's build ready and, with `--lower`, the AVX2 and generic builds too, which the kernel tests re-run in child
-processes whose torch dispatches to a lower instruction set (tests/kernels/test_cpu_lower_capability.py). Each
+A first use compiles them (_extension.py), which costs a minute or more of both cores of a small machine. `make
+test` starts this in the background once torch is installed, while the rest installs and the model converts, so the
+suite finds this CPU's build ready and, with `--lower`, the AVX2 and generic builds too, which the kernel tests re-run
+in child processes whose torch dispatches to a lower instruction set (tests/kernels/test_cpu_lower_capability.py). Each
 build runs in its own process (the capability is fixed when torch is imported), all at once, and under the same
 flock as any other build of its directory: a test that needs one while it is compiling waits for it, then loads it.
 """
@@ -14,7 +14,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hpi_kernels.cpu._extension import cpu_capability, lower_capabilities
@@ -22,10 +21,8 @@ from hpi_kernels.cpu._extension import cpu_capability, lower_capabilities
 _BUILD = "from hpi_kernels.cpu._extension import load_extension; print(load_extension())"
 
 
-def _build(capability: str, env: dict[str, str]) -> tuple[int, str, float]:
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True)
-    return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
+def _build(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in capabilities[1:]:
         envs[name]["ATEN_CPU_CAPABILITY"] = name.lower()
     with ThreadPoolExecutor(len(capabilities)) as pool:
-        results = dict(zip(capabilities, pool.map(_build, capabilities, envs.values()), strict=True))
-    for name, (returncode, output, seconds) in results.items():
-        if returncode == 0:
-            print(f"{name}: {output.strip().splitlines()[-1]} ({seconds:.0f} s)")
+        results = dict(zip(capabilities, pool.map(_build, envs.values()), strict=True))
+    for name, done in results.items():
+        if done.returncode == 0:  # the library's path, the last line the build prints (its log goes to stderr)
+            print(f"{name}: {done.stdout.strip().splitlines()[-1]}")
         else:
-            print(f"{name}: build failed (exit {returncode}):\n{output}", file=sys.stderr)
-    return 1 if any(returncode for returncode, _, _ in results.values()) else 0
+            print(f"{name}: build failed (exit {done.returncode}):\n{done.stdout}{done.stderr}", file=sys.stderr)
+    return 1 if any(done.returncode for done in results.values()) else 0
 
 
 if __name__ == "__main__":
