@@ -326,10 +326,11 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, within: str | N
         weight = module.weight
         quantized_cls = QuantizedLMHead if name == "lm_head" else QuantizedLinear
         quantized = quantize_weight(weight.detach(), layer_config, op_dtype(weight.device, weight.dtype))
-        # x in int8 by the layer's own format (int4's int8 q/k/v by int8_activations), an int8 LM head by its own
-        # setting.
+        # x in int8 by the layer's own format: the quantization's own linears; int4's int8 q/k/v only when
+        # int8_activations says int8 (its "auto" does not reach them); an int8 LM head by its own setting.
         method = layer_config.method
-        activations = getattr(layer_config, f"{method}_activations")
+        own = method == config.method or config.int8_layers_a8_asked
+        activations = getattr(layer_config, f"{method}_activations") if own else "float"
         max_rows = getattr(layer_config, f"{method}_a8_max_rows")
         if name == "lm_head":  # an int4 head keeps float x
             activations = layer_config.lm_head_activations if method == "int8" else "float"

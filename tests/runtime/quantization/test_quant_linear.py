@@ -169,6 +169,16 @@ def test_chunked_perplexity_is_the_one_pass_perplexity_and_sees_w4a8(qwen_untied
         perplexity(model, backend, ids, 0)
 
 
+def test_int4_int8_layers_take_x_in_int8_only_when_asked(qwen_untied_dir: Path) -> None:
+    """quantize_model with an unresolved config (a library caller's): int4's int8 q/k/v keep float x under
+    int8_activations' auto, whatever this CPU's tiles, and take W8A8 under int8."""
+    model = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int4"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.method == "int8" and not qkv.int8_activations
+    asked = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int4", int8_activations="int8"))
+    assert asked.model.layers[0].self_attn.qkv_proj.int8_activations
+
+
 def test_next_token_logprobs_give_the_perplexity_and_a_kl_divergence(qwen_untied_dir: Path) -> None:
     """bench_quantization's KL column: the log-probs' mean at the text's next tokens is the perplexity's, a model's
     KL to itself is 0, and int4's to the float model is positive and small."""
