@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from hpi_kernels.cpu import int4_a8_tile, int8_a8_tile
-from hpi_runtime.evaluation.perplexity import next_token_logprobs, perplexity
+from hpi_runtime.evaluation.perplexity import kl_divergence, next_token_logprobs, perplexity
 from hpi_runtime.llm import LLM
 from hpi_runtime.quantization.quantize import DEFAULT_INT4_GROUP_SIZE
 from hpi_runtime.sampling_params import SamplingParams
@@ -143,10 +144,10 @@ def measure_all(variants: list[Variant], concurrency: list[int], max_tokens: int
         # Last: perplexity() gives the model a private KV cache, so the engine must be done with it.
         executor = llm.engine.executor
         ppl = perplexity(executor.model, executor.runner.backend, ids)
-        ppl_chunked = perplexity(executor.model, executor.runner.backend, ids, PERPLEXITY_CHUNK)
         logprobs = next_token_logprobs(executor.model, executor.runner.backend, ids, PERPLEXITY_CHUNK)
+        ppl_chunked = math.exp(-logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
         reference_logprobs = logprobs if reference_logprobs is None else reference_logprobs
-        kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1).mean().item()
+        kl = kl_divergence(reference_logprobs, logprobs)
         top1 = (reference_logprobs.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
         tokens_per_s = {n: statistics.median(samples[(i, n)]) for n in concurrency}
         results.append(Result(variant.dtype, variant.method, variant.group_size if variant.method == "int4" else None,

@@ -46,6 +46,12 @@ def next_token_logprobs(model: DecoderForCausalLM, backend: AttentionBackend, to
     return torch.cat(rows)
 
 
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over rows of KL(reference || other), in nats, for two [rows, vocab] tensors of log-probabilities (the
+    divergence `other`'s predictions add to `reference`'s)."""
+    return (reference.exp() * (reference - other)).sum(-1).mean().item()
+
+
 def _chunk_logits(model: DecoderForCausalLM, backend: AttentionBackend, token_ids: list[int],
                   chunk_size: int | None, kv_cache_dtype: torch.dtype | None = None
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip

@@ -182,7 +182,7 @@ def test_int4_int8_layers_take_x_in_int8_only_when_asked(qwen_untied_dir: Path) 
 def test_next_token_logprobs_give_the_perplexity_and_a_kl_divergence(qwen_untied_dir: Path) -> None:
     """bench_quantization's KL column: the log-probs' mean at the text's next tokens is the perplexity's, a model's
     KL to itself is 0, and int4's to the float model is positive and small."""
-    from hpi_runtime.evaluation.perplexity import next_token_logprobs, perplexity
+    from hpi_runtime.evaluation.perplexity import kl_divergence, next_token_logprobs, perplexity
 
     ids = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     backend = get_attention_backend("torch", torch.float32)
@@ -191,13 +191,9 @@ def test_next_token_logprobs_give_the_perplexity_and_a_kl_divergence(qwen_untied
     assert logprobs.shape == (len(ids) - 1, model.config.vocab_size)
     nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
     assert math.exp(nll) == pytest.approx(perplexity(model, backend, ids, 64), rel=1e-5)
-
-    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-        return (p.exp() * (p - q)).sum(-1).mean().item()
-
-    assert kl(logprobs, next_token_logprobs(model, backend, ids)) == pytest.approx(0.0, abs=1e-6)
+    assert kl_divergence(logprobs, next_token_logprobs(model, backend, ids)) == pytest.approx(0.0, abs=1e-6)
     int4 = quantize_model(_tiny_model(qwen_untied_dir), QuantizationConfig("int4"))
-    assert 0 < kl(logprobs, next_token_logprobs(int4, backend, ids, 64)) < 0.05
+    assert 0 < kl_divergence(logprobs, next_token_logprobs(int4, backend, ids, 64)) < 0.05
 
 
 def test_lm_head_quantized_only_when_asked(qwen_untied_dir: Path) -> None:
