@@ -161,7 +161,7 @@ async def test_cache_is_filled_once_then_pods_start_and_failures_retry(kube: Kub
                             == "True" and b)  # fmt: skip
     assert body["status"]["modelCache"]["servedPath"] == revision_dir
     assert "lastFailure" not in body["status"]["modelCache"]  # cleared by the success
-    assert await asyncio.to_thread(events, kube, "ModelCached")
+    await eventually(lambda: events(kube, "ModelCached"))  # posted by kopf's event queue, after the status patch
 
 
 async def test_revision_change_downloads_beside_and_removes_the_old_revision(kube: KubeClient, operator: Any) -> None:
