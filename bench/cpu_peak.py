@@ -4,7 +4,9 @@ Each kind runs 12 independent accumulator chains of one instruction from registe
 thread and on every core, and reports instructions per second per thread and multiply-adds per second in all:
 - vpdpbusd (AVX512-VNNI): 64 int8 x uint8 products per zmm instruction (the W4A8 tile's);
 - vdpbf16ps (AVX512-BF16): 32 bf16 products (the packed bf16 and int8 tiles');
-- vfmadd231ps: 16 fp32 products (AVX512) or 8 (AVX2 + FMA; the fp32 tiles', attention's).
+- vfmadd231ps: 16 fp32 products (AVX512) or 8 (AVX2 + FMA; the fp32 tiles', attention's);
+- vpmaddubsw + vpmaddwd + vpaddd: 32 int8 x uint8 products per sequence of three ymm instructions (the AVX2
+  W4A8 tile's, on CPUs without AVX-VNNI); its row counts sequences, not instructions.
 A kind the CPU lacks is skipped. The source is compiled here with the system C compiler (the one the C++
 kernels build with) and `-fopenmp`. The chains start from distinct values so that the compiler cannot merge them
 (checked: the timed loop holds 12 of the instruction).
@@ -27,6 +29,7 @@ from hpi_runtime.cpu_features import cpu_flags
 # The timed function; each kind fills in the accumulator type, its initialiser, the operands, the instruction and
 # the final sum.
 _KERNEL = string.Template("""
+$prelude
 __attribute__((noinline)) double run(long iters) {
   $acc a[12];
   for (int i = 0; i < 12; ++i) a[i] = $init(i + 1);
@@ -55,6 +58,17 @@ KINDS = {  # name: (required cpu flags, compiler flags, multiply-adds per instru
     "vfmadd231ps ymm": (("avx2", "fma"), "-mavx2 -mfma", 8, {
         "acc": "__m256", "init": "_mm256_set1_ps", "operand": "__m256", "x": "_mm256_set1_ps(1.0f)",
         "y": "_mm256_setzero_ps()", "op": "_mm256_fmadd_ps", "sum": "hsum256"}),
+    "vpmaddubsw+vpmaddwd ymm": (("avx2",), "-mavx2", 32, {
+        "prelude": "static inline __m256i maddubs_pair(__m256i a, __m256i x, __m256i y) {\n"
+                   "  (void)y;  /* a feeds the multiply, so that the 12 chains cannot share one product */\n"
+                   "  const __m256i pairs = _mm256_maddubs_epi16(a, x);\n"
+                   "  return _mm256_add_epi32(a, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));\n"
+                   "}\n"
+                   "static inline double hsum256i(__m256i v) {\n"
+                   "  int f[8];\n  _mm256_storeu_si256((__m256i*)f, v);\n"
+                   "  return (double)f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];\n}",
+        "acc": "__m256i", "init": "_mm256_set1_epi32", "operand": "__m256i", "x": "_mm256_set1_epi8(1)",
+        "y": "_mm256_set1_epi8(2)", "op": "maddubs_pair", "sum": "hsum256i"}),
 }
 _MAIN = """
 #include <immintrin.h>
@@ -92,7 +106,7 @@ def measure(name: str, threads: int, build_dir: Path) -> float:
     ident = name.replace(" ", "_")
     c_file, binary = build_dir / f"{ident}.c", build_dir / ident
     if not binary.exists():
-        c_file.write_text(_MAIN.replace("KERNEL", _KERNEL.substitute(subs)))
+        c_file.write_text(_MAIN.replace("KERNEL", _KERNEL.substitute({"prelude": "", **subs})))
         subprocess.run(["cc", "-O2", "-fopenmp", *cflags.split(), str(c_file), "-o", str(binary)], check=True)
     out = subprocess.run([str(binary), str(threads)], check=True, capture_output=True, text=True).stdout
     return float(out.split()[0])
