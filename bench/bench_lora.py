@@ -11,7 +11,8 @@ one: with 2 threads each, 16 OpenMP threads on 2 cores mostly waited for each ot
 step (the DecodeStack, as the LoRA server's). Memory: the resident set of each server and its engine-core process,
 summed.
 The slots' bound (phase base_bound): the base model alone at the LoRA server's running batch, concurrency x
-max_loras / num_adapters clients (a request runs only with its adapter in a slot).
+max_loras / num_adapters clients (a request runs only with its adapter in a slot). Phase lora_bf16_slots: the LoRA
+server with `--lora-dtype bfloat16` (under an fp32 model, where the CPU lacks fast bf16: half the adapters' bytes).
 Also: the decode step time of 16 and 32 requests whose requests use 0, 1, 2 or 4 distinct adapters
 (in-process), the LoRA step (C++ kernel; decode steps in the C++ DecodeStack, as the base model's) and the eager
 one with torch ops against the base model, the engines taking turns step by step.
@@ -275,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-cpu-loras", type=int, help="the LoRA server's --max-cpu-loras (default: the server's)")
     parser.add_argument("--skip-merged", action="store_true", help="leave out the 8 merged engines")
     parser.add_argument("--phases", nargs="+",
-                        help="run only these phases (base, base_bound, base_eager, lora, lora_cpu_all, merged, "
-                             "step_ms)")
+                        help="run only these phases (base, base_bound, base_eager, lora, lora_bf16_slots, "
+                             "lora_cpu_all, merged, step_ms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--resume", action="store_true", help="keep the phases --out already holds, run the rest")
     parser.add_argument("--rounds", type=int, default=1, help="run the phases in turn this many times")
@@ -319,6 +320,11 @@ def main(argv: list[str] | None = None) -> None:
             plan.concurrency)),
         "lora": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv, *lora_flags), logs / "lora.log", lora_requests, plan.concurrency)),
+        # The slots in bf16 under an fp32 model (the CPUs without fast bf16 serve fp32): half the adapters' bytes
+        "lora_bf16_slots": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}, --lora-dtype bfloat16",
+                            lambda: serve_and_load(hpi_command(plan.num_threads, *kv, *lora_flags, "--lora-dtype",
+                                                               "bfloat16"), logs / "lora_bf16_slots.log",
+                                                   lora_requests, plan.concurrency)),
         "lora_cpu_all": (f"{plan.num_adapters} adapters, --max-loras {plan.max_loras}, --max-cpu-loras "
                          f"{plan.num_adapters}", lambda: serve_and_load(
             hpi_command(plan.num_threads, *kv, *lora_flags, "--max-cpu-loras", str(plan.num_adapters)),

@@ -1,5 +1,6 @@
 """The CPU LoRA delta (torch.ops.hpi_kernels.lora_add_) against the base projection it rides on, in process: one
-layer of the embedded SmolLM2-135M (q/k/v fused, o, gate/up fused, down; bf16, rank 16), for a prefill chunk
+layer of the embedded SmolLM2-135M (q/k/v fused, o, gate/up fused, down; bf16, or --dtype float32 with the slots
+in fp32 or in bf16 (--lora-dtype bfloat16); rank 16), for a prefill chunk
 of one adapter's tokens, a prefill of six 64-token prompts of 4 adapters in turn, and a decode step of 16 rows
 over 4 adapters. Printed: median ms of the delta (with the slots' AMX panels where the CPU runs the bf16 linears
 on AMX), of the same delta in torch ops (x @ A, then @ B per part), and of the base projection, as `F.linear`
@@ -8,7 +9,8 @@ delta's multiply-adds are 4.6% of the base's. The measurements alternate call by
 weighs on all alike. The bf16 tile (widened FMAs, vdpbf16ps or AMX) is the machine's own start-up choice unless
 --tile names one; --no-amx-delta keeps the delta on its vector tiles (as before bench/results/lora.md run 17).
 
-    .venv/bin/python -m bench.lora_delta [--tile dpbf16|widen] [--no-amx-delta] [--out F]
+    .venv/bin/python -m bench.lora_delta [--tile dpbf16|widen] [--no-amx-delta] [--dtype float32 [--lora-dtype
+        bfloat16]] [--out F]
 """
 
 from __future__ import annotations
@@ -35,23 +37,24 @@ CASES = {"prefill_374_one_adapter": (374, 374), "prefill_6x64_4_adapters": (384,
          "decode_16_rows_4_adapters": (16, 1)}
 
 
-def measure(tokens: int, run: int, rounds: int, amx_delta: bool) -> dict:
+def measure(tokens: int, run: int, rounds: int, amx_delta: bool, dtype: torch.dtype, slot_dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(tokens)
     timings = {"kernel": [], "torch_ops": [], "base": [], "base_packed": []}
     calls = []
     for in_features, cols in PROJECTIONS.values():
         parts, n = len(cols) - 1, cols[-1]
-        x = torch.randn(tokens, in_features, generator=g).bfloat16()
-        a = (torch.randn(SLOTS, parts * RANK, in_features, generator=g) * 0.05).bfloat16()
-        bt = (torch.randn(SLOTS, parts * RANK, n, generator=g) * 0.05).bfloat16()
-        weight = (torch.randn(n, in_features, generator=g) * 0.05).bfloat16()
-        out = torch.randn(tokens, n, generator=g).bfloat16()
+        x = torch.randn(tokens, in_features, generator=g).to(dtype)
+        a = (torch.randn(SLOTS, parts * RANK, in_features, generator=g) * 0.05).to(slot_dtype)
+        bt = (torch.randn(SLOTS, parts * RANK, n, generator=g) * 0.05).to(slot_dtype)
+        weight = (torch.randn(n, in_features, generator=g) * 0.05).to(dtype)
+        out = torch.randn(tokens, n, generator=g).to(dtype)
         packed = pack_linear_weight(weight)
         slots = torch.arange(tokens) // run % SLOTS
         # [S, 0] where the bf16 linears do not run AMX; None: the vector tiles whatever the CPU
         amx = torch.ops.hpi_kernels.lora_pack_amx(a, bt, cols) if amx_delta else None
 
         def torch_ops(x=x, a=a, bt=bt, out=out, cols=cols):  # one slot's tokens (the prefill case's form)
+            a, bt = a.to(x.dtype), bt.to(x.dtype)  # (no copy where the slots are x's dtype)
             h = x @ a[0].t()
             for p, (c0, c1) in enumerate(itertools.pairwise(cols)):
                 out[:, c0:c1].add_(h[:, p * RANK : (p + 1) * RANK] @ bt[0, p * RANK : (p + 1) * RANK, c0:c1])
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tile", choices=["dpbf16", "widen"], help="force the bf16 tile (default: measured)")
     parser.add_argument("--no-amx-delta", action="store_true", help="the delta on its vector tiles even with AMX")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model's dtype (float32: as served on CPUs without fast bf16)")
+    parser.add_argument("--lora-dtype", choices=["auto", "bfloat16"], default="auto",
+                        help="the slots' dtype (auto: the model's; bfloat16 under float32: hpi serve --lora-dtype)")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -89,9 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         bf16_tile(args.tile)
     result = {"machine": platform.processor() or platform.machine(), "bf16_tile": bf16_tile(),
               "amx_delta": not args.no_amx_delta,
-              "threads": torch.get_num_threads()}  # fmt: skip
+              "threads": torch.get_num_threads(), "dtype": args.dtype, "lora_dtype": args.lora_dtype}  # fmt: skip
     for name, (tokens, run) in CASES.items():
-        result[name] = measure(tokens, run, args.rounds, not args.no_amx_delta)
+        dtype = getattr(torch, args.dtype)
+        slot_dtype = dtype if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+        result[name] = measure(tokens, run, args.rounds, not args.no_amx_delta, dtype, slot_dtype)
         print(name, result[name])
     if args.out:
         with open(args.out, "w") as f:

@@ -46,6 +46,7 @@ _FLAGS = (
     ServeFlag('--max-loras', 'max_loras', 'int', 1),
     ServeFlag('--max-lora-rank', 'max_lora_rank', 'int', 16, choices=(1, 8, 16, 32, 64, 128, 256, 320, 512)),
     ServeFlag('--max-cpu-loras', 'max_cpu_loras', 'int', None),
+    ServeFlag('--lora-dtype', 'lora_dtype', 'str', 'auto', choices=('auto', 'bfloat16', 'float16')),
     ServeFlag('--limit-mm-per-prompt', 'limit_mm_per_prompt', 'str', None),
     ServeFlag('--allowed-media-domains', 'allowed_media_domains', 'strs', None),
     ServeFlag('--allowed-local-media-path', 'allowed_local_media_path', 'str', None),

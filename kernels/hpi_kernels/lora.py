@@ -66,9 +66,9 @@ def lora_bgmv(
     check_rank("weights", weights, 3, "[S, N, K]")
     check_rank("out", out, 2, "[T, N]")
     check_dtype("x", x, FLOAT_DTYPES)
-    for name, t in (("weights", weights), ("out", out)):
-        if t.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+    check_dtype("weights", weights, FLOAT_DTYPES)  # x's or another (--lora-dtype): both widened to fp32 sums
+    if out.dtype != x.dtype:
+        raise ValueError(f"out dtype {out.dtype} != x dtype {x.dtype}")
     check_dim("weights", weights, 2, x.shape[1], "x's K")
     check_dim("out", out, 0, x.shape[0], "x's T")
     check_dim("out", out, 1, weights.shape[1], "weights' N")

@@ -176,7 +176,7 @@ ALLOW_LORA_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # The flags of `hpi serve` that are the HTTP server's: `hpi profile` takes the rest (the engine's) alone. The LoRA
 # flags are left out of profiling too: a pool is measured on its base model.
 SERVER_ONLY_FLAGS = ("--host", "--port", "--served-model-name", "--drain-timeout", "--pool-profile", "--enable-lora",
-                     "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras")  # fmt: skip
+                     "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-dtype")  # fmt: skip
 
 
 def runtime_args(owner_name: str, spec: InferenceSpec, profile: Profile, cached_dir: str | None = None,
@@ -237,6 +237,7 @@ def _lora_values(spec: InferenceSpec) -> dict[str, Any]:
         "--max-loras": engine.max_loras,
         "--max-lora-rank": engine.max_lora_rank,
         "--max-cpu-loras": engine.max_cpu_loras or max(len(spec.adapters), engine.max_loras),
+        "--lora-dtype": engine.lora_dtype,
     }
 
 

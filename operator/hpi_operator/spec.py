@@ -33,6 +33,7 @@ PROFILING_MODES = ("auto", "always", "never")
 ENDPOINT_PICKER_FAILURE_MODES = ("FailOpen", "FailClose")
 CACHE_VOLUMES = ("persistentVolumeClaim", "hostPath")
 CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
+LORA_DTYPES = ("auto", "bfloat16")  # spec.engine.loraDtype: the runtime's --lora-dtype that every pool runs
 MAX_PIPELINE_STAGES = 64  # nodes one replica may span (spec.parallelism.pipeline, placement.maxNodesPerReplica)
 
 FALLING_WINDOW_POLLS = 2  # the optimizer's scale-down window while the demand falls (scale_down_window_s)
@@ -118,6 +119,7 @@ class EngineSpec:
     max_loras: int = crd_default("engine.maxLoras")  # with spec.adapters: adapters one batch holds
     max_lora_rank: int = crd_default("engine.maxLoraRank")
     max_cpu_loras: int | None = None  # None: as many as spec.adapters lists, at least max_loras
+    lora_dtype: str = crd_default("engine.loraDtype")  # the runtime's --lora-dtype
 
 
 @dataclass(frozen=True)
@@ -441,11 +443,14 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         max_loras=int(_get(raw, "maxLoras", EngineSpec.max_loras)),
         max_lora_rank=int(_get(raw, "maxLoraRank", EngineSpec.max_lora_rank)),
         max_cpu_loras=raw.get("maxCpuLoras"),
+        lora_dtype=str(_get(raw, "loraDtype", EngineSpec.lora_dtype)),
     )
     if engine.block_size not in BLOCK_SIZES:
         raise SpecError(f"spec.engine.blockSize must be one of {BLOCK_SIZES}; got {engine.block_size}")
     if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise SpecError(f"spec.engine.kvCacheDtype must be one of {KV_CACHE_DTYPES}; got {engine.kv_cache_dtype!r}")
+    if engine.lora_dtype not in LORA_DTYPES:
+        raise SpecError(f"spec.engine.loraDtype must be one of {LORA_DTYPES}; got {engine.lora_dtype!r}")
     if not 0.0 < engine.kv_cache_memory_fraction < 1.0:
         raise SpecError("spec.engine.kvCacheMemoryFraction must lie strictly between 0 and 1")
     if engine.max_model_len < 1 or engine.max_num_seqs < 1:

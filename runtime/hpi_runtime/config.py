@@ -229,6 +229,10 @@ class LoRAConfig:
     max_cpu_loras: int | None = option(
         None, "adapters kept in host memory, least recently used evicted (reloaded from disk when next asked "
         "for); default: max_loras; at least max_loras")  # fmt: skip
+    lora_dtype: str = option(
+        "auto", "the adapters' dtype in their slots: auto (the model's), bfloat16 (under a float32 model on the CPU: "
+        "half the bytes of adapter weights a step reads, exact for adapters saved in bf16) or float16 (CUDA)",
+        choices=("auto", "bfloat16", "float16"))  # fmt: skip
 
     def __post_init__(self) -> None:
         check_choices(self)

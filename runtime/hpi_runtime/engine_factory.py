@@ -218,6 +218,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
         draft_model_config=draft_model_config,
         max_loras=args.lora.max_loras if args.lora.enable_lora else 0,
         max_lora_rank=args.lora.max_lora_rank,
+        lora_dtype=args.lora.lora_dtype,
     )
     if platform_dir is not None:
         compile_cache.use_for_model(platform_dir, compile_cache.ModelKey(

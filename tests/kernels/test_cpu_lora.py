@@ -1,6 +1,7 @@
 """The C++ batched LoRA (hpi_kernels.cpu.lora_add) against the plain-PyTorch reference in float64: tokens of
 several slots interleaved with base tokens (slot -1), slots with more tokens than one tile and none at all, sizes
-that are no multiple of the vector width (the scalar tails), fp32 and bf16, a prefill large enough to split over
+that are no multiple of the vector width (the scalar tails), fp32, bf16 and bf16 slots under fp32 x (`--lora-dtype
+bfloat16`), a prefill large enough to split over
 threads; a fused projection's parts (q, k, v), whose Bt blocks alone are read; runs of one slot on the AMX tiles
 (where the CPU has them) over the slots' packed panels; the in-place op writes only the adapted rows; and bad
 inputs refused."""
@@ -19,7 +20,8 @@ def extension() -> str:
     return load_extension()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "slot_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16)])  # fmt: skip
 @pytest.mark.parametrize(("tokens", "slots", "width", "in_features", "out_features", "part_cols"),
                          [(1, 1, 16, 64, 96, None), (13, 3, 48, 576, 960, [0, 576, 768, 960]),
                           (37, 4, 8, 70, 33, None), (9, 2, 6, 40, 77, [0, 13, 13, 77]),  # tails; an empty part
@@ -27,15 +29,15 @@ def extension() -> str:
                           (6, 2, 260, 32, 64, [0, 32, 64]),  # 130 ranks a part: above the paired expand's 128
                           # 512 tokens, 341 on slot 0: 43 tiles, more than one thread's share (kMinWorkPerThread)
                           (512, 3, 32, 256, 1024, [0, 512, 1024])])  # fmt: skip
-def test_matches_the_float64_reference(forced_bf16_tile, dtype, tokens, slots, width, in_features, out_features,
-                                       part_cols) -> None:  # fmt: skip
+def test_matches_the_float64_reference(forced_bf16_tile, dtype, slot_dtype, tokens, slots, width, in_features,
+                                       out_features, part_cols) -> None:  # fmt: skip
     """Either bf16 tile (widened to fp32 FMAs, or vdpbf16ps for the shrink and the expand where the CPU has it),
     fp32's FMAs. Bt is random outside its parts' blocks too: the reference leaves that out, so the kernel must not
-    read it."""
+    read it. bf16 slots under fp32 x are exact to fp32's rounding: the reference takes the same bf16 values."""
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
-    a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(dtype)
-    bt = (torch.randn(slots, width, out_features, generator=g) * 0.1).to(dtype)
+    a = (torch.randn(slots, width, in_features, generator=g) * 0.1).to(slot_dtype)
+    bt = (torch.randn(slots, width, out_features, generator=g) * 0.1).to(slot_dtype)
     out = torch.randn(tokens, out_features, generator=g).to(dtype)
     # Slot 0 gets most tokens (several tiles), the last slot none; every third token is the base model's.
     token_slots = torch.tensor([-1 if t % 3 == 2 else (0 if t % 2 else t % max(slots - 1, 1)) for t in range(tokens)])
@@ -118,6 +120,10 @@ def test_bad_inputs_are_refused() -> None:
         lora_add(x, a, bt, torch.tensor([0, 1]), torch.randn(2, 5))
     with pytest.raises(ValueError, match="share one dtype"):
         lora_add(x, a.double(), bt, torch.tensor([0, 1]), out)
+    with pytest.raises(ValueError, match="share one dtype"):  # fp32 slots under bf16 x: not a combination it runs
+        lora_add(x.bfloat16(), a, bt, torch.tensor([0, 1]), out.bfloat16())
+    with pytest.raises(ValueError, match="share one dtype"):  # out must be x's
+        lora_add(x, a.bfloat16(), bt.bfloat16(), torch.tensor([0, 1]), out.bfloat16())
     with pytest.raises(ValueError, match="contiguous"):
         torch.ops.hpi_kernels.lora_add_(torch.randn(6, 2).t(), x, a, bt, torch.tensor([0, 1]), [0, 6])
     with pytest.raises(ValueError, match="part_cols"):  # 3 parts do not split W = 4 rows

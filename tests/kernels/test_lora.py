@@ -1,5 +1,6 @@
 """Batched LoRA kernel (BGMV) against the token-by-token reference: tokens of several adapters and of none in
-one launch, B read in place through the runtime's [N, S, W] layout, accumulation into the layer's output."""
+one launch, B read in place through the runtime's [N, S, W] layout, accumulation into the layer's output; bf16
+adapters under fp32 activations (`--lora-dtype bfloat16`)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,24 @@ from hpi_kernels import lora_bgmv, lora_delta
 from hpi_kernels.reference import lora_bgmv_ref
 
 CASES = [
-    # (tokens, slots, N, K, dtype): N and K off the block sizes, one decode token
-    pytest.param(1, 2, 24, 40, torch.float32, id="decode-fp32"),
-    pytest.param(9, 4, 70, 48, torch.float32, id="mixed-fp32"),
-    pytest.param(7, 3, 33, 64, torch.bfloat16, id="mixed-bf16"),
+    # (tokens, slots, N, K, dtype, the weights' dtype): N and K off the block sizes, one decode token
+    pytest.param(1, 2, 24, 40, torch.float32, torch.float32, id="decode-fp32"),
+    pytest.param(9, 4, 70, 48, torch.float32, torch.float32, id="mixed-fp32"),
+    pytest.param(7, 3, 33, 64, torch.bfloat16, torch.bfloat16, id="mixed-bf16"),
+    pytest.param(9, 4, 70, 48, torch.float32, torch.bfloat16, id="bf16-weights-fp32-x"),
 ]
 
 
-@pytest.mark.parametrize("num_tokens,num_slots,n,k,dtype", CASES)
+@pytest.mark.parametrize("num_tokens,num_slots,n,k,dtype,weight_dtype", CASES)
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_bgmv_matches_reference(device, num_tokens, num_slots, n, k, dtype, accumulate):
+def test_bgmv_matches_reference(device, num_tokens, num_slots, n, k, dtype, weight_dtype, accumulate):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(num_tokens, k, generator=generator).to(device, dtype)
-    weights = (torch.randn(num_slots, n, k, generator=generator) / 4).to(device, dtype)
+    weights = (torch.randn(num_slots, n, k, generator=generator) / 4).to(device, weight_dtype)
     slot_ids = torch.randint(-1, num_slots, (num_tokens,), generator=generator).to(device)
     out = torch.randn(num_tokens, n, generator=generator).to(device, dtype)
-    expected = lora_bgmv_ref(x.cpu(), weights.cpu(), slot_ids.cpu(), out.cpu(), accumulate)
+    # bf16 weights are exact in fp32: the reference takes the same values in x's dtype
+    expected = lora_bgmv_ref(x.cpu(), weights.cpu().to(dtype), slot_ids.cpu(), out.cpu(), accumulate)
     lora_bgmv(x, weights, slot_ids, out, accumulate)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)

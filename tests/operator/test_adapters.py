@@ -75,7 +75,12 @@ def test_pods_get_the_lora_flags_only_with_adapters_and_profiling_never() -> Non
     assert "--enable-lora" in args and args[args.index("--lora-modules") + 1] == "@/etc/hpi/adapters/lora-modules.json"
     assert args[args.index("--max-loras") + 1] == "2" and args[args.index("--max-lora-rank") + 1] == "16"
     assert args[args.index("--max-cpu-loras") + 1] == "2"  # as many as the spec lists, at least maxLoras
+    assert args[args.index("--lora-dtype") + 1] == "auto"
+    bf16_slots = runtime_args("demo", spec_with([SQL], engine={"loraDtype": "bfloat16"}), profile)
+    assert bf16_slots[bf16_slots.index("--lora-dtype") + 1] == "bfloat16"
     assert "--enable-lora" not in engine_args("demo", spec_with([SQL]), profile)  # a pool is measured without
+    with pytest.raises(SpecError, match="loraDtype must be one of"):  # float16 is not every pool's to run
+        spec_with([SQL], engine={"loraDtype": "float16"})
 
 
 def test_the_configmap_lists_each_pools_available_adapters_and_escapes_the_prune() -> None:

@@ -9,8 +9,9 @@
 // transposed: W rows of N outputs, so the expand is AXPYs over contiguous outputs, no horizontal sums); slots [T]
 // int64; out [T, N], contiguous; part_cols: a fused projection's parts (q, k, v; gate, up), each with its own
 // W / parts rows of A and Bt and its own columns of out: Bt is block-diagonal, and only its blocks are read (a
-// third of qkv's Bt, half of gate_up's; reading the zeros too cost a quarter of the kernel's time). float32 or bfloat16 (x, a, bt and out alike): bf16 is widened in
-// registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
+// third of qkv's Bt, half of gate_up's; reading the zeros too cost a quarter of the kernel's time). float32 or
+// bfloat16 (x, a, bt and out alike; or bf16 slots under fp32 x and out, `--lora-dtype bfloat16`, half the bytes
+// a step reads): bf16 is widened in registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
 // measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead,
 // and the expand multiplies pairs of ranks: the shrunk tokens rounded to bf16, as a bf16 model's lora_A output is
 // (13% less time than the widened expand at a 374-token prefill, bench/results/lora.md run 15). Where the packed
@@ -76,6 +77,18 @@ inline void store_chunk(c10::BFloat16* p, const Vec& lo, const Vec& hi) {  // lo
   (even | (round_to_bf16_high(hi) & high)).store(p);
 }
 
+// A chunk of weights (A or Bt, TW) widened to pair with a chunk of x or out (T) loaded by load_chunk: in the
+// order load_chunk gives where the two share a type; bf16 slots under fp32 x and out in their natural order,
+// since an fp32 chunk is loaded as it is.
+template <typename T, typename TW>
+inline void load_weights(const TW* p, Vec& lo, Vec& hi) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<TW, c10::BFloat16>) {
+    std::tie(lo, hi) = at::vec::convert_to_float<c10::BFloat16>(at::vec::Vectorized<c10::BFloat16>::loadu(p));
+  } else {
+    load_chunk(p, lo, hi);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // store_chunk with AVX512-BF16's conversion (the same rounding: to nearest, ties to even, NaN stays NaN): both
 // vectors rounded by one instruction, then their halves interleaved back into pairs, 3 instructions where the
@@ -88,9 +101,9 @@ __attribute__((target("avx512bf16"))) inline void store_chunk_cvt(c10::BFloat16*
 
 // The shrink of one tile for WB rows of A at once: h[r][w0 + b] = A[s][w0 + b] . xf[r] for r < n, b < WB, with
 // xf the tile's rows of x already widened to fp32 (each A chunk is widened once for n tokens, each x chunk
-// loaded once for WB rows of A; n * WB accumulators stay in registers).
-template <typename T, int n, int WB>
-inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int64_t W, float* h) {
+// loaded once for WB rows of A; n * WB accumulators stay in registers). xf came from x of type T, A is TW.
+template <typename T, typename TW, int n, int WB>
+inline void shrink_block(const float* xf, const TW* a, int64_t w0, int64_t K, int64_t W, float* h) {
   const int64_t k_main = K / kChunk * kChunk;
   Vec acc[n][WB];
 #pragma GCC unroll 8
@@ -101,7 +114,7 @@ inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int
   for (int64_t k = 0; k < k_main; k += kChunk) {
     Vec alo[WB], ahi[WB];
 #pragma GCC unroll 4
-    for (int b = 0; b < WB; ++b) load_chunk(a + (w0 + b) * K + k, alo[b], ahi[b]);
+    for (int b = 0; b < WB; ++b) load_weights<T>(a + (w0 + b) * K + k, alo[b], ahi[b]);
 #pragma GCC unroll 8
     for (int r = 0; r < n; ++r) {
       const Vec xlo = Vec::loadu(xf + r * K + k), xhi = Vec::loadu(xf + r * K + k + kV);
@@ -114,7 +127,7 @@ inline void shrink_block(const float* xf, const T* a, int64_t w0, int64_t K, int
   }
   for (int r = 0; r < n; ++r) {
     for (int b = 0; b < WB; ++b) {
-      const T* arow = a + (w0 + b) * K;
+      const TW* arow = a + (w0 + b) * K;
       float sum = at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; }, acc[r][b]);
       for (int64_t k = k_main; k < K; ++k) sum += static_cast<float>(arow[k]) * xf[r * K + k];
       h[r * W + w0 + b] = sum;
@@ -163,9 +176,10 @@ __attribute__((target("avx512bf16"))) void shrink_block_dp(const c10::BFloat16* 
 }
 #endif
 
-// The shrink with fp32 FMAs: the tile's x rows widened to fp32 once (xf), then WB rows of A at a time.
-template <typename T, int n, int WB>
-void shrink_widened(const T* x, const T* a, const int64_t* rows, int64_t K, int64_t W, float* h, float* xf) {
+// The shrink with fp32 FMAs: the tile's x rows widened to fp32 once (xf), then WB rows of A at a time. x is T,
+// A is TW (T, or bf16 slots under fp32 x).
+template <typename T, typename TW, int n, int WB>
+void shrink_widened(const T* x, const TW* a, const int64_t* rows, int64_t K, int64_t W, float* h, float* xf) {
   const int64_t k_main = K / kChunk * kChunk;
   for (int r = 0; r < n; ++r) {
     const T* xr = x + rows[r] * K;
@@ -177,8 +191,8 @@ void shrink_widened(const T* x, const T* a, const int64_t* rows, int64_t K, int6
     for (int64_t k = k_main; k < K; ++k) xf[r * K + k] = static_cast<float>(xr[k]);
   }
   int64_t w0 = 0;
-  for (; w0 + WB <= W; w0 += WB) shrink_block<T, n, WB>(xf, a, w0, K, W, h);
-  for (; w0 < W; ++w0) shrink_block<T, n, 1>(xf, a, w0, K, W, h);
+  for (; w0 + WB <= W; w0 += WB) shrink_block<T, TW, n, WB>(xf, a, w0, K, W, h);
+  for (; w0 < W; ++w0) shrink_block<T, TW, n, 1>(xf, a, w0, K, W, h);
 }
 
 constexpr int64_t kExpandAhead = 4;  // chunks
@@ -191,10 +205,10 @@ inline void prefetch_chunk(const T* p) {
 
 // The expand of one part: out[rows[r]][j] += sum_w h[r][w] * bt[w][j] for its Wp rows of Bt and its columns j <
 // cols (bt, out and h already offset to the part's first row, column and rank), fp32 sums over out's own values,
-// rounded once. Row strides: N of bt and out, W of h.
+// rounded once. Row strides: N of bt and out, W of h. out is T, Bt is TW (T, or bf16 slots under fp32 out).
 // Cvt: out's chunks are stored by store_chunk_cvt (expand_cvt, below).
-template <typename T, int n, bool Cvt = false>
-__attribute__((always_inline)) inline void expand(const T* bt, T* out, const int64_t* rows, int64_t Wp,
+template <typename T, typename TW, int n, bool Cvt = false>
+__attribute__((always_inline)) inline void expand(const TW* bt, T* out, const int64_t* rows, int64_t Wp,
                                                   int64_t cols, int64_t N, int64_t W, const float* h) {
   const int64_t n_main = cols / kChunk * kChunk;
   for (int64_t j = 0; j < n_main; j += kChunk) {
@@ -206,7 +220,7 @@ __attribute__((always_inline)) inline void expand(const T* bt, T* out, const int
       // Wp rows of Bt are read side by side, a chunk of each: more streams than the hardware prefetcher follows,
       // so each row's chunk kExpandAhead steps on is asked for here.
       if (j + kExpandAhead * kChunk < n_main) prefetch_chunk(bt + w * N + j + kExpandAhead * kChunk);
-      load_chunk(bt + w * N + j, blo, bhi);
+      load_weights<T>(bt + w * N + j, blo, bhi);
 #pragma GCC unroll 8
       for (int r = 0; r < n; ++r) {
         const Vec hw(h[r * W + w]);
@@ -240,7 +254,7 @@ template <int n>
 __attribute__((target("avx512bf16"))) void expand_cvt(const c10::BFloat16* bt, c10::BFloat16* out,
                                                       const int64_t* rows, int64_t Wp, int64_t cols, int64_t N,
                                                       int64_t W, const float* h) {
-  expand<c10::BFloat16, n, true>(bt, out, rows, Wp, cols, N, W, h);
+  expand<c10::BFloat16, c10::BFloat16, n, true>(bt, out, rows, Wp, cols, N, W, h);
 }
 #endif
 
@@ -322,13 +336,13 @@ struct Parts {
 // out[rows[r]][part's columns] += sum_{w of the part} h[r][w] * Bt[s][w][part's columns].
 // n is a template argument so that the accumulators stay in registers. xf: room for n rows of K floats. dp: the
 // shrink with vdpbf16ps (bf16 only).
-template <typename T, int n>
-void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
+template <typename T, typename TW, int n>
+void tile(const T* x, const TW* a, const TW* bt, T* out, const int64_t* rows, int64_t K, int64_t W,
           int64_t N, Parts parts, float* h, float* xf, bool dp, bool cvt) {
   constexpr int WB = n <= 4 ? 4 : 2;  // WB rows of A per pass: n * WB accumulators + WB A vectors + x's
   bool shrunk = false;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TW, c10::BFloat16>) {
     if (dp) {
       int64_t w0 = 0;
       for (; w0 + WB <= W; w0 += WB) shrink_block_dp<n, WB>(x, rows, a, w0, K, W, h);
@@ -337,12 +351,12 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
     }
   }
 #endif
-  if (!shrunk) shrink_widened<T, n, WB>(x, a, rows, K, W, h, xf);
+  if (!shrunk) shrink_widened<T, TW, n, WB>(x, a, rows, K, W, h, xf);
   const int64_t Wp = W / parts.count;
   for (int64_t p = 0; p < parts.count; ++p) {
     const int64_t c0 = parts.cols[p], cols = parts.cols[p + 1] - c0;
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TW, c10::BFloat16>) {
       if (dp && Wp <= 2 * kMaxDpPairs) {
         expand_dp<n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
         continue;
@@ -353,7 +367,7 @@ void tile(const T* x, const T* a, const T* bt, T* out, const int64_t* rows, int6
       }
     }
 #endif
-    expand<T, n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
+    expand<T, TW, n>(bt + p * Wp * N + c0, out + c0, rows, Wp, cols, N, W, h + p * Wp);
   }
 }
 
@@ -460,8 +474,11 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   TORCH_CHECK_VALUE(out.is_contiguous(), "lora_add: out must be contiguous (it is written in place)");
   TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
                     "lora_add: slots must be int64 [T], got ", slots.scalar_type(), " ", slots.sizes());
-  TORCH_CHECK_VALUE(a.scalar_type() == dtype && bt.scalar_type() == dtype && out.scalar_type() == dtype,
-                    "lora_add: x, a, bt and out must share one dtype");
+  const auto slot_dtype = a.scalar_type();
+  TORCH_CHECK_VALUE(out.scalar_type() == dtype && bt.scalar_type() == slot_dtype &&
+                        (slot_dtype == dtype || (dtype == at::kFloat && slot_dtype == at::kBFloat16)),
+                    "lora_add: x and out must share one dtype, and a and bt x's or, under float32 x, bfloat16; got x ",
+                    dtype, ", out ", out.scalar_type(), ", a ", slot_dtype, ", bt ", bt.scalar_type());
   const int64_t T = x.size(0), S = a.size(0), W = a.size(1), K = a.size(2), N = out.size(1), count = parts.count;
   const at::Tensor sc = slots.contiguous();
   const int64_t* slot_of = sc.const_data_ptr<int64_t>();
@@ -472,7 +489,7 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   const at::Tensor xc = x.contiguous(), ac = a.contiguous(), bc = bt.contiguous();
   // Runs of one slot long enough for the AMX tiles take them where the slots are packed for them; the rest below.
   std::vector<bool> on_amx(static_cast<size_t>(T), false);
-  if (amx.has_value() && amx->size(1) > 0 && T >= kAmxRun && hpi_packed::amx_tile(K)) {
+  if (amx.has_value() && amx->size(1) > 0 && dtype == at::kBFloat16 && T >= kAmxRun && hpi_packed::amx_tile(K)) {
     TORCH_CHECK_VALUE(amx->dim() == 2 && amx->size(0) == S && amx->size(1) == amx_slot_size(W, K, N) &&
                           amx->scalar_type() == at::kBFloat16 && amx->is_contiguous(),
                       "lora_add: amx must be lora_pack_amx's panels of these slots, [", S, ", ",
@@ -507,11 +524,12 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   // outside the parallel region.
   const bool dp = dtype == at::kBFloat16 && hpi_packed::dp_tile();
   const bool cvt = dtype == at::kBFloat16 && hpi_packed::avx512_bf16();  // the bf16 stores by vcvtne2ps2bf16
-  const auto run = [&](auto* type_tag) {
+  const auto run = [&](auto* type_tag, auto* slot_type_tag) {
     using scalar_t = std::remove_pointer_t<decltype(type_tag)>;
+    using slot_t = std::remove_pointer_t<decltype(slot_type_tag)>;
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
-    const scalar_t* ap = ac.const_data_ptr<scalar_t>();
-    const scalar_t* bp = bc.const_data_ptr<scalar_t>();
+    const slot_t* ap = ac.const_data_ptr<slot_t>();
+    const slot_t* bp = bc.const_data_ptr<slot_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> h(static_cast<size_t>(kTile * W));   // the tile's shrunk tokens, [n, W]
@@ -520,26 +538,28 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
         const auto [s, first] = tiles[i];
         const auto& rows = by_slot[s];
         const int64_t n = std::min<int64_t>(kTile, static_cast<int64_t>(rows.size()) - first);
-        const scalar_t *as = ap + s * W * K, *bs = bp + s * W * N;
+        const slot_t *as = ap + s * W * K, *bs = bp + s * W * N;
         const int64_t* r = rows.data() + first;
         static_assert(kTile == 8, "one case per tile size");
         switch (n) {
-          case 8: tile<scalar_t, 8>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 7: tile<scalar_t, 7>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 6: tile<scalar_t, 6>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 5: tile<scalar_t, 5>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 4: tile<scalar_t, 4>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 3: tile<scalar_t, 3>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          case 2: tile<scalar_t, 2>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
-          default: tile<scalar_t, 1>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt);
+          case 8: tile<scalar_t, slot_t, 8>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 7: tile<scalar_t, slot_t, 7>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 6: tile<scalar_t, slot_t, 6>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 5: tile<scalar_t, slot_t, 5>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 4: tile<scalar_t, slot_t, 4>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 3: tile<scalar_t, slot_t, 3>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          case 2: tile<scalar_t, slot_t, 2>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt); break;
+          default: tile<scalar_t, slot_t, 1>(xp, as, bs, op, r, K, W, N, parts, h.data(), xf.data(), dp, cvt);
         }
       }
     });
   };
   if (dtype == at::kBFloat16) {
-    run(static_cast<c10::BFloat16*>(nullptr));
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  } else if (slot_dtype == at::kBFloat16) {  // bf16 slots under an fp32 model (--lora-dtype bfloat16)
+    run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
   } else {
-    run(static_cast<float*>(nullptr));
+    run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
   }
 }
 

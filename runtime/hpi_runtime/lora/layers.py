@@ -4,7 +4,8 @@ Every adapted projection of the model (each layer's qkv_proj, o_proj, gate_up_pr
 module computes it: float, int8/int4, packed for the CPU) gets a forward hook that adds the LoRA delta of
 each token's adapter: out[t] += B[s] @ (A[s] @ x[t]) with s = the token's slot (BASE_SLOT: nothing). Slot
 weights are kept as A [num_slots, parts * max_rank, in] and B stored as [num_slots, parts * max_rank, out]
-(seen as [out, num_slots, parts * max_rank]) in the activation dtype, zero-padded to max_rank with the scaling
+(seen as [out, num_slots, parts * max_rank]) in the slots' dtype (`--lora-dtype`: the activation dtype, or bf16
+under an fp32 model on the CPU, half the bytes a decode step reads), zero-padded to max_rank with the scaling
 folded into B. A fused projection (qkv: parts q, k, v; gate_up: gate, up) stacks one rank block per part, and
 part p's output rows read only block p of B.
 
@@ -102,6 +103,22 @@ class LoRABatch:
             self.groups = tuple((int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in slots)
 
 
+def slot_dtype(lora_dtype: str, activation: torch.dtype, device: torch.device) -> torch.dtype:
+    """The slots' dtype for `--lora-dtype`: "auto" is the activation dtype. Another dtype runs in the delta's own
+    fp32 sums on CUDA (Triton) and on the CPU as bf16 slots under fp32 activations (lora_delta.cpp); ValueError
+    for a combination the CPU does not run."""
+    if lora_dtype == "auto":
+        return activation
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(lora_dtype)
+    if dtype is None:
+        raise ValueError(f"--lora-dtype must be auto, bfloat16 or float16, got {lora_dtype!r}")
+    if device.type == "cpu" and dtype != activation and (dtype, activation) != (torch.bfloat16, torch.float32):
+        model = str(activation).removeprefix("torch.")
+        raise ValueError(f"--lora-dtype {lora_dtype} under a {model} model on the CPU: the CPU runs adapters in "
+                         "the model's dtype (auto) or bfloat16 under float32")  # fmt: skip
+    return dtype
+
+
 def delta_mode(device: torch.device) -> str:
     """LoRABatch.mode for a model on `device`: the C++ kernel on CPU where it builds, Triton on CUDA."""
     if device.type == "cuda":
@@ -143,10 +160,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class LoRAProjection:
     """The slots of one projection and the hook that adds their delta."""
 
-    def __init__(self, shape: ProjectionShape, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
+    def __init__(self, shape: ProjectionShape, num_slots: int, max_rank: int, batch: LoRABatch,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """dtype: the slots' (slot_dtype); None: the activation dtype."""
         self.parts, self.in_span, self.max_rank, self.batch = shape.parts, shape.in_span, max_rank, batch
         self.width = len(shape.parts) * max_rank  # W: one rank block per part
-        like = batch.like
+        dtype = dtype or batch.like.dtype
+        like = batch.like.new_zeros(0, dtype=dtype)  # on the model's device
         self.a = like.new_zeros(num_slots, self.width, shape.in_features)  # [S, W, in]
         # B stored transposed, [S, W, out] (the C++ kernel's AXPYs run over contiguous outputs), and seen
         # as [out, S, W] by the other forms: B of slot s is b[:, s].
@@ -157,7 +177,7 @@ class LoRAProjection:
         # Its AMX tiles' panels of each slot, packed as the slot loads ([S, 0] where the CPU's bf16 linears do not
         # run AMX tiles): a prefill chunk's runs of one adapter take them (lora_delta.cpp).
         self.amx = None
-        if batch.mode == "cpu":
+        if batch.mode == "cpu" and dtype == batch.like.dtype:  # (bf16 slots under fp32 x run the vector tiles)
             from hpi_kernels.cpu.lora_delta import lora_pack_amx
 
             self.amx = lora_pack_amx(self.a, self.bt, self.part_cols)
@@ -172,17 +192,19 @@ class LoRAProjection:
             from hpi_kernels import lora_delta
 
             return lora_delta(x, self.a, self.b, batch.token_slots, output)
+        # Torch ops (a CPU without the C++ kernels): slots of another dtype (--lora-dtype) widened per call
+        a, b = (self.a, self.b) if self.a.dtype == x.dtype else (self.a.to(x.dtype), self.b.to(x.dtype))
         if batch.one_hot is not None:
-            num_slots = self.a.shape[0]
-            shrunk = F.linear(x, self.a.view(num_slots * self.width, -1)).view(-1, num_slots, self.width)
+            num_slots = a.shape[0]
+            shrunk = F.linear(x, a.view(num_slots * self.width, -1)).view(-1, num_slots, self.width)
             shrunk = (shrunk * batch.one_hot.unsqueeze(-1)).view(-1, num_slots * self.width)
-            return output + F.linear(shrunk, self.b.view(self.b.shape[0], -1))
+            return output + F.linear(shrunk, b.reshape(b.shape[0], -1))
         for slot, rows in batch.groups:
             if rows is None:
-                output = output + F.linear(F.linear(x, self.a[slot]), self.b[:, slot])
+                output = output + F.linear(F.linear(x, a[slot]), b[:, slot])
             else:
-                shrunk = F.linear(x.index_select(0, rows), self.a[slot])
-                output = output.index_add(0, rows, F.linear(shrunk, self.b[:, slot]))
+                shrunk = F.linear(x.index_select(0, rows), a[slot])
+                output = output.index_add(0, rows, F.linear(shrunk, b[:, slot]))
         return output
 
     def clear(self, slot: int) -> None:
@@ -255,7 +277,7 @@ def read_adapter_tensors(spec: AdapterSpec) -> dict[tuple[int, str], tuple[torch
 @dataclass(frozen=True)
 class HostAdapter:
     """An adapter read into host memory, laid out as the slots want it: per projection it adapts, A [W, in] and
-    B transposed [W, out] in the activation dtype, scaled and zero-padded to max_rank (a slot load is a copy)."""
+    B transposed [W, out] in the slots' dtype, scaled and zero-padded to max_rank (a slot load is a copy)."""
 
     projections: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     source: tuple | None = None  # its directory's layout_cache.directory_key, when it could be taken
@@ -270,12 +292,14 @@ class LoRAModel:
     the step's thread, which the scheduler allows only into an otherwise empty batch. An adapter host memory drops
     is written to local disk as laid out (layout_cache.py), so reading it again is one file read."""
 
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, tp: TensorParallel) -> None:
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, tp: TensorParallel,
+                 lora_dtype: str = "auto") -> None:  # fmt: skip
         config: ModelConfig = model.config
         self.config, self.max_rank = config, max_rank
         # The activation dtype on the model's device (quantized weights are integers: the norms say it).
         like = model.model.norm.weight.new_zeros(0)
         self.batch = LoRABatch(num_slots, like, delta_mode(like.device))
+        self.dtype = slot_dtype(lora_dtype, like.dtype, like.device)  # ValueError before any slot is allocated
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         self.by_module: dict[nn.Module, LoRAProjection] = {}  # the adapted linear -> its slots (cpu_decode.py)
         self.host: dict[int, Future[HostAdapter]] = {}  # lora_int_id -> its host-memory copy
@@ -285,7 +309,7 @@ class LoRAModel:
         self._writes: dict[tuple, Future[None]] = {}  # directory key -> its layout's write, queued on the reader
         for index, layer in enumerate(model.model.layers):
             for path, shape in _projection_shapes(config, index, tp).items():
-                projection = LoRAProjection(shape, num_slots, max_rank, self.batch)
+                projection = LoRAProjection(shape, num_slots, max_rank, self.batch, self.dtype)
                 module = layer.get_submodule(path)
                 module.register_forward_hook(projection)
                 self.projections[(index, path)] = projection

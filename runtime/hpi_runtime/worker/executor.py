@@ -80,6 +80,7 @@ class ExecutorConfig:
     # LoRA: device slots (distinct adapters per batch; 0: LoRA off) and the largest rank they hold.
     max_loras: int = 0
     max_lora_rank: int = 16
+    lora_dtype: str = "auto"  # the slots' dtype: "auto" (the activation dtype), "bfloat16" or "float16"
     # CPU decode steps as one C++ call for all layers (worker/cpu_decode.py) where the model allows it: measured
     # faster than the compiled step at every batch size tried (1-128 rows), so for every decode-only step.
     cpu_decode_stack: bool = True
@@ -216,7 +217,9 @@ class LocalExecutor:
         )
         eos_token_ids = config.eos_token_ids or model_config.eos_token_ids
         drafter = None if draft is None else DraftModel(draft, backend, config.cache.block_size, config.seed)
-        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, tp) if config.max_loras else None
+        self.lora = None
+        if config.max_loras:
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, tp, config.lora_dtype)
         with clock("compile"):
             self.runner = ModelRunner(self.model, backend, config.cache.block_size, eos_token_ids, config.seed,
                                       compile_config(config, device), drafter, self.lora,

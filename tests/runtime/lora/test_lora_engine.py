@@ -88,10 +88,12 @@ def test_tensor_parallel_shards_the_adapters_like_their_layers(tiny_model_dir, a
         assert list(output.output_token_ids) == expected
 
 
+@pytest.mark.parametrize("slot_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", [[0, -1, 1, 1, 0, -1], [1, 1, 1, 1, 1, 1], [0, 2, 3, 1, -1, 2]])
-def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
+def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots, slot_dtype):
     """Per-adapter groups, the one-hot masked matmuls, the Triton kernel (CUDA's path, here in Triton's
-    interpreter) and the C++ CPU kernel add the same deltas to a projection's output."""
+    interpreter) and the C++ CPU kernel add the same deltas to a projection's output; with fp32 slots, and with
+    bf16 slots under fp32 activations (`--lora-dtype bfloat16`)."""
     import numpy as np
     import torch
 
@@ -103,7 +105,8 @@ def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
     generator = torch.Generator().manual_seed(0)
     shape = ProjectionShape((PartSlice("gate", 0, Span(0, 12)), PartSlice("up", 12, Span(0, 12))), None, 16, 24)
     batch = LoRABatch(4, torch.zeros(0), "torch")
-    projection = LoRAProjection(shape, 4, 4, batch)
+    projection = LoRAProjection(shape, 4, 4, batch, getattr(torch, slot_dtype))
+    assert projection.a.dtype == projection.bt.dtype == getattr(torch, slot_dtype)
     for slot in range(4):
         a_slot, bt_slot = projection.host_zeros()
         for part in ("gate", "up"):
@@ -114,8 +117,8 @@ def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
     token_slots = np.array(slots, dtype=np.int64)
     expected = base.clone()
     for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected[t] += projection.b[:, slot] @ (projection.a[slot] @ x[t])
+        if slot >= 0:  # the slots' values (bf16 ones exact in fp32)
+            expected[t] += projection.b[:, slot].float() @ (projection.a[slot].float() @ x[t])
     # "torch": groups or one-hot, by how many slots are present; "cpu": the C++ kernel (where it builds).
     for mode in ("torch", "triton", *(("cpu",) if cpu_kernels_available() else ())):
         batch.mode = mode
@@ -125,3 +128,34 @@ def test_the_three_ways_to_add_deltas_agree(monkeypatch, slots):
     batch.one_hot, batch.groups = None, tuple((s, torch.tensor([t for t, v in enumerate(slots) if v == s]))
                                               for s in sorted(set(slots) - {-1}))  # fmt: skip
     torch.testing.assert_close(projection(None, (x,), base.clone()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_slots_under_an_fp32_model_equal_peft(tiny_model_dir, tmp_path):
+    """`--lora-dtype bfloat16` under an fp32 model: an adapter saved in bf16 (as most are published) is held in
+    bf16 slots, half the bytes, and loses nothing: greedy tokens and logprobs equal transformers + peft in fp32
+    (peft widens the bf16 weights it loads), in a batch that mixes it with the base model; and the CPU refuses
+    a dtype it does not run, naming the ones it does."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hpi_testing.lora_adapters import build_adapter, reference_model
+
+    adapter = build_adapter(tiny_model_dir, tmp_path / "bf16", rank=8, seed=4)
+    weights = adapter / "adapter_model.safetensors"
+    save_file({key: value.bfloat16() for key, value in load_file(weights).items()}, weights)
+    lora = LoRARequest("bf16", 1, str(adapter))
+    with LLM(str(tiny_model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32",
+             lora_dtype="bfloat16", max_num_seqs=8) as llm:  # fmt: skip
+        slots = next(iter(llm.engine.executor.lora.projections.values()))
+        assert slots.a.dtype == slots.bt.dtype == torch.bfloat16
+        prompt_ids = [llm.tokenizer(prompt).input_ids for prompt in PROMPTS[:3]] * 2
+        outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0),
+                               lora_request=[lora] * 3 + [None] * 3)  # fmt: skip
+    references = [reference_model(tiny_model_dir, adapter), reference_model(tiny_model_dir, None)]
+    for i, (ids, output) in enumerate(zip(prompt_ids, outputs, strict=True)):
+        tokens, logprobs = greedy(references[i // 3], ids, MAX_TOKENS)
+        assert list(output.output_token_ids) == tokens, i
+        assert [entry.logprob for entry in output.new_logprobs] == pytest.approx(logprobs, abs=1e-4), i
+    assert [o.output_token_ids for o in outputs[:3]] != [o.output_token_ids for o in outputs[3:]]
+    with pytest.raises(ValueError, match="lora-dtype float16 under a float32 model on the CPU"):
+        LLM(str(tiny_model_dir), enable_lora=True, dtype="float32", lora_dtype="float16")
