@@ -24,6 +24,7 @@ from hpi_runtime.core.interface import MemoryFootprint
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_backend, resolve_device
+from hpi_runtime.lora.layers import slot_dtype
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
 from hpi_runtime.models.parallel import pipeline_partition, split_heads
@@ -182,6 +183,8 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     # Before resolve_dtype: it may build the C++ kernels.
     platform_dir = compile_cache.use_for_kernels(compile_root, device) if compile_root else None
     dtype = resolve_dtype(load.dtype, device, model_config.torch_dtype)
+    if args.lora.enable_lora:
+        slot_dtype(args.lora.lora_dtype, dtype, device)  # a --lora-dtype the device does not run fails here
     # "auto" may build and time the C++ kernels, on the shape of the model's gate/up projection where K allows.
     gate_up = (2 * model_config.intermediate_size, model_config.hidden_size)
     quantization = resolve_activations(quantization, device, dtype,
