@@ -11,12 +11,12 @@
 // W / parts rows of A and Bt and its own columns of out: Bt is block-diagonal, and only its blocks are read (a
 // third of qkv's Bt, half of gate_up's; reading the zeros too cost a quarter of the kernel's time). float32 or
 // bfloat16 (x, a, bt and out alike; or bf16 slots under fp32 x and out, `--lora-dtype bfloat16`, half the bytes
-// a step reads): bf16 is widened in registers, the sums (out[t] + the delta) are fp32, rounded once. Where the packed bf16 linears' start-up
-// measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's and A's pairs with it instead,
-// and the expand multiplies pairs of ranks: the shrunk tokens rounded to bf16, as a bf16 model's lora_A output is
-// (13% less time than the widened expand at a 374-token prefill, bench/results/lora.md run 15). Where the packed
-// bf16 linears run AMX tiles, a prefill chunk's runs of one slot take them too, over panels packed at slot load
-// (amx_pieces, below).
+// a step reads): bf16 is widened in registers, the sums (out[t] + the delta) are fp32, rounded once. Where the
+// packed bf16 linears' start-up measurement chose vdpbf16ps (hpi_packed::dp_tile), the bf16 shrink multiplies x's
+// and A's pairs with it instead, and the expand multiplies pairs of ranks: the shrunk tokens rounded to bf16, as a
+// bf16 model's lora_A output is (13% less time than the widened expand at a 374-token prefill,
+// bench/results/lora.md run 15). Where the packed bf16 linears run AMX tiles, a prefill chunk's runs of one slot
+// take them too, over panels packed at slot load (amx_pieces, below).
 
 #include "packed_linear.h"
 

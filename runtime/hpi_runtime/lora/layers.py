@@ -109,9 +109,7 @@ def slot_dtype(lora_dtype: str, activation: torch.dtype, device: torch.device) -
     for a combination the CPU does not run."""
     if lora_dtype == "auto":
         return activation
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(lora_dtype)
-    if dtype is None:
-        raise ValueError(f"--lora-dtype must be auto, bfloat16 or float16, got {lora_dtype!r}")
+    dtype = getattr(torch, lora_dtype)  # bfloat16 or float16: LoRAConfig's choices
     if device.type == "cpu" and dtype != activation and (dtype, activation) != (torch.bfloat16, torch.float32):
         model = str(activation).removeprefix("torch.")
         raise ValueError(f"--lora-dtype {lora_dtype} under a {model} model on the CPU: the CPU runs adapters in "
