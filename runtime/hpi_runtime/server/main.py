@@ -3,7 +3,9 @@
 Readiness is false while loading and from the first SIGTERM on. On SIGTERM new requests get 503, in-flight
 ones finish within the drain timeout, then the process exits 0 (Kubernetes' rolling-update contract). If
 the engine dies (a tensor-parallel worker killed, say) readiness and liveness fail at once and the process
-exits 1 instead of lingering.
+exits 1 instead of lingering. A setting the engine cannot run (a --max-model-len above the model's positions, a
+missing model directory, a bad --lora-modules directory) is found before the core process starts: its message is
+logged in one line and the process exits 2, as for a bad flag; any other failed load exits 1 with its traceback.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loader = asyncio.create_task(_load(state, prepare))
+    loader: asyncio.Task[int | None] = asyncio.create_task(_load(state, prepare))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     engine_died = None
@@ -50,7 +52,7 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
         died.cancel()
     exit_code = 0
     if state.load_error is not None:
-        exit_code = 1
+        exit_code = loader.result() or 1
     elif engine_died is not None:
         # In-flight requests have already failed; nothing can be served any more: exit, and let the
         # supervisor (Kubernetes) start a fresh replica rather than keep an unready one around.
@@ -71,14 +73,17 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
     return exit_code
 
 
-async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
+async def _load(state: ServerState, prepare: Callable[[], Any]) -> int | None:
     """Check the settings and load the tokenizer here (`prepare` returns engine_factory's ResolvedEngine), then
-    start the engine core in its own process, which loads the weights and allocates the KV cache."""
+    start the engine core in its own process, which loads the weights and allocates the KV cache. None once
+    loaded, else the exit code: 2 for settings that cannot run (ValueError, FileNotFoundError while preparing), 1
+    for anything else."""
     from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
     from hpi_runtime.frontend.async_engine import AsyncLLM
     from hpi_runtime.startup import PhaseClock, describe, process_age_s
 
     engine = None
+    preparing = True
     clock = PhaseClock()
     imports_s = process_age_s()
     if imports_s is not None:
@@ -88,6 +93,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
             loras = _load_lora_modules(prepared)  # a bad --lora-modules directory fails before the core starts
             images = ImageSupport.for_model(prepared.model_config, prepared.args.multimodal)
+        preparing = False
         spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
                                logging.getLogger().getEffectiveLevel())
         engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
@@ -99,11 +105,15 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
         with clock("warm_up"):
             await _warm_up(engine, prepared.tokenizer)
     except Exception as exc:  # reported on /ready and in the exit code
-        logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
+        if preparing and isinstance(exc, (ValueError, FileNotFoundError)):  # what the user typed: the message says it
+            logger.error("the model cannot be served with these settings: %s", exc,
+                         exc_info=logger.isEnabledFor(logging.DEBUG))
+            return 2
+        logger.exception("loading the model failed")
         if engine is not None:
             await engine.shutdown()
-        return
+        return 1
     footprint = info.footprint
     state.metrics.set_footprint(footprint)
     state.metrics.set_cache_config(prepared.args.cache, footprint)
@@ -134,6 +144,7 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> None:
     if footprint.num_host_kv_blocks:
         logger.info("host KV tier: %.1f MiB of host memory in %d blocks (offloaded prefix blocks, swapped-out "
                     "requests)", footprint.host_kv_cache_bytes / 2**20, footprint.num_host_kv_blocks)
+    return None
 
 
 def _load_lora_modules(prepared) -> LoRARegistry | None:

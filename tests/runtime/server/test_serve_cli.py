@@ -1,11 +1,13 @@
 """`hpi serve` flags that matter at the HTTP edge: the API key comes from --api-key or $HPI_API_KEY, and
---help never shows it; bad engine flags stop the start."""
+--help never shows it; bad engine flags and settings the model cannot run stop the start."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from hpi_runtime.cli import api_key, build_parser
 
@@ -66,3 +68,24 @@ def test_a_bad_pool_profile_stops_before_the_model_loads() -> None:
     )
     assert result.returncode == 2
     assert "a pool profile needs itlBetaMs, prefillTokensPerSecond, maxNumSeqs" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-model-len", "999999"], "max_model_len 999999 exceeds the model's max_position_embeddings 8192"),
+        (["--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+    ],
+)
+def test_settings_the_model_cannot_run_exit_2_with_their_message_and_no_traceback(argv, message) -> None:
+    """These are found once the model's config is read, after the server listens: still a user's setting, so
+    the message in one line and exit 2, as for a bad flag (a failure past that point exits 1 with its stack)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hpi_runtime.cli", "serve", *argv, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
