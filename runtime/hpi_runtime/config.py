@@ -101,6 +101,9 @@ class LoadConfig:
         check_choices(self)
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache per rank on a CPU when --kv-cache-memory is not given
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, memory per rank, the host-memory tier, prefix caching."""

@@ -24,6 +24,7 @@ from hpi_runtime.core.interface import MemoryFootprint
 from hpi_runtime.core.kv_budget import kv_tokens_per_request
 from hpi_runtime.frontend.engine import LLMEngine
 from hpi_runtime.gpu_platform import current_gpu_platform, default_attention_backend, resolve_device
+from hpi_runtime.host_memory import check_kv_host_bytes
 from hpi_runtime.lora.layers import slot_dtype
 from hpi_runtime.model_source import resolve_model_dir
 from hpi_runtime.models.config import ModelConfig, load_model_config
@@ -179,6 +180,7 @@ def resolve_engine(args: EngineArgs | None = None) -> ResolvedEngine:
     engine_config = EngineConfig.resolve(args, max_model_len, kv_sliding_window(model_config),
                                          takes_images=model_config.vision is not None)
     device = resolve_device(load.device, current_gpu_platform())  # a ROCm build's GPU is device type "cuda" too
+    check_kv_host_bytes(args.cache, device.type, tensor_parallel_size)  # before a core allocates what cannot fit
     compile_root = compile_cache.requested_dir(load.compile_cache_dir)
     # Before resolve_dtype: it may build the C++ kernels.
     platform_dir = compile_cache.use_for_kernels(compile_root, device) if compile_root else None

@@ -230,6 +230,19 @@ def _grammar_compiler(spec: CoreProcessSpec):
     return GrammarCompiler(load_tokenizer, model_config.vocab_size, spec.eos_token_ids)
 
 
+def exit_text(code: int) -> str:
+    """How a process ended, for a log line: SIGKILL says what most often sends it to a loading engine."""
+    if code == -signal.SIGKILL:
+        return ("was killed (SIGKILL: most often the kernel's out-of-memory killer, when the weights and the KV "
+                "cache do not fit the memory this process may use)")  # fmt: skip
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class ProcessCoreClient:
     """Runs the engine core in a spawned process; talks to it over a pipe read by the event loop."""
 
@@ -262,12 +275,12 @@ class ProcessCoreClient:
     def _wait_first_message(self) -> object:
         while not self._conn.poll(STARTUP_POLL_S):
             if not self._process.is_alive():
-                return CoreDead(f"the engine core process exited with code {self._process.exitcode} while loading")
+                return CoreDead(f"the engine core process {exit_text(self._process.exitcode)} while loading")
         try:
             return self._conn.recv()
         except EOFError:
             self._process.join(STOP_TIMEOUT_S)
-            return CoreDead(f"the engine core process exited with code {self._process.exitcode} while loading")
+            return CoreDead(f"the engine core process {exit_text(self._process.exitcode)} while loading")
 
     def _on_readable(self) -> None:
         try:
@@ -277,7 +290,7 @@ class ProcessCoreClient:
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
             self._process.join(1.0)
             code = self._process.exitcode
-            how = "is still running" if code is None else f"exited with code {code}"
+            how = "is still running" if code is None else exit_text(code)
             self._on_message(CoreDead(f"the engine core process closed its pipe and {how}"))
 
     def send(self, message: AddRequest | AbortRequests | Sleep | WakeUp) -> None:

@@ -19,7 +19,7 @@ import torch
 from hpi_contracts.kv_cache import kv_bytes_per_token
 from hpi_runtime.attention.backend import AttentionBackend
 from hpi_runtime.attention.factory import get_attention_backend
-from hpi_runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
+from hpi_runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ParallelConfig, SchedulerConfig
 from hpi_runtime.core.interface import MemoryFootprint, ModelRunnerOutput, SchedulerOutput
 from hpi_runtime.core.kv_budget import num_blocks_for_budget
 from hpi_runtime.lora.layers import LoRAModel
@@ -36,7 +36,6 @@ from hpi_runtime.worker.host_kv_cache import HostKVCache, num_host_blocks_for_bu
 from hpi_runtime.worker.model_runner import CompileConfig, KVCacheSpec, ModelRunner, allocate_kv_caches
 from hpi_runtime.worker.sleep import ModelSleeper
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # --kv-cache-dtype's types (vLLM's names; "fp8" is e4m3, as there); "auto" keeps the model's dtype.
 KV_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}  # fmt: skip

@@ -109,7 +109,7 @@ async def test_killed_core_fails_every_request_and_is_reported(core_llm: AsyncLL
         async for _ in stream:
             pass
     cause = await asyncio.wait_for(core_llm.wait_dead(), 10)
-    assert "exited with code -9" in str(cause)
+    assert "was killed (SIGKILL: most often the kernel's out-of-memory killer" in str(cause)
     assert core_llm.errored
     with pytest.raises(EngineDeadError):
         await anext(core_llm.generate("after", PROMPTS[0], params))

@@ -75,6 +75,7 @@ def test_a_bad_pool_profile_stops_before_the_model_loads() -> None:
     [
         (["--max-model-len", "999999"], "max_model_len 999999 exceeds the model's max_position_embeddings 8192"),
         (["--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+        (["--kv-cache-memory", "100000GiB"], "the KV cache needs 100000.0 GiB of host memory"),
     ],
 )
 def test_settings_the_model_cannot_run_exit_2_with_their_message_and_no_traceback(argv, message) -> None:
