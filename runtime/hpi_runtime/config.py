@@ -401,6 +401,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0: any free port), got {self.port}")
         if self.pool_profile is not None and not self.pool_profile.startswith("@"):
             parse_pool_profile(self.pool_profile)  # a bad profile fails `hpi serve` before the model loads
         if self.pool_profile == "@":

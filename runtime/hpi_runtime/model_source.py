@@ -20,6 +20,9 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
             return download_from_hub(model), model
         except Exception as exc:  # offline, unknown id, gated: all mean "cannot get it"
             raise FileNotFoundError(f"{model!r} is not a local directory and could not be downloaded: {exc}") from exc
+    if path.exists():
+        raise FileNotFoundError(f"model {str(path)!r} is a file: give its directory (config.json, the weights and "
+                                "the tokenizer)")  # fmt: skip
     raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
 
 

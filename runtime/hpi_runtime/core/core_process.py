@@ -191,6 +191,10 @@ def _core_process_main(spec: CoreProcessSpec, conn) -> None:
         core = EngineCore(spec.engine_config, executor, spec.eos_token_ids,
                           grammar_compiler=_grammar_compiler(spec))
     except BaseException as exc:
+        if isinstance(exc, ValueError):  # a setting: the server logs the message; the stack at debug level only
+            logger.debug("loading the model in the engine core failed", exc_info=True)
+            conn.send(CoreDead(str(exc), settings=True))
+            return
         logger.exception("loading the model in the engine core failed")
         conn.send(CoreDead(f"loading failed: {type(exc).__name__}: {exc}"))
         return
@@ -253,7 +257,8 @@ class ProcessCoreClient:
         self._on_message: Emit | None = None
 
     async def start(self, on_message: Emit) -> CoreInfo:
-        """Spawn the core and wait until its model is loaded. RuntimeError if it fails to load."""
+        """Spawn the core and wait until its model is loaded. ValueError if it cannot load with these settings,
+        RuntimeError if it fails to load otherwise."""
         context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
         self._conn, child_conn = context.Pipe()
         # Not a daemon: the core spawns tensor-parallel workers of its own.
@@ -263,6 +268,8 @@ class ProcessCoreClient:
         first = await asyncio.to_thread(self._wait_first_message)
         if not isinstance(first, CoreInfo):
             await self.shutdown()
+            if isinstance(first, CoreDead) and first.settings:
+                raise ValueError(first.message)
             raise RuntimeError(first.message if isinstance(first, CoreDead) else f"unexpected {first!r}")
         self._on_message = on_message
         asyncio.get_running_loop().add_reader(self._conn.fileno(), self._on_readable)

@@ -153,9 +153,11 @@ class StepFailed:
 
 @dataclass(frozen=True)
 class CoreDead:
-    """The core can run no further step (its executor died, a bug, or loading failed)."""
+    """The core can run no further step (its executor died, a bug, or loading failed). settings: loading failed
+    on a ValueError, a setting the model cannot run with (a KV cache too small for one request, say)."""
 
     message: str
+    settings: bool = False
 
 
 @dataclass(frozen=True)

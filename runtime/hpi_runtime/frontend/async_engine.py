@@ -95,7 +95,8 @@ class AsyncLLM:
         return self._started and not self._stopping and self.dead_error is None
 
     async def start(self) -> CoreInfo:
-        """Start the core (in a process: load the model there); RuntimeError if it fails to load."""
+        """Start the core (in a process: load the model there); ValueError if it cannot load with these settings,
+        RuntimeError if it fails to load otherwise."""
         if not self._started:
             self.core_info = await self.client.start(self._on_core_message)
             self._started = True

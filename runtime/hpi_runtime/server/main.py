@@ -4,8 +4,9 @@ Readiness is false while loading and from the first SIGTERM on. On SIGTERM new r
 ones finish within the drain timeout, then the process exits 0 (Kubernetes' rolling-update contract). If
 the engine dies (a tensor-parallel worker killed, say) readiness and liveness fail at once and the process
 exits 1 instead of lingering. A setting the engine cannot run (a --max-model-len above the model's positions, a
-missing model directory, a bad --lora-modules directory) is found before the core process starts: its message is
-logged in one line and the process exits 2, as for a bad flag; any other failed load exits 1 with its traceback.
+missing model directory, a bad --lora-modules directory, a KV cache too small for one request), an address it
+cannot listen on: its message is logged in one line and the process exits 2, as for a bad flag; any other failed
+load exits 1 with its traceback.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # a host that does not resolve, a port in use or not ours to take
+        logger.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        await runner.cleanup()
+        return 2
     logger.info("listening on http://%s:%d (loading the model; /ready says when it is done)", host, port)
 
     stop = asyncio.Event()
@@ -76,14 +82,14 @@ async def serve(settings: ServerSettings, prepare: Callable[[], Any], host: str,
 async def _load(state: ServerState, prepare: Callable[[], Any]) -> int | None:
     """Check the settings and load the tokenizer here (`prepare` returns engine_factory's ResolvedEngine), then
     start the engine core in its own process, which loads the weights and allocates the KV cache. None once
-    loaded, else the exit code: 2 for settings that cannot run (ValueError, FileNotFoundError while preparing), 1
-    for anything else."""
+    loaded, else the exit code: 2 for settings that cannot run (ValueError, FileNotFoundError until the core has
+    started), 1 for anything else."""
     from hpi_runtime.core.core_process import CoreProcessSpec, ProcessCoreClient
     from hpi_runtime.frontend.async_engine import AsyncLLM
     from hpi_runtime.startup import PhaseClock, describe, process_age_s
 
     engine = None
-    preparing = True
+    starting = True  # until the core has loaded: a ValueError is a setting
     clock = PhaseClock()
     imports_s = process_age_s()
     if imports_s is not None:
@@ -93,12 +99,12 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> int | None:
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare)
             loras = _load_lora_modules(prepared)  # a bad --lora-modules directory fails before the core starts
             images = ImageSupport.for_model(prepared.model_config, prepared.args.multimodal)
-        preparing = False
         spec = CoreProcessSpec(prepared.engine_config, prepared.executor_config, prepared.eos_token_ids,
                                logging.getLogger().getEffectiveLevel())
         engine = AsyncLLM(ProcessCoreClient(spec), prepared.tokenizer, prepared.engine_config)
         with clock("core_process"):
             info = await engine.start()
+        starting = False
         core_phases = dict(info.startup)  # inside the core's start: what is left is spawning and its imports
         clock.phases["core_process"] = max(clock.phases["core_process"] - sum(core_phases.values()), 0.0)
         clock.phases.update(core_phases)
@@ -106,14 +112,15 @@ async def _load(state: ServerState, prepare: Callable[[], Any]) -> int | None:
             await _warm_up(engine, prepared.tokenizer)
     except Exception as exc:  # reported on /ready and in the exit code
         state.load_error = f"{type(exc).__name__}: {exc}"
-        if preparing and isinstance(exc, (ValueError, FileNotFoundError)):  # what the user typed: the message says it
+        settings = starting and isinstance(exc, (ValueError, FileNotFoundError))  # what the user typed
+        if settings:
             logger.error("the model cannot be served with these settings: %s", exc,
                          exc_info=logger.isEnabledFor(logging.DEBUG))
-            return 2
-        logger.exception("loading the model failed")
+        else:
+            logger.exception("loading the model failed")
         if engine is not None:
             await engine.shutdown()
-        return 1
+        return 2 if settings else 1
     footprint = info.footprint
     state.metrics.set_footprint(footprint)
     state.metrics.set_cache_config(prepared.args.cache, footprint)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -75,18 +76,39 @@ def test_a_bad_pool_profile_stops_before_the_model_loads() -> None:
     [
         (["--max-model-len", "999999"], "max_model_len 999999 exceeds the model's max_position_embeddings 8192"),
         (["--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+        (["--model", sys.executable], "is a file: give its directory"),
         (["--kv-cache-memory", "100000GiB"], "the KV cache needs 100000.0 GiB of host memory"),
+        (["--kv-cache-memory", "1KiB"], "KV cache budget of 1024 bytes holds 0 blocks"),  # found in the core process
+        (["--host", "256.1.1.1"], "cannot listen on 256.1.1.1:"),
+        (["--port", "65536"], "port must be in [0, 65535]"),
     ],
 )
 def test_settings_the_model_cannot_run_exit_2_with_their_message_and_no_traceback(argv, message) -> None:
-    """These are found once the model's config is read, after the server listens: still a user's setting, so
-    the message in one line and exit 2, as for a bad flag (a failure past that point exits 1 with its stack)."""
+    """Most are found after the server listens (once the model's config is read, or in the core process as it
+    sizes the KV cache): still a user's setting, so the message in one line and exit 2, as for a bad flag (a
+    failure of another kind exits 1 with its stack)."""
     result = subprocess.run(
-        [sys.executable, "-m", "hpi_runtime.cli", "serve", *argv, "--port", "0"],
+        [sys.executable, "-m", "hpi_runtime.cli", "serve", "--port", "0", *argv],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_port_already_taken_exits_2_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "hpi_runtime.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "address already in use" in result.stderr
     assert "Traceback" not in result.stderr
