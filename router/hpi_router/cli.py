@@ -87,13 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
                       "(the operator sets it from spec.routing.router.replicas)")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    http.add_argument("--port", type=int, default=8080, help="port to bind")
+    http.add_argument("--port", type=_port, default=8080, help="port to bind (0: any free port)")
     http.add_argument("--max-request-body", type=parse_bytes, default=defaults.max_request_body_bytes,
                       help="larger request bodies get HTTP 413")
     http.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout_s,
                       help="seconds to let in-flight requests finish after SIGTERM")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {port}")
+    return port
 
 
 def _pod_namespace() -> str:

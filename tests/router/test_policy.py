@@ -4,6 +4,7 @@ the signals parsed from a real runtime metrics page, decode-speed measurement, E
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections import Counter
 
 import pytest
@@ -189,6 +190,20 @@ def test_cli_refuses_bad_flags_with_exit_code_2(argv, message, capsys) -> None:
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_port_out_of_range_and_an_address_taken_with_exit_code_2(capsys, caplog) -> None:
+    from hpi_router.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--backend", "http://a:1", "--port", "70000"])
+    assert exited.value.code == 2 and "must be in [0, 65535]" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--backend", "http://a:1", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text and "address already in use" in caplog.text
 
 
 def test_requests_stuck_before_the_engine_slow_the_speed_estimate() -> None:
