@@ -40,7 +40,7 @@ RUNTIME_LAYERS = (
     ("hpi_runtime.attention",),
     # The model on one device: families, weights, quantization, and the engine settings beside them.
     ("hpi_runtime.models", "hpi_runtime.quantization", "hpi_runtime.config", "hpi_runtime.download",
-     "hpi_runtime.model_source",
+     "hpi_runtime.model_source", "hpi_runtime.host_memory",  # whether the KV cache's host bytes fit
      # LoRA adapters as the model sees them (their checks, registry and slot weights), and a draft model's config:
      # lora.request and lora.slot_table, the names and slot decisions the scheduler passes down, stay plain data.
      "hpi_runtime.lora.peft_dir", "hpi_runtime.lora.registry", "hpi_runtime.lora.layers",
