@@ -46,6 +46,7 @@ namespace {
 using namespace hpi_packed;
 constexpr int64_t kMaxPackedRows = 320;       // more rows (prefill): unpack the weight and call at::mm,
 constexpr int64_t kMaxUnpackedFloats = 1 << 24;  // for weights of up to 64 MiB (not a vocabulary's LM head)
+constexpr int64_t kWidenOnceRows = 12;  // bf16 panels under fp32 x from this many rows: packed_gemm_widened
 
 // c[r, 0:ncols] = sum_k a[r, k] * b[k, 0:kNr] for r < R, k < K; b is one packed panel. The tile also
 // prefetches rows k = phase, phase + step, ... of `next` (the thread's next panel, or nullptr) into L2: with
@@ -143,6 +144,46 @@ void packed_gemm(const float* a, int64_t lda, const float* packed, int64_t M, in
       }
     });
   }
+}
+
+// packed_gemm over bf16 panels (an fp32 model's weights that are bf16 values) for more rows than one tile: each
+// panel widened once into a per-thread fp32 panel in L2, then the fp32 tiles over it, where gemm_bf16_weight's
+// widen tile widens the panel again for every tile of rows (a 32-row decode step: 7 times; 0.86x the fp32 panels'
+// speed on an AVX2 EPYC, 0.98x this way, bench/results/embedded_bf16.md). The same products summed in the same k order as both: the
+// same results bit for bit. The next panel's pairs are prefetched into L2 while this one is widened.
+void packed_gemm_widened(const float* a, int64_t lda, const c10::BFloat16* packed, int64_t M, int64_t K, int64_t N,
+                         float* out) {
+  using IVec = at::vec::Vectorized<int32_t>;
+  const int64_t pairs = (K + 1) / 2, panels = (N + kNr - 1) / kNr, panel_pairs = pairs * kNr;
+  const auto* packed32 = reinterpret_cast<const int32_t*>(packed);  // a (k, k + 1) pair per int32 lane
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    static thread_local std::vector<float> widened;
+    if (widened.size() < static_cast<size_t>(2 * panel_pairs)) widened.resize(2 * panel_pairs);
+    float* w = widened.data();
+    const IVec shift(16), high(static_cast<int32_t>(0xffff0000u));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int32_t* panel = packed32 + p * panel_pairs;
+      const int32_t* next = p + 1 < p1 ? panel + panel_pairs : nullptr;
+      for (int64_t q = 0; q < pairs; ++q) {
+        if (next != nullptr) __builtin_prefetch(next + q * kNr, 0, 2);
+        for (int64_t v = 0; v < kNrVecs; ++v) {
+          const IVec lanes = IVec::loadu(panel + q * kNr + v * kVecSize);
+          at::vec::cast<float>(lanes << shift).store(w + 2 * q * kNr + v * kVecSize);  // row 2q: the high halves
+          at::vec::cast<float>(lanes & high).store(w + (2 * q + 1) * kNr + v * kVecSize);
+        }
+      }
+      const int64_t ncols = std::min(kNr, N - p * kNr);
+      for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+        const int64_t mc = std::min(kMc, M - m0), tiles = (mc + kMr - 1) / kMr;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + t * kMr, rows = std::min<int64_t>(kMr, m0 + mc - m);
+          with_rows<kMr>(rows, [&](auto height) {
+            tile<decltype(height)::value>(a + m * lda, lda, w, K, out + m * N + p * kNr, N, ncols, nullptr, 0, 1);
+          });
+        }
+      }
+    }
+  });
 }
 
 // The packed bf16 weight as bf16 [K, N] row-major, into a per-thread scratch buffer (bf16_prefill_gemm's path).
@@ -251,6 +292,9 @@ at::Tensor packed_linear_to(const at::Tensor& x, const at::Tensor& packed, int64
     } else {
       at::mm_out(out2d, a, unpacked_weight(packed, K, N));
     }
+  } else if (M >= kWidenOnceRows && bf16_weight) {
+    packed_gemm_widened(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(), M, K, N,
+                        out.data_ptr<float>());
   } else if (M > 0 && bf16_weight) {
     gemm_bf16_weight(a.const_data_ptr<float>(), a.stride(0), packed.const_data_ptr<c10::BFloat16>(), M, K, N,
                      out.data_ptr<float>());
