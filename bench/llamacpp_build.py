@@ -66,7 +66,11 @@ def server_binary() -> Path:
 
 
 def gguf_path(quant_type: str) -> Path:
-    return root() / "gguf" / f"smollm2-135m-instruct-{quant_type.lower()}.gguf"
+    """The GGUFs of the embedded checkpoint as this version converts it (a new conversion gets new GGUFs)."""
+    from hpi_runtime.embedded import FORMAT
+
+    version = FORMAT.split(":")[0]
+    return root() / "gguf" / f"embedded-v{version}" / f"smollm2-135m-instruct-{quant_type.lower()}.gguf"
 
 
 def built(quant_type: str) -> bool:

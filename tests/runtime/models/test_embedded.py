@@ -79,3 +79,24 @@ def test_chat_answers_paris(embedded_llm: LLM) -> None:
     output = embedded_llm.chat(question, SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert output.text.strip() == "The capital of France is Paris."
     assert output.finish_reason == "stop" and output.output_token_ids[-1] == 2
+
+
+def test_the_checkpoint_holds_bf16_weights_and_an_older_conversion_is_redone(embedded_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Saved in bf16 (SmolLM2's published dtype): an AVX2 CPU's fp32 model keeps them as bf16 panels. A directory
+    without this conversion's format file (the fp32 one of before) is not taken as converted."""
+    from safetensors import safe_open
+
+    from hpi_runtime.embedded import FORMAT, FORMAT_FILE, _converted
+
+    with safe_open(str(next(embedded_model_dir.glob("*.safetensors"))), "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
+    assert dtypes == {"BF16"}
+    assert _converted(embedded_model_dir)
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "config.json").write_text("{}")
+    (older / "model.safetensors").write_bytes(b"")
+    assert not _converted(older)
+    (older / FORMAT_FILE).write_text(FORMAT)
+    assert _converted(older)
