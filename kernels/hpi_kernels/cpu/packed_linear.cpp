@@ -37,6 +37,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -46,7 +47,10 @@ namespace {
 using namespace hpi_packed;
 constexpr int64_t kMaxPackedRows = 320;       // more rows (prefill): unpack the weight and call at::mm,
 constexpr int64_t kMaxUnpackedFloats = 1 << 24;  // for weights of up to 64 MiB (not a vocabulary's LM head)
-constexpr int64_t kWidenOnceRows = 12;  // bf16 panels under fp32 x from this many rows: packed_gemm_widened
+// bf16 panels under fp32 x from this many rows: packed_gemm_widened. AVX2 only: there the widen tile holds 5 rows
+// (the fp32 one 6) and widens a panel 7 times for 32; the AVX512 widen tile holds 12, as many as the fp32 one, so
+// widening once would save little there (not measured: no AVX512 CPU in reach when this was written).
+constexpr int64_t kWidenOnceRows = kVecSize >= 16 ? std::numeric_limits<int64_t>::max() : 12;
 
 // c[r, 0:ncols] = sum_k a[r, k] * b[k, 0:kNr] for r < R, k < K; b is one packed panel. The tile also
 // prefetches rows k = phase, phase + step, ... of `next` (the thread's next panel, or nullptr) into L2: with
